@@ -1,0 +1,599 @@
+# torchtune-grpo: GRPO full fine-tuning on one or many processes (FSDP2).
+#
+#   tune run grpo_full_finetune_distributed --config configs/tiny/full_grpo_cpu.yaml
+#   tune run --nproc_per_node 8 grpo_full_finetune_distributed --config my.yaml
+#
+# This file is installed as a top-level module, so `tune run` finds it from any directory.
+"""GRPO (Group Relative Policy Optimization, Shao et al. 2024, arXiv:2402.03300), full fine-tuning.
+
+One step, on every rank::
+
+    batch_size prompts -> group_size completions each (KV-cached sampling)
+      -> rewards -> group-relative advantages
+      -> reference logprobs (frozen initial policy; none when kl_coef == 0) and old logprobs
+      -> ppo_epochs x (micro-batched PPO-clipped loss + KL, backward) -> clip grads -> optimizer step
+
+Global batch per step: ``batch_size x world_size`` prompts, ``x group_size`` sequences. Losses are
+normalised by global token/sequence counts, so the update does not depend on how the batch is split over
+micro-batches or processes.
+"""
+
+import difflib
+import os
+import random
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import FSDPModule
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import DistributedSampler
+from torchtune import config, modules, training, utils
+from torchtune.recipe_interfaces import FTRecipeInterface
+from torchtune.training.lr_schedulers import get_lr
+from tqdm import tqdm
+
+from torchtune_grpo.assets import register_resolvers
+from torchtune_grpo.checkpointing import (
+    find_latest_checkpoint,
+    finalize_step_dir,
+    model_files,
+    save_recipe_state,
+)
+from torchtune_grpo.data import collate_prompts
+from torchtune_grpo.generation import pack_sequences
+from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.metrics import JsonlWriter
+from torchtune_grpo.rewards import RewardBatch, build_reward_set
+
+log = utils.get_logger("INFO")
+register_resolvers()  # ${grpo_asset:...} in shipped configs
+
+# Every top-level key this recipe reads. Anything else is a typo or a key from another trainer.
+KNOWN_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset", "seed",
+    "shuffle", "group_size", "batch_size", "max_prompt_length", "max_response_length", "epochs",
+    "max_steps", "ppo_epochs", "micro_batch_size", "kl_coef", "generation", "reward_functions",
+    "reward_fallback", "loss", "advantage", "optimizer", "lr_scheduler", "clip_grad_norm", "device",
+    "dtype", "enable_activation_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
+    "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
+    "log_completions", "log_peak_memory_stats", "profiler", "compile",
+}
+REQUIRED_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "group_size", "batch_size",
+    "max_response_length", "generation", "reward_functions", "loss", "advantage", "optimizer",
+}
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Fail early, naming the key, on unknown (misspelled) or missing top-level keys."""
+    unknown = sorted(set(cfg.keys()) - KNOWN_KEYS)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            hints.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        raise ValueError(
+            f"Unknown config key(s): {', '.join(hints)}. "
+            f"Known keys: {', '.join(sorted(KNOWN_KEYS))}."
+        )
+    missing = sorted(REQUIRED_KEYS - set(cfg.keys()))
+    if missing:
+        raise ValueError(f"Missing required config key(s): {', '.join(missing)}.")
+    for key in ("group_size", "batch_size", "max_response_length"):
+        if int(cfg[key]) < 1:
+            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
+    if int(cfg.group_size) < 2:
+        raise ValueError("group_size must be >= 2: a group-relative advantage needs a group.")
+    if "kl_coef" in cfg.get("loss", {}):
+        raise ValueError("Set kl_coef at the top level of the config, not under loss.")
+
+
+def _init_distributed(device_type: str) -> None:
+    # `tune run` without --nproc_per_node runs us in-process: make a one-process group so the code path
+    # (FSDP2, collectives, state-dict gathering) is the same on 1 process as on 64.
+    if not training.is_distributed():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(training.get_distributed_backend(device_type))
+
+
+class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
+    """GRPO full fine-tuning with FSDP2. See the module docstring and ``docs/``.
+
+    Args:
+        cfg (DictConfig): the run's config (see ``configs/tiny/full_grpo_cpu.yaml`` for every key).
+    """
+
+    def __init__(self, cfg: DictConfig) -> None:
+        validate_config(cfg)
+        self._device = utils.get_device(device=cfg.device)
+        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        _init_distributed(self._device.type)
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+
+        self.output_dir = str(cfg.output_dir)
+        self.group_size = int(cfg.group_size)
+        self.batch_size = int(cfg.batch_size)
+        self.max_response_length = int(cfg.max_response_length)
+        self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
+        self.micro_batch_size = int(cfg.get("micro_batch_size", self.batch_size * self.group_size))
+        self.kl_coef = float(cfg.get("kl_coef", 0.0))
+        self.clip_grad_norm = cfg.get("clip_grad_norm", None)
+        self.logprob_chunk_size = int(cfg.get("logprob_chunk_size", 512))
+        self.save_every_n_steps = cfg.get("save_every_n_steps", None)
+        self.log_every_n_steps = int(cfg.get("log_every_n_steps", 1))
+        self.log_completions = int(cfg.get("log_completions", 2))
+        self.resume_from_checkpoint = bool(cfg.get("resume_from_checkpoint", False))
+        self.seed = training.set_seed(seed=cfg.get("seed", None))
+        self.global_step = 0
+        self.epochs_run = 0
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def setup(self, cfg: DictConfig) -> None:
+        """Build everything from the config and, when resuming, restore the latest checkpoint."""
+        if self._is_rank_zero:
+            self._metric_logger = config.instantiate(cfg.metric_logger)
+            self._metric_logger.log_config(cfg)
+            self._metrics_file = JsonlWriter(os.path.join(self.output_dir, "metrics.jsonl"))
+            self._completions_file = JsonlWriter(os.path.join(self.output_dir, "completions.jsonl"))
+
+        resume_dir = find_latest_checkpoint(self.output_dir) if self.resume_from_checkpoint else None
+        if self.resume_from_checkpoint and resume_dir is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but no complete step_* checkpoint in {self.output_dir}"
+            )
+        base_checkpointer = config.instantiate(cfg.checkpointer)
+        base_state = base_checkpointer.load_checkpoint()[training.MODEL_KEY]
+        if resume_dir is not None:
+            utils.log_rank_zero(log, f"Resuming from {resume_dir}")
+            self._checkpointer = config.instantiate(
+                cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
+            )
+            policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+            recipe_state = torch.load(resume_dir / "recipe_state.pt", weights_only=False)
+        else:
+            self._checkpointer, policy_state, recipe_state = base_checkpointer, base_state, None
+
+        self._model = self._setup_model(cfg, policy_state, trainable=True)
+        # With kl_coef == 0 the reference policy is never used: don't spend its memory.
+        self._ref_model = (
+            self._setup_model(cfg, base_state, trainable=False) if self.kl_coef > 0 else None
+        )
+        del base_state, policy_state
+
+        self._tokenizer = config.instantiate(cfg.tokenizer)
+        self._engine = config.instantiate(cfg.generation)
+        self._rewards = build_reward_set(
+            cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
+        )
+        self._advantage = config.instantiate(cfg.advantage)
+        self._loss_fn = config.instantiate(
+            cfg.loss, kl_coef=self.kl_coef, max_response_length=self.max_response_length
+        )
+        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._sampler, self._dataloader = self._setup_data(cfg)
+
+        self.epochs = int(cfg.get("epochs", 1))
+        self.steps_per_epoch = len(self._dataloader)
+        max_steps = cfg.get("max_steps", None)
+        self.total_steps = (
+            int(max_steps) if max_steps is not None else self.epochs * self.steps_per_epoch
+        )
+        self._lr_scheduler = None
+        if cfg.get("lr_scheduler", None) is not None:
+            self._lr_scheduler = config.instantiate(
+                cfg.lr_scheduler,
+                self._optimizer,
+                num_training_steps=self.total_steps * self.ppo_epochs,
+                last_epoch=-1,
+            )
+        # One generator per rank, so ranks draw different samples for their different prompts.
+        self._generator = torch.Generator(device=self._device)
+        self._generator.manual_seed(self.seed + self.rank)
+
+        if recipe_state is not None:
+            self._load_recipe_state(recipe_state)
+        self._profiler = config.instantiate(
+            cfg.get("profiler", OmegaConf.create({"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}))
+        )[0]
+
+    def _setup_model(
+        self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool
+    ) -> torch.nn.Module:
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        max_len = int(cfg.get("max_prompt_length", 0)) + self.max_response_length
+        if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
+            raise ValueError(
+                f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
+                f"max_seq_len = {model.max_seq_len}"
+            )
+        if trainable and cfg.get("enable_activation_checkpointing", False):
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        training.shard_model(
+            model,
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+            cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
+            reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
+        )
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):  # RoPE caches are buffers that meta-init left empty
+                    m.rope_init()
+        training.load_from_full_model_state_dict(
+            model, state_dict, self._device, strict=True,
+            cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
+        )
+        training.validate_no_params_on_meta_device(model)
+        if not trainable:
+            model.eval()
+            model.requires_grad_(False)
+        return model
+
+    def _setup_data(self, cfg: DictConfig):
+        dataset = config.instantiate(cfg.dataset, self._tokenizer)
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=bool(cfg.get("shuffle", True)),
+            seed=self.seed,
+            drop_last=True,
+        )
+        dataloader = StatefulDataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            collate_fn=collate_prompts,
+            drop_last=True,
+        )
+        if len(dataloader) == 0:
+            raise ValueError(
+                f"The dataset has {len(dataset)} prompts: fewer than batch_size x world_size = "
+                f"{self.batch_size * self.world_size}."
+            )
+        utils.log_rank_zero(
+            log,
+            f"{len(dataset)} prompts; global batch per step = batch_size {self.batch_size} x "
+            f"{self.world_size} rank(s) x group_size {self.group_size} = "
+            f"{self.batch_size * self.world_size * self.group_size} sequences",
+        )
+        return sampler, dataloader
+
+    # ----------------------------------------------------------------------------------- checkpoints
+
+    def _recipe_state(self) -> Dict[str, Any]:
+        # RNG states differ per rank: gather them all so every rank resumes its own stream.
+        rng = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "generator": self._generator.get_state(),
+            "cuda": torch.cuda.get_rng_state() if self._device.type == "cuda" else None,
+        }
+        all_rng: List[Any] = [None] * self.world_size
+        dist.all_gather_object(all_rng, rng)
+        return {
+            "step": self.global_step,
+            "epoch": self.epochs_run,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "optimizer": training.get_full_optimizer_state_dict(
+                self._model, self._optimizer, self._is_rank_zero, device=self._device
+            ),
+            "lr_scheduler": self._lr_scheduler.state_dict() if self._lr_scheduler else None,
+            "dataloader": self._dataloader.state_dict(),
+            "rng": all_rng,
+        }
+
+    def _load_recipe_state(self, state: Dict[str, Any]) -> None:
+        self.global_step, self.epochs_run = state["step"], state["epoch"]
+        if state["seed"] != self.seed:
+            utils.log_rank_zero(log, f"Using the checkpoint's seed {state['seed']}, not {self.seed}")
+            self.seed = state["seed"]
+        training.load_from_full_optimizer_state_dict(
+            self._model, self._optimizer, state["optimizer"], self._device
+        )
+        if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._dataloader.load_state_dict(state["dataloader"])
+        if state["world_size"] == self.world_size:
+            rng = state["rng"][self.rank]
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            self._generator.set_state(rng["generator"])
+            if rng["cuda"] is not None:
+                torch.cuda.set_rng_state(rng["cuda"])
+        else:
+            utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
+
+    def save_checkpoint(self, step: int) -> None:
+        """Write ``{output_dir}/step_{step}``: a Hugging Face model directory plus recipe state."""
+        model_state = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device
+        )
+        recipe_state = self._recipe_state()
+        if self._is_rank_zero:
+            self._checkpointer.save_checkpoint(
+                {training.MODEL_KEY: model_state}, epoch=step, intermediate_checkpoint=False
+            )
+            target = finalize_step_dir(
+                self.output_dir, self._checkpointer._output_dir / f"epoch_{step}", step
+            )
+            save_recipe_state(target, recipe_state)
+            log.info(f"Saved checkpoint for step {step} to {target}")
+        dist.barrier()
+
+    # -------------------------------------------------------------------------------------- training
+
+    @contextmanager
+    def _unsharded_for_generation(self) -> Iterator[None]:
+        # Gather the parameters once per rollout rather than once per decoded token.
+        fsdp_modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
+        for m in fsdp_modules:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in fsdp_modules:
+                m.set_reshard_after_forward(True, recurse=False)
+                m.reshard()
+
+    def _all_reduce_sum(self, values: List[float]) -> List[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self._device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _micro_batches(self, n: int) -> List[slice]:
+        return [slice(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
+
+    @torch.no_grad()
+    def _batched_logprobs(
+        self, model: torch.nn.Module, tokens: torch.Tensor, start: int
+    ) -> torch.Tensor:
+        return torch.cat(
+            [
+                sequence_logprobs(
+                    model,
+                    tokens[mb],
+                    start=start,
+                    temperature=self._logprob_temperature,
+                    chunk_size=self.logprob_chunk_size,
+                ).logprobs
+                for mb in self._micro_batches(tokens.size(0))
+            ]
+        )
+
+    @property
+    def _logprob_temperature(self) -> float:
+        # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio.
+        temperature = float(getattr(self._engine, "temperature", 1.0))
+        return temperature if temperature > 0 else 1.0
+
+    def _train_step(self, batch) -> Dict[str, Any]:
+        t0 = time.perf_counter()
+        g = self.group_size
+        self._model.eval()  # no dropout while sampling
+        with self._unsharded_for_generation():
+            rollout = self._engine.generate(
+                self._model,
+                batch.tokens,
+                group_size=g,
+                max_new_tokens=self.max_response_length,
+                pad_id=self._tokenizer.pad_id,
+                stop_tokens=self._tokenizer.stop_tokens,
+                generator=self._generator,
+            )
+        t_gen = time.perf_counter() - t0
+
+        # ---- rewards and advantages (per rank: every group lives on one rank)
+        n = len(rollout.response_ids)
+        completions = [
+            self._tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.response_ids
+        ]
+        fields = [batch.fields[i // g] for i in range(n)]
+        reward_out = self._rewards(
+            RewardBatch(
+                prompts=[batch.prompts[i // g] for i in range(n)],
+                completions=completions,
+                completion_ids=rollout.response_ids,
+                fields=fields,
+            )
+        )
+        adv_out = self._advantage(reward_out.total, g)
+        advantages = adv_out.advantages.to(self._device)
+        t_reward = time.perf_counter() - t0 - t_gen
+
+        # ---- layout for training; skip logits for positions that are prompt in every row
+        tokens, response_mask = pack_sequences(
+            rollout.prompt_ids, rollout.response_ids, self._tokenizer.pad_id
+        )
+        tokens = tokens.to(self._device)
+        start = min(len(p) for p in rollout.prompt_ids) - 1
+        mask = response_mask[:, start + 1 :].to(self._device)  # [N, T]
+        ref_logprobs = (
+            self._batched_logprobs(self._ref_model, tokens, start) if self._ref_model else None
+        )
+        self._model.train()
+        # With one pass the old policy *is* the current one (ratio 1): no extra forward needed.
+        old_logprobs = (
+            self._batched_logprobs(self._model, tokens, start) if self.ppo_epochs > 1 else None
+        )
+        num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), n])
+
+        stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0}
+        micro_batches = self._micro_batches(n)
+        grad_norm = None
+        for _ in range(self.ppo_epochs):
+            for i, mb in enumerate(micro_batches):
+                # Reduce-scatter gradients only after the last micro-batch.
+                self._model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                logprobs = sequence_logprobs(
+                    self._model,
+                    tokens[mb],
+                    start=start,
+                    temperature=self._logprob_temperature,
+                    chunk_size=self.logprob_chunk_size,
+                ).logprobs
+                out = self._loss_fn(
+                    logprobs,
+                    old_logprobs[mb] if old_logprobs is not None else logprobs.detach(),
+                    advantages[mb],
+                    mask[mb],
+                    ref_logprobs=ref_logprobs[mb] if ref_logprobs is not None else None,
+                    num_tokens=num_tokens,
+                    num_seqs=num_seqs,
+                )
+                # FSDP averages gradients over ranks; the loss is already a global sum.
+                (out.loss * self.world_size).backward()
+                for key in stats:
+                    stats[key] += float(getattr(out, key)) / self.ppo_epochs
+            if self.clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self._model.parameters(), max_norm=float(self.clip_grad_norm)
+                )
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.step()
+        t_step = time.perf_counter() - t0
+
+        # ---- metrics, reduced over ranks
+        resp_lens = [len(r) for r in rollout.response_ids]
+        total = reward_out.total.double()
+        local = {
+            "n": n,
+            "reward_sum": total.sum().item(),
+            "reward_sq": (total**2).sum().item(),
+            "resp_len": sum(resp_lens),
+            "truncated": rollout.truncated.sum().item(),
+            "zero_std": adv_out.zero_std.sum().item(),
+            "groups": adv_out.zero_std.numel(),
+            "tokens": sum(len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)),
+            **{f"comp:{k}": v.double().sum().item() for k, v in reward_out.per_component.items()},
+            **{f"err:{k}": float(v) for k, v in reward_out.errors.items()},
+            **stats,
+        }
+        keys = list(local)
+        reduced = dict(zip(keys, self._all_reduce_sum([float(local[k]) for k in keys])))
+        n_all = reduced["n"]
+        mean = reduced["reward_sum"] / n_all
+        metrics = {
+            "loss": reduced["loss"],  # losses are already global sums (see GRPOLoss)
+            "policy_loss": reduced["policy_loss"],
+            "kl": reduced["kl"],
+            "clip_fraction": reduced["clip_fraction"],
+            "ratio_mean": reduced["ratio_mean"],
+            "reward/mean": mean,
+            "reward/std": max(reduced["reward_sq"] / n_all - mean**2, 0.0) ** 0.5,
+            "response_length/mean": reduced["resp_len"] / n_all,
+            "truncated_fraction": reduced["truncated"] / n_all,
+            "zero_std_fraction": reduced["zero_std"] / reduced["groups"],
+            "lr": get_lr(self._optimizer),
+            "tokens_per_second": reduced["tokens"] / t_step,
+            "time/generation": t_gen,
+            "time/reward": t_reward,
+            "time/train": t_step - t_gen - t_reward,
+            "time/step": t_step,
+        }
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        for key, value in reduced.items():
+            if key.startswith("comp:"):
+                metrics[f"reward/{key[5:]}/mean"] = value / n_all
+            elif key.startswith("err:"):
+                metrics[f"reward/{key[4:]}/errors"] = value
+        if self._device.type == "cuda":
+            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+
+        samples = [
+            {
+                "step": self.global_step + 1,
+                "prompt": batch.prompts[i // g],
+                "completion": completions[i],
+                "reward": reward_out.total[i].item(),
+                "advantage": adv_out.advantages[i].item(),
+                **{f"reward/{k}": v[i].item() for k, v in reward_out.per_component.items()},
+            }
+            for i in range(min(self.log_completions, n))
+        ]
+        return metrics, samples
+
+    def train(self) -> None:
+        """Run GRPO steps until ``max_steps`` (or ``epochs`` over the dataset)."""
+        training.cleanup_before_training()
+        self._optimizer.zero_grad(set_to_none=True)
+        pbar = tqdm(
+            total=self.total_steps, initial=self.global_step, disable=not self._is_rank_zero,
+            desc="GRPO", dynamic_ncols=True,
+        )
+        self._profiler.start()
+        # max_steps (when set) wins over epochs; the data then cycles for as many epochs as needed.
+        while self.global_step < self.total_steps:
+            self._sampler.set_epoch(self.epochs_run)
+            for batch in self._dataloader:
+                metrics, samples = self._train_step(batch)
+                self.global_step += 1
+                pbar.update(1)
+                pbar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+                if self._is_rank_zero:
+                    self._metrics_file.write({"step": self.global_step, **metrics})
+                    self._completions_file.write_many(samples)
+                    if self.global_step % self.log_every_n_steps == 0:
+                        self._metric_logger.log_dict(metrics, step=self.global_step)
+                self._profiler.step()
+                if self.global_step >= self.total_steps:
+                    break
+                if self.save_every_n_steps and self.global_step % int(self.save_every_n_steps) == 0:
+                    self.save_checkpoint(self.global_step)
+            else:
+                self.epochs_run += 1
+        self._profiler.stop()
+        pbar.close()
+        self.save_checkpoint(self.global_step)
+
+    def cleanup(self) -> None:
+        """Close loggers and the process group."""
+        if self._is_rank_zero:
+            self._metric_logger.close()
+            self._metrics_file.close()
+            self._completions_file.close()
+        dist.destroy_process_group()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run grpo_full_finetune_distributed --config CONFIG [key=value ...]``."""
+    launched_by_torchrun = training.is_distributed()
+    config.log_config(recipe_name="GRPOFullFinetuneRecipeDistributed", cfg=cfg)
+    recipe = GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+    if launched_by_torchrun:
+        # gloo occasionally aborts in process teardown after all work is done ("terminate called
+        # without an active exception"); everything is flushed and closed, so leave right away.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

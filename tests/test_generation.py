@@ -1,0 +1,75 @@
+"""The native engine: sampling filters, greedy equivalence with the unbatched path, stop handling."""
+
+import torch
+from torchtune.generation import generate
+
+from torchtune_grpo.generation import NativeGenerator, pack_sequences, sample_tokens
+from tests.conftest import make_tiny_decoder
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 0.0]])
+    assert sample_tokens(logits, temperature=0.0).tolist() == [1, 0]
+
+
+def test_top_k_and_top_p_exclude_tokens():
+    # probs = softmax(log([0.5, 0.3, 0.15, 0.05])) = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    top2 = sample_tokens(logits, top_k=2, generator=gen)
+    assert set(top2.tolist()) == {0, 1}
+    # top_p=0.7: mass before token 1 is 0.5 < 0.7 (kept), before token 2 is 0.8 >= 0.7 (dropped).
+    nucleus = sample_tokens(logits, top_p=0.7, generator=gen)
+    assert set(nucleus.tolist()) == {0, 1}
+    # Frequencies follow the renormalised probabilities 0.5/0.8 = 0.625 and 0.375.
+    assert abs((nucleus == 0).float().mean().item() - 0.625) < 0.05
+    # top_p small keeps only the most likely token.
+    assert set(sample_tokens(logits, top_p=0.1, generator=gen).tolist()) == {0}
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    logits = torch.randn(16, 50)
+    a = sample_tokens(logits, generator=torch.Generator().manual_seed(3))
+    b = sample_tokens(logits, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)
+
+
+def test_batched_greedy_equals_single_prompt_generation():
+    model = make_tiny_decoder()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43]]
+    engine = NativeGenerator(temperature=0.0, stop_check_interval=3)
+    rollout = engine.generate(
+        model, prompts, group_size=2, max_new_tokens=10, pad_id=0, stop_tokens=[96]
+    )
+    assert len(rollout.response_ids) == 6
+    for i, prompt in enumerate(prompts):
+        # Left padding in the batch must not change a prompt's greedy continuation.
+        ref, _ = generate(model, torch.tensor([prompt]), max_generated_tokens=10, pad_id=0, temperature=1e-6, top_k=1)
+        expected = ref[0, len(prompt):].tolist()
+        assert rollout.response_ids[2 * i] == expected
+        assert rollout.response_ids[2 * i + 1] == expected
+    assert rollout.prompt_ids[3] == prompts[1]
+
+
+def test_stop_token_ends_response_and_is_kept():
+    model = make_tiny_decoder()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    greedy = NativeGenerator(temperature=0.0).generate(
+        model, prompts, group_size=1, max_new_tokens=8, pad_id=0, stop_tokens=[96]
+    )
+    # Make the 3rd greedy token of prompt 0 a stop token: its response must end right there.
+    stop = greedy.response_ids[0][2]
+    rollout = NativeGenerator(temperature=0.0).generate(
+        model, prompts, group_size=1, max_new_tokens=8, pad_id=0, stop_tokens=[stop]
+    )
+    first = greedy.response_ids[0].index(stop)
+    assert rollout.response_ids[0] == greedy.response_ids[0][: first + 1]
+    assert not rollout.truncated[0]
+    if stop not in greedy.response_ids[1]:
+        assert rollout.truncated[1] and len(rollout.response_ids[1]) == 8
+
+
+def test_pack_sequences_layout():
+    tokens, mask = pack_sequences([[1, 2, 3], [4]], [[7, 8], [9, 10, 11]], pad_id=0)
+    assert tokens.tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0]]
+    assert mask.tolist() == [[False, False, False, True, True], [False, True, True, True, False]]

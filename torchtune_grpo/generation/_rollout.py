@@ -1,0 +1,49 @@
+"""The result of a rollout and its layout for training."""
+
+from typing import List, NamedTuple
+
+import torch
+
+__all__ = ["Rollout", "pack_sequences"]
+
+
+class Rollout(NamedTuple):
+    """``N = num_prompts x group_size`` sampled completions; row ``i`` answers prompt ``i // group_size``.
+
+    Attributes:
+        prompt_ids (List[List[int]]): the prompt of each row (unpadded), length N.
+        response_ids (List[List[int]]): each completion up to and including its stop token, length N.
+        truncated (torch.Tensor): ``[N]`` bool, True where no stop token came within the budget.
+    """
+
+    prompt_ids: List[List[int]]
+    response_ids: List[List[int]]
+    truncated: torch.Tensor
+
+
+def pack_sequences(
+    prompt_ids: List[List[int]], response_ids: List[List[int]], pad_id: int
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Lay out ``prompt + response`` per row, right-padded, for training forwards.
+
+    Generation left-pads prompts; training re-packs each row so it starts at position 0. Then a plain
+    causal mask is exact (padding only ever follows real tokens), no position ids are needed, and
+    attention can take the fused ``is_causal`` path.
+
+    Args:
+        prompt_ids (List[List[int]]): N prompts.
+        response_ids (List[List[int]]): N responses.
+        pad_id (int): padding id.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``tokens [N, L]`` (int64) and ``response_mask [N, L]`` (bool,
+        True on response tokens), with ``L = max(len(prompt) + len(response))``.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    n, seq_len = len(lengths), max(lengths)
+    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, seq_len), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        response_mask[i, len(p) : len(p) + len(r)] = True
+    return tokens, response_mask

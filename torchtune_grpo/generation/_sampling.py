@@ -1,0 +1,48 @@
+"""Token sampling: temperature, top-k and top-p (nucleus) on a batch of logits."""
+
+from typing import Optional
+
+import torch
+
+__all__ = ["sample_tokens"]
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: Optional[int] = None,
+    top_p: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Draw one token per row.
+
+    Args:
+        logits (torch.Tensor): next-token logits, shape ``[N, V]``.
+        temperature (float): 0 means greedy (argmax). Default is 1.0.
+        top_k (Optional[int]): keep only the ``top_k`` most likely tokens. Default is None (all).
+        top_p (float): keep the smallest set of tokens whose probability mass reaches ``top_p``.
+            Default is 1.0 (all).
+        generator (Optional[torch.Generator]): RNG for reproducible sampling. Default is None.
+
+    Returns:
+        torch.Tensor: sampled ids, shape ``[N]``, int64.
+    """
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    vocab = logits.size(-1)
+    if top_k is not None and 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass *before* it already reaches top_p; the most likely token stays.
+        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # Exponential-race sampling (argmax p / E, E ~ Exp(1)) == multinomial, without a host sync.
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return (probs / noise).argmax(dim=-1)
