@@ -33,7 +33,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import DistributedSampler
+from torch.utils.data import DistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
@@ -47,7 +47,7 @@ from torchtune_grpo.checkpointing import (
     save_recipe_state,
 )
 from torchtune_grpo.data import collate_prompts
-from torchtune_grpo.generation import pack_sequences
+from torchtune_grpo.generation import decode_responses, pack_sequences
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.metrics import JsonlWriter
 from torchtune_grpo.rewards import RewardBatch, build_reward_set
@@ -63,7 +63,7 @@ KNOWN_KEYS = {
     "reward_fallback", "loss", "advantage", "optimizer", "lr_scheduler", "clip_grad_norm", "device",
     "dtype", "enable_activation_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
     "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
-    "log_completions", "log_peak_memory_stats", "profiler", "compile",
+    "log_completions", "profiler",
 }
 REQUIRED_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "dataset", "group_size", "batch_size",
@@ -403,9 +403,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
         # ---- rewards and advantages (per rank: every group lives on one rank)
         n = len(rollout.response_ids)
-        completions = [
-            self._tokenizer.decode(ids, skip_special_tokens=True) for ids in rollout.response_ids
-        ]
+        completions = decode_responses(self._tokenizer, rollout.response_ids)
         fields = [batch.fields[i // g] for i in range(n)]
         reward_out = self._rewards(
             RewardBatch(
@@ -436,7 +434,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), n])
 
-        stats = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "ratio_mean": 0.0}
+        # Loss terms come back as global-sum contributions: add them up on device, sync once at the end.
+        stats = dict.fromkeys(("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean"), 0.0)
         micro_batches = self._micro_batches(n)
         grad_norm = None
         for _ in range(self.ppo_epochs):
@@ -462,7 +461,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 # FSDP averages gradients over ranks; the loss is already a global sum.
                 (out.loss * self.world_size).backward()
                 for key in stats:
-                    stats[key] += float(getattr(out, key)) / self.ppo_epochs
+                    stats[key] = stats[key] + getattr(out, key).detach() / self.ppo_epochs
             if self.clip_grad_norm is not None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(
                     self._model.parameters(), max_norm=float(self.clip_grad_norm)
@@ -489,7 +488,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             "tokens": sum(len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)),
             **{f"comp:{k}": v.double().sum().item() for k, v in reward_out.per_component.items()},
             **{f"err:{k}": float(v) for k, v in reward_out.errors.items()},
-            **stats,
+            **{k: float(v) for k, v in stats.items()},
         }
         keys = list(local)
         reduced = dict(zip(keys, self._all_reduce_sum([float(local[k]) for k in keys])))
@@ -538,7 +537,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def train(self) -> None:
         """Run GRPO steps until ``max_steps`` (or ``epochs`` over the dataset)."""
-        training.cleanup_before_training()
+        if self._device.type == "cuda":
+            training.cleanup_before_training()  # empty_cache; torch.cpu has none
         self._optimizer.zero_grad(set_to_none=True)
         pbar = tqdm(
             total=self.total_steps, initial=self.global_step, disable=not self._is_rank_zero,

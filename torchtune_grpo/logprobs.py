@@ -167,7 +167,8 @@ def sequence_logprobs(
             with_entropy=with_entropy,
         )
         if out.entropy is None:
-            return out.logprobs
+            # A fresh tensor, not a view: FSDP2 warns about (and in-place ops would break) views.
+            return out.logprobs.clone()
         # Return everything through forward's output so FSDP's backward hooks see it.
         return torch.stack([out.logprobs, out.entropy], dim=-1)  # [B, T, 2]
 

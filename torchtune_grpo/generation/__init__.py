@@ -1,7 +1,7 @@
 """Generation engines: sample ``group_size`` completions per prompt."""
 
 from torchtune_grpo.generation._native import NativeGenerator
-from torchtune_grpo.generation._rollout import Rollout, pack_sequences
+from torchtune_grpo.generation._rollout import Rollout, decode_responses, pack_sequences
 from torchtune_grpo.generation._sampling import sample_tokens
 
-__all__ = ["NativeGenerator", "Rollout", "pack_sequences", "sample_tokens"]
+__all__ = ["NativeGenerator", "Rollout", "decode_responses", "pack_sequences", "sample_tokens"]

@@ -4,7 +4,7 @@ from typing import List, NamedTuple
 
 import torch
 
-__all__ = ["Rollout", "pack_sequences"]
+__all__ = ["Rollout", "decode_responses", "pack_sequences"]
 
 
 class Rollout(NamedTuple):
@@ -47,3 +47,34 @@ def pack_sequences(
         tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         response_mask[i, len(p) : len(p) + len(r)] = True
     return tokens, response_mask
+
+
+def decode_responses(tokenizer, response_ids: List[List[int]]) -> List[str]:
+    """Decode completions to text (special tokens skipped), never failing on an id.
+
+    A model's embedding table is usually larger than its tokenizer's vocabulary (Qwen2.5: 151,936 rows,
+    about 151,665 tokens), and an untrained or diverging model can sample an id the tokenizer cannot
+    decode. Such ids are dropped from the text instead of crashing the run; the token ids themselves are
+    unchanged for training.
+
+    Args:
+        tokenizer: a torchtune tokenizer with ``decode(ids, skip_special_tokens=...)``.
+        response_ids (List[List[int]]): N completions.
+
+    Returns:
+        List[str]: N texts.
+    """
+    texts = []
+    for ids in response_ids:
+        try:
+            texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+        except Exception:  # noqa: BLE001 - any tokenizer's failure on an unknown id
+            kept = []
+            for token in ids:
+                try:
+                    tokenizer.decode([token], skip_special_tokens=True)
+                    kept.append(token)
+                except Exception:  # noqa: BLE001
+                    continue
+            texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+    return texts

@@ -1,0 +1,248 @@
+"""Answer extraction, exact numeric comparison and the math correctness reward.
+
+Numbers are compared exactly, as :class:`fractions.Fraction`, never with a float tolerance: ``0.1 + 0.2``
+style rounding cannot make a wrong answer right, and ``3/4`` equals ``0.75`` exactly.
+
+Everything here must survive any text a policy can produce (empty strings, 100k-character completions,
+thousands of digits, non-ASCII digits) without raising and in time linear in the text length:
+
+- :func:`parse_number` gives up (returns None) on strings longer than :data:`MAX_NUMBER_CHARS` or with an
+  exponent beyond :data:`MAX_EXPONENT`, so no huge integer is ever built (Python also refuses to parse
+  integers of more than 4300 digits by default).
+- Unicode decimal digits (category Nd: Arabic-Indic ``٤٢``, full-width ``４２``, ...) are read as the digits
+  they are, via :func:`unicodedata.decimal`: ``"٤٢"`` parses as 42. Other digit-like characters (``²``,
+  ``½``, ``Ⅻ``) are not numbers.
+"""
+
+import re
+import unicodedata
+from fractions import Fraction
+from typing import List, Optional
+
+from torchtune_grpo.rewards._base import Reward, RewardBatch
+
+__all__ = [
+    "EXTRACT_MODES",
+    "MAX_EXPONENT",
+    "MAX_NUMBER_CHARS",
+    "MathAnswerReward",
+    "answers_match",
+    "extract_answer",
+    "normalize_text",
+    "parse_number",
+]
+
+#: Strings longer than this (after stripping surrounding whitespace) are not parsed as numbers.
+MAX_NUMBER_CHARS = 200
+#: Largest accepted decimal exponent magnitude (``1e100``); beyond it the text is not a number.
+MAX_EXPONENT = 100
+#: Valid ``extract`` modes of :func:`extract_answer` and :class:`MathAnswerReward`.
+EXTRACT_MODES = ("answer_tag", "boxed", "last_number")
+
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+# `\boxed{`, `\fbox{` openings and plain braces, so one left-to-right pass can match braces with a stack.
+_BOX_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
+# The last number of a text: integers (optionally with 3-digit comma groups), decimals and simple
+# fractions. `\d` is Unicode-aware here on purpose (see the module docstring). The look-behind stops a
+# match from starting inside a word or after a digit, so "5-3" ends with "3", not "-3", and "x2" has none.
+_LAST_NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+# Fully ASCII after normalisation: sign, integer part (plain or 3-digit comma groups), fraction, exponent.
+_DECIMAL = re.compile(r"([+-]?)(\d{1,3}(?:,\d{3})+|\d+)?(?:\.(\d+))?(?:[eE]([+-]?\d+))?", re.ASCII)
+_LATEX_FRAC = re.compile(r"([+-]?)\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+
+
+def extract_answer(text: str, mode: str = "answer_tag") -> Optional[str]:
+    """Extracts the final answer from a completion.
+
+    Args:
+        text (str): the completion.
+        mode (str): one of :data:`EXTRACT_MODES`. Default is ``"answer_tag"``.
+
+            - ``"answer_tag"``: the content of the last ``<answer>...</answer>`` block.
+            - ``"boxed"``: the content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), with
+              nested braces balanced (``\\boxed{\\frac{3}{4}}`` gives ``\\frac{3}{4}``).
+            - ``"last_number"``: the last number in the text (integer, decimal with optional ``1,000``
+              grouping, or simple fraction ``a/b``; a leading minus when it is not a subtraction).
+
+    Returns:
+        Optional[str]: the extracted answer (not stripped), or None when there is none.
+
+    Raises:
+        ValueError: if ``mode`` is unknown.
+    """
+    if mode == "answer_tag":
+        end = text.rfind(_ANSWER_CLOSE)
+        if end < 0:
+            return None
+        start = text.rfind(_ANSWER_OPEN, 0, end)
+        if start < 0:
+            return None
+        return text[start + len(_ANSWER_OPEN) : end]
+    if mode == "boxed":
+        # Stack of (is_box, content_start); a closing brace pops one level. The answer is the box that
+        # closes last. Stray closing braces (empty stack) are ignored. One pass, linear in len(text).
+        stack: List[tuple] = []
+        found: Optional[str] = None
+        for m in _BOX_TOKEN.finditer(text):
+            tok = m.group()
+            if tok == "}":
+                if stack:
+                    is_box, start = stack.pop()
+                    if is_box:
+                        found = text[start : m.start()]
+            elif tok == "{":
+                stack.append((False, 0))
+            else:
+                stack.append((True, m.end()))
+        return found
+    if mode == "last_number":
+        last = None
+        for last in _LAST_NUMBER.finditer(text):
+            pass
+        return None if last is None else last.group()
+    raise ValueError(f"unknown extract mode {mode!r}; valid modes are {list(EXTRACT_MODES)}")
+
+
+def _ascii_digits(s: str) -> str:
+    if s.isascii():
+        return s
+    # Unicode decimal digits -> ASCII; U+2212 MINUS SIGN -> '-'. Everything else is left alone.
+    return "".join(
+        str(unicodedata.decimal(c)) if c.isdecimal() else ("-" if c == "\u2212" else c) for c in s
+    )
+
+
+def _parse_decimal(s: str) -> Optional[Fraction]:
+    m = _DECIMAL.fullmatch(s)
+    if m is None:
+        return None
+    sign, int_part, frac_part, exp = m.groups()
+    if int_part is None and frac_part is None:
+        return None
+    digits = (int_part or "0").replace(",", "") + (frac_part or "")
+    value = Fraction(int(digits), 10 ** len(frac_part or ""))
+    if exp is not None:
+        e = int(exp)
+        if abs(e) > MAX_EXPONENT:
+            return None
+        value *= Fraction(10) ** e
+    return -value if sign == "-" else value
+
+
+def _ratio(num: str, den: str, sign: str = "") -> Optional[Fraction]:
+    a, b = _parse_decimal(num.strip()), _parse_decimal(den.strip())
+    if a is None or b is None or b == 0:
+        return None
+    value = a / b
+    return -value if sign == "-" else value
+
+
+def parse_number(text: str) -> Optional[Fraction]:
+    """Parses a final answer as an exact number, or returns None when it is not one.
+
+    Accepted, all compared exactly: ``"1000"``, ``" 1000 "``, ``"1,000"`` (comma groups of 3 only),
+    ``"1000.0"``, ``"1000."`` (a trailing period), ``"$1000"`` and ``"\\$1000"``, ``"50%"`` (the percent
+    sign is dropped, so it equals ``"50"``, not ``"0.5"``), ``"-3"``, ``"+3"``, ``"3/4"`` and
+    ``"\\frac{3}{4}"`` (``\\dfrac``, ``\\tfrac``), ``"1.5e3"`` (exponent at most :data:`MAX_EXPONENT`),
+    ``"\\text{42}"``, and Unicode decimal digits (``"٤٢"`` is 42).
+
+    Not numbers (None): empty text, words (``"42 apples"``), ``"1,5"`` (not 3-digit groups), expressions,
+    division by zero, and anything longer than :data:`MAX_NUMBER_CHARS` characters.
+
+    Args:
+        text (str): the extracted answer.
+
+    Returns:
+        Optional[Fraction]: the exact value, or None.
+    """
+    if not isinstance(text, str):
+        text = str(text)
+    s = text.strip()
+    if not s or len(s) > MAX_NUMBER_CHARS:
+        return None
+    s = _ascii_digits(s)
+    # LaTeX wrappers models put around numbers: \text{..}, \$, \%, thin spaces and {,} separators.
+    s = _LATEX_TEXT.sub(r"\1", s)
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "%")
+    s = s.replace("{,}", ",").replace("\\,", "").replace("\\!", "").strip()
+    if s.endswith("."):
+        s = s[:-1].rstrip()
+    if s.endswith("%"):
+        s = s[:-1].rstrip()
+    if not s:
+        return None
+    m = _LATEX_FRAC.fullmatch(s)
+    if m is not None:
+        return _ratio(m.group(2), m.group(3), m.group(1))
+    if s.count("/") == 1:
+        num, den = s.split("/")
+        return _ratio(num, den)
+    return _parse_decimal(s)
+
+
+def normalize_text(text: str) -> str:
+    """Normalises a non-numeric answer for string comparison: strip, lowercase, collapse whitespace.
+
+    Args:
+        text (str): an answer.
+
+    Returns:
+        str: the normalised answer.
+    """
+    return " ".join(str(text).split()).lower()
+
+
+def answers_match(prediction: str, gold: str) -> bool:
+    """Whether an extracted answer equals the gold answer.
+
+    Both sides are compared exactly as numbers (see :func:`parse_number`) when both parse; otherwise their
+    :func:`normalize_text` forms must be equal.
+
+    Args:
+        prediction (str): the extracted answer.
+        gold (str): the gold answer.
+
+    Returns:
+        bool: True when they match.
+    """
+    p, g = parse_number(prediction), parse_number(gold)
+    if p is not None and g is not None:
+        return p == g
+    return normalize_text(prediction) == normalize_text(gold)
+
+
+class MathAnswerReward(Reward):
+    """1.0 when the completion's final answer equals the gold answer ``fields[i][answer_key]``, else 0.0.
+
+    The answer is extracted with :func:`extract_answer` and compared with :func:`answers_match` (exact
+    numbers, else normalised strings). A completion with nothing (or only whitespace) to extract scores 0.0. Never raises on
+    completion text; a missing gold answer raises KeyError (a dataset bug, which :class:`RewardSet` turns
+    into a logged fallback).
+
+    Args:
+        extract (str): ``"answer_tag"``, ``"boxed"`` or ``"last_number"`` (see :func:`extract_answer`).
+            Default is ``"answer_tag"``.
+        answer_key (str): the dataset field holding the gold answer. Default is ``"answer"``.
+
+    Raises:
+        ValueError: if ``extract`` is unknown.
+    """
+
+    def __init__(self, extract: str = "answer_tag", answer_key: str = "answer") -> None:
+        if extract not in EXTRACT_MODES:
+            raise ValueError(f"unknown extract mode {extract!r}; valid modes are {list(EXTRACT_MODES)}")
+        self.extract = extract
+        self.answer_key = answer_key
+
+    def __call__(self, batch: RewardBatch) -> List[float]:
+        scores = []
+        for completion, fields in zip(batch.completions, batch.fields):
+            if self.answer_key not in fields:
+                raise KeyError(f"dataset fields have no gold answer {self.answer_key!r}: {sorted(fields)}")
+            pred = extract_answer(completion or "", self.extract)
+            # A blank answer never matches, even a blank gold answer.
+            ok = pred is not None and pred.strip() != ""
+            ok = ok and answers_match(pred, str(fields[self.answer_key]))
+            scores.append(1.0 if ok else 0.0)
+        return scores
