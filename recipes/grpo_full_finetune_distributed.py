@@ -136,6 +136,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.log_every_n_steps = int(cfg.get("log_every_n_steps", 1))
         self.log_completions = int(cfg.get("log_completions", 2))
         self.resume_from_checkpoint = bool(cfg.get("resume_from_checkpoint", False))
+        self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
         self.seed = training.set_seed(seed=cfg.get("seed", None))
         self.global_step = 0
         self.epochs_run = 0
@@ -173,6 +174,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._setup_model(cfg, base_state, trainable=False) if self.kl_coef > 0 else None
         )
         del base_state, policy_state
+        utils.log_rank_zero(
+            log,
+            f"Reference model: {'frozen copy of the initial policy' if self._ref_model else 'none (kl_coef = 0)'}",
+        )
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._engine = config.instantiate(cfg.generation)
@@ -229,7 +234,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             model,
             shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
             cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
-            reshard_after_forward=bool(cfg.get("fsdp_reshard_after_forward", True)),
+            reshard_after_forward=self._reshard_after_forward,
         )
         with training.set_default_dtype(self._dtype), self._device:
             for m in model.modules():
@@ -351,7 +356,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             yield
         finally:
             for m in fsdp_modules:
-                m.set_reshard_after_forward(True, recurse=False)
+                m.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
                 m.reshard()
 
     def _all_reduce_sum(self, values: List[float]) -> List[float]:

@@ -167,3 +167,31 @@ def test_unknown_key_is_named(tmp_path):
     cfg = write_config(tmp_path, max_steps=1)
     with pytest.raises(AssertionError, match="Unknown config key\\(s\\): 'lerning_rate'"):
         run_tune(cfg, "lerning_rate=0.1", cwd=tmp_path)
+
+
+def test_micro_batch_split_does_not_change_the_update(tmp_path):
+    # Same seed -> same rollouts and rewards; losses are normalised by global token counts, so one
+    # micro-batch of 16 and four of 4 must give the same gradient, hence the same weights after a step.
+    results = []
+    for mbs in (16, 4):
+        run_dir = tmp_path / f"mbs{mbs}"
+        run_dir.mkdir()
+        cfg = write_config(run_dir, max_steps=1, micro_batch_size=mbs, clip_grad_norm=None, lr_scheduler=None)
+        run_tune(cfg, cwd=run_dir)
+        results.append(weights(run_dir / "out" / "step_1"))
+    base = weights(Path(asset_path("tiny_qwen2")))
+    assert any(not torch.equal(base[k], results[0][k]) for k in base)
+    for key in results[0]:
+        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-5, rtol=1e-5)
+
+
+def test_ppo_epochs_without_reference_model(tmp_path):
+    cfg = write_config(tmp_path, max_steps=2, ppo_epochs=2, micro_batch_size=4, kl_coef=0.0)
+    log = run_tune(cfg, cwd=tmp_path)
+    assert "Reference model: none (kl_coef = 0)" in log
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert all(m["kl"] == 0.0 for m in metrics)
+    # The second optimizer step on the same rollouts is off-policy: ratios move away from 1.
+    assert any(abs(m["ratio_mean"] - 1.0) > 1e-7 for m in metrics)
+    # Two optimizer steps per rollout step: the schedule advanced 4 times over 2 steps (warmup 1).
+    assert math.isfinite(metrics[-1]["loss"])
