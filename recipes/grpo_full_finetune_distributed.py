@@ -44,6 +44,7 @@ from torchtune_grpo.checkpointing import (
     find_latest_checkpoint,
     finalize_step_dir,
     model_files,
+    RECIPE_STATE_FILE,
     save_recipe_state,
 )
 from torchtune_grpo.data import collate_prompts
@@ -65,6 +66,7 @@ KNOWN_KEYS = {
     "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
     "log_completions", "profiler",
 }
+_PROFILER_OFF = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}
 REQUIRED_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "dataset", "group_size", "batch_size",
     "max_response_length", "generation", "reward_functions", "loss", "advantage", "optimizer",
@@ -157,23 +159,27 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"resume_from_checkpoint=True but no complete step_* checkpoint in {self.output_dir}"
             )
         base_checkpointer = config.instantiate(cfg.checkpointer)
-        base_state = base_checkpointer.load_checkpoint()[training.MODEL_KEY]
-        if resume_dir is not None:
+        if resume_dir is None:
+            self._checkpointer, recipe_state = base_checkpointer, None
+        else:
             utils.log_rank_zero(log, f"Resuming from {resume_dir}")
             self._checkpointer = config.instantiate(
                 cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
             )
-            policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
-            recipe_state = torch.load(resume_dir / "recipe_state.pt", weights_only=False)
-        else:
-            self._checkpointer, policy_state, recipe_state = base_checkpointer, base_state, None
-
+            recipe_state = torch.load(resume_dir / RECIPE_STATE_FILE, weights_only=False)
+        policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model = self._setup_model(cfg, policy_state, trainable=True)
-        # With kl_coef == 0 the reference policy is never used: don't spend its memory.
-        self._ref_model = (
-            self._setup_model(cfg, base_state, trainable=False) if self.kl_coef > 0 else None
-        )
-        del base_state, policy_state
+        # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
+        # used: don't spend its memory.
+        self._ref_model = None
+        if self.kl_coef > 0:
+            ref_state = (
+                policy_state if resume_dir is None
+                else base_checkpointer.load_checkpoint()[training.MODEL_KEY]
+            )
+            self._ref_model = self._setup_model(cfg, ref_state, trainable=False)
+            del ref_state
+        del policy_state
         utils.log_rank_zero(
             log,
             f"Reference model: {'frozen copy of the initial policy' if self._ref_model else 'none (kl_coef = 0)'}",
@@ -211,9 +217,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
         if recipe_state is not None:
             self._load_recipe_state(recipe_state)
-        self._profiler = config.instantiate(
-            cfg.get("profiler", OmegaConf.create({"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}))
-        )[0]
+        profiler_cfg = cfg.get("profiler", None) or OmegaConf.create(_PROFILER_OFF)
+        self._profiler, _ = config.instantiate(profiler_cfg)
 
     def _setup_model(
         self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool

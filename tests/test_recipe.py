@@ -91,6 +91,8 @@ def test_single_process_run(tmp_path):
         assert m["time/step"] >= m["time/generation"] > 0
     # The varying reward gives non-zero advantages, hence a real gradient.
     assert any(m["grad_norm"] > 0 for m in metrics)
+    # The reference model is the initial policy: KL is 0 before the first update, then positive.
+    assert metrics[0]["kl"] < 1e-6 and metrics[-1]["kl"] > 0
     completions = read_jsonl(out / "completions.jsonl")
     assert completions and {"prompt", "completion", "reward", "reward/vowels"} <= completions[0].keys()
 
