@@ -1,0 +1,201 @@
+"""Every shipped config is one the recipe accepts, and `tune-grpo ls/cp` serve them.
+
+Nothing here loads weights or data: the real configs point at files users download, so their models are
+built on the meta device (no memory, well under a second each) and their components are only resolved.
+"""
+
+from pathlib import Path
+from typing import Any, Iterator, List, Tuple
+
+import inspect
+
+import pytest
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torchtune import config as tt_config, training
+from torchtune.config._utils import _get_component_from_path
+
+from grpo_full_finetune_distributed import KNOWN_KEYS, REQUIRED_KEYS, validate_config
+from tests.conftest import REPO
+from torchtune_grpo.cli import list_configs, main
+from torchtune_grpo.rewards import _base as reward_base, build_reward_set
+
+# Keys of a reward entry that configure the reward set rather than the reward's constructor.
+REWARD_OPTION_KEYS = set(getattr(reward_base, "OPTION_KEYS", ("name", "weight")))
+
+CONFIG_DIR = REPO / "configs"
+ALL_CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
+REAL_CONFIGS = [
+    "qwen2_5/0.5B_full_grpo",
+    "qwen2_5/1.5B_full_grpo",
+    "qwen2_5/3B_full_grpo",
+    "llama3_2/1B_full_grpo",
+    "llama3_2/3B_full_grpo",
+]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(CONFIG_DIR).with_suffix(""))
+
+
+def _load(name: str) -> DictConfig:
+    return OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
+
+
+def _components(node: Any, where: str = "") -> Iterator[Tuple[str, str]]:
+    """Yields (key path, dotpath) for every `_component_`, descending into dicts and lists."""
+    if isinstance(node, DictConfig):
+        for key in node.keys():
+            value = node._get_node(key)
+            path = f"{where}.{key}" if where else str(key)
+            if key == "_component_":
+                yield where, str(node[key])
+            else:
+                yield from _components(value, path)
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            yield from _components(node._get_node(i), f"{where}[{i}]")
+
+
+def test_configs_found():
+    names = [_name(p) for p in ALL_CONFIGS]
+    assert "tiny/full_grpo_cpu" in names
+    assert set(REAL_CONFIGS) <= set(names), sorted(set(REAL_CONFIGS) - set(names))
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
+def test_config_keys(path: Path):
+    cfg = OmegaConf.load(path)
+    keys = set(cfg.keys())
+    assert keys <= KNOWN_KEYS, f"unknown keys: {sorted(keys - KNOWN_KEYS)}"
+    assert REQUIRED_KEYS <= keys, f"missing keys: {sorted(REQUIRED_KEYS - keys)}"
+    validate_config(cfg)
+    # Every interpolation resolves (${output_dir}, ${max_prompt_length}, ${grpo_asset:...}).
+    OmegaConf.to_container(cfg, resolve=True)
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
+def test_components_importable(path: Path):
+    cfg = OmegaConf.load(path)
+    components = list(_components(cfg))
+    wanted = {"model", "tokenizer", "checkpointer", "dataset", "generation", "advantage", "loss",
+              "optimizer", "metric_logger"}
+    assert wanted <= {where for where, _ in components}
+    assert sum(where.startswith("reward_functions[") for where, _ in components) == len(
+        cfg.reward_functions
+    )
+    for where, dotpath in components:
+        try:
+            target = _get_component_from_path(dotpath)
+        except Exception as err:  # noqa: BLE001 - report which key failed
+            pytest.fail(f"{where}._component_ = {dotpath!r} does not import: {err}")
+        assert callable(target), f"{where}._component_ = {dotpath!r} is not callable"
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
+def test_component_arguments(path: Path):
+    # Only top-level keys are validated by the recipe: a misspelled argument inside a component would
+    # surface minutes into a GPU run. Bind every component's arguments to its signature here.
+    cfg = OmegaConf.load(path)
+    for where, dotpath in _components(cfg):
+        node = OmegaConf.select(cfg, where)
+        kwargs = {k: v for k, v in node.items() if k != "_component_"}
+        if where.startswith("reward_functions["):
+            kwargs = {k: v for k, v in kwargs.items() if k not in REWARD_OPTION_KEYS}
+        signature = inspect.signature(_get_component_from_path(dotpath))
+        try:
+            signature.bind_partial(**kwargs)
+        except TypeError as err:
+            pytest.fail(f"{where}: {dotpath} does not take {sorted(kwargs)}: {err}")
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
+def test_cheap_components_build(path: Path, tmp_path: Path):
+    # The pieces that need no downloaded file, built the way the recipe builds them.
+    cfg = OmegaConf.load(path)
+    tt_config.instantiate(cfg.generation)
+    tt_config.instantiate(cfg.advantage)
+    tt_config.instantiate(
+        cfg.loss, kl_coef=float(cfg.get("kl_coef", 0.0)), max_response_length=cfg.max_response_length
+    )
+    rewards = build_reward_set(cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0)))
+    assert len(rewards.names) == len(cfg.reward_functions)
+    optimizer = tt_config.instantiate(cfg.optimizer, [torch.nn.Parameter(torch.zeros(2))])
+    if cfg.get("lr_scheduler") is not None:
+        tt_config.instantiate(cfg.lr_scheduler, optimizer, num_training_steps=10, last_epoch=-1)
+    tt_config.instantiate(cfg.metric_logger, log_dir=str(tmp_path / "logs")).close()
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
+def test_format_reward_matches_prompt_style(path: Path):
+    # "r1" prompts end with <think>; "chat" prompts do not. A FormatReward whose think_in_prompt disagrees
+    # scores every well-formed completion 0, silently.
+    cfg = OmegaConf.load(path)
+    style = cfg.dataset.get("prompt_style", "r1")
+    for spec in cfg.reward_functions:
+        if spec._component_.endswith("FormatReward"):
+            assert spec.get("think_in_prompt", True) == (style == "r1"), (style, spec)
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_real_config(name: str):
+    cfg = _load(name)
+    assert cfg.device == "cuda" and cfg.dtype == "bf16"
+    assert cfg.enable_activation_checkpointing is True
+    assert cfg.dataset._component_ == "torchtune_grpo.data.gsm8k_dataset"
+    assert cfg.dataset.max_prompt_length == cfg.max_prompt_length
+    assert str(cfg.output_dir).startswith("/tmp/torchtune_grpo/")
+    # The tokenizer and the weights come from the same `tune download --output-dir`.
+    checkpoint_dir = str(cfg.checkpointer.checkpoint_dir)
+    assert str(cfg.tokenizer.path).startswith(checkpoint_dir + "/")
+    assert cfg.checkpointer.model_type == ("QWEN2" if name.startswith("qwen2_5") else "LLAMA3_2")
+
+    with training.set_default_dtype(torch.bfloat16), torch.device("meta"):
+        model = tt_config.instantiate(cfg.model)
+    assert next(model.parameters()).is_meta
+    assert cfg.max_prompt_length + cfg.max_response_length <= model.max_seq_len
+
+
+def _run_cli(argv: List[str], capsys) -> Tuple[int, str, str]:
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_ls(capsys):
+    code, out, _ = _run_cli(["ls"], capsys)
+    assert code == 0
+    listed = [line.split()[-1] for line in out.splitlines()[1:]]
+    assert sorted(listed) == sorted(_name(p) for p in ALL_CONFIGS)
+    assert list_configs() == sorted(listed)
+    for line in out.splitlines()[1:]:
+        assert line.split()[0] == "grpo_full_finetune_distributed"
+
+
+def test_cli_cp(tmp_path: Path, capsys):
+    src = CONFIG_DIR / "qwen2_5" / "1.5B_full_grpo.yaml"
+    dest = tmp_path / "my.yaml"
+    code, _, _ = _run_cli(["cp", "qwen2_5/1.5B_full_grpo", str(dest)], capsys)
+    assert code == 0
+    assert dest.read_text() == src.read_text()
+
+    # An existing file is kept unless --force is given.
+    dest.write_text("mine\n")
+    code, _, err = _run_cli(["cp", "qwen2_5/1.5B_full_grpo", str(dest)], capsys)
+    assert code != 0 and "--force" in err
+    assert dest.read_text() == "mine\n"
+    code, _, _ = _run_cli(["cp", "qwen2_5/1.5B_full_grpo", str(dest), "--force"], capsys)
+    assert code == 0 and dest.read_text() == src.read_text()
+
+    # A directory destination keeps the config's file name.
+    code, _, _ = _run_cli(["cp", "llama3_2/1B_full_grpo.yaml", str(tmp_path)], capsys)
+    assert code == 0 and (tmp_path / "1B_full_grpo.yaml").is_file()
+
+
+def test_cli_cp_unknown_name(tmp_path: Path, capsys):
+    code, _, err = _run_cli(["cp", "qwen2_5/70B_full_grpo", str(tmp_path / "x.yaml")], capsys)
+    assert code != 0
+    assert "qwen2_5/70B_full_grpo" in err
+    for name in REAL_CONFIGS + ["tiny/full_grpo_cpu"]:
+        assert name in err
+    assert not (tmp_path / "x.yaml").exists()
