@@ -8,14 +8,16 @@
 
 One step, on every rank::
 
-    batch_size prompts -> group_size completions each (KV-cached sampling)
-      -> rewards -> group-relative advantages
+    batch_size prompts -> group_size completions each (KV-cached sampling) -> rewards
+      [dynamic sampling: drop zero-variance groups, more rounds on new prompts until the batch is full]
       -> reference logprobs (frozen initial policy; none when kl_coef == 0) and old logprobs
-      -> ppo_epochs x (micro-batched PPO-clipped loss + KL, backward) -> clip grads -> optimizer step
+      -> [KL penalty in the reward] -> advantages (group-relative, RLOO, batch std, ...)
+      -> ppo_epochs x (micro-batched clipped loss + KL + entropy bonus, backward) -> clip grads -> step
 
 Global batch per step: ``batch_size x world_size`` prompts, ``x group_size`` sequences. Losses are
 normalised by global token/sequence counts, so the update does not depend on how the batch is split over
-micro-batches or processes.
+micro-batches or processes. The variants (GRPO, Dr. GRPO, DAPO, GSPO) are config: see docs/algorithms.md
+and the ``algorithm_card.md`` every run writes to its output directory.
 """
 
 import difflib
@@ -39,6 +41,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
+from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
 from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpointing import (
     find_latest_checkpoint,
@@ -47,11 +50,15 @@ from torchtune_grpo.checkpointing import (
     RECIPE_STATE_FILE,
     save_recipe_state,
 )
+from torchtune_grpo.advantages import RewardStats
 from torchtune_grpo.data import collate_prompts
+from torchtune_grpo.dynamic_sampling import DynamicSampling, RolloutGroups
 from torchtune_grpo.generation import decode_responses, pack_sequences
 from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.loss import KL_ESTIMATORS, kl_reward_penalty
 from torchtune_grpo.metrics import JsonlWriter
 from torchtune_grpo.rewards import RewardBatch, build_reward_set
+from torchtune_grpo.step_metrics import LOSS_METRICS, rollout_sums, step_metrics
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs
@@ -64,8 +71,11 @@ KNOWN_KEYS = {
     "reward_fallback", "loss", "advantage", "optimizer", "lr_scheduler", "clip_grad_norm", "device",
     "dtype", "enable_activation_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
     "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
-    "log_completions", "profiler",
+    "log_completions", "profiler", "kl_estimator", "kl_placement", "mask_truncated_completions",
+    "dynamic_sampling",
 }
+KL_PLACEMENTS = ("loss", "reward")
+_DYNAMIC_SAMPLING_KEYS = {"enabled", "max_rounds", "rtol"}
 _PROFILER_OFF = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}
 REQUIRED_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "dataset", "group_size", "batch_size",
@@ -93,8 +103,18 @@ def validate_config(cfg: DictConfig) -> None:
             raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
     if int(cfg.group_size) < 2:
         raise ValueError("group_size must be >= 2: a group-relative advantage needs a group.")
-    if "kl_coef" in cfg.get("loss", {}):
-        raise ValueError("Set kl_coef at the top level of the config, not under loss.")
+    for key in ("kl_coef", "kl_estimator", "kl_placement"):
+        if key in cfg.get("loss", {}):
+            raise ValueError(f"Set {key} at the top level of the config, not under loss.")
+    if cfg.get("kl_estimator", "k3") not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {cfg.kl_estimator!r}")
+    if cfg.get("kl_placement", "loss") not in KL_PLACEMENTS:
+        raise ValueError(f"kl_placement must be one of {list(KL_PLACEMENTS)}, got {cfg.kl_placement!r}")
+    unknown = sorted(set(cfg.get("dynamic_sampling", None) or {}) - _DYNAMIC_SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(
+            f"Unknown dynamic_sampling key(s): {unknown}. Known: {sorted(_DYNAMIC_SAMPLING_KEYS)}."
+        )
 
 
 def _init_distributed(device_type: str) -> None:
@@ -132,6 +152,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
         self.micro_batch_size = int(cfg.get("micro_batch_size", self.batch_size * self.group_size))
         self.kl_coef = float(cfg.get("kl_coef", 0.0))
+        self.kl_estimator = str(cfg.get("kl_estimator", "k3"))
+        # "reward": penalise each sequence's reward before the advantage (RLHF-PPO); "loss": GRPO's term.
+        self.kl_in_reward = self.kl_coef > 0 and cfg.get("kl_placement", "loss") == "reward"
+        self.mask_truncated = bool(cfg.get("mask_truncated_completions", False))
+        ds_cfg = cfg.get("dynamic_sampling", None)
+        self._dynamic = DynamicSampling(**(OmegaConf.to_container(ds_cfg, resolve=True) if ds_cfg else {}))
         self.clip_grad_norm = cfg.get("clip_grad_norm", None)
         self.logprob_chunk_size = int(cfg.get("logprob_chunk_size", 512))
         self.save_every_n_steps = cfg.get("save_every_n_steps", None)
@@ -142,6 +168,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.seed = training.set_seed(seed=cfg.get("seed", None))
         self.global_step = 0
         self.epochs_run = 0
+        self._data_iter: Optional[Iterator[Any]] = None
+        self._timers: Dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -192,7 +220,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._advantage = config.instantiate(cfg.advantage)
         self._loss_fn = config.instantiate(
-            cfg.loss, kl_coef=self.kl_coef, max_response_length=self.max_response_length
+            cfg.loss,
+            kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            max_response_length=self.max_response_length,
         )
         self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
         self._sampler, self._dataloader = self._setup_data(cfg)
@@ -219,6 +250,37 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._load_recipe_state(recipe_state)
         profiler_cfg = cfg.get("profiler", None) or OmegaConf.create(_PROFILER_OFF)
         self._profiler, _ = config.instantiate(profiler_cfg)
+        self._write_algorithm_card(cfg)
+
+    def _write_algorithm_card(self, cfg: DictConfig) -> None:
+        """Print and write ``${output_dir}/algorithm_card.md``: what this run optimises, exactly."""
+        spec = AlgorithmSpec.from_components(
+            loss=self._loss_fn,
+            advantage=self._advantage,
+            rewards=self._rewards,
+            optimizer=self._optimizer,
+            lr_schedule=cfg.lr_scheduler._component_ if self._lr_scheduler is not None else None,
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            micro_batch_size=self.micro_batch_size,
+            ppo_epochs=self.ppo_epochs,
+            max_response_length=self.max_response_length,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            kl_placement="reward" if self.kl_in_reward else "loss",
+            reference_model=self._ref_model is not None,
+            mask_truncated_completions=self.mask_truncated,
+            dynamic_sampling=self._dynamic.enabled,
+            max_rounds=self._dynamic.max_rounds,
+            clip_grad_norm=None if self.clip_grad_norm is None else float(self.clip_grad_norm),
+        )
+        if self._is_rank_zero:
+            card = algorithm_card(spec)
+            os.makedirs(self.output_dir, exist_ok=True)
+            with open(os.path.join(self.output_dir, "algorithm_card.md"), "w", encoding="utf-8") as f:
+                f.write(card)
+            log.info("Algorithm card (also in %s/algorithm_card.md):\n%s", self.output_dir, card)
 
     def _setup_model(
         self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool
@@ -395,9 +457,24 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         temperature = float(getattr(self._engine, "temperature", 1.0))
         return temperature if temperature > 0 else 1.0
 
-    def _train_step(self, batch) -> Dict[str, Any]:
-        t0 = time.perf_counter()
+    def _next_batch(self):
+        """The next prompt batch of this rank, starting a new epoch (reshuffled) when one ends."""
+        while True:
+            if self._data_iter is None:
+                self._sampler.set_epoch(self.epochs_run)
+                self._data_iter = iter(self._dataloader)  # resumes mid-epoch after load_state_dict
+            try:
+                return next(self._data_iter)
+            except StopIteration:
+                # DistributedSampler(drop_last) gives every rank the same number of batches, so all ranks
+                # roll over together.
+                self._data_iter = None
+                self.epochs_run += 1
+
+    def _generate_and_score(self, batch) -> RolloutGroups:
+        """One generation round: ``group_size`` completions for each prompt of ``batch``, with rewards."""
         g = self.group_size
+        t0 = time.perf_counter()
         self._model.eval()  # no dropout while sampling
         with self._unsharded_for_generation():
             rollout = self._engine.generate(
@@ -409,62 +486,98 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 stop_tokens=self._tokenizer.stop_tokens,
                 generator=self._generator,
             )
-        t_gen = time.perf_counter() - t0
-
-        # ---- rewards and advantages (per rank: every group lives on one rank)
+        t1 = time.perf_counter()
         n = len(rollout.response_ids)
         completions = decode_responses(self._tokenizer, rollout.response_ids)
-        fields = [batch.fields[i // g] for i in range(n)]
         reward_out = self._rewards(
             RewardBatch(
                 prompts=[batch.prompts[i // g] for i in range(n)],
                 completions=completions,
                 completion_ids=rollout.response_ids,
-                fields=fields,
+                fields=[batch.fields[i // g] for i in range(n)],
             )
         )
-        adv_out = self._advantage(reward_out.total, g)
-        advantages = adv_out.advantages.to(self._device)
-        t_reward = time.perf_counter() - t0 - t_gen
+        self._timers["generation"] += t1 - t0
+        self._timers["reward"] += time.perf_counter() - t1
+        return RolloutGroups(
+            group_size=g,
+            prompts=list(batch.prompts),
+            fields=list(batch.fields),
+            prompt_ids=rollout.prompt_ids,
+            response_ids=rollout.response_ids,
+            completions=completions,
+            truncated=rollout.truncated.cpu().bool(),
+            rewards=reward_out.total,
+            per_component=reward_out.per_component,
+            errors=reward_out.errors,
+        )
 
-        # ---- layout for training; skip logits for positions that are prompt in every row
-        tokens, response_mask = pack_sequences(
-            rollout.prompt_ids, rollout.response_ids, self._tokenizer.pad_id
-        )
-        tokens = tokens.to(self._device)
-        start = min(len(p) for p in rollout.prompt_ids) - 1
-        mask = response_mask[:, start + 1 :].to(self._device)  # [N, T]
-        ref_logprobs = (
-            self._batched_logprobs(self._ref_model, tokens, start) if self._ref_model else None
-        )
-        self._model.train()
-        # With one pass the old policy *is* the current one (ratio 1): no extra forward needed.
-        old_logprobs = (
-            self._batched_logprobs(self._model, tokens, start) if self.ppo_epochs > 1 else None
-        )
-        num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), n])
+    def _collect_rollouts(self, batch) -> "tuple[RolloutGroups, int]":
+        """Generation rounds of this step: one, or (dynamic sampling) until the batch can be filled.
 
+        Every rank runs the same number of rounds (generation and FSDP collectives need it): after each
+        round the ranks agree, with one all-reduce, whether any of them still lacks informative groups.
+        """
+        rounds = [self._generate_and_score(batch)]
+        while len(rounds) < self._dynamic.max_rounds:
+            wanted = self._dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
+            if self._all_reduce_sum([float(wanted)])[0] == 0:
+                break
+            rounds.append(self._generate_and_score(self._next_batch()))  # new prompts
+        return RolloutGroups.concat(rounds), len(rounds)
+
+    def _advantages(self, rewards: torch.Tensor):
+        """Advantages of this rank's sequences; batch-level statistics are global (all-reduced)."""
+        if not getattr(self._advantage, "uses_batch_stats", False):
+            return self._advantage(rewards, self.group_size)
+        stats = RewardStats(*self._all_reduce_sum(list(RewardStats.of(rewards))))
+        return self._advantage(rewards, self.group_size, batch_stats=stats)
+
+    def _optimize(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        mask: torch.Tensor,
+        advantages: torch.Tensor,
+        old_logprobs: Optional[torch.Tensor],
+        ref_logprobs: Optional[torch.Tensor],
+        num_tokens: float,
+        num_seqs: float,
+    ) -> "tuple[Dict[str, Any], Optional[torch.Tensor]]":
+        """``ppo_epochs`` optimizer steps on this step's rollouts, each accumulated over micro-batches.
+
+        ``tokens [N, L]``, ``mask [N, T]``, ``advantages [N]``, ``old_logprobs``/``ref_logprobs [N, T]``;
+        ``num_tokens``/``num_seqs`` are global counts. Returns the loss metrics (global contributions,
+        averaged over epochs) and the last gradient norm (None without clipping).
+        """
         # Loss terms come back as global-sum contributions: add them up on device, sync once at the end.
-        stats = dict.fromkeys(("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean"), 0.0)
-        micro_batches = self._micro_batches(n)
+        stats = dict.fromkeys(LOSS_METRICS, 0.0)
+        entropy_grad = getattr(self._loss_fn, "entropy_coef", 0.0) > 0
+        micro_batches = self._micro_batches(tokens.size(0))
         grad_norm = None
         for _ in range(self.ppo_epochs):
             for i, mb in enumerate(micro_batches):
                 # Reduce-scatter gradients only after the last micro-batch.
                 self._model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                logprobs = sequence_logprobs(
+                # Entropy comes from the same chunked forward (never full logits); it carries a gradient
+                # only when the loss has an entropy bonus.
+                out_lp = sequence_logprobs(
                     self._model,
                     tokens[mb],
                     start=start,
                     temperature=self._logprob_temperature,
                     chunk_size=self.logprob_chunk_size,
-                ).logprobs
+                    with_entropy=True,
+                    entropy_grad=entropy_grad,
+                )
+                logprobs = out_lp.logprobs
                 out = self._loss_fn(
                     logprobs,
                     old_logprobs[mb] if old_logprobs is not None else logprobs.detach(),
                     advantages[mb],
                     mask[mb],
                     ref_logprobs=ref_logprobs[mb] if ref_logprobs is not None else None,
+                    entropy=out_lp.entropy,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
                 )
@@ -482,71 +595,97 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer.zero_grad(set_to_none=True)
             if self._lr_scheduler is not None:
                 self._lr_scheduler.step()
+        return stats, grad_norm
+
+    def _train_step(self, batch) -> "tuple[Dict[str, Any], List[Dict[str, Any]]]":
+        t0 = time.perf_counter()
+        g = self.group_size
+        self._timers = {"generation": 0.0, "reward": 0.0}  # summed over generation rounds
+        generated, num_rounds = self._collect_rollouts(batch)
+        zero_std = self._dynamic.informative(generated).logical_not()
+        selection = self._dynamic.select(generated, self.batch_size)
+        train = generated.select(selection.indices)
+        n = len(train.response_ids)
+
+        # ---- layout for training; skip logits for positions that are prompt in every row
+        tokens, response_mask = pack_sequences(train.prompt_ids, train.response_ids, self._tokenizer.pad_id)
+        tokens = tokens.to(self._device)
+        start = min(len(p) for p in train.prompt_ids) - 1
+        response_mask = response_mask[:, start + 1 :].to(self._device)  # [N, T]
+        # DAPO's overlong filtering: a truncated completion's tokens leave the loss, and the row leaves
+        # the sequence count (it still shaped its group's advantage baseline).
+        kept = ~train.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
+        kept = kept.to(self._device)
+        mask = response_mask & kept.unsqueeze(1)
+
+        ref_logprobs = (
+            self._batched_logprobs(self._ref_model, tokens, start) if self._ref_model else None
+        )
+        self._model.train()
+        # With one pass the old policy *is* the current one (ratio 1): no extra forward needed, unless
+        # the KL penalty in the reward needs the sampling policy's logprobs before the advantages.
+        old_logprobs = (
+            self._batched_logprobs(self._model, tokens, start)
+            if self.ppo_epochs > 1 or self.kl_in_reward
+            else None
+        )
+        rewards = train.rewards
+        kl_penalty = torch.zeros(n)
+        if self.kl_in_reward:
+            kl_penalty = kl_reward_penalty(
+                old_logprobs, ref_logprobs, response_mask, self.kl_coef, self.kl_estimator
+            ).cpu()
+            rewards = rewards - kl_penalty
+        adv_out = self._advantages(rewards)
+        advantages = adv_out.advantages.to(self._device)
+        num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), kept.sum().item()])
+
+        stats, grad_norm = self._optimize(
+            tokens, start, mask, advantages, old_logprobs, ref_logprobs, num_tokens, num_seqs
+        )
         t_step = time.perf_counter() - t0
 
-        # ---- metrics, reduced over ranks
-        resp_lens = [len(r) for r in rollout.response_ids]
-        total = reward_out.total.double()
+        # ---- metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py)
         local = {
-            "n": n,
-            "reward_sum": total.sum().item(),
-            "reward_sq": (total**2).sum().item(),
-            "resp_len": sum(resp_lens),
-            "truncated": rollout.truncated.sum().item(),
-            "zero_std": adv_out.zero_std.sum().item(),
-            "groups": adv_out.zero_std.numel(),
-            "tokens": sum(len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)),
-            **{f"comp:{k}": v.double().sum().item() for k, v in reward_out.per_component.items()},
-            **{f"err:{k}": float(v) for k, v in reward_out.errors.items()},
+            **rollout_sums(generated, zero_std, selection),
             **{k: float(v) for k, v in stats.items()},
+            "kl_penalty": kl_penalty.double().sum().item(),
+            "n_trained": float(n),
         }
         keys = list(local)
         reduced = dict(zip(keys, self._all_reduce_sum([float(local[k]) for k in keys])))
-        n_all = reduced["n"]
-        mean = reduced["reward_sum"] / n_all
-        metrics = {
-            "loss": reduced["loss"],  # losses are already global sums (see GRPOLoss)
-            "policy_loss": reduced["policy_loss"],
-            "kl": reduced["kl"],
-            "clip_fraction": reduced["clip_fraction"],
-            "ratio_mean": reduced["ratio_mean"],
-            "reward/mean": mean,
-            "reward/std": max(reduced["reward_sq"] / n_all - mean**2, 0.0) ** 0.5,
-            "response_length/mean": reduced["resp_len"] / n_all,
-            "truncated_fraction": reduced["truncated"] / n_all,
-            "zero_std_fraction": reduced["zero_std"] / reduced["groups"],
-            "lr": get_lr(self._optimizer),
-            "tokens_per_second": reduced["tokens"] / t_step,
-            "time/generation": t_gen,
-            "time/reward": t_reward,
-            "time/train": t_step - t_gen - t_reward,
-            "time/step": t_step,
-        }
+        metrics = step_metrics(reduced)
+        metrics.update(
+            {
+                "dynamic_sampling/rounds": num_rounds,  # the same on every rank
+                "lr": get_lr(self._optimizer),
+                "tokens_per_second": reduced["tokens"] / t_step,
+                "time/generation": self._timers["generation"],
+                "time/reward": self._timers["reward"],
+                "time/train": t_step - self._timers["generation"] - self._timers["reward"],
+                "time/step": t_step,
+            }
+        )
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
-        for key, value in reduced.items():
-            if key.startswith("comp:"):
-                metrics[f"reward/{key[5:]}/mean"] = value / n_all
-            elif key.startswith("err:"):
-                metrics[f"reward/{key[4:]}/errors"] = value
         if self._device.type == "cuda":
             metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
 
         samples = [
             {
                 "step": self.global_step + 1,
-                "prompt": batch.prompts[i // g],
-                "completion": completions[i],
-                "reward": reward_out.total[i].item(),
+                "prompt": train.prompts[i // g],
+                "completion": train.completions[i],
+                "reward": train.rewards[i].item(),
                 "advantage": adv_out.advantages[i].item(),
-                **{f"reward/{k}": v[i].item() for k, v in reward_out.per_component.items()},
+                **{f"reward/{k}": v[i].item() for k, v in train.per_component.items()},
             }
             for i in range(min(self.log_completions, n))
         ]
         return metrics, samples
 
     def train(self) -> None:
-        """Run GRPO steps until ``max_steps`` (or ``epochs`` over the dataset)."""
+        """Run GRPO steps until ``max_steps`` (or ``epochs`` x batches per epoch)."""
         if self._device.type == "cuda":
             training.cleanup_before_training()  # empty_cache; torch.cpu has none
         self._optimizer.zero_grad(set_to_none=True)
@@ -557,24 +696,22 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._profiler.start()
         # max_steps (when set) wins over epochs; the data then cycles for as many epochs as needed.
         while self.global_step < self.total_steps:
-            self._sampler.set_epoch(self.epochs_run)
-            for batch in self._dataloader:
-                metrics, samples = self._train_step(batch)
-                self.global_step += 1
-                pbar.update(1)
-                pbar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
-                if self._is_rank_zero:
-                    self._metrics_file.write({"step": self.global_step, **metrics})
-                    self._completions_file.write_many(samples)
-                    if self.global_step % self.log_every_n_steps == 0:
-                        self._metric_logger.log_dict(metrics, step=self.global_step)
-                self._profiler.step()
-                if self.global_step >= self.total_steps:
-                    break
-                if self.save_every_n_steps and self.global_step % int(self.save_every_n_steps) == 0:
-                    self.save_checkpoint(self.global_step)
-            else:
-                self.epochs_run += 1
+            metrics, samples = self._train_step(self._next_batch())
+            self.global_step += 1
+            pbar.update(1)
+            pbar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+            if self._is_rank_zero:
+                self._metrics_file.write({"step": self.global_step, **metrics})
+                self._completions_file.write_many(samples)
+                if self.global_step % self.log_every_n_steps == 0:
+                    self._metric_logger.log_dict(metrics, step=self.global_step)
+            self._profiler.step()
+            if (
+                self.save_every_n_steps
+                and self.global_step < self.total_steps
+                and self.global_step % int(self.save_every_n_steps) == 0
+            ):
+                self.save_checkpoint(self.global_step)
         self._profiler.stop()
         pbar.close()
         self.save_checkpoint(self.global_step)

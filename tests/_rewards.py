@@ -1,8 +1,8 @@
 """Rewards used only by tests.
 
 A randomly initialised model never produces a correct answer, so its format/correctness rewards are all
-zero and GRPO has no signal. This reward varies between any two samples, which guarantees non-zero
-advantages and therefore a real parameter update in recipe tests.
+zero and GRPO has no signal. These rewards vary between samples, which guarantees non-zero advantages and
+therefore a real parameter update in recipe tests.
 """
 
 from typing import List
@@ -17,3 +17,25 @@ class VowelFractionReward:
 
     def __call__(self, batch: RewardBatch) -> List[float]:
         return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in batch.completions]
+
+
+class EvenTokenReward:
+    """Fraction of a completion's token ids that are even: a function of the ids alone (no tokenizer)."""
+
+    name = "even_tokens"
+
+    def __call__(self, batch: RewardBatch) -> List[float]:
+        return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in batch.completion_ids]
+
+
+class HalfPromptsVowelReward:
+    """Vowel fraction for prompts of even length, 0 for the others: about half the groups have zero
+    variance, so dynamic sampling has groups to drop and informative groups to keep."""
+
+    name = "half_vowels"
+
+    def __call__(self, batch: RewardBatch) -> List[float]:
+        return [
+            sum(c in "aeiou" for c in text) / max(len(text), 1) if len(prompt) % 2 == 0 else 0.0
+            for prompt, text in zip(batch.prompts, batch.completions)
+        ]

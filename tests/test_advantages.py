@@ -1,11 +1,18 @@
-"""Group-relative advantages, expected values worked out by hand."""
+"""Advantage estimators, expected values worked out by hand."""
 
 import math
 
 import pytest
 import torch
 
-from torchtune_grpo.advantages import AdvantageOutput, GroupRelativeAdvantage
+from torchtune_grpo.advantages import (
+    AdvantageOutput,
+    BatchStdAdvantage,
+    GroupRelativeAdvantage,
+    RewardStats,
+    RLOOAdvantage,
+    zero_variance_groups,
+)
 
 
 def test_two_groups_of_two():
@@ -91,3 +98,101 @@ def test_empty_batch():
     out = GroupRelativeAdvantage()(torch.zeros(0), group_size=4)
     assert out.advantages.shape == (0,)
     assert out.zero_std.shape == (0,)
+
+
+# ------------------------------------------------------------------------------------------------ RLOO
+
+
+def test_rloo_leave_one_out_baseline():
+    # rewards [1, 0, 0, 0], G = 4:
+    #   i = 0: baseline mean(0, 0, 0) = 0      -> A = 1
+    #   i = 1: baseline mean(1, 0, 0) = 1/3    -> A = -1/3 (same for i = 2, 3)
+    # group [2, 4, 3, 3]: i=0: mean(4,3,3) = 10/3 -> -4/3; i=1: mean(2,3,3) = 8/3 -> 4/3;
+    #   i=2,3: mean(2,4,3) = 3 -> 0
+    out = RLOOAdvantage()(torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 3.0, 3.0]), group_size=4)
+    torch.testing.assert_close(
+        out.advantages, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, -4 / 3, 4 / 3, 0.0, 0.0])
+    )
+    assert out.zero_std.tolist() == [False, False]
+
+
+def test_rloo_equals_rescaled_centring():
+    torch.manual_seed(0)
+    rewards = torch.rand(5 * 6)
+    rloo = RLOOAdvantage()(rewards, group_size=6).advantages
+    centred = GroupRelativeAdvantage(scale_by_std=False)(rewards, group_size=6).advantages
+    torch.testing.assert_close(rloo, centred * 6 / 5)
+
+
+def test_rloo_zero_variance_group_is_exactly_zero():
+    out = RLOOAdvantage()(torch.tensor([0.3, 0.1 + 0.2, 1.0, 0.0], dtype=torch.float64), group_size=2)
+    assert out.advantages[:2].tolist() == [0.0, 0.0]
+    assert out.zero_std.tolist() == [True, False]
+
+
+# ------------------------------------------------------------------------------------------- batch std
+
+
+def test_batch_std_by_hand():
+    # rewards [1, 0 | 3, 1], G = 2. Group means 0.5 and 2 -> centred [0.5, -0.5, 1, -1].
+    # Batch: mean 1.25, deviations [-0.25, -1.25, 1.75, -0.25], squares sum 4.75,
+    # sample var 4.75 / 3 = 1.583333, std 1.258306 -> A = centred / 1.258306.
+    out = BatchStdAdvantage(eps=0.0)(torch.tensor([1.0, 0.0, 3.0, 1.0]), group_size=2)
+    std = math.sqrt(4.75 / 3)
+    torch.testing.assert_close(out.advantages, torch.tensor([0.5, -0.5, 1.0, -1.0]) / std)
+
+
+def test_batch_std_uses_global_statistics_across_processes():
+    # Two "ranks" hold one group each. Each alone would divide by its own batch std; with the summed
+    # statistics (what the recipe all-reduces) both halves equal the single-process result.
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    full = BatchStdAdvantage()(rewards, group_size=2).advantages
+    halves = [rewards[:2], rewards[2:]]
+    stats = [RewardStats.of(h) for h in halves]
+    summed = RewardStats(*[sum(v) for v in zip(*stats)])
+    assert summed == RewardStats(4.0, 5.0, 11.0)  # count, sum 1+0+3+1, squares 1+0+9+1
+    split = torch.cat([BatchStdAdvantage()(h, group_size=2, batch_stats=summed).advantages for h in halves])
+    torch.testing.assert_close(split, full, atol=1e-6, rtol=0)
+    # Without the global statistics the rank-local std differs: the reason the recipe passes them.
+    local = torch.cat([BatchStdAdvantage()(h, group_size=2).advantages for h in halves])
+    assert not torch.allclose(local, full)
+
+
+def test_reward_stats_std():
+    # [1, 0, 3, 1]: sample std sqrt(4.75 / 3); fewer than two rewards -> 0.
+    assert RewardStats.of(torch.tensor([1.0, 0.0, 3.0, 1.0])).std == pytest.approx(math.sqrt(4.75 / 3))
+    assert RewardStats.of(torch.tensor([2.0])).std == 0.0
+    assert RewardStats.of(torch.tensor([2.0, 2.0, 2.0])).std == 0.0
+
+
+def test_only_batch_std_asks_for_global_statistics():
+    assert BatchStdAdvantage.uses_batch_stats
+    assert not GroupRelativeAdvantage.uses_batch_stats and not RLOOAdvantage.uses_batch_stats
+
+
+# ------------------------------------------------------------------------------- clipping and formulas
+
+
+def test_advantage_clipping():
+    # [1, 0, 0, 0] with eps 0: [1.5, -0.5, -0.5, -0.5] (see above) -> clip 1.0 -> [1.0, -0.5, -0.5, -0.5]
+    out = GroupRelativeAdvantage(eps=0.0, clip=1.0)(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4)
+    torch.testing.assert_close(out.advantages, torch.tensor([1.0, -0.5, -0.5, -0.5]))
+    # RLOO [1, 0, 0, 0] = [1, -1/3, ...] -> clip 0.25 -> [0.25, -0.25, -0.25, -0.25]
+    out = RLOOAdvantage(clip=0.25)(torch.tensor([1.0, 0.0, 0.0, 0.0]), group_size=4)
+    torch.testing.assert_close(out.advantages, torch.tensor([0.25, -0.25, -0.25, -0.25]))
+    with pytest.raises(ValueError, match="clip"):
+        RLOOAdvantage(clip=0.0)
+
+
+def test_formulas():
+    assert GroupRelativeAdvantage().formula == "A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-06)"
+    assert GroupRelativeAdvantage(scale_by_std=False).formula == "A_i = R_i - mean(R_group)"
+    assert RLOOAdvantage(clip=5).formula == "clip(A_i = R_i - mean_{j != i}(R_j in group), -5, 5)"
+    assert "global batch" in BatchStdAdvantage().formula
+
+
+def test_zero_variance_groups():
+    # spreads: [0, 0] -> 0; [0, 1e-3] -> 1e-3 > 1e-6 (informative); [1e7, 1e7 + 1e-3] -> relative 1e-10
+    rewards = torch.tensor([0.0, 0.0, 0.0, 1e-3, 1e7, 1e7 + 1e-3], dtype=torch.float64)
+    assert zero_variance_groups(rewards, 2).tolist() == [True, False, True]
+    assert zero_variance_groups(rewards, 2, rtol=0.0).tolist() == [True, False, False]

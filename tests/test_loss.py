@@ -1,11 +1,12 @@
-"""GRPOLoss: hand-computed values, gradients, and micro-batch independence of every aggregation mode."""
+"""GRPOLoss: hand-computed values and gradients of every mode, clip, KL estimator and bonus, and
+independence of how the global batch is split (micro-batches, processes)."""
 
 import math
 
 import pytest
 import torch
 
-from torchtune_grpo.loss import LOSS_AGG_MODES, GRPOLoss, LossOutput
+from torchtune_grpo.loss import KL_ESTIMATORS, LOSS_AGG_MODES, GRPOLoss, LossOutput, kl_estimate, kl_reward_penalty
 
 LN2 = math.log(2.0)
 
@@ -43,6 +44,7 @@ def test_on_policy_values(mode, expected):
     assert out.kl.item() == 0.0  # kl_coef 0 and no ref: metric is 0
     assert out.clip_fraction.item() == 0.0
     assert out.ratio_mean.item() == pytest.approx(1.0)  # 3 tokens of ratio 1 / 3
+    assert out.entropy.item() == 0.0  # no entropy given
     assert not out.policy_loss.requires_grad and not out.kl.requires_grad
 
 
@@ -163,7 +165,7 @@ def test_empty_rows_and_garbage_padding_stay_finite(mode):
         logprobs.detach(), old, torch.ones(2), torch.zeros(2, 2, dtype=torch.bool),
         ref_logprobs=ref, num_tokens=0, num_seqs=0,
     )
-    assert [v.item() for v in out] == [0.0, 0.0, 0.0, 0.0, 0.0]
+    assert [v.item() for v in out] == [0.0] * len(LossOutput._fields)
 
 
 def _random_batch(seed=0):
@@ -180,32 +182,59 @@ def _random_batch(seed=0):
     return logprobs, old, ref, adv, mask
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+# Every aggregation mode, plus the other knobs, each on top of clip-higher and a k3 KL term.
+SPLIT_VARIANTS = [{"loss_agg_mode": m} for m in LOSS_AGG_MODES] + [
+    {"loss_agg_mode": "seq-mean-token-mean", "ratio_level": "sequence", "epsilon": 0.02, "epsilon_high": 0.03},
+    {"loss_agg_mode": "token-mean", "ratio_level": "sequence", "epsilon": 0.02},
+    {"loss_agg_mode": "seq-mean-token-sum-norm", "dual_clip": 1.1, "entropy_coef": 0.01},
+] + [{"loss_agg_mode": "seq-mean-token-mean", "kl_estimator": k} for k in KL_ESTIMATORS]
+
+
+def _split_id(v):
+    return "-".join(f"{k}={x}" for k, x in v.items())
+
+
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS, ids=_split_id)
 @pytest.mark.parametrize("counts_as_tensors", [False, True])
-def test_micro_batches_sum_to_full_batch(mode, counts_as_tensors):
+def test_micro_batches_and_processes_sum_to_full_batch(variant, counts_as_tensors):
+    # The recipe's contract: each micro-batch is divided by the *global* counts, micro-batch losses are
+    # summed (gradient accumulation) and ranks' gradients summed (FSDP averages, the recipe scales by the
+    # world size). So 1 process x 1 micro-batch, 1 x 4 and 2 processes x 2 must give the same loss and
+    # gradient. A process split is a split of rows like a micro-batch split: simulated here as 2 "ranks"
+    # of 4 rows with 2 micro-batches each, whose results are summed.
     logprobs, old, ref, adv, mask = _random_batch()
-    loss_fn = GRPOLoss(epsilon=0.2, epsilon_high=0.28, kl_coef=0.05, loss_agg_mode=mode, max_response_length=6)
+    entropy = torch.rand(logprobs.shape, generator=torch.Generator().manual_seed(3)) * 5
+    kwargs = {"epsilon": 0.2, "epsilon_high": 0.28, "kl_coef": 0.05, "max_response_length": 6, **variant}
+    loss_fn = GRPOLoss(**kwargs)
     num_tokens, num_seqs = int(mask.sum()), mask.shape[0]  # 27 tokens, 8 sequences
     if counts_as_tensors:
         num_tokens, num_seqs = torch.tensor(num_tokens), torch.tensor(num_seqs)
 
-    full_lp = logprobs.clone().requires_grad_(True)
-    full = loss_fn(full_lp, old, adv, mask, ref_logprobs=ref, num_tokens=num_tokens, num_seqs=num_seqs)
-    full.loss.backward()
-    assert 0 < full.clip_fraction.item() < 1  # the case exercises both branches
+    def run(splits):
+        lp = logprobs.clone().requires_grad_(True)
+        ent = entropy.clone().requires_grad_(True)
+        totals = [torch.zeros(()) for _ in LossOutput._fields]
+        for rank_rows in splits:  # one list of micro-batch slices per rank
+            for sl in rank_rows:
+                out = loss_fn(
+                    lp[sl], old[sl], adv[sl], mask[sl], ref_logprobs=ref[sl], entropy=ent[sl],
+                    num_tokens=num_tokens, num_seqs=num_seqs,
+                )
+                out.loss.backward()
+                totals = [a + v.detach() for a, v in zip(totals, out)]
+        return totals, lp.grad, ent.grad
 
-    micro_lp = logprobs.clone().requires_grad_(True)
-    totals = [torch.zeros(()) for _ in LossOutput._fields]
-    for s in range(0, 8, 2):  # 4 micro-batches of 2, each divided by the global counts
-        sl = slice(s, s + 2)
-        out = loss_fn(
-            micro_lp[sl], old[sl], adv[sl], mask[sl], ref_logprobs=ref[sl], num_tokens=num_tokens, num_seqs=num_seqs
-        )
-        out.loss.backward()
-        totals = [a + v.detach() for a, v in zip(totals, out)]
-    for name, total, whole in zip(LossOutput._fields, totals, full):
-        torch.testing.assert_close(total, whole.detach(), atol=1e-6, rtol=0, msg=f"{mode}: {name}")
-    torch.testing.assert_close(micro_lp.grad, full_lp.grad, atol=1e-6, rtol=0)
+    full, full_grad, full_ent_grad = run([[slice(0, 8)]])
+    assert 0 < full[LossOutput._fields.index("clip_fraction")].item() < 1  # both branches exercised
+    for splits in (
+        [[slice(s, s + 2) for s in range(0, 8, 2)]],  # 1 process, 4 micro-batches
+        [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]],  # 2 processes, 2 micro-batches each
+    ):
+        totals, grad, ent_grad = run(splits)
+        for name, total, whole in zip(LossOutput._fields, totals, full):
+            torch.testing.assert_close(total, whole, atol=1e-6, rtol=0, msg=f"{variant}: {name}")
+        torch.testing.assert_close(grad, full_grad, atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent_grad, full_ent_grad, atol=1e-6, rtol=0)
 
 
 def test_seq_mean_token_mean_matches_explicit_formula():
@@ -222,3 +251,207 @@ def test_seq_mean_token_mean_matches_explicit_formula():
             expected += token_loss(logprobs[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1],
                                    num_tokens=n_i, num_seqs=1).loss.item()
     assert out.loss.item() == pytest.approx(expected / 8, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- KL estimators
+
+# d = log pi_ref - log pi = [ln 2, -ln 2] on two tokens (pi_ref / pi = [2, 1/2]); by hand:
+#   k1 = -d                = [-ln2, ln2]                       = [-0.693147, 0.693147]
+#   k2 = d^2 / 2           = [ln2^2 / 2] * 2                    = [0.240227, 0.240227]
+#   k3 = exp(d) - d - 1    = [2 - ln2 - 1, 0.5 + ln2 - 1]       = [0.306853, 0.193147]
+#   k3+ = k3 in value
+# Gradients wrt log pi (dd/dlogp = -1):
+#   k1: 1;  k2: -d = [-ln2, ln2];  k3: 1 - exp(d) = [-1, 0.5];  k3+: k2's = [-ln2, ln2]
+LN2_SQ_HALF = LN2 * LN2 / 2
+KL_CASES = {
+    "k1": ([-LN2, LN2], [1.0, 1.0]),
+    "k2": ([LN2_SQ_HALF, LN2_SQ_HALF], [-LN2, LN2]),
+    "k3": ([1 - LN2, LN2 - 0.5], [-1.0, 0.5]),
+    "k3+": ([1 - LN2, LN2 - 0.5], [-LN2, LN2]),
+}
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_estimator_values_and_gradients(estimator):
+    values, grads = KL_CASES[estimator]
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = logprobs.detach() + torch.tensor([[LN2, -LN2]])
+    kl = kl_estimate(logprobs, ref, estimator)
+    torch.testing.assert_close(kl, torch.tensor([values]))
+    kl.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([grads]))
+
+
+@pytest.mark.parametrize("estimator", KL_ESTIMATORS)
+def test_kl_estimator_in_the_loss(estimator):
+    # A = 0 and on-policy: the loss is kl_coef x token-mean KL; gradient kl_coef / num_tokens x the above.
+    values, grads = KL_CASES[estimator]
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = logprobs.detach() + torch.tensor([[LN2, -LN2]])
+    out = GRPOLoss(kl_coef=0.1, kl_estimator=estimator)(
+        logprobs, logprobs.detach(), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
+        ref_logprobs=ref, num_tokens=2, num_seqs=1,
+    )
+    assert out.kl.item() == pytest.approx(sum(values) / 2, abs=1e-6)
+    assert out.loss.item() == pytest.approx(0.1 * sum(values) / 2, abs=1e-7)
+    out.loss.backward()
+    torch.testing.assert_close(logprobs.grad, 0.05 * torch.tensor([grads]))
+
+
+def test_kl_estimate_masks_garbage():
+    # Masked positions are exactly 0, even with inf/NaN inputs there, and give no NaN gradient.
+    logprobs = torch.tensor([[-1.0, float("nan")]], requires_grad=True)
+    ref = torch.tensor([[-1.0 + LN2, float("inf")]])
+    kl = kl_estimate(logprobs, ref, "k3", mask=torch.tensor([[True, False]]))
+    torch.testing.assert_close(kl, torch.tensor([[1 - LN2, 0.0]]))
+    kl.sum().backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, 0.0]]))
+
+
+def test_kl_reward_penalty_by_hand():
+    # Seq 0: d = [ln2, -ln2] -> k1 sum = 0, k3 sum = 0.5; seq 1: one token, d = ln2 (second token masked):
+    #   k1 = -ln2, k3 = 1 - ln2. Penalty = kl_coef (0.1) x per-sequence sum.
+    logprobs = torch.tensor([[-1.0, -2.0], [-1.0, 5.0]])
+    ref = logprobs + torch.tensor([[LN2, -LN2], [LN2, 3.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    k1 = kl_reward_penalty(logprobs, ref, mask, kl_coef=0.1, estimator="k1")
+    torch.testing.assert_close(k1, torch.tensor([0.0, -0.1 * LN2]))
+    k3 = kl_reward_penalty(logprobs, ref, mask, kl_coef=0.1, estimator="k3")
+    torch.testing.assert_close(k3, torch.tensor([0.05, 0.1 * (1 - LN2)]))
+    assert not k3.requires_grad
+
+
+# ----------------------------------------------------------------------------- clipping variants
+
+
+def test_epsilon_low_separate_from_epsilon_high():
+    # A = -1, ratio 0.85. eps_low 0.1: clip range [0.9, 1.2]: -min(-0.85, -0.9) = 0.9 (clipped, no grad).
+    # eps_low 0.2 (= epsilon): 0.85 is inside [0.8, 1.2]: loss 0.85, gradient -A rho = 0.85.
+    old = torch.tensor([[-1.0]])
+    adv, mask = torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool)
+    for eps_low, value, grad, clipped in ((0.1, 0.9, 0.0, 1.0), (None, 0.85, 0.85, 0.0)):
+        logprobs = (old + math.log(0.85)).requires_grad_(True)
+        out = GRPOLoss(epsilon=0.2, epsilon_low=eps_low)(logprobs, old, adv, mask, num_tokens=1, num_seqs=1)
+        assert out.loss.item() == pytest.approx(value, abs=1e-6)
+        assert out.clip_fraction.item() == clipped
+        out.loss.backward()
+        assert logprobs.grad.item() == pytest.approx(grad, abs=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantages():
+    # A = -1, eps 0.2, ratios [4, 2, 0.5], token-mean over 3 tokens:
+    #   rho 4:   -min(-4, -1.2) = 4   -> dual clip c = 3: min(4, 3) = 3   (no gradient)
+    #   rho 2:   -min(-2, -1.2) = 2   -> min(2, 3) = 2                    (gradient -A rho = 2)
+    #   rho 0.5: -min(-0.5, -0.8) = 0.8 (lower clip, no gradient)
+    # loss (3 + 2 + 0.8) / 3 = 1.933333; gradient [0, 2/3, 0]; 2 of 3 tokens clipped.
+    # Without dual clip: (4 + 2 + 0.8) / 3 = 2.266667, gradient [4/3, 2/3, 0].
+    old = torch.full((1, 3), -1.0)
+    adv, mask = torch.tensor([-1.0]), torch.ones(1, 3, dtype=torch.bool)
+    ratios = torch.tensor([[4.0, 2.0, 0.5]])
+    for dual, value, grad, clipped in (
+        (3.0, 5.8 / 3, [0.0, 2 / 3, 0.0], 2 / 3),
+        (None, 6.8 / 3, [4 / 3, 2 / 3, 0.0], 1 / 3),
+    ):
+        logprobs = (old + ratios.log()).requires_grad_(True)
+        out = GRPOLoss(epsilon=0.2, dual_clip=dual)(logprobs, old, adv, mask, num_tokens=3, num_seqs=1)
+        assert out.loss.item() == pytest.approx(value, abs=1e-6)
+        assert out.clip_fraction.item() == pytest.approx(clipped)
+        out.loss.backward()
+        torch.testing.assert_close(logprobs.grad, torch.tensor([grad]))
+
+
+def test_dual_clip_leaves_positive_advantages_alone():
+    # A = +1, rho 4, eps_high large (10): -min(4, 4) = -4 with or without dual clip 3.
+    old = torch.tensor([[-1.0]])
+    logprobs = old + math.log(4.0)
+    out = GRPOLoss(epsilon=0.2, epsilon_high=10.0, dual_clip=3.0)(
+        logprobs, old, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), num_tokens=1, num_seqs=1
+    )
+    assert out.loss.item() == pytest.approx(-4.0, abs=1e-5)
+
+
+def _gspo_batch():
+    # Seq 0 (A = +1): two tokens with log ratios [ln 2, 0] -> s_0 = exp(ln2 / 2) = sqrt(2) = 1.414214.
+    # Seq 1 (A = -1): one token (second is padding) with log ratio ln 0.5 -> s_1 = 0.5.
+    old = torch.full((2, 2), -1.0)
+    log_ratios = torch.tensor([[LN2, 0.0], [-LN2, 7.0]])
+    logprobs = (old + log_ratios).requires_grad_(True)
+    mask = torch.tensor([[True, True], [True, False]])
+    return logprobs, old, torch.tensor([1.0, -1.0]), mask
+
+
+def test_gspo_sequence_ratio_values_and_gradients():
+    # eps_low 0.2, eps_high 1.0 (so s_0 = 1.414 is inside [0.8, 2.0]):
+    #   l_0 = -min(1.414214, 1.414214) = -1.414214 (unclipped): every token of seq 0 carries it
+    #   l_1 = -min(-0.5, -0.8) = 0.8 (clipped below: no gradient)
+    # seq-mean-token-mean = (l_0 + l_1) / 2 = (-1.414214 + 0.8) / 2 = -0.307107: GSPO's (1/N) sum_i l_i.
+    # Gradient: d l_0 / d logp_t = -A s_0 / |o_0| = -1.414214 / 2 per token, / N = 2 -> -0.353553 each.
+    # clip_fraction: 1 of 3 tokens; ratio_mean (2 x 1.414214 + 0.5) / 3 = 1.109476.
+    logprobs, old, adv, mask = _gspo_batch()
+    out = GRPOLoss(ratio_level="sequence", epsilon=0.2, epsilon_high=1.0, loss_agg_mode="seq-mean-token-mean")(
+        logprobs, old, adv, mask, num_tokens=3, num_seqs=2
+    )
+    s0 = math.sqrt(2.0)
+    assert out.loss.item() == pytest.approx((-s0 + 0.8) / 2, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(1 / 3)
+    assert out.ratio_mean.item() == pytest.approx((2 * s0 + 0.5) / 3, abs=1e-6)
+    out.loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-s0 / 4, -s0 / 4], [0.0, 0.0]]))
+
+
+def test_gspo_clips_the_whole_sequence():
+    # GSPO's range [1 - 3e-4, 1 + 4e-4]: s_0 = 1.414 > 1.0004 with A > 0 -> clipped, no gradient on any of
+    # its tokens, although token 1 alone has ratio 1 (a token-level ratio would keep its gradient).
+    logprobs, old, adv, mask = _gspo_batch()
+    out = GRPOLoss(ratio_level="sequence", epsilon=3e-4, epsilon_high=4e-4, loss_agg_mode="seq-mean-token-mean")(
+        logprobs, old, adv, mask, num_tokens=3, num_seqs=2
+    )
+    # l_0 = -1.0004, l_1 = -min(-0.5, -0.9997) = 0.9997 -> (-1.0004 + 0.9997) / 2 = -0.00035
+    assert out.loss.item() == pytest.approx((-1.0004 + 0.9997) / 2, abs=1e-6)
+    assert out.clip_fraction.item() == pytest.approx(1.0)
+    out.loss.backward()
+    assert torch.equal(logprobs.grad, torch.zeros(2, 2))
+    token_level = GRPOLoss(epsilon=3e-4, epsilon_high=4e-4, loss_agg_mode="seq-mean-token-mean")
+    lp = logprobs.detach().requires_grad_(True)
+    token_level(lp, old, adv, mask, num_tokens=3, num_seqs=2).loss.backward()
+    # token 1 of seq 0 (ratio 1, inside the range): -A rho / |o_0| / N = -1 / 2 / 2
+    assert lp.grad[0, 1].item() == pytest.approx(-0.25)
+
+
+def test_entropy_bonus_value_gradient_and_metric():
+    # A = 0, on-policy: only the bonus. Entropies [1, 2 | 3, (padding: NaN)], 3 tokens:
+    #   metric = (1 + 2 + 3) / 3 = 2; loss = -0.1 x 2 = -0.2 (token-mean);
+    #   d loss / d H = -0.1 / 3 on response tokens, 0 on padding.
+    logprobs = torch.tensor([[-1.0, -1.0], [-1.0, 0.0]], requires_grad=True)
+    entropy = torch.tensor([[1.0, 2.0], [3.0, float("nan")]], requires_grad=True)
+    mask = torch.tensor([[True, True], [True, False]])
+    out = GRPOLoss(entropy_coef=0.1)(
+        logprobs, logprobs.detach(), torch.zeros(2), mask, entropy=entropy, num_tokens=3, num_seqs=2
+    )
+    assert out.entropy.item() == pytest.approx(2.0)
+    assert out.loss.item() == pytest.approx(-0.2, abs=1e-7)
+    out.loss.backward()
+    torch.testing.assert_close(entropy.grad, torch.tensor([[-0.1 / 3, -0.1 / 3], [-0.1 / 3, 0.0]]))
+    # Without the bonus the entropy is only reported: no gradient reaches it.
+    entropy.grad = None
+    out = GRPOLoss()(logprobs, logprobs.detach(), torch.zeros(2), mask, entropy=entropy, num_tokens=3, num_seqs=2)
+    assert out.entropy.item() == pytest.approx(2.0) and out.loss.item() == 0.0
+    assert not out.loss.requires_grad or torch.autograd.grad(out.loss, entropy, allow_unused=True)[0] is None
+
+
+def test_new_argument_errors():
+    with pytest.raises(ValueError, match="kl_estimator"):
+        GRPOLoss(kl_estimator="k4")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "k5")
+    with pytest.raises(ValueError, match="ratio_level"):
+        GRPOLoss(ratio_level="group")
+    with pytest.raises(ValueError, match="dual_clip"):
+        GRPOLoss(dual_clip=0.9)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        GRPOLoss(entropy_coef=-0.1)
+    with pytest.raises(ValueError, match="clip ranges"):
+        GRPOLoss(epsilon_low=-0.1)
+    logprobs, old, adv, mask = _on_policy()
+    with pytest.raises(ValueError, match="entropy"):
+        GRPOLoss(entropy_coef=0.1)(logprobs, old, adv, mask, num_tokens=3, num_seqs=2)

@@ -7,74 +7,21 @@ checks what a user gets: metrics, completions, a Hugging Face checkpoint, resump
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-from safetensors.torch import load_file
-from torchtune import config as tt_config, training
 
-from tests.conftest import REPO, TINY_CONFIG
+from tests.recipe_utils import (
+    REQUIRED_METRICS,
+    read_jsonl,
+    run_tune,
+    tiny_model_from,
+    weights,
+    write_config,
+)
 from torchtune_grpo.assets import asset_path
-
-TUNE = str(Path(sys.executable).parent / "tune")
-REQUIRED_METRICS = {
-    "step", "loss", "policy_loss", "kl", "reward/mean", "reward/std", "clip_fraction",
-    "response_length/mean", "truncated_fraction", "zero_std_fraction", "grad_norm", "lr",
-    "tokens_per_second", "time/generation", "time/train", "time/step",
-}
-
-
-def write_config(tmp_path: Path, **overrides) -> Path:
-    cfg = OmegaConf.load(TINY_CONFIG)
-    cfg.output_dir = str(tmp_path / "out")
-    cfg.reward_functions.append({"_component_": "tests._rewards.VowelFractionReward", "weight": 1.0})
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key, value, force_add=True)
-    path = tmp_path / "config.yaml"
-    OmegaConf.save(cfg, path)
-    return path
-
-
-def run_tune(config_path: Path, *overrides: str, nproc: int = 1, cwd: Path) -> str:
-    cmd = [TUNE, "run"]
-    if nproc > 1:
-        cmd += ["--nproc_per_node", str(nproc)]
-    cmd += ["grpo_full_finetune_distributed", "--config", str(config_path), *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"
-    return output
-
-
-def read_jsonl(path: Path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def tiny_model_from(checkpoint_dir: Path, tmp_path: Path):
-    """Build the tiny torchtune model and load a checkpoint directory through torchtune's HF checkpointer."""
-    cfg = OmegaConf.load(TINY_CONFIG)
-    model = tt_config.instantiate(cfg.model)
-    files = sorted(p.name for p in checkpoint_dir.glob("*.safetensors"))
-    ckpt = training.FullModelHFCheckpointer(
-        checkpoint_dir=str(checkpoint_dir), checkpoint_files=files, model_type="QWEN2",
-        output_dir=str(tmp_path / "scratch"),
-    )
-    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
-    return model.eval()
-
-
-def weights(directory: Path):
-    out = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 def test_single_process_run(tmp_path):
@@ -169,22 +116,6 @@ def test_unknown_key_is_named(tmp_path):
     cfg = write_config(tmp_path, max_steps=1)
     with pytest.raises(AssertionError, match="Unknown config key\\(s\\): 'lerning_rate'"):
         run_tune(cfg, "lerning_rate=0.1", cwd=tmp_path)
-
-
-def test_micro_batch_split_does_not_change_the_update(tmp_path):
-    # Same seed -> same rollouts and rewards; losses are normalised by global token counts, so one
-    # micro-batch of 16 and four of 4 must give the same gradient, hence the same weights after a step.
-    results = []
-    for mbs in (16, 4):
-        run_dir = tmp_path / f"mbs{mbs}"
-        run_dir.mkdir()
-        cfg = write_config(run_dir, max_steps=1, micro_batch_size=mbs, clip_grad_norm=None, lr_scheduler=None)
-        run_tune(cfg, cwd=run_dir)
-        results.append(weights(run_dir / "out" / "step_1"))
-    base = weights(Path(asset_path("tiny_qwen2")))
-    assert any(not torch.equal(base[k], results[0][k]) for k in base)
-    for key in results[0]:
-        torch.testing.assert_close(results[0][key], results[1][key], atol=1e-5, rtol=1e-5)
 
 
 def test_ppo_epochs_without_reference_model(tmp_path):

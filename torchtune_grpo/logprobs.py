@@ -36,6 +36,7 @@ def _chunk_logprobs(
     project: Callable[[torch.Tensor], torch.Tensor],
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> torch.Tensor:
     # [C, V] in fp32 whatever the model dtype: log-softmax in bf16 loses ~2 digits.
     logits = project(hidden).float()
@@ -45,8 +46,10 @@ def _chunk_logprobs(
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # [C]
     if not with_entropy:
         return logp
-    # H = logsumexp(z) - sum_v softmax(z)_v * z_v
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    # H = logsumexp(z) - sum_v softmax(z)_v * z_v. When only logged, keep it out of the graph: its
+    # backward would cost two more [C, V] passes for a gradient of zero.
+    with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return torch.stack([logp, entropy], dim=-1)  # [C, 2]
 
 
@@ -58,6 +61,7 @@ def chunked_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 512,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> TokenLogprobs:
     """Log-probabilities of ``targets`` under ``softmax(project(hidden) / temperature)``, chunk by chunk.
 
@@ -70,6 +74,8 @@ def chunked_logprobs(
         chunk_size (int): tokens per chunk; peak extra memory is about ``2 x chunk_size x V x 4`` bytes.
             Default is 512.
         with_entropy (bool): also return the per-position entropy. Default is False.
+        entropy_grad (bool): let gradients flow through the entropy (for an entropy bonus); False
+            computes it as a constant, for logging only. Default is True.
 
     Returns:
         TokenLogprobs: ``logprobs`` and optional ``entropy``, each ``[B, T]`` float32.
@@ -93,10 +99,11 @@ def chunked_logprobs(
                 project,
                 temperature,
                 with_entropy,
+                entropy_grad,
                 use_reentrant=False,
             )
         else:
-            out = _chunk_logprobs(h, y, project, temperature, with_entropy)
+            out = _chunk_logprobs(h, y, project, temperature, with_entropy, entropy_grad)
         outs.append(out)
     out = torch.cat(outs, dim=0)
     if with_entropy:
@@ -135,6 +142,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 512,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> TokenLogprobs:
     """Log-probability of every next token of ``tokens`` under a torchtune decoder.
 
@@ -150,6 +158,7 @@ def sequence_logprobs(
         temperature (float): sampling temperature. Default is 1.0.
         chunk_size (int): tokens per logits chunk. Default is 512.
         with_entropy (bool): also return entropies. Default is False.
+        entropy_grad (bool): see :func:`chunked_logprobs`. Default is True.
 
     Returns:
         TokenLogprobs: tensors of shape ``[B, L - 1 - start]``.
@@ -165,6 +174,7 @@ def sequence_logprobs(
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
         )
         if out.entropy is None:
             # A fresh tensor, not a view: FSDP2 warns about (and in-place ops would break) views.

@@ -1,8 +1,11 @@
 """Prompt datasets for GRPO: each item is ``{"tokens", "prompt", "answer", ...}`` (docs/architecture.md)."""
 
 from torchtune_grpo.data._arithmetic import arithmetic_dataset, arithmetic_problems
+from torchtune_grpo.data._code import CODE_SYSTEM_PROMPT, code_dataset
 from torchtune_grpo.data._gsm8k import extract_gsm8k_answer, gsm8k_dataset
+from torchtune_grpo.data._math import extract_boxed_answer, math_dataset
 from torchtune_grpo.data._prompt import collate_prompts, PromptBatch, PromptDataset
+from torchtune_grpo.data._sft import ANSWER_FORMATS, R1_RESPONSE_TEMPLATE, sft_dataset, WarmStartDataset
 from torchtune_grpo.data._templates import (
     ChatPrompt,
     decode_prompt,
@@ -16,22 +19,30 @@ from torchtune_grpo.data._templates import (
 from torchtune_grpo.data._verifiable import load_rows, require_columns, verifiable_dataset
 
 __all__ = [
+    "ANSWER_FORMATS",
     "arithmetic_dataset",
     "arithmetic_problems",
     "ChatPrompt",
+    "CODE_SYSTEM_PROMPT",
+    "code_dataset",
     "collate_prompts",
     "decode_prompt",
+    "extract_boxed_answer",
     "extract_gsm8k_answer",
     "gsm8k_dataset",
     "load_rows",
     "make_prompt_formatter",
+    "math_dataset",
     "PROMPT_STYLES",
     "PromptBatch",
     "PromptDataset",
     "R1_SYSTEM_PROMPT",
+    "R1_RESPONSE_TEMPLATE",
     "R1_TEMPLATE",
     "R1Prompt",
     "require_columns",
+    "sft_dataset",
     "tokenize_chat_prompt",
     "verifiable_dataset",
+    "WarmStartDataset",
 ]

@@ -1,8 +1,17 @@
 """The reward contract and :class:`RewardSet`, which combines weighted reward components.
 
-A reward is any callable ``reward(batch: RewardBatch) -> List[float]`` returning one score per completion.
-:class:`RewardSet` calls each component on the whole batch, checks what it returned, replaces the scores of a
-component that raised by a fallback (a reward must never crash a run), and sums the weighted components.
+A reward is any callable ``reward(batch: RewardBatch) -> List[float]`` returning one score per completion
+(a :class:`Reward` subclass may implement ``score_one(sample) -> float`` instead). :class:`RewardSet` calls
+each component, checks what it returned, replaces the scores of samples whose component raised or timed
+out by a fallback (a reward must never crash a run), and sums the weighted components.
+
+Per component (YAML keys next to ``_component_``, or attributes of the reward object):
+
+- ``timeout``: seconds per sample. Setting it makes the component run per sample (see ``per_sample``).
+- ``fallback``: the score of a failed sample. Default: the set's ``fallback``.
+- ``per_sample``: call the component once per sample, each call isolated (its own exception handling and
+  timeout). Default: True when a timeout is set, else False (one call for the whole batch).
+- ``concurrency``: per-sample calls in flight at once (threads). Default: 1.
 """
 
 import functools
@@ -13,11 +22,42 @@ import re
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-__all__ = ["Reward", "RewardBatch", "RewardOutput", "RewardSet", "build_reward_set", "reward_name"]
+from torchtune_grpo.rewards._execution import Outcome, call_with_timeout, resolve_awaitable, run_each
+
+__all__ = [
+    "OPTION_KEYS",
+    "Reward",
+    "RewardBatch",
+    "RewardOutput",
+    "RewardOutputError",
+    "RewardSample",
+    "RewardSet",
+    "build_reward_set",
+    "reward_name",
+]
 
 log = logging.getLogger(__name__)
+
+#: Keys of a reward's YAML entry that configure :class:`RewardSet`, not the reward's constructor.
+OPTION_KEYS = ("weight", "name", "timeout", "fallback", "per_sample", "concurrency")
+
+
+class RewardSample(NamedTuple):
+    """One completion, as :meth:`Reward.score_one` sees it.
+
+    Attributes:
+        prompt (str): the prompt text.
+        completion (str): the decoded completion text.
+        completion_ids (List[int]): the completion token ids.
+        fields (Dict[str, Any]): the prompt's dataset columns except ``tokens`` (``fields["answer"]``...).
+    """
+
+    prompt: str
+    completion: str
+    completion_ids: List[int]
+    fields: Dict[str, Any]
 
 
 class RewardBatch(NamedTuple):
@@ -39,6 +79,28 @@ class RewardBatch(NamedTuple):
     completion_ids: List[List[int]]
     fields: List[Dict[str, Any]]
 
+    def sample(self, i: int) -> RewardSample:
+        """Returns completion ``i`` as a :class:`RewardSample`."""
+        return RewardSample(self.prompts[i], self.completions[i], self.completion_ids[i], self.fields[i])
+
+    def select(self, indices: Sequence[int]) -> "RewardBatch":
+        """Returns the sub-batch of the given completion indices, in that order."""
+        return RewardBatch(
+            prompts=[self.prompts[i] for i in indices],
+            completions=[self.completions[i] for i in indices],
+            completion_ids=[self.completion_ids[i] for i in indices],
+            fields=[self.fields[i] for i in indices],
+        )
+
+    def columns(self) -> Dict[str, List[Any]]:
+        """The dataset columns as lists aligned with ``completions`` (a key missing from a sample's fields
+        gives None there), e.g. ``{"answer": ["42", "42", ...], "prompt": [...]}``."""
+        keys: Dict[str, None] = {}
+        for f in self.fields:
+            for k in f:
+                keys.setdefault(k, None)
+        return {k: [f.get(k) for f in self.fields] for k in keys}
+
 
 class RewardOutput(NamedTuple):
     """What :class:`RewardSet` returns for a batch of ``N`` completions.
@@ -56,6 +118,13 @@ class RewardOutput(NamedTuple):
     errors: Dict[str, int]
 
 
+def to_plain(value: Any) -> Any:
+    """Converts OmegaConf containers (what YAML arguments arrive as) to plain dicts and lists."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
 def _snake_case(name: str) -> str:
     # "MathAnswerReward" -> "math_answer_reward", "HTTPReward" -> "http_reward".
     name = re.sub(r"([A-Z]+)([A-Z][a-z])", r"\1_\2", name)
@@ -66,13 +135,34 @@ def _snake_case(name: str) -> str:
 class Reward:
     """Optional base class for rewards.
 
-    Subclasses implement ``__call__(batch: RewardBatch) -> List[float]``. The class attribute ``name`` is
-    the snake_case class name unless the subclass sets it (``MathAnswerReward`` -> ``"math_answer_reward"``);
-    an instance may also set ``self.name``. Plain functions work as rewards too: their name is
-    ``__name__``.
+    Implement either ``__call__(batch: RewardBatch) -> List[float]`` (whole batch, the fast path for
+    vectorised or batched rewards such as a model judge) or ``score_one(sample: RewardSample) -> float``
+    (one completion; ``__call__`` then loops over the batch, a sample whose ``score_one`` raises failing
+    alone, and :class:`RewardSet` calls ``score_one`` directly when the component runs per sample). Either
+    may be ``async def``.
+
+    A score may be replaced by an exception instance (``return [1.0, ValueError("no score"), 0.0]``) to
+    mark that one sample as failed: it gets the fallback and counts in ``errors``. Raising fails every
+    sample of the call.
+
+    The class attribute ``name`` is the snake_case class name unless the subclass sets it
+    (``MathAnswerReward`` -> ``"math_answer_reward"``); an instance may also set ``self.name``. Plain
+    functions work as rewards too: their name is ``__name__``.
+
+    Class (or instance) attributes that :class:`RewardSet` reads as defaults, each overridden by the
+    same key in the reward's YAML entry:
+
+    - ``timeout`` (Optional[float]): seconds per sample. Default is None.
+    - ``fallback`` (Optional[float]): score of a failed sample. Default is None (the set's fallback).
+    - ``per_sample`` (Optional[bool]): run once per sample. Default is None (True iff a timeout is set).
+    - ``concurrency`` (int): per-sample calls in flight. Default is 1.
     """
 
     name: str = "reward"
+    timeout: Optional[float] = None
+    fallback: Optional[float] = None
+    per_sample: Optional[bool] = None
+    concurrency: int = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -80,8 +170,30 @@ class Reward:
         if "name" not in cls.__dict__:
             cls.name = _snake_case(cls.__name__)
 
-    def __call__(self, batch: RewardBatch) -> List[float]:
-        raise NotImplementedError(f"{type(self).__name__} must implement __call__(batch) -> List[float]")
+    def score_one(self, sample: RewardSample) -> float:
+        """Scores one completion. Override this or ``__call__``."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement score_one(sample) -> float or __call__(batch) -> List[float]"
+        )
+
+    def __call__(self, batch: RewardBatch) -> List[Any]:
+        if type(self).score_one is Reward.score_one:
+            raise NotImplementedError(
+                f"{type(self).__name__} must implement score_one(sample) -> float or __call__(batch) -> List[float]"
+            )
+        scores: List[Any] = []
+        for i in range(len(batch.completions)):
+            try:
+                scores.append(resolve_awaitable(self.score_one(batch.sample(i))))
+            except Exception as e:  # noqa: BLE001 - this sample fails alone (see the class docstring)
+                scores.append(e)
+        return scores
+
+
+def _has_score_one(reward: Any) -> bool:
+    if isinstance(reward, Reward):
+        return type(reward).score_one is not Reward.score_one
+    return callable(getattr(reward, "score_one", None))
 
 
 def reward_name(reward: Callable[..., Any]) -> str:
@@ -105,50 +217,85 @@ def reward_name(reward: Callable[..., Any]) -> str:
     return _snake_case(type(reward).__name__)
 
 
-def _check_scores(name: str, scores: Any, n: int) -> List[float]:
-    """Converts a component's output to floats, raising ValueError (naming the component) when it is not
-    ``n`` finite real numbers. A wrong output is a bug in the reward, so it is not swallowed."""
+class RewardOutputError(ValueError):
+    """A reward returned something other than one finite number (or exception) per completion."""
+
+
+def _check_scores(name: str, scores: Any, n: int) -> List[Any]:
+    """Converts a component's output to a list of ``n`` floats or exception instances (failed samples),
+    raising ValueError (naming the component) when it is anything else. A wrong output (wrong length,
+    NaN, inf, a string, None) is a bug in the reward, so it is not swallowed."""
     if not isinstance(scores, (list, tuple)) and hasattr(scores, "tolist"):
         # torch tensors and numpy arrays: accepted when 1-D.
         if getattr(scores, "ndim", 1) != 1:
-            raise ValueError(
+            raise RewardOutputError(
                 f"reward {name!r} returned an array of shape {tuple(scores.shape)}; expected a 1-D list of {n}"
             )
         scores = scores.tolist()
     if isinstance(scores, (str, bytes)) or not isinstance(scores, Sequence):
-        raise ValueError(f"reward {name!r} returned {type(scores).__name__}; expected a list of {n} floats")
+        raise RewardOutputError(f"reward {name!r} returned {type(scores).__name__}; expected a list of {n} floats")
     if len(scores) != n:
-        raise ValueError(f"reward {name!r} returned {len(scores)} scores for a batch of {n} completions")
-    out = []
-    for i, s in enumerate(scores):
-        # numbers.Real covers int, float, bool and numpy scalars; strings, None, complex are rejected.
+        raise RewardOutputError(f"reward {name!r} returned {len(scores)} scores for a batch of {n} completions")
+    return [_check_score(name, s, i) for i, s in enumerate(scores)]
+
+
+def _check_score(name: str, s: Any, i: int) -> Any:
+    if isinstance(s, BaseException):
+        return s  # the reward marked this sample as failed
+    # numbers.Real covers int, float, bool and numpy scalars; strings, None, complex are rejected.
+    if not isinstance(s, numbers.Real):
+        if hasattr(s, "item") and getattr(s, "ndim", None) == 0:  # 0-d tensor or array
+            s = s.item()
         if not isinstance(s, numbers.Real):
-            raise ValueError(f"reward {name!r} returned a non-number at index {i}: {s!r}")
-        f = float(s)
-        if not math.isfinite(f):
-            raise ValueError(f"reward {name!r} returned a non-finite score at index {i}: {f}")
-        out.append(f)
-    return out
+            raise RewardOutputError(f"reward {name!r} returned a non-number at index {i}: {s!r}")
+    f = float(s)
+    if not math.isfinite(f):
+        raise RewardOutputError(f"reward {name!r} returned a non-finite score at index {i}: {f}")
+    return f
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _opt(value: Any, reward: Any, attr: str, default: Any) -> Any:
+    if value is not None:
+        return value
+    value = getattr(reward, attr, None)
+    return default if value is None else value
 
 
 class RewardSet:
-    """Weighted sum of reward components, robust to components that raise.
+    """Weighted sum of reward components, robust to components that raise or hang.
 
-    Each component is called once on the whole batch. A component that raises is logged (warning with its
-    name and the exception) and scored ``fallback`` on every sample of the batch; ``errors[name]`` counts
-    those samples. A component that returns the wrong number of scores, a non-number or a NaN/inf raises
-    ``ValueError``: that is a bug in the reward, not a property of the model's output.
+    Each component runs either once on the whole batch, or once per sample (``per_sample``), each sample
+    with its own time limit (``timeout``) and exception handling, up to ``concurrency`` at a time. A failed
+    sample (the component raised, timed out, or put an exception in place of the score) is logged (one
+    warning per component and batch, naming it) and scored with the component's fallback; ``errors[name]``
+    counts those samples. A batch-level call that raises or times out fails every sample of the batch.
+
+    A component that returns the wrong number of scores, a non-number or a NaN/inf raises ``ValueError``
+    naming the component: that is a bug in the reward, not a property of the model's output.
 
     Args:
         rewards (List[Callable]): components, each ``reward(batch: RewardBatch) -> List[float]``.
         weights (List[float]): one finite weight per component.
         names (Optional[List[str]]): one unique name per component, used as metric keys. Default is None:
             each component's own name (see :func:`reward_name`).
-        fallback (float): score given to every sample of a component that raised. Default is 0.0.
+        fallback (float): default score of a failed sample. Default is 0.0.
+        timeouts (Optional[List[Optional[float]]]): per component, seconds per sample (per call when
+            ``per_sample`` is False). Default is None: each reward's ``timeout`` attribute, else no limit.
+        fallbacks (Optional[List[Optional[float]]]): per component fallback. Default is None: each reward's
+            ``fallback`` attribute, else ``fallback``.
+        per_sample (Optional[List[Optional[bool]]]): per component. Default is None: the reward's
+            ``per_sample`` attribute, else True exactly when a timeout is set.
+        concurrency (Optional[List[Optional[int]]]): per component, per-sample calls in flight. Default is
+            None: the reward's ``concurrency`` attribute, else 1.
 
     Raises:
-        ValueError: if the list is empty, lengths differ, a weight or the fallback is not finite, or names
-            are not unique.
+        ValueError: if the list is empty, lengths differ, a weight or fallback is not finite, a timeout is
+            not positive, or names are not unique.
 
     Example:
         >>> rs = RewardSet([MathAnswerReward(), FormatReward()], weights=[1.0, 0.1])
@@ -162,6 +309,10 @@ class RewardSet:
         weights: List[float],
         names: Optional[List[str]] = None,
         fallback: float = 0.0,
+        timeouts: Optional[List[Optional[float]]] = None,
+        fallbacks: Optional[List[Optional[float]]] = None,
+        per_sample: Optional[List[Optional[bool]]] = None,
+        concurrency: Optional[List[Optional[int]]] = None,
     ) -> None:
         rewards = list(rewards)
         weights = [float(w) for w in weights]
@@ -186,10 +337,73 @@ class RewardSet:
         fallback = float(fallback)
         if not math.isfinite(fallback):
             raise ValueError(f"fallback must be finite, got {fallback}")
+
+        def per_component(values: Optional[Sequence[Any]], what: str) -> List[Any]:
+            if values is None:
+                return [None] * len(rewards)
+            values = list(values)
+            if len(values) != len(rewards):
+                raise ValueError(f"RewardSet got {len(rewards)} rewards but {len(values)} {what}")
+            return values
+
+        self.timeouts: List[Optional[float]] = []
+        self.fallbacks: List[float] = []
+        self.per_sample: List[bool] = []
+        self.concurrency: List[int] = []
+        for r, n, t, fb, ps, c in zip(
+            rewards,
+            names,
+            per_component(timeouts, "timeouts"),
+            per_component(fallbacks, "fallbacks"),
+            per_component(per_sample, "per_sample flags"),
+            per_component(concurrency, "concurrency values"),
+        ):
+            t = _opt(t, r, "timeout", None)
+            if t is not None:
+                t = float(t)
+                if not (t > 0 and math.isfinite(t)):
+                    raise ValueError(f"timeout of reward {n!r} must be a positive number of seconds, got {t}")
+            fb = float(_opt(fb, r, "fallback", fallback))
+            if not math.isfinite(fb):
+                raise ValueError(f"fallback of reward {n!r} must be finite, got {fb}")
+            c = int(_opt(c, r, "concurrency", 1))
+            if c < 1:
+                raise ValueError(f"concurrency of reward {n!r} must be >= 1, got {c}")
+            self.timeouts.append(t)
+            self.fallbacks.append(fb)
+            self.per_sample.append(bool(_opt(ps, r, "per_sample", t is not None)))
+            self.concurrency.append(c)
         self.rewards = rewards
         self.weights = weights
         self.names = names
         self.fallback = fallback
+
+    def _run_component(self, k: int, batch: RewardBatch, n: int) -> List[Any]:
+        """Scores of component ``k``: floats, or exceptions for failed samples."""
+        reward, name, timeout = self.rewards[k], self.names[k], self.timeouts[k]
+        if not self.per_sample[k]:
+            out = call_with_timeout(lambda: reward(batch), timeout)
+            if out.status != "ok":
+                return [out.value] * n
+            return _check_scores(name, out.value, n)
+
+        if _has_score_one(reward):
+            def one(i: int) -> Any:
+                return reward.score_one(batch.sample(i))
+        else:
+            def one(i: int) -> Any:
+                return _check_scores(name, resolve_awaitable(reward(batch.select([i]))), 1)[0]
+
+        outcomes: List[Outcome] = run_each(one, n, timeout=timeout, concurrency=self.concurrency[k])
+        scores = []
+        for i, o in enumerate(outcomes):
+            if o.status == "ok":
+                scores.append(_check_score(name, o.value, i))
+            elif isinstance(o.value, RewardOutputError):
+                raise o.value  # a malformed result is a bug in the reward, even per sample
+            else:
+                scores.append(o.value)
+        return scores
 
     def __call__(self, batch: RewardBatch) -> RewardOutput:
         """Scores a batch.
@@ -212,23 +426,25 @@ class RewardSet:
         total = torch.zeros(n, dtype=torch.float64)
         per_component: Dict[str, torch.Tensor] = {}
         errors: Dict[str, int] = {}
-        for reward, weight, name in zip(self.rewards, self.weights, self.names):
-            try:
-                raw = reward(batch)
-            except Exception as e:  # noqa: BLE001 - a reward must never crash a run (see DESIGN.md)
+        for k, (weight, name) in enumerate(zip(self.weights, self.names)):
+            raw = self._run_component(k, batch, n) if n else []
+            failed = [s for s in raw if isinstance(s, BaseException)]
+            fallback = self.fallbacks[k]
+            if failed:
+                kinds: Dict[str, int] = {}
+                for e in failed:
+                    kinds[type(e).__name__] = kinds.get(type(e).__name__, 0) + 1
                 log.warning(
-                    "reward %r raised %s: %s; scoring all %d samples of this batch %s",
+                    "reward %r failed on %d of %d samples (%s; first: %s); scoring them %s",
                     name,
-                    type(e).__name__,
-                    e,
+                    len(failed),
                     n,
-                    self.fallback,
+                    ", ".join(f"{c} {t}" for t, c in sorted(kinds.items())),
+                    _describe(failed[0]),
+                    fallback,
                 )
-                scores = [self.fallback] * n
-                errors[name] = n
-            else:
-                scores = _check_scores(name, raw, n)
-                errors[name] = 0
+            scores = [fallback if isinstance(s, BaseException) else s for s in raw]
+            errors[name] = len(failed)
             values = torch.tensor(scores, dtype=torch.float64)
             total += weight * values
             per_component[name] = values.to(torch.float32)
@@ -242,20 +458,24 @@ class RewardSet:
 def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
     """Builds a :class:`RewardSet` from the recipe's YAML list of reward specs.
 
-    Each spec is a DictConfig or dict with a ``_component_`` dotpath, optional ``weight`` (default 1.0) and
-    ``name`` (default the instantiated reward's own name), and any constructor keyword arguments::
+    Each spec is a DictConfig or dict with a ``_component_`` dotpath, any constructor keyword arguments,
+    and these optional keys, which configure the set rather than the reward (see :data:`OPTION_KEYS`):
+    ``weight`` (default 1.0), ``name`` (default the reward's own name), ``timeout`` (seconds per sample),
+    ``fallback`` (score of a failed sample), ``per_sample`` and ``concurrency`` (see :class:`RewardSet`)::
 
         rewards:
           - _component_: torchtune_grpo.rewards.MathAnswerReward
             weight: 1.0
             name: correctness
             extract: answer_tag
+            timeout: 5        # per sample; a slower sample scores the fallback
+            fallback: 0.0
           - _component_: torchtune_grpo.rewards.FormatReward
             weight: 0.1
 
     Args:
         specs (Sequence[Any]): the list of specs (a ListConfig or list of dicts/DictConfigs).
-        fallback (float): passed to :class:`RewardSet`. Default is 0.0.
+        fallback (float): the default fallback (see :class:`RewardSet`). Default is 0.0.
 
     Returns:
         RewardSet: the instantiated, weighted rewards.
@@ -272,6 +492,7 @@ def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
             "[{_component_: torchtune_grpo.rewards.MathAnswerReward, weight: 1.0}]"
         )
     rewards, weights, names = [], [], []
+    options: Dict[str, List[Any]] = {"timeout": [], "fallback": [], "per_sample": [], "concurrency": []}
     for i, spec in enumerate(specs):
         if isinstance(spec, DictConfig):
             # A resolved copy (interpolations into the rest of the config still work while `spec` is
@@ -285,8 +506,19 @@ def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
             raise ValueError(f"reward spec {i} has no `_component_`: {OmegaConf.to_container(cfg)}")
         weight = cfg.pop("weight", 1.0)
         name = cfg.pop("name", None)
+        for key in options:
+            options[key].append(cfg.pop(key, None))
         reward = tt_config.instantiate(cfg)
         rewards.append(reward)
         weights.append(float(weight))
         names.append(str(name) if name is not None else reward_name(reward))
-    return RewardSet(rewards, weights, names=names, fallback=fallback)
+    return RewardSet(
+        rewards,
+        weights,
+        names=names,
+        fallback=fallback,
+        timeouts=options["timeout"],
+        fallbacks=options["fallback"],
+        per_sample=options["per_sample"],
+        concurrency=options["concurrency"],
+    )

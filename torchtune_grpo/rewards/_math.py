@@ -1,5 +1,9 @@
 """Answer extraction, exact numeric comparison and the math correctness reward.
 
+:class:`MathAnswerReward` compares with the built-in exact comparison below and, when the optional
+``math-verify`` package is installed (``pip install 'torchtune-grpo[math]'``), also with math-verify's
+symbolic LaTeX equivalence.
+
 Numbers are compared exactly, as :class:`fractions.Fraction`, never with a float tolerance: ``0.1 + 0.2``
 style rounding cannot make a wrong answer right, and ``3/4`` equals ``0.75`` exactly.
 
@@ -14,20 +18,25 @@ thousands of digits, non-ASCII digits) without raising and in time linear in the
   ``½``, ``Ⅻ``) are not numbers.
 """
 
+import logging
 import re
+import threading
 import unicodedata
 from fractions import Fraction
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 from torchtune_grpo.rewards._base import Reward, RewardBatch
 
 __all__ = [
+    "BACKENDS",
     "EXTRACT_MODES",
     "MAX_EXPONENT",
     "MAX_NUMBER_CHARS",
     "MathAnswerReward",
     "answers_match",
     "extract_answer",
+    "math_verify_available",
+    "math_verify_match",
     "normalize_text",
     "parse_number",
 ]
@@ -38,6 +47,12 @@ MAX_NUMBER_CHARS = 200
 MAX_EXPONENT = 100
 #: Valid ``extract`` modes of :func:`extract_answer` and :class:`MathAnswerReward`.
 EXTRACT_MODES = ("answer_tag", "boxed", "last_number")
+#: Valid ``backend`` values of :class:`MathAnswerReward`.
+BACKENDS = ("auto", "math_verify", "builtin")
+#: Answers longer than this are not handed to math-verify (sympy parsing of huge text is slow).
+MAX_MATH_VERIFY_CHARS = 1000
+
+log = logging.getLogger(__name__)
 
 _ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
 # `\boxed{`, `\fbox{` openings and plain braces, so one left-to-right pass can match braces with a stack.
@@ -59,7 +74,8 @@ def extract_answer(text: str, mode: str = "answer_tag") -> Optional[str]:
         text (str): the completion.
         mode (str): one of :data:`EXTRACT_MODES`. Default is ``"answer_tag"``.
 
-            - ``"answer_tag"``: the content of the last ``<answer>...</answer>`` block.
+            - ``"answer_tag"``: the content of the last ``<answer>...</answer>`` block; None when that
+              content holds another ``</answer>`` (nested tags).
             - ``"boxed"``: the content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``), with
               nested braces balanced (``\\boxed{\\frac{3}{4}}`` gives ``\\frac{3}{4}``).
             - ``"last_number"``: the last number in the text (integer, decimal with optional ``1,000``
@@ -78,7 +94,11 @@ def extract_answer(text: str, mode: str = "answer_tag") -> Optional[str]:
         start = text.rfind(_ANSWER_OPEN, 0, end)
         if start < 0:
             return None
-        return text[start + len(_ANSWER_OPEN) : end]
+        inner = text[start + len(_ANSWER_OPEN) : end]
+        # Nested or garbled tags ("<answer><answer>4</answer></answer>") leave a tag inside: no answer.
+        if _ANSWER_CLOSE in inner:
+            return None
+        return inner
     if mode == "boxed":
         # Stack of (is_box, content_start); a closing brace pops one level. The answer is the box that
         # closes last. Stray closing braces (empty stack) are ignored. One pass, linear in len(text).
@@ -212,37 +232,129 @@ def answers_match(prediction: str, gold: str) -> bool:
     return normalize_text(prediction) == normalize_text(gold)
 
 
+def _import_math_verify() -> Any:
+    """Returns the ``math_verify`` module, or None when it is not installed (or broken)."""
+    try:
+        import math_verify
+    except Exception:  # noqa: BLE001 - ImportError, or a broken install: either way, not available
+        return None
+    return math_verify
+
+
+def math_verify_available() -> bool:
+    """Whether the optional ``math-verify`` package is importable (``pip install torchtune-grpo[math]``)."""
+    return _import_math_verify() is not None
+
+
+def _as_latex(answer: str) -> str:
+    # math-verify extracts from LaTeX-delimited text; a bare "\frac{1}{2}" or "(1, 2)" needs the $...$.
+    answer = answer.strip()
+    if "$" in answer or "\\boxed" in answer or "\\(" in answer or "\\[" in answer:
+        return answer
+    return f"${answer}$"
+
+
+def math_verify_match(prediction: str, gold: str, _cache: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether math-verify judges ``prediction`` equal to ``gold`` (symbolically, e.g. ``\\frac{\\sqrt2}{2}``
+    equals ``\\sqrt{2}/2``). False when either side has no parsable expression, is longer than
+    :data:`MAX_MATH_VERIFY_CHARS`, or math-verify fails.
+
+    math-verify's own time limits use ``signal.alarm``, which works only in the main thread; elsewhere
+    (per-sample reward threads) they are switched off and the caller's timeout applies.
+
+    Args:
+        prediction (str): the extracted answer.
+        gold (str): the gold answer.
+
+    Returns:
+        bool: True when math-verify says they are equal.
+
+    Raises:
+        ImportError: if math-verify is not installed.
+    """
+    mv = _import_math_verify()
+    if mv is None:
+        raise ImportError("math-verify is not installed: pip install 'torchtune-grpo[math]'")
+    if len(prediction) > MAX_MATH_VERIFY_CHARS or len(gold) > MAX_MATH_VERIFY_CHARS:
+        return False
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        key = gold
+        if _cache is not None and key in _cache:
+            g = _cache[key]
+        else:
+            g = mv.parse(_as_latex(gold), parsing_timeout=limit)
+            if _cache is not None:
+                _cache[key] = g
+        if not g:
+            return False
+        p = mv.parse(_as_latex(prediction), parsing_timeout=limit)
+        if not p:
+            return False
+        return bool(mv.verify(g, p, timeout_seconds=limit))
+    except Exception as e:  # noqa: BLE001 - a parser failure on model text is a mismatch, not an error
+        log.debug("math-verify failed on %r vs %r: %s", prediction[:100], gold[:100], e)
+        return False
+
+
 class MathAnswerReward(Reward):
     """1.0 when the completion's final answer equals the gold answer ``fields[i][answer_key]``, else 0.0.
 
-    The answer is extracted with :func:`extract_answer` and compared with :func:`answers_match` (exact
-    numbers, else normalised strings). A completion with nothing (or only whitespace) to extract scores 0.0. Never raises on
-    completion text; a missing gold answer raises KeyError (a dataset bug, which :class:`RewardSet` turns
-    into a logged fallback).
+    The answer is extracted with :func:`extract_answer` (``<answer>`` tags, the last ``\\boxed{}``, or the
+    last number, as configured), then compared:
+
+    - always with the built-in exact comparison :func:`answers_match` (exact numbers as fractions, else
+      normalised strings);
+    - and, with the ``math_verify`` backend, also with math-verify (symbolic LaTeX equivalence:
+      ``\\frac{1}{2}`` = ``0.5``, ``\\sqrt{2}/2`` = ``\\frac{\\sqrt{2}}{2}``, intervals, sets...).
+
+    The answer is correct when either says so. A completion with nothing (or only whitespace) to extract
+    scores 0.0. Never raises on completion text; a missing gold answer raises KeyError (a dataset bug,
+    which :class:`RewardSet` turns into a logged fallback).
 
     Args:
         extract (str): ``"answer_tag"``, ``"boxed"`` or ``"last_number"`` (see :func:`extract_answer`).
             Default is ``"answer_tag"``.
         answer_key (str): the dataset field holding the gold answer. Default is ``"answer"``.
+        backend (str): ``"auto"`` (math-verify when installed, else built-in), ``"math_verify"`` (required)
+            or ``"builtin"``. Default is ``"auto"``.
 
     Raises:
-        ValueError: if ``extract`` is unknown.
+        ValueError: if ``extract`` or ``backend`` is unknown.
+        ImportError: if ``backend="math_verify"`` and math-verify is not installed.
     """
 
-    def __init__(self, extract: str = "answer_tag", answer_key: str = "answer") -> None:
+    def __init__(self, extract: str = "answer_tag", answer_key: str = "answer", backend: str = "auto") -> None:
         if extract not in EXTRACT_MODES:
             raise ValueError(f"unknown extract mode {extract!r}; valid modes are {list(EXTRACT_MODES)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; valid backends are {list(BACKENDS)}")
+        available = math_verify_available()
+        if backend == "math_verify" and not available:
+            raise ImportError(
+                "MathAnswerReward(backend='math_verify') needs math-verify: pip install 'torchtune-grpo[math]'"
+            )
         self.extract = extract
         self.answer_key = answer_key
+        self.backend = "math_verify" if backend == "math_verify" or (backend == "auto" and available) else "builtin"
+
+    def _score(self, completion: str, fields: Dict[str, Any], cache: Dict[str, Any]) -> float:
+        if self.answer_key not in fields:
+            raise KeyError(f"dataset fields have no gold answer {self.answer_key!r}: {sorted(fields)}")
+        pred = extract_answer(completion or "", self.extract)
+        # A blank answer never matches, even a blank gold answer.
+        if pred is None or pred.strip() == "":
+            return 0.0
+        gold = str(fields[self.answer_key])
+        if answers_match(pred, gold):
+            return 1.0
+        if self.backend == "math_verify" and math_verify_match(pred, gold, cache):
+            return 1.0
+        return 0.0
 
     def __call__(self, batch: RewardBatch) -> List[float]:
-        scores = []
-        for completion, fields in zip(batch.completions, batch.fields):
-            if self.answer_key not in fields:
-                raise KeyError(f"dataset fields have no gold answer {self.answer_key!r}: {sorted(fields)}")
-            pred = extract_answer(completion or "", self.extract)
-            # A blank answer never matches, even a blank gold answer.
-            ok = pred is not None and pred.strip() != ""
-            ok = ok and answers_match(pred, str(fields[self.answer_key]))
-            scores.append(1.0 if ok else 0.0)
-        return scores
+        cache: Dict[str, Any] = {}  # parsed gold answers: each is repeated group_size times
+        return [self._score(c, f, cache) for c, f in zip(batch.completions, batch.fields)]
+
+    def score_one(self, sample: Any) -> float:
+        return self._score(sample.completion, sample.fields, {})

@@ -1,0 +1,68 @@
+"""A test-only generation engine whose completions are a fixed function of the prompt.
+
+Recipe tests that compare runs with different splits of the same global batch (1 vs 2 processes) need
+identical rollouts, but each rank samples with its own RNG. :class:`ScriptedGenerator` ignores the model and
+the RNG: the completions of a prompt depend only on its token ids, so a prompt gets the same group on any
+rank, in any run. It is a real ``generation`` component (``_component_: tests._engines.ScriptedGenerator``),
+instantiated by the recipe like :class:`~torchtune_grpo.generation.NativeGenerator`.
+
+``GENERATE_CALLS`` counts calls in this process; :class:`tests._losses.StepCyclingLoss` uses it as the step
+number (one generation round per step without dynamic sampling).
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from torchtune_grpo.generation import Rollout
+
+GENERATE_CALLS = 0
+
+
+class ScriptedGenerator:
+    """Completions from the prompt's ids: varied lengths, some truncated, some groups all alike.
+
+    Args:
+        flat_every (int): when > 0, prompts whose hash is divisible by it get ``group_size`` identical
+            completions (a zero-variance group). Default is 0 (never).
+        low (int): smallest token id used. Default is 60.
+        high (int): one past the largest token id used. Default is 300.
+    """
+
+    temperature = 1.0
+
+    def __init__(self, flat_every: int = 0, low: int = 60, high: int = 300) -> None:
+        self.flat_every = flat_every
+        self.low, self.high = low, high
+
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompts: List[List[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+        generator: Optional[torch.Generator] = None,
+        temperature: Optional[float] = None,
+    ) -> Rollout:
+        global GENERATE_CALLS
+        GENERATE_CALLS += 1
+        prompt_ids, response_ids, truncated = [], [], []
+        span = self.high - self.low
+        for p in prompts:
+            h = sum((i + 1) * t for i, t in enumerate(p))
+            flat = self.flat_every > 0 and h % self.flat_every == 0
+            for j in range(group_size):
+                k = 0 if flat else j
+                # Lengths 1 .. max_new_tokens + 2; above the budget means truncated (no stop token).
+                length = 1 + (h + 5 * k) % (max_new_tokens + 2)
+                cut = length > max_new_tokens
+                body = [self.low + (h * 7 + k * 13 + t * 31) % span for t in range(min(length, max_new_tokens))]
+                if not cut:
+                    body[-1] = stop_tokens[0]
+                prompt_ids.append(list(p))
+                response_ids.append(body)
+                truncated.append(cut)
+        return Rollout(prompt_ids=prompt_ids, response_ids=response_ids, truncated=torch.tensor(truncated))

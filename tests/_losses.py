@@ -1,0 +1,41 @@
+"""A test-only loss component: a different GRPOLoss variant at each training step of a run.
+
+Recipe-level checks of split independence compare weights after each step of runs that split the same
+global batch differently. Checking every variant in separate runs would cost one `tune run` each; with
+``StepCyclingLoss`` one run checks them all: step ``k`` uses ``variants[(k - 1) % len(variants)]``, and
+weights saved after every step isolate each variant's update (the weights before step ``k`` already agree).
+The step number is the generation-call count of :class:`tests._engines.ScriptedGenerator` (one call per step).
+"""
+
+from typing import Any, Dict, List, Optional
+
+from torch import nn
+
+from tests import _engines
+from torchtune_grpo.loss import GRPOLoss, LossOutput
+
+
+class StepCyclingLoss(nn.Module):
+    """Step ``k`` uses ``GRPOLoss(**{recipe kwargs, **variants[(k - 1) % len]})``.
+
+    Args:
+        variants (List[Dict[str, Any]]): GRPOLoss keyword arguments, one dict per step of the cycle.
+        kl_coef (float): from the recipe; a variant may override it. Default is 0.0.
+        kl_estimator (str): from the recipe. Default is ``"k3"``.
+        max_response_length (Optional[int]): from the recipe. Default is None.
+    """
+
+    def __init__(
+        self,
+        variants: List[Dict[str, Any]],
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        max_response_length: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        base = {"kl_coef": kl_coef, "kl_estimator": kl_estimator, "max_response_length": max_response_length}
+        self.losses = [GRPOLoss(**{**base, **dict(v)}) for v in variants]
+        self.entropy_coef = max(loss.entropy_coef for loss in self.losses)
+
+    def forward(self, *args: Any, **kwargs: Any) -> LossOutput:
+        return self.losses[(_engines.GENERATE_CALLS - 1) % len(self.losses)](*args, **kwargs)

@@ -1,0 +1,84 @@
+"""Helpers shared by the recipe tests: write a tiny config, run `tune run` in a subprocess, read results."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Union
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from torchtune import config as tt_config, training
+
+from tests.conftest import REPO, TINY_CONFIG
+
+TUNE = str(Path(sys.executable).parent / "tune")
+REQUIRED_METRICS = {
+    "step", "loss", "policy_loss", "kl", "entropy", "reward/mean", "reward/std", "clip_fraction",
+    "response_length/mean", "response_length/terminated_mean", "truncated_fraction", "zero_std_fraction",
+    "dynamic_sampling/rounds", "dynamic_sampling/groups_dropped", "grad_norm", "lr", "tokens_per_second",
+    "time/generation", "time/train", "time/step",
+}
+
+
+def write_config(
+    tmp_path: Path, base: Union[Path, str] = TINY_CONFIG, vowel_reward: bool = True, **overrides
+) -> Path:
+    """Copy a config with ``output_dir`` in ``tmp_path`` and ``overrides`` (dotted keys) applied.
+
+    ``vowel_reward`` adds :class:`tests._rewards.VowelFractionReward`, so the random tiny model gets a
+    learning signal (its format/correctness rewards are all 0).
+    """
+    cfg = OmegaConf.load(base)
+    cfg.output_dir = str(tmp_path / "out")
+    if vowel_reward:
+        cfg.reward_functions.append({"_component_": "tests._rewards.VowelFractionReward", "weight": 1.0})
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True, merge=False)
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+def run_tune(config_path: Path, *overrides: str, nproc: int = 1, cwd: Path) -> str:
+    """``tune run [--nproc_per_node N] grpo_full_finetune_distributed --config ...``; returns the output.
+
+    Runs from ``cwd`` (outside the repository: the recipe is an installed module) with the repository on
+    PYTHONPATH, so test-only components (``tests._rewards``...) import.
+    """
+    cmd = [TUNE, "run"]
+    if nproc > 1:
+        cmd += ["--nproc_per_node", str(nproc)]
+    cmd += ["grpo_full_finetune_distributed", "--config", str(config_path), *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def read_jsonl(path: Path) -> List[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def tiny_model_from(checkpoint_dir: Path, tmp_path: Path):
+    """Build the tiny torchtune model and load a checkpoint directory through torchtune's HF checkpointer."""
+    cfg = OmegaConf.load(TINY_CONFIG)
+    model = tt_config.instantiate(cfg.model)
+    files = sorted(p.name for p in checkpoint_dir.glob("*.safetensors"))
+    ckpt = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(checkpoint_dir), checkpoint_files=files, model_type="QWEN2",
+        output_dir=str(tmp_path / "scratch"),
+    )
+    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
+    return model.eval()
+
+
+def weights(directory: Path) -> Dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``."""
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out

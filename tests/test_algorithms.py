@@ -1,0 +1,211 @@
+"""Pure pieces of the algorithm family: dynamic sampling, the soft overlong reward, the algorithm card,
+step metrics, config validation and entropy without gradient. Expected values are worked out by hand."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from grpo_full_finetune_distributed import validate_config
+from tests.conftest import TINY_CONFIG
+from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
+from torchtune_grpo.dynamic_sampling import DynamicSampling, GroupSelection, RolloutGroups
+from torchtune_grpo.logprobs import chunked_logprobs
+from torchtune_grpo.rewards import RewardBatch, SoftOverlongPunishment
+from torchtune_grpo.step_metrics import rollout_sums, step_metrics
+
+
+def _groups(rewards, group_size=2, truncated=None, lengths=None):
+    n = len(rewards)
+    lengths = lengths or [3] * n
+    return RolloutGroups(
+        group_size=group_size,
+        prompts=[f"p{i}" for i in range(n // group_size)],
+        fields=[{"answer": str(i)} for i in range(n // group_size)],
+        prompt_ids=[[1, 2]] * n,
+        response_ids=[[7] * k for k in lengths],
+        completions=[f"c{i}" for i in range(n)],
+        truncated=torch.tensor(truncated or [False] * n),
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        per_component={"r": torch.tensor(rewards, dtype=torch.float32)},
+        errors={"r": 0},
+    )
+
+
+# ------------------------------------------------------------------------------------ dynamic sampling
+
+
+def test_select_keeps_first_informative_groups():
+    # groups: [1,1] flat, [0,1] ok, [0,0] flat, [1,0] ok, [0.3, 0.1+0.2] flat (float noise), [2,3] ok
+    groups = _groups([1, 1, 0, 1, 0, 0, 1, 0, 0.3, 0.1 + 0.2, 2, 3])
+    ds = DynamicSampling(enabled=True, max_rounds=3)
+    assert ds.informative(groups).tolist() == [False, True, False, True, False, True]
+    assert ds.select(groups, 2) == GroupSelection(indices=[1, 3], dropped=3, filled=0, surplus=1)
+    assert ds.select(groups, 3) == GroupSelection(indices=[1, 3, 5], dropped=3, filled=0, surplus=0)
+    # 5 needed but 3 informative: top up with the first 2 flat groups (0 and 2), keep generation order
+    assert ds.select(groups, 5) == GroupSelection(indices=[0, 1, 2, 3, 5], dropped=1, filled=2, surplus=0)
+    assert ds.needs_more(groups, 4) and not ds.needs_more(groups, 3)
+
+
+def test_disabled_dynamic_sampling_is_one_round_of_everything():
+    groups = _groups([1, 1, 0, 1])
+    ds = DynamicSampling()
+    assert ds.max_rounds == 1 and not ds.needs_more(groups, 2)
+    assert ds.select(groups, 2) == GroupSelection(indices=[0, 1], dropped=0, filled=0, surplus=0)
+    assert DynamicSampling(enabled=True, max_rounds=5).max_rounds == 5
+    with pytest.raises(ValueError, match="max_rounds"):
+        DynamicSampling(enabled=True, max_rounds=0)
+    with pytest.raises(ValueError, match="fewer than"):
+        ds.select(groups, 3)
+
+
+def test_rollout_groups_select_and_concat():
+    a = _groups([1, 1, 0, 1], truncated=[False, True, False, False])
+    b = _groups([5, 6], truncated=[True, True])
+    b.errors = {"r": 2}
+    both = RolloutGroups.concat([a, b])
+    assert both.num_groups == 3 and both.errors == {"r": 2}
+    assert both.rewards.tolist() == [1, 1, 0, 1, 5, 6]
+    picked = both.select([2, 0])
+    assert picked.prompts == ["p0", "p0"]  # b's first prompt is also named p0
+    assert picked.rewards.tolist() == [5, 6, 1, 1]
+    assert picked.truncated.tolist() == [True, True, False, True]
+    assert picked.per_component["r"].tolist() == [5, 6, 1, 1]
+    assert picked.completions == ["c0", "c1", "c0", "c1"]
+
+
+# ------------------------------------------------------------------------------ soft overlong reward
+
+
+def test_soft_overlong_punishment_by_hand():
+    # L_max = 10, L_cache = 4: no penalty up to 6 tokens, then (6 - |y|) / 4, -1 beyond 10.
+    #   |y| = 0, 6 -> 0; 7 -> -0.25; 8 -> -0.5; 10 -> -1; 11 -> -1
+    reward = SoftOverlongPunishment(max_length=10, buffer_length=4)
+    lengths = [0, 6, 7, 8, 10, 11]
+    batch = RewardBatch(
+        prompts=["q"] * 6, completions=["x"] * 6, completion_ids=[[1] * k for k in lengths], fields=[{}] * 6
+    )
+    assert reward(batch) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert reward.name == "soft_overlong"
+    with pytest.raises(ValueError, match="buffer_length"):
+        SoftOverlongPunishment(max_length=10, buffer_length=11)
+    with pytest.raises(ValueError, match="max_length"):
+        SoftOverlongPunishment(max_length=0, buffer_length=1)
+
+
+# ------------------------------------------------------------------------------------- step metrics
+
+
+def test_step_metrics_by_hand():
+    # 4 completions, lengths [2, 4, 6, 8], truncated [F, F, T, F]; rewards [1, 0 | 1, 1] (group 1 flat).
+    generated = _groups([1, 0, 1, 1], truncated=[False, False, True, False], lengths=[2, 4, 6, 8])
+    zero_std = torch.tensor([False, True])
+    sums = rollout_sums(generated, zero_std, GroupSelection([0, 1], dropped=0, filled=1, surplus=0))
+    assert sums["terminated_len"] == 14 and sums["terminated"] == 3 and sums["truncated"] == 1
+    reduced = {
+        **{k: 2 * v for k, v in sums.items()},  # two identical "ranks"
+        "loss": 0.5, "policy_loss": 0.4, "kl": 0.1, "clip_fraction": 0.0, "ratio_mean": 1.0, "entropy": 2.0,
+        "kl_penalty": 0.6, "n_trained": 8.0,
+    }
+    m = step_metrics(reduced)
+    assert m["reward/mean"] == pytest.approx(0.75)  # (1 + 0 + 1 + 1) / 4
+    assert m["reward/std"] == pytest.approx(0.75**0.5 * 0.25**0.5)  # population std of {1, 0, 1, 1}
+    assert m["response_length/mean"] == 5.0  # 20 / 4
+    assert m["response_length/terminated_mean"] == pytest.approx(14 / 3)  # (2 + 4 + 8) / 3
+    assert m["truncated_fraction"] == 0.25
+    assert m["zero_std_fraction"] == 0.5
+    assert m["reward/kl_penalty"] == pytest.approx(0.6 / 8)
+    assert m["dynamic_sampling/groups_filled"] == 2.0
+    assert m["reward/r/mean"] == pytest.approx(0.75) and m["reward/r/errors"] == 0.0
+    assert m["entropy"] == 2.0 and m["loss"] == 0.5
+
+
+# ------------------------------------------------------------------------------------ algorithm card
+
+
+def _spec(**kw):
+    base = dict(
+        world_size=2, batch_size=4, group_size=8, micro_batch_size=16, ppo_epochs=1, max_response_length=512,
+        advantage="A_i = R_i - mean(R_group)", rewards=[("correctness", 1.0), ("format", 0.5)],
+    )
+    return AlgorithmSpec(**{**base, **kw})
+
+
+def test_card_batch_arithmetic():
+    card = algorithm_card(_spec(ppo_epochs=4, micro_batch_size=5))
+    assert "| prompts per optimizer step | 8 | batch_size 4 x 2 process(es) |" in card
+    assert "| sequences per optimizer step (effective global batch) | 64 |" in card
+    assert "| micro-batches per process per optimizer step | 7 | ceil(32 / micro_batch_size 5)" in card
+    assert "| optimizer steps per generation round | 4 |" in card and "up to 3 update(s) stale" in card
+    assert "| prompts consumed per step | 8 |" in card
+    assert "| reference model | not loaded | kl_coef = 0 |" in card
+    assert "reward     R_i = 1 * correctness + 0.5 * format" in card
+    dyn = algorithm_card(_spec(dynamic_sampling=True, max_rounds=3))
+    assert "| prompts consumed per step | 8 to 24 (4 x 2 per round, 1 to 3 rounds) |" in dyn
+
+
+@pytest.mark.parametrize(
+    "mode, line",
+    [
+        ("token-mean", "loss       L = (1 / M) * sum_i sum_t l_i,t   [token-mean"),
+        ("seq-mean-token-mean", "loss       L = (1 / N) * sum_i (1 / |o_i|) * sum_t l_i,t   [seq-mean-token-mean"),
+        ("seq-mean-token-sum", "loss       L = (1 / N) * sum_i sum_t l_i,t   [seq-mean-token-sum:"),
+        ("seq-mean-token-sum-norm", "loss       L = (1 / (N * 512)) * sum_i sum_t l_i,t   [seq-mean-token-sum-norm"),
+    ],
+)
+def test_card_aggregation_formula(mode, line):
+    assert line in algorithm_card(_spec(loss_agg_mode=mode))
+
+
+def test_card_kl_clip_entropy_and_ratio():
+    card = algorithm_card(
+        _spec(kl_coef=0.04, kl_estimator="k3", reference_model=True, epsilon_high=0.28, dual_clip=3.0,
+              entropy_coef=0.01)
+    )
+    assert "policy     p_i,t = -min(rho_i,t * A_i, clip(rho_i,t, 1 - 0.2, 1 + 0.28) * A_i)" in card
+    assert "min(p_i,t, -3 * A_i) where A_i < 0" in card
+    assert "per token  l_i,t = p_i,t + 0.04 * k3_i,t - 0.01 * H_i,t" in card
+    assert "k3 = exp(d) - d - 1" in card and "| reference model | loaded" in card
+    reward_kl = algorithm_card(_spec(kl_coef=0.1, kl_estimator="k1", kl_placement="reward", reference_model=True))
+    assert "per token  l_i,t = p_i,t\n" in reward_kl
+    assert "R_i = 1 * correctness + 0.5 * format - 0.1 * sum_t k1(log pi_old, log pi_ref)_i,t" in reward_kl
+    gspo = algorithm_card(_spec(ratio_level="sequence"))
+    assert "s_i = exp((1 / |o_i|) * sum_t" in gspo
+    masked = algorithm_card(_spec(mask_truncated_completions=True))
+    assert "N = number of sequences not truncated" in masked
+    custom = algorithm_card(_spec(loss_agg_mode=None, loss_name="MyLoss"))
+    assert "Custom loss component `MyLoss`" in custom
+
+
+# ------------------------------------------------------------------------------- config validation
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"kl_estimator": "k9"}, "kl_estimator must be one of"),
+        ({"kl_placement": "advantage"}, "kl_placement must be one of"),
+        ({"loss.kl_estimator": "k2"}, "Set kl_estimator at the top level"),
+        ({"dynamic_sampling": {"enabled": True, "max_round": 3}}, "Unknown dynamic_sampling key"),
+    ],
+)
+def test_validation_of_algorithm_keys(overrides, message):
+    cfg = OmegaConf.load(TINY_CONFIG)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    with pytest.raises(ValueError, match=message):
+        validate_config(cfg)
+
+
+def test_entropy_without_gradient_has_same_values():
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(8, 20, bias=False)
+    hidden = torch.randn(2, 5, 8, requires_grad=True)
+    targets = torch.randint(0, 20, (2, 5))
+    with_grad = chunked_logprobs(hidden, targets, proj, chunk_size=3, with_entropy=True)
+    logged = chunked_logprobs(hidden, targets, proj, chunk_size=3, with_entropy=True, entropy_grad=False)
+    torch.testing.assert_close(logged.entropy, with_grad.entropy)
+    torch.testing.assert_close(logged.logprobs, with_grad.logprobs)
+    assert with_grad.entropy.requires_grad
+    # The logged entropy is a constant: its gradient wrt the hidden states is zero.
+    grad = torch.autograd.grad(logged.entropy.sum() + 0 * logged.logprobs.sum(), hidden)[0]
+    assert torch.equal(grad, torch.zeros_like(grad))

@@ -1,0 +1,163 @@
+"""The GRPO algorithm family through `tune run`: split independence of every loss variant, the presets,
+dynamic sampling with resumption, and the algorithm card.
+
+Cost (2 CPU cores): about 8 s per single-process `tune run` and 15 s per two-process one; checks are
+batched so that each run covers several variants (see tests/_losses.py).
+"""
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_tune, weights, write_config
+from torchtune_grpo.assets import asset_path
+
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo"]
+
+# One GRPOLoss variant per step (tests/_losses.py): the four aggregation modes, GSPO's sequence ratio
+# with its tiny clip range, and token-mean with the KL term (k3+), dual clip and an entropy bonus.
+VARIANTS = [
+    {"loss_agg_mode": "token-mean", "kl_coef": 0.0},
+    {"loss_agg_mode": "seq-mean-token-mean", "kl_coef": 0.0},
+    {"loss_agg_mode": "seq-mean-token-sum", "kl_coef": 0.0},
+    {"loss_agg_mode": "seq-mean-token-sum-norm", "kl_coef": 0.0},
+    {"loss_agg_mode": "seq-mean-token-mean", "ratio_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4,
+     "kl_coef": 0.0},
+    {"loss_agg_mode": "token-mean", "dual_clip": 1.5, "entropy_coef": 0.01, "epsilon": 0.05},
+]
+
+
+def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int) -> Path:
+    # Deterministic rollouts (tests/_engines.py) and shuffle=False: rank r of W takes prompts r, r+W, ...,
+    # so W processes x batch_size b train on the same global set of prompts as 1 process x W*b.
+    return write_config(
+        run_dir,
+        vowel_reward=False,
+        max_steps=len(VARIANTS),
+        save_every_n_steps=1,
+        shuffle=False,
+        batch_size=batch_size,
+        micro_batch_size=micro_batch_size,
+        generation={"_component_": "tests._engines.ScriptedGenerator"},
+        reward_functions=[{"_component_": "tests._rewards.EvenTokenReward"}],
+        advantage={"_component_": "torchtune_grpo.advantages.BatchStdAdvantage"},  # needs global stats
+        loss={"_component_": "tests._losses.StepCyclingLoss", "variants": VARIANTS},
+        kl_coef=0.05,
+        kl_estimator="k3+",
+        mask_truncated_completions=True,  # global token/sequence counts change with the mask
+        ppo_epochs=2,  # the second update is off-policy: ratios, clipping and dual clip act
+        optimizer={"_component_": "torch.optim.SGD", "lr": 0.05},
+        lr_scheduler=None,
+        clip_grad_norm=None,  # the update is the raw gradient
+    )
+
+
+@pytest.mark.slow
+def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path):
+    # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches;
+    # C = 2 processes of 8 sequences, 1 micro-batch each. Weights after every step must agree.
+    runs = {"A": (1, 4, 16), "B": (1, 4, 4), "C": (2, 2, 8)}
+    results = {}
+    for name, (nproc, batch_size, mbs) in runs.items():
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        log = run_tune(_split_config(run_dir, batch_size, mbs), nproc=nproc, cwd=run_dir)
+        assert f"{nproc} rank(s)" in log
+        out = run_dir / "out"
+        results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
+        results[name + "_metrics"] = read_jsonl(out / "metrics.jsonl")
+
+    metrics = results["A_metrics"]
+    assert any(0 < m["truncated_fraction"] < 1 for m in metrics)  # the mask really removes sequences
+    assert any(m["clip_fraction"] > 0 for m in metrics)
+    assert metrics[-1]["kl"] > 0 and metrics[-1]["entropy"] > 0
+    before = weights(Path(asset_path("tiny_qwen2")))
+    for k, variant in enumerate(VARIANTS):
+        prev = before if k == 0 else results["A"][k - 1]
+        step_change = max((results["A"][k][key] - prev[key]).abs().max().item() for key in prev)
+        assert step_change > 5e-4, f"step {k + 1} ({variant}) barely moved the weights: {step_change}"
+        for other in ("B", "C"):
+            for key, value in results["A"][k].items():
+                torch.testing.assert_close(
+                    results[other][k][key], value, atol=1e-5, rtol=0,
+                    msg=lambda m: f"run {other}, step {k + 1} ({variant}), {key}: {m}",
+                )
+    # Logged losses are global too (sums of micro-batch and rank contributions).
+    for other in ("B", "C"):
+        for ma, mo in zip(metrics, results[other + "_metrics"]):
+            for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "reward/mean"):
+                assert mo[key] == pytest.approx(ma[key], abs=1e-5), (other, ma["step"], key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_tiny_preset_runs_two_steps(preset, tmp_path):
+    config = REPO / "configs" / "algorithms" / f"{preset}_tiny.yaml"
+    nproc = 2 if preset == "dapo" else 1  # dynamic sampling's cross-rank round agreement needs 2 ranks
+    log = run_tune(
+        config, f"output_dir={tmp_path / 'out'}", "max_steps=2", "save_every_n_steps=null",
+        nproc=nproc, cwd=tmp_path,
+    )
+    out = tmp_path / "out"
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert REQUIRED_METRICS <= m.keys(), REQUIRED_METRICS - m.keys()
+        assert math.isfinite(m["loss"]) and m["entropy"] > 0
+    card = (out / "algorithm_card.md").read_text()
+    assert "# Algorithm card" in card and "# Algorithm card" in log  # printed and written
+    expected = {
+        "grpo": ["[seq-mean-token-mean", "0.04 * k3_i,t", "/ (std(R_group)", "| reference model | loaded"],
+        "dr_grpo": ["[seq-mean-token-sum-norm", "(1 / (N * 24))", "A_i = R_i - mean(R_group)", "| not loaded"],
+        "dapo": ["[token-mean", "1 + 0.28", "Dynamic sampling", "soft_overlong", "masked out of the loss"],
+        "gspo": ["[sequence level, GSPO]", "1 - 0.0003", "1 + 0.0004", "| 2 | ppo_epochs"],
+    }[preset]
+    for text in expected:
+        assert text in card, f"{text!r} not in the card:\n{card}"
+    if preset == "dapo":
+        assert "2 rank(s)" in log
+        assert all(1 <= m["dynamic_sampling/rounds"] <= 3 for m in metrics)
+    assert (out / "step_2" / "recipe_state.pt").is_file()
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_kl_reward_resume_exactly(tmp_path):
+    # Half of the prompts get a zero-variance reward (tests/_rewards.py), so dynamic sampling drops groups and
+    # runs extra rounds; 24 prompts / batch 4 = 6 batches per epoch, so the extra rounds roll over epochs.
+    # The KL sits in the reward. Resuming from step 2 must reproduce steps 3-4 exactly.
+    cfg = write_config(
+        tmp_path,
+        vowel_reward=False,
+        max_steps=4,
+        save_every_n_steps=2,
+        reward_functions=[{"_component_": "tests._rewards.HalfPromptsVowelReward"}],
+        **{"dataset.num_samples": 24},
+        dynamic_sampling={"enabled": True, "max_rounds": 3},
+        kl_coef=0.05,
+        kl_placement="reward",
+        kl_estimator="k1",
+    )
+    log = run_tune(cfg, cwd=tmp_path)
+    assert "KL in the reward" in log
+    out = tmp_path / "out"
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert sum(m["dynamic_sampling/rounds"] for m in metrics) > len(metrics)  # extra rounds ran
+    assert sum(m["dynamic_sampling/groups_dropped"] for m in metrics) > 0
+    assert metrics[-1]["reward/kl_penalty"] != 0  # the policy moved away from the reference
+    uninterrupted = weights(out / "step_4")
+
+    shutil.rmtree(out / "step_4")
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:2]))
+    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    assert "Resuming from" in log
+    resumed_metrics = read_jsonl(out / "metrics.jsonl")
+    for before, after in zip(metrics[2:], resumed_metrics[2:]):
+        for key in ("dynamic_sampling/rounds", "dynamic_sampling/groups_dropped", "reward/mean", "loss"):
+            assert after[key] == pytest.approx(before[key], abs=1e-6), key
+    resumed = weights(out / "step_4")
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,292 @@
+"""The algorithm card: an exact, human-readable statement of what a run optimises.
+
+The recipe builds an :class:`AlgorithmSpec` from its resolved config at start-up, prints
+:func:`algorithm_card` and writes it to ``${output_dir}/algorithm_card.md``. It answers the questions users
+of GRPO trainers keep asking: which loss (aggregation, clipping, KL estimator and where the KL goes), which
+advantage, how many prompts and samples make one optimizer step, how many optimizer steps reuse one
+generation round (how off-policy the updates are), and whether a reference model is in memory.
+
+Everything here is pure: plain values in, markdown out.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+__all__ = ["AlgorithmSpec", "algorithm_card"]
+
+_AGGREGATION = {
+    "token-mean": ("L = (1 / M) * sum_i sum_t l_i,t", "every token weighs the same (DAPO)"),
+    "seq-mean-token-mean": (
+        "L = (1 / N) * sum_i (1 / |o_i|) * sum_t l_i,t",
+        "every sequence weighs the same (GRPO, GSPO)",
+    ),
+    "seq-mean-token-sum": ("L = (1 / N) * sum_i sum_t l_i,t", "sum over tokens, mean over sequences"),
+    "seq-mean-token-sum-norm": (
+        "L = (1 / (N * {L_max})) * sum_i sum_t l_i,t",
+        "constant normaliser N x max_response_length, no length bias (Dr. GRPO)",
+    ),
+}
+
+_KL_FORMULA = {
+    "k1": "k1 = -d",
+    "k2": "k2 = d^2 / 2",
+    "k3": "k3 = exp(d) - d - 1",
+    "k3+": "k3+ = exp(d) - d - 1 in value, gradient of d^2 / 2 (straight-through)",
+}
+
+
+@dataclass
+class AlgorithmSpec:
+    """Plain values that define a GRPO run (all from the resolved config and the instantiated components).
+
+    Attributes:
+        world_size (int): processes.
+        batch_size (int): prompts per process per optimizer step.
+        group_size (int): completions per prompt, ``G``.
+        micro_batch_size (int): sequences per forward/backward.
+        ppo_epochs (int): optimizer steps per generation round.
+        max_response_length (int): generation budget in tokens.
+        advantage (str): the advantage estimator's formula.
+        rewards (List[Tuple[str, float]]): reward components as ``(name, weight)``.
+        loss_agg_mode (Optional[str]): None for a loss component without one (then only ``loss_name`` is
+            reported).
+        loss_name (str): the loss component. Default is ``"GRPOLoss"``.
+        epsilon_low (float): lower clip range. Default is 0.2.
+        epsilon_high (float): upper clip range. Default is 0.2.
+        dual_clip (Optional[float]): dual-clip bound. Default is None.
+        ratio_level (str): ``"token"`` or ``"sequence"``. Default is ``"token"``.
+        entropy_coef (float): entropy bonus weight. Default is 0.0.
+        kl_coef (float): KL weight. Default is 0.0.
+        kl_estimator (str): KL estimator. Default is ``"k3"``.
+        kl_placement (str): ``"loss"`` or ``"reward"``. Default is ``"loss"``.
+        reference_model (bool): whether a reference model is loaded. Default is False.
+        mask_truncated_completions (bool): truncated completions are left out of the loss. Default is
+            False.
+        dynamic_sampling (bool): DAPO dynamic sampling on. Default is False.
+        max_rounds (int): generation rounds per step at most. Default is 1.
+        optimizer (str): optimizer description. Default is ``""``.
+        clip_grad_norm (Optional[float]): gradient norm clipping. Default is None.
+    """
+
+    world_size: int
+    batch_size: int
+    group_size: int
+    micro_batch_size: int
+    ppo_epochs: int
+    max_response_length: int
+    advantage: str
+    rewards: List[Tuple[str, float]] = field(default_factory=list)
+    loss_agg_mode: Optional[str] = "token-mean"
+    loss_name: str = "GRPOLoss"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    dual_clip: Optional[float] = None
+    ratio_level: str = "token"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_placement: str = "loss"
+    reference_model: bool = False
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False
+    max_rounds: int = 1
+    optimizer: str = ""
+    clip_grad_norm: Optional[float] = None
+
+    @classmethod
+    def from_components(
+        cls, *, loss: Any, advantage: Any, rewards: Any, optimizer: Any, lr_schedule: Optional[str] = None, **values: Any
+    ) -> "AlgorithmSpec":
+        """A spec from the run's instantiated components (read, never called) and plain ``values``.
+
+        A loss without ``loss_agg_mode`` (not a :class:`~torchtune_grpo.loss.GRPOLoss`) is reported by name.
+
+        Args:
+            loss (Any): the loss component; its ``loss_agg_mode``, clip ranges, ``ratio_level`` and
+                ``entropy_coef`` are read when present.
+            advantage (Any): the advantage estimator; its ``formula`` when present, else its class name.
+            rewards (Any): the :class:`~torchtune_grpo.rewards.RewardSet` (``names``, ``weights``).
+            optimizer (Any): the torch optimizer (its type and initial learning rate).
+            lr_schedule (Optional[str]): the LR schedule's name. Default is None.
+            **values (Any): the other fields of :class:`AlgorithmSpec`.
+
+        Returns:
+            AlgorithmSpec: the spec.
+        """
+        group = optimizer.param_groups[0]
+        described = f"{type(optimizer).__name__}(lr={group.get('initial_lr', group['lr']):g})"
+        return cls(
+            advantage=getattr(advantage, "formula", type(advantage).__name__),
+            rewards=list(zip(rewards.names, rewards.weights)),
+            loss_agg_mode=getattr(loss, "loss_agg_mode", None),
+            loss_name=type(loss).__name__,
+            epsilon_low=getattr(loss, "epsilon_low", 0.0),
+            epsilon_high=getattr(loss, "epsilon_high", 0.0),
+            dual_clip=getattr(loss, "dual_clip", None),
+            ratio_level=getattr(loss, "ratio_level", "token"),
+            entropy_coef=getattr(loss, "entropy_coef", 0.0),
+            optimizer=described + (f", schedule {lr_schedule}" if lr_schedule else ""),
+            **values,
+        )
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def _batch_table(s: AlgorithmSpec) -> List[str]:
+    prompts = s.batch_size * s.world_size
+    seqs = prompts * s.group_size
+    local = s.batch_size * s.group_size
+    micro = math.ceil(local / max(1, min(s.micro_batch_size, local)))
+    if s.ppo_epochs == 1:
+        off_policy = "on-policy: every update uses rollouts of the current weights (ratio = 1)"
+    else:
+        later = "update 2 reuses" if s.ppo_epochs == 2 else f"updates 2..{s.ppo_epochs} reuse"
+        off_policy = (
+            f"update 1 is on-policy; {later} the same rollouts, up to {s.ppo_epochs - 1} update(s) "
+            "stale (the ratio and its clipping act there)"
+        )
+    if s.dynamic_sampling:
+        consumed = (
+            f"{prompts} to {prompts * s.max_rounds} ({s.batch_size} x {s.world_size} per round, 1 to "
+            f"{s.max_rounds} rounds)"
+        )
+        consumed_note = "dynamic sampling: extra rounds on new prompts until every process has informative groups"
+    else:
+        consumed, consumed_note = str(prompts), "one generation round per step"
+    if s.reference_model:
+        ref = ("loaded (frozen copy of the initial policy)", f"kl_coef = {_g(s.kl_coef)} > 0")
+    else:
+        ref = ("not loaded", "kl_coef = 0")
+    rows = [
+        ("processes", str(s.world_size), "world size"),
+        ("prompts per optimizer step", str(prompts), f"batch_size {s.batch_size} x {s.world_size} process(es)"),
+        ("samples per prompt (G)", str(s.group_size), "group_size"),
+        (
+            "sequences per optimizer step (effective global batch)",
+            str(seqs),
+            f"{prompts} prompts x G {s.group_size}; the loss is normalised over all of them",
+        ),
+        (
+            "micro-batches per process per optimizer step",
+            str(micro),
+            f"ceil({local} / micro_batch_size {s.micro_batch_size}): gradient accumulation, same update",
+        ),
+        ("optimizer steps per generation round", str(s.ppo_epochs), f"ppo_epochs; {off_policy}"),
+        ("prompts consumed per step", consumed, consumed_note),
+        ("reference model", ref[0], ref[1]),
+    ]
+    out = ["| quantity | value | from |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return out
+
+
+def _objective(s: AlgorithmSpec) -> List[str]:
+    lines = []
+    if s.ratio_level == "sequence":
+        lines.append(
+            "ratio      s_i = exp((1 / |o_i|) * sum_t (log pi_theta(o_i,t) - log pi_old(o_i,t)))   "
+            "[sequence level, GSPO]; rho_i,t = s_i"
+        )
+    else:
+        lines.append("ratio      rho_i,t = pi_theta(o_i,t | q, o_i,<t) / pi_old(o_i,t | q, o_i,<t)   [token level]")
+    lines.append(
+        f"policy     p_i,t = -min(rho_i,t * A_i, clip(rho_i,t, 1 - {_g(s.epsilon_low)}, "
+        f"1 + {_g(s.epsilon_high)}) * A_i)"
+    )
+    if s.dual_clip is not None:
+        lines.append(f"           and p_i,t = min(p_i,t, -{_g(s.dual_clip)} * A_i) where A_i < 0   [dual clip]")
+    per_token = "p_i,t"
+    if s.kl_coef > 0 and s.kl_placement == "loss":
+        per_token += f" + {_g(s.kl_coef)} * {s.kl_estimator}_i,t"
+    if s.entropy_coef > 0:
+        per_token += f" - {_g(s.entropy_coef)} * H_i,t"
+    lines.append(f"per token  l_i,t = {per_token}")
+    if s.kl_coef > 0:
+        lines.append(
+            f"KL         {_KL_FORMULA[s.kl_estimator]},  d = log pi_ref(o_i,t) - log pi(o_i,t)   "
+            f"[estimator {s.kl_estimator}]"
+        )
+    if s.entropy_coef > 0:
+        lines.append("entropy    H_i,t = entropy of pi_theta(. | q, o_i,<t)   [bonus]")
+    formula, why = _AGGREGATION[s.loss_agg_mode]
+    lines.append(f"loss       {formula.format(L_max=s.max_response_length)}   [{s.loss_agg_mode}: {why}]")
+    lines.append(f"advantage  {s.advantage}")
+    reward = " + ".join(f"{_g(w)} * {name}" for name, w in s.rewards) or "(none)"
+    if s.kl_coef > 0 and s.kl_placement == "reward":
+        reward += f" - {_g(s.kl_coef)} * sum_t {s.kl_estimator}(log pi_old, log pi_ref)_i,t   [KL in the reward]"
+    lines.append(f"reward     R_i = {reward}")
+    return lines
+
+
+def _notes(s: AlgorithmSpec) -> List[str]:
+    seqs = "N = number of sequences" + (" not truncated" if s.mask_truncated_completions else "")
+    notes = [
+        f"- Sums run over the global batch: {seqs}, M = their response tokens, summed over all "
+        "micro-batches and processes before any division, so the update does not depend on "
+        "micro_batch_size or on the number of processes.",
+        "- pi_old is the policy that generated the rollouts (no gradient); pi_ref the initial policy.",
+    ]
+    if s.kl_coef == 0:
+        notes.append("- No KL term: kl_coef = 0, so no reference model is loaded.")
+    elif s.kl_placement == "loss":
+        notes.append(f"- KL placement: loss (a per-token term weighted {_g(s.kl_coef)}, aggregated like the policy term).")
+    else:
+        notes.append(
+            "- KL placement: reward. The penalty uses the sampling policy's log-probabilities, is summed over "
+            "each sequence and subtracted from R_i before the advantage; it has no gradient of its own."
+        )
+    if s.mask_truncated_completions:
+        notes.append(
+            "- Truncated completions (no stop token within max_response_length) are masked out of the loss "
+            "(DAPO overlong filtering); they still count in their group's advantage baseline."
+        )
+    if s.dynamic_sampling:
+        notes.append(
+            f"- Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and up to "
+            f"{s.max_rounds} generation rounds are run to fill the batch; if they run out, zero-variance groups "
+            "fill it (zero advantage)."
+        )
+    if s.optimizer:
+        clip = f", gradient norm clipped to {_g(s.clip_grad_norm)}" if s.clip_grad_norm is not None else ""
+        notes.append(f"- Optimizer: {s.optimizer}{clip}.")
+    return notes
+
+
+def algorithm_card(spec: AlgorithmSpec) -> str:
+    """Renders the algorithm card as markdown.
+
+    Args:
+        spec (AlgorithmSpec): the run's settings.
+
+    Returns:
+        str: the card, ending with a newline.
+    """
+    out = [
+        "# Algorithm card",
+        "",
+        "What every optimizer step of this run minimises, stated from its resolved config.",
+        "",
+        "## Batch",
+        "",
+        *_batch_table(spec),
+        "",
+        "## Objective",
+        "",
+    ]
+    if spec.loss_agg_mode is None:
+        out += [f"Custom loss component `{spec.loss_name}`: see its documentation.", ""]
+        out += ["```text", f"advantage  {spec.advantage}", "```"]
+    else:
+        out += [
+            "Sequence i (of the N in the global batch) answers prompt q with completion o_i of |o_i| tokens; "
+            "A_i is its advantage.",
+            "",
+            "```text",
+            *_objective(spec),
+            "```",
+        ]
+    out += ["", *_notes(spec), ""]
+    return "\n".join(out)

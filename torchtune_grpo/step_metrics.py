@@ -1,0 +1,101 @@
+"""Per-step metrics as sums that the recipe all-reduces over ranks, then turns into means.
+
+Two kinds of metric, documented in docs/algorithms.md:
+
+- rollout metrics (``reward/*``, ``response_length/*``, ``truncated_fraction``, ``zero_std_fraction``) describe
+  every completion *generated* in the step, all dynamic-sampling rounds included: they measure the policy;
+- loss metrics (``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_fraction``, ``ratio_mean``) and
+  ``reward/kl_penalty`` describe the batch *trained on*.
+
+Every value here is a sum, so summing the dicts of all ranks gives the global sums.
+"""
+
+from typing import Dict, Iterable
+
+import torch
+
+from torchtune_grpo.dynamic_sampling import GroupSelection, RolloutGroups
+
+__all__ = ["LOSS_METRICS", "rollout_sums", "step_metrics"]
+
+#: Fields of :class:`torchtune_grpo.loss.LossOutput` logged under their own name (already global sums).
+LOSS_METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean", "entropy")
+
+
+def rollout_sums(
+    generated: RolloutGroups, zero_std: torch.Tensor, selection: GroupSelection
+) -> Dict[str, float]:
+    """One rank's sums over the completions it generated this step.
+
+    Args:
+        generated (RolloutGroups): every group this rank generated in the step.
+        zero_std (torch.Tensor): ``[generated.num_groups]`` bool, zero-variance groups.
+        selection (GroupSelection): what dynamic sampling kept.
+
+    Returns:
+        Dict[str, float]: sums, keyed for :func:`step_metrics`.
+    """
+    total = generated.rewards.double()
+    lengths = torch.tensor([len(r) for r in generated.response_ids], dtype=torch.float64)
+    terminated = ~generated.truncated
+    sums = {
+        "n": float(total.numel()),
+        "reward_sum": total.sum().item(),
+        "reward_sq": (total**2).sum().item(),
+        "resp_len": lengths.sum().item(),
+        "truncated": generated.truncated.sum().item(),
+        "terminated": terminated.sum().item(),
+        "terminated_len": lengths[terminated].sum().item(),
+        "zero_std": zero_std.sum().item(),
+        "groups": float(zero_std.numel()),
+        "tokens": float(sum(len(p) + len(r) for p, r in zip(generated.prompt_ids, generated.response_ids))),
+        "ds_dropped": float(selection.dropped),
+        "ds_filled": float(selection.filled),
+        "ds_surplus": float(selection.surplus),
+    }
+    sums.update({f"comp:{k}": v.double().sum().item() for k, v in generated.per_component.items()})
+    sums.update({f"err:{k}": float(v) for k, v in generated.errors.items()})
+    return sums
+
+
+def _mean(total: float, count: float) -> float:
+    return total / count if count else 0.0
+
+
+def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METRICS) -> Dict[str, float]:
+    """Turns globally reduced sums into the logged metrics.
+
+    Args:
+        reduced (Dict[str, float]): :func:`rollout_sums` summed over ranks, plus the loss metrics (already
+            global contributions, see :class:`~torchtune_grpo.loss.LossOutput`) and ``kl_penalty`` /
+            ``n_trained`` (sum of per-sequence KL penalties and trained sequences).
+        loss_keys (Iterable[str]): loss metrics to copy as they are. Default is :data:`LOSS_METRICS`.
+
+    Returns:
+        Dict[str, float]: metric name -> value.
+    """
+    n = reduced["n"]
+    mean = _mean(reduced["reward_sum"], n)
+    metrics = {k: reduced[k] for k in loss_keys}
+    metrics.update(
+        {
+            "reward/mean": mean,
+            "reward/std": max(_mean(reduced["reward_sq"], n) - mean**2, 0.0) ** 0.5,
+            "reward/kl_penalty": _mean(reduced["kl_penalty"], reduced["n_trained"]),
+            "response_length/mean": _mean(reduced["resp_len"], n),
+            # mean length of completions that ended with a stop token (0 when none did)
+            "response_length/terminated_mean": _mean(reduced["terminated_len"], reduced["terminated"]),
+            # fraction cut at max_response_length (verl's response_length/clip_ratio)
+            "truncated_fraction": _mean(reduced["truncated"], n),
+            "zero_std_fraction": _mean(reduced["zero_std"], reduced["groups"]),
+            "dynamic_sampling/groups_dropped": reduced["ds_dropped"],
+            "dynamic_sampling/groups_filled": reduced["ds_filled"],
+            "dynamic_sampling/groups_surplus": reduced["ds_surplus"],
+        }
+    )
+    for key, value in reduced.items():
+        if key.startswith("comp:"):
+            metrics[f"reward/{key[5:]}/mean"] = _mean(value, n)
+        elif key.startswith("err:"):
+            metrics[f"reward/{key[4:]}/errors"] = value
+    return metrics
