@@ -80,6 +80,7 @@ _PROFILER_OFF = {"_component_": "torchtune.training.setup_torch_profiler", "enab
 REQUIRED_KEYS = {
     "output_dir", "model", "tokenizer", "checkpointer", "dataset", "group_size", "batch_size",
     "max_response_length", "generation", "reward_functions", "loss", "advantage", "optimizer",
+    "device", "dtype", "metric_logger",
 }
 
 
@@ -195,6 +196,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
             )
             recipe_state = torch.load(resume_dir / RECIPE_STATE_FILE, weights_only=False)
+            # The seed decides the data order: restore it before the sampler is built.
+            if recipe_state["seed"] != self.seed:
+                utils.log_rank_zero(
+                    log, f"Using the checkpoint's seed {recipe_state['seed']}, not {self.seed}"
+                )
+                self.seed = training.set_seed(seed=recipe_state["seed"])
         policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
         self._model = self._setup_model(cfg, policy_state, trainable=True)
         # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
@@ -374,9 +381,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _load_recipe_state(self, state: Dict[str, Any]) -> None:
         self.global_step, self.epochs_run = state["step"], state["epoch"]
-        if state["seed"] != self.seed:
-            utils.log_rank_zero(log, f"Using the checkpoint's seed {state['seed']}, not {self.seed}")
-            self.seed = state["seed"]
         training.load_from_full_optimizer_state_dict(
             self._model, self._optimizer, state["optimizer"], self._device
         )
