@@ -84,17 +84,21 @@ REQUIRED_KEYS = {
 }
 
 
-def validate_config(cfg: DictConfig) -> None:
-    """Fail early, naming the key, on unknown (misspelled) or missing top-level keys."""
-    unknown = sorted(set(cfg.keys()) - KNOWN_KEYS)
+def validate_config(cfg: DictConfig, known_keys: Optional[set] = None) -> None:
+    """Fail early, naming the key, on unknown (misspelled) or missing top-level keys.
+
+    ``known_keys`` defaults to this recipe's ``KNOWN_KEYS`` (the LoRA recipe passes a superset).
+    """
+    known_keys = KNOWN_KEYS if known_keys is None else known_keys
+    unknown = sorted(set(cfg.keys()) - known_keys)
     if unknown:
         hints = []
         for key in unknown:
-            close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
+            close = difflib.get_close_matches(key, known_keys, n=1)
             hints.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
         raise ValueError(
             f"Unknown config key(s): {', '.join(hints)}. "
-            f"Known keys: {', '.join(sorted(KNOWN_KEYS))}."
+            f"Known keys: {', '.join(sorted(known_keys))}."
         )
     missing = sorted(REQUIRED_KEYS - set(cfg.keys()))
     if missing:
@@ -138,8 +142,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): the run's config (see ``configs/tiny/full_grpo_cpu.yaml`` for every key).
     """
 
+    @classmethod
+    def known_keys(cls) -> set:
+        """Top-level config keys this recipe reads (subclasses add theirs)."""
+        return KNOWN_KEYS
+
     def __init__(self, cfg: DictConfig) -> None:
-        validate_config(cfg)
+        validate_config(cfg, self.known_keys())
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         _init_distributed(self._device.type)
@@ -188,13 +197,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"resume_from_checkpoint=True but no complete step_* checkpoint in {self.output_dir}"
             )
         base_checkpointer = config.instantiate(cfg.checkpointer)
-        if resume_dir is None:
-            self._checkpointer, recipe_state = base_checkpointer, None
-        else:
+        recipe_state = None
+        if resume_dir is not None:
             utils.log_rank_zero(log, f"Resuming from {resume_dir}")
-            self._checkpointer = config.instantiate(
-                cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
-            )
             recipe_state = torch.load(resume_dir / RECIPE_STATE_FILE, weights_only=False)
             # The seed decides the data order: restore it before the sampler is built.
             if recipe_state["seed"] != self.seed:
@@ -202,23 +207,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     log, f"Using the checkpoint's seed {recipe_state['seed']}, not {self.seed}"
                 )
                 self.seed = training.set_seed(seed=recipe_state["seed"])
-        policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
-        self._model = self._setup_model(cfg, policy_state, trainable=True)
-        # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
-        # used: don't spend its memory.
-        self._ref_model = None
-        if self.kl_coef > 0:
-            ref_state = (
-                policy_state if resume_dir is None
-                else base_checkpointer.load_checkpoint()[training.MODEL_KEY]
-            )
-            self._ref_model = self._setup_model(cfg, ref_state, trainable=False)
-            del ref_state
-        del policy_state
-        utils.log_rank_zero(
-            log,
-            f"Reference model: {'frozen copy of the initial policy' if self._ref_model else 'none (kl_coef = 0)'}",
-        )
+        self._setup_models(cfg, base_checkpointer, resume_dir)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._engine = config.instantiate(cfg.generation)
@@ -276,7 +265,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
             kl_placement="reward" if self.kl_in_reward else "loss",
-            reference_model=self._ref_model is not None,
+            reference_model=self._has_reference,
             mask_truncated_completions=self.mask_truncated,
             dynamic_sampling=self._dynamic.enabled,
             max_rounds=self._dynamic.max_rounds,
@@ -288,6 +277,49 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             with open(os.path.join(self.output_dir, "algorithm_card.md"), "w", encoding="utf-8") as f:
                 f.write(card)
             log.info("Algorithm card (also in %s/algorithm_card.md):\n%s", self.output_dir, card)
+
+    def _setup_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Any]) -> None:
+        """Build the policy (``self._model``), the reference (``self._ref_model``) and ``self._checkpointer``.
+
+        A hook: the LoRA recipe overrides it (base weights + adapters, no second model).
+        """
+        if resume_dir is None:
+            self._checkpointer = base_checkpointer
+        else:
+            self._checkpointer = config.instantiate(
+                cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
+            )
+        policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
+        self._model = self._setup_model(cfg, policy_state, trainable=True)
+        # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
+        # used: don't spend its memory.
+        self._ref_model = None
+        if self.kl_coef > 0:
+            ref_state = (
+                policy_state if resume_dir is None
+                else base_checkpointer.load_checkpoint()[training.MODEL_KEY]
+            )
+            self._ref_model = self._setup_model(cfg, ref_state, trainable=False)
+            del ref_state
+        del policy_state
+        utils.log_rank_zero(
+            log,
+            f"Reference model: {'frozen copy of the initial policy' if self._ref_model else 'none (kl_coef = 0)'}",
+        )
+
+    @property
+    def _has_reference(self) -> bool:
+        """Whether reference logprobs are computed (a hook: LoRA has a reference but no second model)."""
+        return self._ref_model is not None
+
+    def _reference_logprobs(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+        """Reference-policy logprobs ``[N, T]`` of ``tokens [N, L]``; None without a reference.
+
+        A hook: the LoRA recipe computes them with the same model, adapters disabled.
+        """
+        if self._ref_model is None:
+            return None
+        return self._batched_logprobs(self._ref_model, tokens, start)
 
     def _setup_model(
         self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool
@@ -622,9 +654,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         kept = kept.to(self._device)
         mask = response_mask & kept.unsqueeze(1)
 
-        ref_logprobs = (
-            self._batched_logprobs(self._ref_model, tokens, start) if self._ref_model else None
-        )
+        ref_logprobs = self._reference_logprobs(tokens, start)  # [N, T] or None
         self._model.train()
         # With one pass the old policy *is* the current one (ratio 1): no extra forward needed, unless
         # the KL penalty in the reward needs the sampling policy's logprobs before the advantages.

@@ -42,8 +42,14 @@ def write_config(
     return path
 
 
-def run_tune(config_path: Path, *overrides: str, nproc: int = 1, cwd: Path) -> str:
-    """``tune run [--nproc_per_node N] grpo_full_finetune_distributed --config ...``; returns the output.
+def run_tune(
+    config_path: Path,
+    *overrides: str,
+    nproc: int = 1,
+    cwd: Path,
+    recipe: str = "grpo_full_finetune_distributed",
+) -> str:
+    """``tune run [--nproc_per_node N] RECIPE --config ...``; returns the output.
 
     Runs from ``cwd`` (outside the repository: the recipe is an installed module) with the repository on
     PYTHONPATH, so test-only components (``tests._rewards``...) import.
@@ -51,7 +57,7 @@ def run_tune(config_path: Path, *overrides: str, nproc: int = 1, cwd: Path) -> s
     cmd = [TUNE, "run"]
     if nproc > 1:
         cmd += ["--nproc_per_node", str(nproc)]
-    cmd += ["grpo_full_finetune_distributed", "--config", str(config_path), *overrides]
+    cmd += [recipe, "--config", str(config_path), *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr

@@ -16,6 +16,7 @@ from torchtune import config as tt_config, training
 from torchtune.config._utils import _get_component_from_path
 
 from grpo_full_finetune_distributed import KNOWN_KEYS, REQUIRED_KEYS, validate_config
+from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 from tests.conftest import REPO
 from torchtune_grpo.cli import list_configs, main
 from torchtune_grpo.rewards import _base as reward_base, build_reward_set
@@ -31,11 +32,24 @@ REAL_CONFIGS = [
     "qwen2_5/3B_full_grpo",
     "llama3_2/1B_full_grpo",
     "llama3_2/3B_full_grpo",
+    "llama3_2/1B_lora_grpo",
+    "llama3_2/3B_lora_grpo",
+    "qwen2_5/3B_lora_grpo",
+    "qwen2_5/3B_qlora_grpo",
 ]
 
 
 def _name(path: Path) -> str:
     return str(path.relative_to(CONFIG_DIR).with_suffix(""))
+
+
+def _recipe(name: str) -> str:
+    """The recipe a config is for: LoRA configs have "lora" in their name."""
+    return "grpo_lora_finetune_distributed" if "lora" in name else "grpo_full_finetune_distributed"
+
+
+def _known_keys(path: Path) -> set:
+    return GRPOLoRAFinetuneRecipeDistributed.known_keys() if "lora" in path.name else KNOWN_KEYS
 
 
 def _load(name: str) -> DictConfig:
@@ -67,9 +81,14 @@ def test_configs_found():
 def test_config_keys(path: Path):
     cfg = OmegaConf.load(path)
     keys = set(cfg.keys())
-    assert keys <= KNOWN_KEYS, f"unknown keys: {sorted(keys - KNOWN_KEYS)}"
+    known = _known_keys(path)
+    assert keys <= known, f"unknown keys: {sorted(keys - known)}"
     assert REQUIRED_KEYS <= keys, f"missing keys: {sorted(REQUIRED_KEYS - keys)}"
-    validate_config(cfg)
+    validate_config(cfg, known)
+    if "lora" in path.name:  # a LoRA builder, and the full recipe refuses the LoRA-only keys
+        assert "lora" in cfg.model._component_.rsplit(".", 1)[-1]
+        with pytest.raises(ValueError, match="save_adapter_weights_only"):
+            validate_config(cfg)
     # Every interpolation resolves (${output_dir}, ${max_prompt_length}, ${grpo_asset:...}).
     OmegaConf.to_container(cfg, resolve=True)
 
@@ -169,7 +188,8 @@ def test_cli_ls(capsys):
     assert sorted(listed) == sorted(_name(p) for p in ALL_CONFIGS)
     assert list_configs() == sorted(listed)
     for line in out.splitlines()[1:]:
-        assert line.split()[0] == "grpo_full_finetune_distributed"
+        assert line.split()[0] == _recipe(line.split()[-1])
+    assert any(line.split()[0] == "grpo_lora_finetune_distributed" for line in out.splitlines()[1:])
 
 
 def test_cli_cp(tmp_path: Path, capsys):

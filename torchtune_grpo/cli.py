@@ -15,6 +15,7 @@ __all__ = ["config_path", "list_configs", "main"]
 
 RECIPES = {
     "grpo_full_finetune_distributed": "full",
+    "grpo_lora_finetune_distributed": "lora",
 }
 
 

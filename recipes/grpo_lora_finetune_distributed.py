@@ -1,0 +1,272 @@
+# torchtune-grpo: GRPO with LoRA (or QLoRA) adapters on one or many processes (FSDP2).
+#
+#   tune run grpo_lora_finetune_distributed --config configs/tiny/lora_grpo_cpu.yaml
+#   tune run --nproc_per_node 8 grpo_lora_finetune_distributed --config my.yaml
+#
+# This file is installed as a top-level module, so `tune run` finds it from any directory.
+"""GRPO with LoRA adapters (Hu et al. 2021, arXiv:2106.09685) or QLoRA (Dettmers et al. 2023,
+arXiv:2305.14314): the GRPO step of ``grpo_full_finetune_distributed``, training only low-rank adapters.
+
+What differs from full fine-tuning, and nothing else does (data, rollout, rewards, advantages, loss and the
+training loop are the full recipe's, inherited):
+
+- The model comes from a torchtune LoRA builder (``lora_attn_modules``, ``apply_lora_to_mlp``,
+  ``lora_rank``, ``lora_alpha``, ``lora_dropout``; ``quantize_base: True`` for QLoRA's NF4 base weights).
+  Only adapter parameters are trainable: gradients and AdamW state exist for them alone.
+- The reference policy is the base model, i.e. the same model with its adapters switched off
+  (``torchtune.modules.peft.disable_adapter``): no second copy of the weights. LoRA's B matrices start at
+  zero, so the initial policy *is* the base model and the KL is measured to it, as in full fine-tuning.
+- Checkpoints (``${output_dir}/step_N``) hold the adapter: ``adapter_model.safetensors`` +
+  ``adapter_config.json`` (PEFT: ``PeftModel.from_pretrained(base, step_N)``) and ``adapter_model.pt``
+  (torchtune keys), plus ``recipe_state.pt``; ``step_N/merged/`` holds a Hugging Face model with the adapter
+  merged into the base weights (skip it with ``save_adapter_weights_only: True``). A resumed run reads the
+  base weights from ``checkpointer.checkpoint_dir`` again and the adapter + optimizer from ``step_N``.
+
+FSDP2 is set up as in torchtune's ``lora_finetune_distributed`` (meta-device init, per-layer
+``fully_shard``, adapters initialised after sharding), except that QLoRA's NF4 base weights are kept out of
+FSDP (``ignored_params``) and held whole on every rank: with torch 2.13 FSDP2's single-process path ignores
+NF4's all-gather extension, and sharding NF4 needs every weight's block count to divide by the world size.
+"""
+
+import os
+import shutil
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torchtune import config, modules, training, utils
+from torchtune.modules.peft import (
+    disable_adapter,
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_merged_lora_ckpt,
+    LoRALinear,
+    set_trainable_params,
+)
+
+from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
+from torchtune_grpo.checkpointing import finalize_step_dir, save_recipe_state
+from torchtune_grpo.lora import (
+    ADAPTER_TORCHTUNE_FILE,
+    load_nf4_base_weights,
+    lora_hyperparams,
+    nf4_parameters,
+    save_adapter,
+)
+
+log = utils.get_logger("INFO")
+
+# Top-level keys this recipe reads on top of the full recipe's.
+LORA_KEYS = {"save_adapter_weights_only"}
+MERGED_DIR = "merged"  # step_N/merged: the Hugging Face model with the adapter merged in
+
+
+class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
+    """GRPO with LoRA/QLoRA adapters and FSDP2. See the module docstring and ``docs/lora.md``.
+
+    Args:
+        cfg (DictConfig): the run's config (see ``configs/tiny/lora_grpo_cpu.yaml``).
+    """
+
+    @classmethod
+    def known_keys(cls) -> set:
+        return super().known_keys() | LORA_KEYS
+
+    def __init__(self, cfg: DictConfig) -> None:
+        super().__init__(cfg)
+        self._save_adapter_weights_only = bool(cfg.get("save_adapter_weights_only", False))
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _setup_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Path]) -> None:
+        # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.
+        # Saves go through the same checkpointer, whose config.json and tokenizer files are the base's.
+        self._checkpointer = base_checkpointer
+        base_state = base_checkpointer.load_checkpoint()[training.MODEL_KEY]
+        adapter_state = None
+        if resume_dir is not None:
+            adapter_state = torch.load(
+                Path(resume_dir) / ADAPTER_TORCHTUNE_FILE, map_location="cpu", weights_only=True
+            )
+        self._model = self._setup_lora_model(cfg, base_state, adapter_state)
+        del base_state, adapter_state
+        self._ref_model = None  # the reference is self._model with adapters disabled
+        reference = "the base model (adapters disabled), no second copy" if self.kl_coef > 0 else None
+        utils.log_rank_zero(log, f"Reference model: {reference or 'none (kl_coef = 0)'}")
+
+    def _setup_lora_model(
+        self,
+        cfg: DictConfig,
+        base_state: Dict[str, torch.Tensor],
+        adapter_state: Optional[Dict[str, torch.Tensor]],
+    ) -> torch.nn.Module:
+        cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        with training.set_default_dtype(self._dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        self._lora = lora_hyperparams(model)  # raises for a model without LoRA layers
+        max_len = int(cfg.get("max_prompt_length", 0)) + self.max_response_length
+        if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
+            raise ValueError(
+                f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
+                f"max_seq_len = {model.max_seq_len}"
+            )
+        adapter_names = set(get_adapter_params(model))
+        set_trainable_params(model, adapter_names)
+        if cfg.get("enable_activation_checkpointing", False):
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        nf4 = {p for _, p in nf4_parameters(model)}
+        self._shard(model, cpu_offload=cpu_offload, ignored_params=nf4)
+        # NF4 weights first: model.state_dict() (used by every load below) dequantizes them through a
+        # torchtune hook, which fails while they are still on the meta device.
+        base_state = dict(base_state)
+        nf4_keys = set(load_nf4_base_weights(model, base_state, self._device, self._dtype))
+
+        if adapter_state is not None:
+            loaded = training.load_from_full_model_state_dict(
+                model, dict(adapter_state), self._device, cpu_offload=cpu_offload
+            )
+            if loaded.unexpected_keys or adapter_names - set(adapter_state):
+                raise ValueError(
+                    f"The saved adapter does not match the model: unexpected {loaded.unexpected_keys}, "
+                    f"missing {sorted(adapter_names - set(adapter_state))}"
+                )
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if isinstance(m, LoRALinear) and adapter_state is None:
+                    # A fresh adapter: A random, B zero, so the initial policy is the base model.
+                    m.to_empty(device="cpu" if cpu_offload else self._device)
+                    m.initialize_parameters()
+                if hasattr(m, "rope_init"):  # RoPE caches are buffers that meta-init left empty
+                    m.rope_init()
+
+        loaded = training.load_from_full_model_state_dict(
+            model, base_state, self._device, cpu_offload=cpu_offload
+        )
+        missing = set(loaded.missing_keys) - adapter_names - nf4_keys
+        if missing or loaded.unexpected_keys:
+            raise ValueError(
+                f"The base checkpoint does not match the model: missing {sorted(missing)}, "
+                f"unexpected {sorted(loaded.unexpected_keys)}"
+            )
+        training.validate_no_params_on_meta_device(model)
+        set_trainable_params(model, adapter_names)  # loading assigned new parameters: freeze again
+
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        utils.log_rank_zero(
+            log,
+            f"LoRA rank {self._lora.rank}, alpha {self._lora.alpha:g} on {self._lora.target_modules}"
+            f"{' with NF4 base weights (QLoRA)' if nf4 else ''}: {trainable:,} trainable parameters of "
+            f"{total:,} ({100 * trainable / total:.2f}%)",
+        )
+        return model
+
+    def _shard(self, model: torch.nn.Module, *, cpu_offload: bool, ignored_params: set) -> None:
+        """FSDP2 per transformer layer, then the root (``training.shard_model``), NF4 weights left out."""
+        if not ignored_params:
+            training.shard_model(
+                model,
+                shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+                cpu_offload=cpu_offload,
+                reshard_after_forward=self._reshard_after_forward,
+            )
+            return
+        kwargs: Dict[str, Any] = {
+            "reshard_after_forward": self._reshard_after_forward,
+            "ignored_params": ignored_params,
+        }
+        if cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for name, module in reversed(list(model.named_modules())):
+            if training.get_shard_conditions(name, module):
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+
+    # ------------------------------------------------------------------------------- reference policy
+
+    @property
+    def _has_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    def _reference_logprobs(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+        """Logprobs ``[N, T]`` under the base model: the policy with its adapters switched off."""
+        if self.kl_coef <= 0:
+            return None
+        was_training = self._model.training
+        self._model.eval()
+        try:
+            with disable_adapter(self._model):
+                return self._batched_logprobs(self._model, tokens, start)
+        finally:
+            self._model.train(was_training)
+
+    # ----------------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, step: int) -> None:
+        """Write ``{output_dir}/step_{step}``: adapter (PEFT + torchtune), merged model, recipe state.
+
+        Everything is written to a hidden staging directory first and renamed to ``step_{step}``;
+        ``recipe_state.pt`` comes last and marks the checkpoint complete.
+        """
+        with_merged = not self._save_adapter_weights_only
+        state = training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device, adapter_weights_only=not with_merged
+        )
+        recipe_state = self._recipe_state()
+        if self._is_rank_zero:
+            t0 = time.perf_counter()
+            adapter = get_adapter_state_dict(state) if with_merged else state
+            staging = Path(self.output_dir) / f".step_{step}.partial"
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+            if with_merged:
+                for key in adapter:
+                    if key.endswith(".lora_a.weight"):
+                        # Merging adds to the base weight in place: never into a tensor the model shares.
+                        base_key = key[: -len(".lora_a.weight")] + ".weight"
+                        state[base_key] = state[base_key].clone()
+                merged = get_merged_lora_ckpt(state, rank=self._lora.rank, alpha=self._lora.alpha)
+                self._checkpointer.save_checkpoint(
+                    {training.MODEL_KEY: merged}, epoch=step, intermediate_checkpoint=False
+                )
+                os.replace(Path(self._checkpointer._output_dir) / f"epoch_{step}", staging / MERGED_DIR)
+            save_adapter(
+                staging,
+                adapter,
+                self._lora,
+                model_type=self._checkpointer._model_type.name,
+                hf_config=self._checkpointer._config,
+                base_model_name_or_path=getattr(self._checkpointer, "repo_id", None),
+            )
+            target = finalize_step_dir(self.output_dir, staging, step)
+            save_recipe_state(target, recipe_state)
+            log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
+        dist.barrier()
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run grpo_lora_finetune_distributed --config CONFIG [key=value ...]``."""
+    launched_by_torchrun = training.is_distributed()
+    config.log_config(recipe_name="GRPOLoRAFinetuneRecipeDistributed", cfg=cfg)
+    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
+    if launched_by_torchrun:
+        # As in the full recipe: leave right away once everything is flushed (gloo teardown abort).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(recipe_main())

@@ -1,0 +1,376 @@
+"""The LoRA/QLoRA recipe: `tune run grpo_lora_finetune_distributed --config ...`, plus its pieces in process.
+
+Through the real launch path (as tests/test_recipe.py does for the full recipe): metrics, the adapter in
+PEFT format, the merged Hugging Face model, resumption, 2 processes, QLoRA. In process: the reference
+logprobs are the base model's, only adapter parameters get gradients, base weights never move, and the
+PEFT export (torchtune_grpo.lora) gives PEFT the same model as torchtune's, for Qwen2 and Llama layouts.
+"""
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+from torchao.dtypes.nf4tensor import NF4Tensor
+from torchtune import config as tt_config, training
+from torchtune.modules.peft import get_adapter_params
+
+from tests.conftest import REPO
+from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_tune, weights, write_config
+from torchtune_grpo.assets import asset_path
+from torchtune_grpo.lora import (
+    load_nf4_base_weights,
+    lora_hyperparams,
+    peft_adapter_weights,
+    read_hf_config,
+    save_adapter,
+)
+from torchtune_grpo.logprobs import sequence_logprobs
+
+LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
+RECIPE = "grpo_lora_finetune_distributed"
+ASSET = Path(asset_path("tiny_qwen2"))
+PEFT_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def run_lora(config_path: Path, *overrides: str, nproc: int = 1, cwd: Path) -> str:
+    return run_tune(config_path, *overrides, nproc=nproc, cwd=cwd, recipe=RECIPE)
+
+
+def tune_state(directory: Path, scratch: Path) -> Dict[str, torch.Tensor]:
+    """A Hugging Face Qwen2 directory's weights under torchtune names (torchtune's own HF checkpointer)."""
+    files = sorted(p.name for p in directory.glob("*.safetensors") if not p.name.startswith("adapter"))
+    ckpt = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(directory), checkpoint_files=files, model_type="QWEN2", output_dir=str(scratch)
+    )
+    return ckpt.load_checkpoint()[training.MODEL_KEY]
+
+
+def tiny_lora_model(adapter: Dict[str, torch.Tensor], scratch: Path, quantize_base: bool = False):
+    """The tiny LoRA (or QLoRA) model of the shipped config: the asset's base weights plus ``adapter``."""
+    cfg = OmegaConf.load(LORA_CONFIG)
+    cfg.model.quantize_base = quantize_base
+    model = tt_config.instantiate(cfg.model)
+    base = tune_state(ASSET, scratch)
+    nf4 = set()
+    if quantize_base:
+        nf4 = set(load_nf4_base_weights(model, base, torch.device("cpu"), torch.float32))
+    missing, unexpected = model.load_state_dict({**base, **adapter}, strict=False)
+    assert not unexpected and set(missing) <= nf4, (unexpected, missing)
+    return model.eval()
+
+
+def adapter_delta(adapter: Dict[str, torch.Tensor], key: str, scale: float) -> torch.Tensor:
+    """``scale x B @ A`` of the LoRA layer whose base weight is ``key`` (``...q_proj.weight``)."""
+    prefix = key[: -len(".weight")]
+    return scale * adapter[f"{prefix}.lora_b.weight"] @ adapter[f"{prefix}.lora_a.weight"]
+
+
+def test_lora_run_outputs_load_and_agree(tmp_path):
+    cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=4, save_every_n_steps=2)
+    log = run_lora(cfg, cwd=tmp_path)
+    assert "Reference model: the base model (adapters disabled)" in log
+    out = tmp_path / "out"
+
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert REQUIRED_METRICS <= m.keys(), REQUIRED_METRICS - m.keys()
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+    assert any(m["grad_norm"] > 0 for m in metrics)
+    # The reference is the base model = the initial policy (B = 0): KL 0 at first, then positive.
+    assert metrics[0]["kl"] < 1e-6 and metrics[-1]["kl"] > 0
+
+    final = out / "step_4"
+    assert (out / "step_2" / "recipe_state.pt").is_file() and (final / "recipe_state.pt").is_file()
+    assert not list(out.glob(".step_*")) and not list(out.glob("epoch_*"))  # staging dirs are gone
+    peft_config = json.loads((final / "adapter_config.json").read_text())
+    assert peft_config["peft_type"] == "LORA" and peft_config["r"] == 8 and peft_config["lora_alpha"] == 16
+    assert set(peft_config["target_modules"]) == PEFT_TARGETS
+    scale = peft_config["lora_alpha"] / peft_config["r"]
+
+    # The adapter trained: every B started at zero.
+    adapter = torch.load(final / "adapter_model.pt", weights_only=True)
+    lora_b = [v for k, v in adapter.items() if k.endswith("lora_b.weight")]
+    assert len(lora_b) == 2 * 7 and all(v.abs().max() > 0 for v in lora_b)
+
+    # Base weights unchanged: the merged model is exactly the original base plus the adapter's update.
+    base = tune_state(ASSET, tmp_path / "scratch")
+    merged = tune_state(final / "merged", tmp_path / "scratch")
+    assert merged.keys() == base.keys()
+    for key, value in base.items():
+        lora = key.endswith(".weight") and f"{key[:-len('.weight')]}.lora_a.weight" in adapter
+        expected = value + adapter_delta(adapter, key, scale) if lora else value
+        torch.testing.assert_close(merged[key], expected, atol=1e-6, rtol=0, msg=key)
+
+    # PEFT on the base, transformers on the merged model and torchtune's LoRA model: same logits.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = torch.tensor([AutoTokenizer.from_pretrained(final / "merged").encode("What is 3 + 4? <answer>7")])
+    with torch.no_grad():
+        hf_merged = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()(ids)
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32), final
+        ).eval()
+        peft_logits = peft_model(ids).logits
+        tt_logits = tiny_lora_model(adapter, tmp_path / "scratch")(ids)
+    torch.testing.assert_close(peft_logits, tt_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hf_merged.logits, tt_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
+def test_resume_matches_uninterrupted_run(tmp_path, quantize_base):
+    # LoRA with adapter-only checkpoints: resuming needs the adapter, the optimizer and the rest, never the
+    # merged model (base weights come from checkpointer.checkpoint_dir again, re-quantized for QLoRA).
+    cfg = write_config(
+        tmp_path, base=LORA_CONFIG, max_steps=4, save_every_n_steps=2, seed=None,
+        save_adapter_weights_only=not quantize_base, **{"model.quantize_base": quantize_base},
+    )
+    run_lora(cfg, cwd=tmp_path)
+    out = tmp_path / "out"
+    assert (out / "step_4" / "merged").exists() == quantize_base
+    uninterrupted = torch.load(out / "step_4" / "adapter_model.pt", weights_only=True)
+    uninterrupted_peft = weights(out / "step_4")
+
+    shutil.rmtree(out / "step_4")
+    metrics = read_jsonl(out / "metrics.jsonl")[:2]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+
+    log = run_lora(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    assert "Resuming from" in log and "step_2" in log
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    resumed = torch.load(out / "step_4" / "adapter_model.pt", weights_only=True)
+    assert resumed.keys() == uninterrupted.keys()
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)
+    resumed_peft = weights(out / "step_4")
+    for key in uninterrupted_peft:
+        torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=1e-6, rtol=1e-5)
+
+
+def test_qlora_runs_and_merged_model_matches(tmp_path):
+    cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=2, **{"model.quantize_base": True})
+    log = run_lora(cfg, cwd=tmp_path)
+    assert "with NF4 base weights (QLoRA)" in log
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
+    final = tmp_path / "out" / "step_2"
+    adapter = torch.load(final / "adapter_model.pt", weights_only=True)
+    # The merged model is the trained model: dequantized NF4 base + adapter.
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 300, 12]])
+    with torch.no_grad():
+        hf_merged = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
+        qlora = tiny_lora_model(adapter, tmp_path / "scratch", quantize_base=True)
+        torch.testing.assert_close(hf_merged(ids).logits, qlora(ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
+def test_two_processes(tmp_path, quantize_base):
+    # As in tests/test_recipe.py: the recipe leaves with os._exit(0) after a torchrun launch; the exit code
+    # is judged as is. LoRA runs without KL (no reference forward at all), QLoRA with it.
+    kl_coef = 0.04 if quantize_base else 0.0
+    cfg = write_config(
+        tmp_path, base=LORA_CONFIG, max_steps=2, batch_size=2, kl_coef=kl_coef,
+        **{"model.quantize_base": quantize_base},
+    )
+    log = run_lora(cfg, nproc=2, cwd=tmp_path)
+    assert "2 rank(s)" in log
+    if not quantize_base:
+        assert "Reference model: none (kl_coef = 0)" in log
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(REQUIRED_METRICS <= m.keys() and math.isfinite(m["loss"]) for m in metrics)
+    if not quantize_base:
+        assert all(m["kl"] == 0.0 for m in metrics)
+    final = tmp_path / "out" / "step_2"
+    adapter = torch.load(final / "adapter_model.pt", weights_only=True)
+    assert any(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
+    assert (final / "adapter_model.safetensors").is_file() and (final / "merged" / "config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------ in process
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread, as the subprocess runs get (OMP_NUM_THREADS=1): with a few busy cores, the
+    default thread pool makes these tiny ops 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def clean_env():
+    """The recipe sets RANK/WORLD_SIZE/MASTER_* for its one-process group: restore the environment."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _dense(param: torch.Tensor) -> torch.Tensor:
+    """A parameter as a plain full tensor: gathered if sharded (DTensor), dequantized if NF4."""
+    t = param.detach()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    if isinstance(t, NF4Tensor):
+        t = t.get_original_weight()
+    return t.clone()
+
+
+@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
+def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, quantize_base):
+    from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
+
+    # No LR warmup, so the first optimizer step already moves the adapters.
+    path = write_config(
+        tmp_path, base=LORA_CONFIG, max_steps=1, lr_scheduler=None, **{"model.quantize_base": quantize_base}
+    )
+    cfg = OmegaConf.load(path)
+    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg)
+    recipe.setup(cfg)
+    model = recipe._model
+    adapter_names = set(get_adapter_params(model))
+    assert adapter_names and all("lora_a" in n or "lora_b" in n for n in adapter_names)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names
+    base_before = {n: _dense(p) for n, p in model.named_parameters() if n not in adapter_names}
+    adapters_before = {n: _dense(p) for n, p in model.named_parameters() if n in adapter_names}
+    if not quantize_base:  # the base weights are the checkpoint's
+        asset = tune_state(ASSET, tmp_path / "scratch")
+        assert base_before.keys() == asset.keys()
+        assert all(torch.equal(base_before[k], asset[k]) for k in asset)
+
+    metrics, _ = recipe._train_step(recipe._next_batch())
+    assert metrics["grad_norm"] > 0
+    after = {n: _dense(p) for n, p in model.named_parameters()}
+    # Base weights did not move; the adapters did (every B was zero).
+    assert all(torch.equal(after[n], base_before[n]) for n in base_before)
+    assert all(after[n].abs().max() > 0 for n in adapters_before if "lora_b" in n)
+
+    # Only adapter parameters receive gradients.
+    tokens = torch.randint(0, 480, (4, 16), generator=torch.Generator().manual_seed(0))
+    model.train()
+    sequence_logprobs(model, tokens).logprobs.sum().backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == adapter_names
+    recipe._optimizer.zero_grad(set_to_none=True)
+
+    # Reference logprobs (adapters disabled) are the base model's; the adapters are back on afterwards.
+    model.eval()
+    policy = recipe._batched_logprobs(model, tokens, 0)
+    reference = recipe._reference_logprobs(tokens, 0)
+    base_model = tt_config.instantiate(OmegaConf.load(REPO / "configs" / "tiny" / "full_grpo_cpu.yaml").model)
+    base_model.load_state_dict(base_before)  # strict: exactly the base model's weights (dequantized NF4)
+    with torch.no_grad():
+        expected = sequence_logprobs(base_model.eval(), tokens).logprobs
+    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
+    assert (policy - reference).abs().max() > 1e-4
+    torch.testing.assert_close(recipe._batched_logprobs(model, tokens, 0), policy, atol=0, rtol=0)
+
+    recipe.kl_coef = 0.0  # no KL: no reference forward at all
+    assert recipe._reference_logprobs(tokens, 0) is None
+    recipe.cleanup()
+
+
+def test_non_lora_model_is_refused():
+    with torch.device("meta"):
+        model = tt_config.instantiate(OmegaConf.load(REPO / "configs" / "tiny" / "full_grpo_cpu.yaml").model)
+    with pytest.raises(ValueError, match="no LoRA layers"):
+        lora_hyperparams(model)
+
+
+# --------------------------------------------------------------------------------------- PEFT export
+
+
+def _randomize_adapters(model: torch.nn.Module, seed: int = 0) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_peft_export_qwen2(tmp_path):
+    # torchtune 0.6.1's own export permutes Qwen2's q/k lora_B rows as if they had Llama's RoPE layout;
+    # ours does not, and PEFT then computes exactly torchtune's model.
+    from peft import PeftModel
+    from torchtune.models import convert_weights
+    from transformers import AutoModelForCausalLM
+
+    cfg = OmegaConf.load(LORA_CONFIG)
+    model = tt_config.instantiate(cfg.model)
+    model.load_state_dict(tune_state(ASSET, tmp_path / "scratch"), strict=False)
+    adapter = _randomize_adapters(model)
+    hf_config = read_hf_config(str(ASSET))
+    save_adapter(tmp_path / "adapter", adapter, lora_hyperparams(model), model_type="QWEN2",
+                 hf_config=hf_config)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)
+        peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        torch.testing.assert_close(peft_logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
+
+    ours = peft_adapter_weights(adapter, model_type="QWEN2", num_heads=4, num_kv_heads=4, dim=128)
+    torchtune_s = convert_weights.tune_to_peft_adapter_weights(adapter, num_heads=4, num_kv_heads=4, dim=128)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    assert not torch.equal(ours[key], torchtune_s[key])
+    key = "base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"
+    assert torch.equal(ours[key], torchtune_s[key])
+
+
+def test_peft_export_llama(tmp_path):
+    # Llama checkpoints are permuted into torchtune's RoPE layout on load, so the adapter's q/k rows are
+    # permuted back on export (torchtune's mapping, kept as is). Output projection adapted too (lm_head).
+    from peft import PeftModel
+    from torchtune.models.llama3 import lora_llama3
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    hf = AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+        dtype=torch.float32,
+    )
+    hf.save_pretrained(tmp_path / "base")
+    ckpt = training.FullModelHFCheckpointer(
+        checkpoint_dir=str(tmp_path / "base"), checkpoint_files=["model.safetensors"], model_type="LLAMA3",
+        output_dir=str(tmp_path / "scratch"),
+    )
+    model = lora_llama3(
+        ["q_proj", "k_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True, apply_lora_to_output=True,
+        vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256,
+        intermediate_dim=128, norm_eps=1e-5, rope_base=500000.0, lora_rank=4, lora_alpha=8,
+    )
+    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY], strict=False)
+    adapter = _randomize_adapters(model, seed=1)
+    hparams = lora_hyperparams(model)
+    assert "output" in hparams.target_modules
+    save_adapter(tmp_path / "adapter", adapter, hparams, model_type="LLAMA3",
+                 hf_config=read_hf_config(str(tmp_path / "base")))
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+        peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        torch.testing.assert_close(peft_logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
