@@ -142,6 +142,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): the run's config (see ``configs/tiny/full_grpo_cpu.yaml`` for every key).
     """
 
+    # What the KL term is measured against (printed on the algorithm card).
+    REFERENCE_DESCRIPTION = "loaded (frozen copy of the initial policy)"
+
     @classmethod
     def known_keys(cls) -> set:
         """Top-level config keys this recipe reads (subclasses add theirs)."""
@@ -266,6 +269,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             kl_estimator=self.kl_estimator,
             kl_placement="reward" if self.kl_in_reward else "loss",
             reference_model=self._has_reference,
+            reference_description=self.REFERENCE_DESCRIPTION,
             mask_truncated_completions=self.mask_truncated,
             dynamic_sampling=self._dynamic.enabled,
             max_rounds=self._dynamic.max_rounds,

@@ -74,6 +74,8 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         cfg (DictConfig): the run's config (see ``configs/tiny/lora_grpo_cpu.yaml``).
     """
 
+    REFERENCE_DESCRIPTION = "the base model: the policy with its adapters disabled (no second copy)"
+
     @classmethod
     def known_keys(cls) -> set:
         return super().known_keys() | LORA_KEYS

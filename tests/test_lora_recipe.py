@@ -78,6 +78,7 @@ def test_lora_run_outputs_load_and_agree(tmp_path):
     log = run_lora(cfg, cwd=tmp_path)
     assert "Reference model: the base model (adapters disabled)" in log
     out = tmp_path / "out"
+    assert "policy with its adapters disabled (no second copy)" in (out / "algorithm_card.md").read_text()
 
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

@@ -61,6 +61,8 @@ class AlgorithmSpec:
         kl_estimator (str): KL estimator. Default is ``"k3"``.
         kl_placement (str): ``"loss"`` or ``"reward"``. Default is ``"loss"``.
         reference_model (bool): whether a reference model is loaded. Default is False.
+        reference_description (str): what the reference policy is, when there is one. Default is
+            "loaded (frozen copy of the initial policy)".
         mask_truncated_completions (bool): truncated completions are left out of the loss. Default is
             False.
         dynamic_sampling (bool): DAPO dynamic sampling on. Default is False.
@@ -88,6 +90,7 @@ class AlgorithmSpec:
     kl_estimator: str = "k3"
     kl_placement: str = "loss"
     reference_model: bool = False
+    reference_description: str = "loaded (frozen copy of the initial policy)"
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False
     max_rounds: int = 1
@@ -157,7 +160,7 @@ def _batch_table(s: AlgorithmSpec) -> List[str]:
     else:
         consumed, consumed_note = str(prompts), "one generation round per step"
     if s.reference_model:
-        ref = ("loaded (frozen copy of the initial policy)", f"kl_coef = {_g(s.kl_coef)} > 0")
+        ref = (s.reference_description, f"kl_coef = {_g(s.kl_coef)} > 0")
     else:
         ref = ("not loaded", "kl_coef = 0")
     rows = [
