@@ -3,14 +3,21 @@
 With Qwen's vocabulary (V = 151,936) the logits of a GRPO batch are the largest tensor of the whole step:
 64k tokens x V x 4 bytes is 39 GB in fp32. Nothing here ever builds the full ``[B, T, V]`` tensor: the
 output projection, log-softmax and gather run on ``chunk_size`` tokens at a time, and when gradients are
-needed each chunk is recomputed in backward (activation checkpointing), so at most one chunk of logits is
-alive in forward or backward.
+needed each chunk is recomputed in backward, so at most one chunk of logits is alive in forward or backward.
+
+For a plain bias-free projection (``nn.Linear`` or torchtune's ``TiedLinear``: every torchtune decoder's
+output layer) a fused autograd function does this with hand-written gradients: backward recomputes a
+chunk's logits, turns them into the logits' gradient in place, and accumulates the weight's gradient into
+one buffer with ``addmm_``. Peak working memory is about two ``[chunk_size, V]`` fp32 buffers, and no
+per-chunk ``[V, D]`` weight-gradient temporaries (docs/benchmarks.md has the measurements). Any other
+projection takes the generic path: activation checkpointing per chunk.
 """
 
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -53,6 +60,107 @@ def _chunk_logprobs(
     return torch.stack([logp, entropy], dim=-1)  # [C, 2]
 
 
+def _projection_weight(project: Callable[[torch.Tensor], torch.Tensor]) -> Optional[torch.Tensor]:
+    """The ``[V, D]`` weight of a bias-free linear projection, or None when ``project`` is anything else."""
+    if isinstance(project, nn.Linear) and type(project).forward is nn.Linear.forward and project.bias is None:
+        weight = project.weight
+    elif type(project).__name__ == "TiedLinear" and hasattr(project, "tied_module"):
+        weight = project.tied_module.weight
+    else:
+        return None
+    # A sharded (DTensor) weight is only usable inside its FSDP module's forward: stay generic.
+    if not isinstance(weight, torch.Tensor) or type(weight) not in (torch.Tensor, nn.Parameter):
+        return None
+    return weight
+
+
+class _FusedChunkedLogprobs(torch.autograd.Function):
+    """Per-token logprob (and entropy) of a linear projection, chunk by chunk, with manual gradients.
+
+    Forward: ``z = (h W^T) / tau`` per chunk (fp32), ``logp_t = z_t[y_t] - lse_t``,
+    ``H_t = lse_t - sum_v p_tv z_tv``. Backward, with ``p = softmax(z)`` and incoming ``g_lp, g_H``:
+    ``dlogp_t/dz_tv = 1[v = y_t] - p_tv`` and ``dH_t/dz_tv = -p_tv (log p_tv + H_t)``, so
+    ``dz = g_lp (onehot - p) - g_H p (log p + H)``, then ``dlogits = dz / tau``,
+    ``dh = dlogits W`` and ``dW += dlogits^T h``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
+        m = hidden.size(0)
+        logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty(m, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        for start in range(0, m, chunk_size):
+            end = min(start + chunk_size, m)
+            z = F.linear(hidden[start:end], weight).float()  # [C, V]
+            if temperature != 1.0:
+                z.div_(temperature)
+            # logsumexp by hand, so that exp(z - max) is the only other [C, V] buffer (and becomes p).
+            z_max = z.amax(dim=-1)
+            p = (z - z_max[:, None]).exp_()
+            total = p.sum(dim=-1)
+            c_lse = z_max + total.log()
+            lse[start:end] = c_lse
+            logp[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - c_lse
+            if with_entropy:
+                p.div_(total[:, None])  # softmax
+                # H = lse - sum_v p_v z_v, the sum as a row-wise dot product (no [C, V] product tensor).
+                entropy[start:end] = c_lse - torch.einsum("cv,cv->c", p, z)
+            del z, p
+        ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else lse)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        ctx.entropy_grad = entropy_grad
+        ctx.mark_non_differentiable(lse)
+        if with_entropy:
+            if not entropy_grad:
+                ctx.mark_non_differentiable(entropy)
+            return logp, entropy
+        return logp, lse  # lse: a non-differentiable placeholder, dropped by the caller
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, targets, lse, entropy = ctx.saved_tensors
+        tau = ctx.temperature
+        use_entropy = ctx.with_entropy and ctx.entropy_grad and g_entropy is not None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight) if need_w else None
+        if g_logp is None:
+            g_logp = torch.zeros_like(lse)
+        m = hidden.size(0)
+        for start in range(0, m, ctx.chunk_size):
+            end = min(start + ctx.chunk_size, m)
+            h = hidden[start:end]
+            z = F.linear(h, weight).float()
+            if tau != 1.0:
+                z.div_(tau)
+            z.sub_(lse[start:end, None])  # log p
+            p = torch.exp(z)
+            g_lp = g_logp[start:end, None].float()
+            if use_entropy:
+                # dz = -g_H p (log p + H) - g_lp p, built in place in z.
+                z.add_(entropy[start:end, None]).mul_(p).mul_(-g_entropy[start:end, None].float())
+                z.addcmul_(p, g_lp, value=-1.0)
+                del p
+            else:
+                z = p.mul_(-g_lp)
+                del p  # the same buffer as z now; keep no second name for it past this chunk
+            rows = torch.arange(end - start, device=z.device)
+            z[rows, targets[start:end]] += g_lp.squeeze(-1)
+            if tau != 1.0:
+                z.div_(tau)
+            dz = z.to(weight.dtype)
+            del z
+            if need_h:
+                grad_h[start:end] = dz @ weight
+            if need_w:
+                grad_w.addmm_(dz.t(), h)
+            del dz
+        return grad_h, grad_w, None, None, None, None, None
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     targets: torch.Tensor,
@@ -62,6 +170,7 @@ def chunked_logprobs(
     chunk_size: int = 512,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    fused: bool = True,
 ) -> TokenLogprobs:
     """Log-probabilities of ``targets`` under ``softmax(project(hidden) / temperature)``, chunk by chunk.
 
@@ -76,6 +185,9 @@ def chunked_logprobs(
         with_entropy (bool): also return the per-position entropy. Default is False.
         entropy_grad (bool): let gradients flow through the entropy (for an entropy bonus); False
             computes it as a constant, for logging only. Default is True.
+        fused (bool): use the fused function with manual gradients when ``project`` is a plain bias-free
+            linear layer (see the module docstring); False always uses per-chunk checkpointing.
+            Default is True.
 
     Returns:
         TokenLogprobs: ``logprobs`` and optional ``entropy``, each ``[B, T]`` float32.
@@ -85,6 +197,12 @@ def chunked_logprobs(
     b, t, d = hidden.shape
     flat_hidden = hidden.reshape(b * t, d)
     flat_targets = targets.reshape(b * t)
+    weight = _projection_weight(project) if fused else None
+    if weight is not None:
+        logp, entropy = _FusedChunkedLogprobs.apply(
+            flat_hidden, weight, flat_targets, temperature, chunk_size, with_entropy, entropy_grad
+        )
+        return TokenLogprobs(logp.reshape(b, t), entropy.reshape(b, t) if with_entropy else None)
     # Recompute each chunk's logits in backward instead of keeping them: that is the whole point.
     recompute = torch.is_grad_enabled() and hidden.requires_grad
     outs = []

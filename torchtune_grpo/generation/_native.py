@@ -1,16 +1,97 @@
 """The native generation engine: batched, KV-cached sampling with the torchtune model itself."""
 
-from typing import List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torchtune.modules.common_utils import local_kv_cache
+from torchtune.modules import TransformerDecoder
 
+from torchtune_grpo.generation._cache import (
+    attached_caches,
+    attention_modules,
+    CacheState,
+    KVCachePool,
+    SlotKVCache,
+)
 from torchtune_grpo.generation._rollout import Rollout
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.logprobs import replace_unembed
 
-__all__ = ["NativeGenerator"]
+__all__ = ["NativeGenerator", "can_skip_module_hooks", "decode_step"]
+
+
+class _LastPositionLogits:
+    """``unembed`` replacement: final norm + output projection of the last position only, ``[N, V]`` fp32.
+
+    One instance per model (kept by the engine), so a compiled decode step sees the same object every call.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        # The prefill never needs [N, P, V]: only the last position is sampled from.
+        return self.model.output(self.model.norm(h[:, -1])).float()
+
+
+def _only_fsdp_hooks(module: nn.Module) -> bool:
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return all(type(getattr(h, "__self__", None)).__name__ == "FSDPState" for h in hooks)
+
+
+def can_skip_module_hooks(model: nn.Module) -> bool:
+    """Whether a decode step may call the decoder's layers directly, skipping their forward hooks.
+
+    True for a torchtune ``TransformerDecoder`` whose parameters are all plain (unsharded) tensors and whose
+    layers carry no forward hooks but FSDP2's. FSDP2's per-layer hooks only gather and free parameters;
+    with every parameter already gathered for the whole rollout they do nothing but cost time, and under
+    ``torch.compile`` they would split the decode step into one graph per layer.
+    """
+    if not isinstance(model, TransformerDecoder) or model.output_hidden_states:
+        return False
+    if any(type(p) not in (torch.Tensor, nn.Parameter) for p in model.parameters()):
+        return False  # e.g. sharded DTensors: FSDP must gather them in its hooks
+    return _only_fsdp_hooks(model) and all(_only_fsdp_hooks(layer) for layer in model.layers)
+
+
+def decode_step(
+    model: nn.Module,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    pad: torch.Tensor,
+    valid: torch.Tensor,
+    slot_ids: torch.Tensor,
+    write_slot: torch.Tensor,
+    direct: bool = False,
+) -> torch.Tensor:
+    """One decode step with fixed shapes and no host synchronisation (what CUDA graphs capture).
+
+    The model must have the engine's caches attached and its ``unembed`` replaced by last-position logits.
+
+    Args:
+        model (nn.Module): the torchtune decoder.
+        token (torch.Tensor): ``[N]`` the tokens just sampled.
+        pos (torch.Tensor): 0-d long: the cache slot ``token`` goes to.
+        pad (torch.Tensor): ``[N]`` long: left-padding slots of each row.
+        valid (torch.Tensor): ``[N, W]`` bool: slots that hold a real (non-pad) token, over the window.
+        slot_ids (torch.Tensor): ``[W]`` ``arange(W)``.
+        write_slot (torch.Tensor): ``[1]`` long: the caches' write position (a static buffer, set here).
+        direct (bool): run the decoder's layers without module hooks (see :func:`can_skip_module_hooks`).
+            Default is False.
+
+    Returns:
+        torch.Tensor: ``[N, V]`` float32 next-token logits.
+    """
+    write_slot.copy_(pos.view(1))
+    mask = (valid & (slot_ids <= pos)).unsqueeze(1)  # [N, 1, W]: real tokens up to and including pos
+    input_pos = (pos - pad).unsqueeze(1)  # [N, 1]: position ids skip the padding
+    if not direct:
+        return model(token.unsqueeze(1), mask=mask, input_pos=input_pos)
+    # TransformerDecoder.forward without hooks: embeddings, layers, (replaced) unembed.
+    h = model.tok_embeddings(token.unsqueeze(1))
+    for layer in model.layers:
+        h = layer.forward(h, mask=mask, input_pos=input_pos)
+    return model.unembed(h)
 
 
 class NativeGenerator:
@@ -20,12 +101,36 @@ class NativeGenerator:
     row's next token sits in the same cache slot; padded slots are masked out of attention and position
     ids skip them, so a row's samples do not depend on how long the other prompts are.
 
+    Speed (docs/benchmarks.md):
+
+    - The KV cache is allocated once and reused across rollouts while the batch size, dtype and device
+      stay the same and the sequence fits (it grows in steps of ``cache_len_multiple`` slots otherwise).
+      It is attached to the model only during ``generate``: training forwards never see it.
+    - Each prompt is prefilled once (``[B, P]``, not ``[B x G, P]``) and its cache copied to the other
+      ``G - 1`` rows of its group.
+    - No device-to-host synchronisation per token: the loop checks whether every row has stopped once
+      every ``stop_check_interval`` tokens.
+    - On CUDA the decode step (fixed shapes, see :func:`decode_step`) is compiled with
+      ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); sampling stays eager and sync-free.
+
     Args:
         temperature (float): sampling temperature; 0 is greedy. Default is 1.0.
         top_k (Optional[int]): sample only among the ``top_k`` most likely tokens. Default is None.
         top_p (float): nucleus sampling mass. Default is 1.0 (off).
         stop_check_interval (int): check whether every row has stopped once every this many tokens:
             each check is a device-to-host sync. Default is 8.
+        share_prefill (bool): prefill each prompt once and copy its cache to its group; False prefills
+            every row (the result is the same up to floating-point batch effects). Default is True.
+        reuse_cache (bool): keep the KV cache between calls (it then also occupies memory during the
+            training part of a step: ``2 x layers x h_kv x head_dim x (P + T) x B x G`` elements); False
+            frees it after each rollout (one allocation per rollout; with a compiled decode step, also
+            new CUDA graphs). Default is True.
+        cache_len_multiple (int): the cache length is rounded up to a multiple of this. Default is 64.
+        compile_decode (Optional[bool]): compile the decode step; None compiles on CUDA only.
+            Default is None.
+        compile_mode (Optional[str]): ``torch.compile`` mode; None uses ``"reduce-overhead"`` (CUDA
+            graphs) on CUDA and the default mode elsewhere. Default is None.
+        compile_backend (str): ``torch.compile`` backend. Default is ``"inductor"``.
     """
 
     def __init__(
@@ -34,6 +139,12 @@ class NativeGenerator:
         top_k: Optional[int] = None,
         top_p: float = 1.0,
         stop_check_interval: int = 8,
+        share_prefill: bool = True,
+        reuse_cache: bool = True,
+        cache_len_multiple: int = 64,
+        compile_decode: Optional[bool] = None,
+        compile_mode: Optional[str] = None,
+        compile_backend: str = "inductor",
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -45,6 +156,46 @@ class NativeGenerator:
         self.top_k = top_k
         self.top_p = top_p
         self.stop_check_interval = max(1, stop_check_interval)
+        self.share_prefill = share_prefill
+        self.reuse_cache = reuse_cache
+        self.compile_decode = compile_decode
+        self.compile_mode = compile_mode
+        self.compile_backend = compile_backend
+        self.cache = KVCachePool(cache_len_multiple)
+        self._unembeds: Dict[int, _LastPositionLogits] = {}
+        self._compiled: Dict[str, Callable[..., torch.Tensor]] = {}
+        self._write_slots: Dict[str, torch.Tensor] = {}
+
+    def _unembed_for(self, model: nn.Module) -> _LastPositionLogits:
+        fn = self._unembeds.get(id(model))
+        if fn is None or fn.model is not model:
+            fn = self._unembeds[id(model)] = _LastPositionLogits(model)
+        return fn
+
+    def _decode_fn(self, device: torch.device) -> Callable[..., torch.Tensor]:
+        use = self.compile_decode if self.compile_decode is not None else device.type == "cuda"
+        if not use:
+            return decode_step
+        mode = self.compile_mode
+        if mode is None and device.type == "cuda":
+            mode = "reduce-overhead"
+        key = f"{self.compile_backend}:{mode}"
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(
+                decode_step, mode=mode, backend=self.compile_backend, dynamic=False
+            )
+        return self._compiled[key]
+
+    def _write_slot(self, device: torch.device) -> torch.Tensor:
+        # One per device for the engine's lifetime: a CUDA graph records its address.
+        slot = self._write_slots.get(str(device))
+        if slot is None:
+            slot = self._write_slots[str(device)] = torch.zeros(1, dtype=torch.long, device=device)
+        return slot
+
+    def release_cache(self) -> None:
+        """Free the KV cache now (the next ``generate`` allocates a new one)."""
+        self.cache.release()
 
     @torch.no_grad()
     def generate(
@@ -79,59 +230,107 @@ class NativeGenerator:
         temperature = self.temperature if temperature is None else temperature
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
-        n = len(prompts) * group_size
+        num_prompts, g = len(prompts), group_size
+        n = num_prompts * g
         prompt_len = max(len(p) for p in prompts)
-        total_len = prompt_len + max_new_tokens
+        decode = self._decode_fn(device)
+        compiled = decode is not decode_step
+        # The attention window: every slot this rollout writes. A compiled step is specialised on it, so
+        # round it up to bound the number of distinct graphs.
+        window = prompt_len + max_new_tokens
+        if compiled:
+            window = -(-window // self.cache.len_multiple) * self.cache.len_multiple
 
-        # [B, P] left-padded prompts and [B, S] validity of every cache slot.
-        prompt = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
-        valid = torch.ones((len(prompts), total_len), dtype=torch.bool)
+        # [B] left padding per prompt, [B, P] left-padded prompts, [B, W] validity of every slot.
+        pad_b = torch.tensor([prompt_len - len(p) for p in prompts], dtype=torch.long)
+        prompt = torch.full((num_prompts, prompt_len), pad_id, dtype=torch.long)
         for i, p in enumerate(prompts):
             prompt[i, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
-            valid[i, : prompt_len - len(p)] = False
-        prompt = prompt.to(device).repeat_interleave(group_size, dim=0)  # [N, P]
-        valid = valid.to(device).repeat_interleave(group_size, dim=0)  # [N, S]
-        input_pos = (valid.cumsum(-1) - 1).clamp(min=0)  # [N, S]
-        causal = torch.tril(torch.ones(total_len, total_len, dtype=torch.bool, device=device))
+        slot_ids = torch.arange(window)
+        valid_b = slot_ids[None, :] >= pad_b[:, None]  # [B, W]
+        prompt, pad_b, valid_b, slot_ids = (
+            t.to(device) for t in (prompt, pad_b, valid_b, slot_ids)
+        )
+        pad = pad_b.repeat_interleave(g)  # [N]
+        valid = valid_b.repeat_interleave(g, dim=0)  # [N, W]
+
+        # Prefill rows: one per prompt (its cache is then copied to the group), or every row.
+        share = self.share_prefill and g > 1
+        p_pad = pad_b if share else pad
+        p_valid = valid_b if share else valid
+        p_tokens = prompt if share else prompt.repeat_interleave(g, dim=0)
+        p_slots = slot_ids[:prompt_len]
+        input_pos = (p_slots[None, :] - p_pad[:, None]).clamp(min=0)  # [rows, P]
+        causal = p_slots[:, None] >= slot_ids[None, :]  # [P, W]
         # A padded query row would attend to nothing (NaN softmax): let it see itself.
-        prefill_mask = (causal[:prompt_len][None] & valid[:, None, :]) | torch.eye(
-            prompt_len, total_len, dtype=torch.bool, device=device
-        )  # [N, P, S]
+        prefill_mask = (causal[None] & p_valid[:, None, :]) | (p_slots[:, None] == slot_ids[None, :])
+
+        attns = attention_modules(model)
+        layout = [(a.num_kv_heads, a.head_dim) for a in attns]
+        ks, vs = self.cache.get(layout, n, window, dtype, device)
+        state = CacheState(slots=p_slots, window=window)
+        if share:
+            # Rows 0, G, 2G, ...: a strided view, so the prefill writes straight into the big cache.
+            prefill_caches = [SlotKVCache(k[::g], v[::g], state) for k, v in zip(ks, vs)]
+        else:
+            prefill_caches = [SlotKVCache(k, v, state) for k, v in zip(ks, vs)]
+        write_slot = self._write_slot(device)
+        decode_state = CacheState(slots=write_slot, window=window)
+        decode_caches = [SlotKVCache(k, v, decode_state) for k, v in zip(ks, vs)]
+        for k, v in zip(ks, vs):
+            # Stale slots past the prompt are masked until written; zero them anyway so a non-finite
+            # leftover can never leak through a 0-weight (0 x inf = nan).
+            k[:, :, prompt_len:window].zero_()
+            v[:, :, prompt_len:window].zero_()
+        if compiled:
+            for t in (*ks, *vs, write_slot):
+                torch._dynamo.mark_static_address(t)
 
         stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
         out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(n, dtype=torch.bool, device=device)
-
-        def last_logits(h: torch.Tensor) -> torch.Tensor:
-            # Project only the last position: the prefill never needs [N, P, V].
-            return model.output(model.norm(h[:, -1])).float()  # [N, V]
+        pos = torch.tensor(prompt_len, dtype=torch.long, device=device)  # slot of the next token
 
         steps = 0
-        with local_kv_cache(
-            model, batch_size=n, device=device, dtype=dtype, decoder_max_seq_len=total_len
-        ), replace_unembed(model, last_logits):
-            logits = model(prompt, mask=prefill_mask, input_pos=input_pos[:, :prompt_len])
-            for t in range(max_new_tokens):
-                token = sample_tokens(
-                    logits,
-                    temperature=temperature,
-                    top_k=self.top_k,
-                    top_p=self.top_p,
-                    generator=generator,
-                )
-                token = token.masked_fill(done, pad_id)
-                out[:, t] = token
-                done |= torch.isin(token, stop)
-                steps = t + 1
-                if steps == max_new_tokens:
-                    break
-                if steps % self.stop_check_interval == 0 and bool(done.all()):
-                    break
-                pos = prompt_len + t
-                step_mask = (causal[pos][None, None, :] & valid[:, None, :])  # [N, 1, S]
-                logits = model(
-                    token[:, None], mask=step_mask, input_pos=input_pos[:, pos : pos + 1]
-                )
+        try:
+            with replace_unembed(model, self._unembed_for(model)):
+                with attached_caches(attns, prefill_caches):
+                    logits = model(p_tokens, mask=prefill_mask, input_pos=input_pos)  # [rows, V]
+                if share:
+                    for k, v in zip(ks, vs):
+                        for c in (k, v):
+                            grouped = c.view(num_prompts, g, *c.shape[1:])
+                            grouped[:, 1:, :, :prompt_len].copy_(grouped[:, :1, :, :prompt_len])
+                    logits = logits.repeat_interleave(g, dim=0)  # [N, V]
+                # The prefill ran through the model's own forward (FSDP's root hooks included); decode
+                # steps may skip per-layer hooks once every parameter is gathered.
+                direct = can_skip_module_hooks(model)
+                with attached_caches(attns, decode_caches):
+                    for t in range(max_new_tokens):
+                        token = sample_tokens(
+                            logits,
+                            temperature=temperature,
+                            top_k=self.top_k,
+                            top_p=self.top_p,
+                            generator=generator,
+                        )
+                        token = token.masked_fill(done, pad_id)
+                        out[:, t] = token
+                        done |= torch.isin(token, stop)
+                        steps = t + 1
+                        if steps == max_new_tokens:
+                            break
+                        if steps % self.stop_check_interval == 0 and bool(done.all()):
+                            break
+                        if compiled:
+                            torch.compiler.cudagraph_mark_step_begin()
+                        logits = decode(model, token, pos, pad, valid, slot_ids, write_slot, direct)
+                        if compiled:
+                            logits = logits.clone()  # a CUDA graph's output is overwritten by the next replay
+                        pos += 1
+        finally:
+            if not self.reuse_cache:
+                self.cache.release()
 
         return _to_rollout(prompts, group_size, out[:, :steps], done, stop)
 

@@ -1,0 +1,86 @@
+"""The pure pieces of benchmarks/grpo_vs_trl.py (the benchmark itself is too slow for CI; TRL is not imported).
+
+Both trainers must start from the same weights and see the same prompt tokens: the workload builder writes
+one Hugging Face checkpoint that torchtune's checkpointer (our recipe) and ``transformers`` (TRL) both
+load, and the prompts as text that the Hugging Face tokenizer turns back into exactly our token ids.
+"""
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("grpo_vs_trl")
+
+
+def _small(name):
+    spec = copy.deepcopy(bench.WORKLOADS[name])
+    if name == "llama100m":  # same family and conversions, shrunk for a fast test
+        spec["model"].update(num_layers=2, embed_dim=64, num_heads=4, num_kv_heads=2, intermediate_dim=128, vocab_size=700)
+    return spec
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama100m"])
+def test_workload_gives_both_trainers_the_same_weights_and_prompts(name, tmp_path):
+    from torchtune.training import FullModelHFCheckpointer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = _small(name)
+    wdir = bench.build_workload(name, tmp_path / name, spec)
+    # Ours: the recipe's loading path (torchtune's HF checkpointer -> torchtune model).
+    checkpointer = FullModelHFCheckpointer(
+        checkpoint_dir=str(wdir),
+        checkpoint_files=["model.safetensors"],
+        model_type=bench.checkpointer_model_type(spec),
+        output_dir=str(tmp_path / "out"),
+    )
+    ours = bench.build_tune_model(spec)
+    ours.load_state_dict(checkpointer.load_checkpoint()["model"])
+    # TRL's: transformers from the same directory.
+    theirs = AutoModelForCausalLM.from_pretrained(str(wdir), dtype=torch.float32)
+    tokens = torch.randint(0, 500, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(tokens), theirs.eval()(tokens).logits, rtol=1e-4, atol=1e-4)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(wdir))
+    rows = bench.read_prompts(wdir)
+    assert len(rows) == bench.NUM_PROMPTS
+    for row in rows[:8]:
+        assert tokenizer(row["prompt"])["input_ids"] == row["tokens"]
+    generation = json.loads((wdir / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == bench.STOP_TOKENS
+
+
+def test_recipe_config_is_valid_for_the_recipe(tmp_path):
+    from omegaconf import OmegaConf
+
+    from grpo_full_finetune_distributed import validate_config
+
+    cfg = bench.recipe_config(tmp_path, tmp_path / "out", bench.WORKLOADS["tiny"], steps=3)
+    validate_config(OmegaConf.create(cfg))
+    assert cfg["kl_coef"] == 0.0 and cfg["micro_batch_size"] == 32 and cfg["shuffle"] is False
+
+
+def test_summary_excludes_the_warmup_step_and_takes_medians():
+    run = {
+        "start": 0.0, "ends": [10.0, 11.0, 13.0, 14.0], "cpu_ends": [5.0, 6.0, 7.0, 8.0],
+        "tokens": [100.0, 100.0, 100.0, 100.0], "completion_tokens": [40.0] * 4,
+        "peak_rss": 2**30, "rss_train_peak": 2**29, "rss_train_start": 2**28, "wall": 20.0,
+    }
+    summary = bench.summarize([run])
+    assert summary["steps_measured"] == 3
+    assert summary["step_time_median_s"] == 1.0  # intervals 1, 2, 1; the 10 s first step is excluded
+    assert summary["tokens_per_s"] == 100.0
+    assert summary["peak_rss_gib"] == 1.0

@@ -1,0 +1,198 @@
+"""A static KV cache for the native engine: allocated once per shape, reused across rollouts.
+
+torchtune's own :class:`~torchtune.modules.KVCache` advances an internal position and asserts on it in every
+``update`` (a device-to-host sync per layer per token on GPU). The engine instead decides where each
+forward writes: one shared :class:`CacheState` holds the slot indices of the current forward (``[P]`` for a
+prefill, ``[1]`` for a decode step) and the attention window, and every layer's :class:`SlotKVCache` writes
+there with ``index_copy_`` and returns the first ``window`` slots. Nothing in ``update`` reads a value back
+to the host, and with a fixed window every decode step has the same shapes (a CUDA graph can replay it).
+
+The caches are attached to the model's attention modules only while the engine runs and detached after,
+restoring whatever was there. That matters for training: torchtune's attention takes its fused causal
+path (``is_causal``) only when ``attn.kv_cache is None``, so a cache that was merely *disabled*
+(``torchtune.modules.common_utils.disable_kv_cache``) would leave a mask-less training forward attending
+to every position.
+"""
+
+import types
+from contextlib import contextmanager
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules import MultiHeadAttention
+
+__all__ = [
+    "CacheState",
+    "KVCachePool",
+    "SlotKVCache",
+    "attention_modules",
+    "attached_caches",
+    "cached_attention_forward",
+]
+
+
+class CacheState:
+    """What the next forward writes and reads, shared by every layer's cache.
+
+    Attributes:
+        slots (torch.Tensor): long ``[s]``: cache slots the ``s`` new tokens of the next forward go to.
+        window (int): attention reads slots ``[0, window)``.
+    """
+
+    def __init__(self, slots: torch.Tensor, window: int) -> None:
+        self.slots = slots
+        self.window = window
+
+
+class SlotKVCache(nn.Module):
+    """Drop-in for torchtune's ``KVCache`` inside ``MultiHeadAttention``: writes at ``state.slots``.
+
+    Args:
+        k_cache (torch.Tensor): ``[b, h_kv, S, d]`` key storage (possibly a view of a larger cache).
+        v_cache (torch.Tensor): ``[b, h_kv, S, d]`` value storage.
+        state (CacheState): shared write slots and window.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, state: CacheState) -> None:
+        super().__init__()
+        # Plain attributes, not buffers: never part of the model's state, never moved by ``.to()``.
+        self.k_cache = k_cache
+        self.v_cache = v_cache
+        self.state = state
+        self.batch_size = k_cache.size(0)
+
+    def update(self, k_val: torch.Tensor, v_val: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write ``k_val``/``v_val`` (``[b, h_kv, s, d]``) at the current slots; return the window."""
+        slots = self.state.slots
+        self.k_cache.index_copy_(2, slots, k_val)
+        self.v_cache.index_copy_(2, slots, v_val)
+        window = self.state.window
+        return self.k_cache[:, :, :window], self.v_cache[:, :, :window]
+
+    def reset(self) -> None:
+        """Zero the storage (the engine never needs it: every attended slot is written first)."""
+        self.k_cache.zero_()
+        self.v_cache.zero_()
+
+
+def attention_modules(model: nn.Module) -> List[nn.Module]:
+    """The self-attention modules of a torchtune decoder, in layer order (those with a ``kv_cache``)."""
+    return [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "cache_enabled")]
+
+
+def cached_attention_forward(
+    self: MultiHeadAttention,
+    x: torch.Tensor,
+    y: Optional[torch.Tensor] = None,
+    *,
+    mask: Optional[torch.Tensor] = None,
+    input_pos: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """torchtune's ``MultiHeadAttention.forward`` for cached self-attention, without the GQA copy.
+
+    The same computation, step for step, as torchtune 0.6.1's forward with a KV cache and a boolean mask,
+    except that grouped-query attention is left to ``scaled_dot_product_attention(enable_gqa=True)``
+    instead of materialising every key/value head ``num_heads / num_kv_heads`` times (a copy of the whole
+    cache window per layer per decoded token). SDPA computes the same numbers (the tests check exact
+    greedy equality with torchtune's own generation). Anything else falls back to torchtune's forward.
+    """
+    if y is None or mask is None or mask.dtype != torch.bool or self.kv_cache is None:
+        return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
+    b, s_x, _ = x.shape
+    s_y = y.shape[1]
+    q = self.q_proj(x).view(b, s_x, self.num_heads, self.head_dim)
+    if self.pos_embeddings is not None:
+        q = self.pos_embeddings(q, input_pos=input_pos)
+    q = q.transpose(1, 2)  # [b, h, s, d]
+    if self.q_norm is not None:
+        q = self.q_norm(q)
+    k = self.k_proj(y).view(b, s_y, -1, self.head_dim)
+    v = self.v_proj(y).view(b, s_y, -1, self.head_dim)
+    if self.pos_embeddings is not None:
+        k = self.pos_embeddings(k, input_pos=input_pos)
+    k = k.transpose(1, 2)  # [b, h_kv, s, d]
+    v = v.transpose(1, 2)
+    if self.k_norm is not None:
+        k = self.k_norm(k)
+    k, v = self.kv_cache.update(k, v)  # [b, h_kv, W, d]
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask[:, None, :, :],
+        dropout_p=self.attn_dropout if self.training else 0.0,
+        enable_gqa=self.num_heads != self.num_kv_heads,
+    )
+    out = out.transpose(1, 2).contiguous().view(b, s_x, -1)
+    return self.output_proj(out)
+
+
+@contextmanager
+def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator[None]:
+    """Attach ``caches[i]`` to ``attns[i]`` (enabled) for the duration; restore the previous state after.
+
+    Plain torchtune ``MultiHeadAttention`` modules also run :func:`cached_attention_forward` meanwhile
+    (an instance attribute, removed on exit); subclasses with their own forward keep it.
+    """
+    saved = [(a.kv_cache, a.cache_enabled) for a in attns]
+    patched = []
+    try:
+        for a, c in zip(attns, caches):
+            a.kv_cache = c
+            a.cache_enabled = True
+            if type(a).forward is MultiHeadAttention.forward and "forward" not in a.__dict__:
+                a.forward = types.MethodType(cached_attention_forward, a)
+                patched.append(a)
+        yield
+    finally:
+        for a in patched:
+            del a.forward
+        for a, (c, enabled) in zip(attns, saved):
+            a.kv_cache = c
+            a.cache_enabled = enabled
+
+
+class KVCachePool:
+    """Key/value storage for every layer, allocated once and reused while the shape allows.
+
+    The storage of layer ``i`` is ``k[i], v[i]: [batch, h_kv, max_len, head_dim]``. A request for the same
+    batch size, dtype and device and at most ``max_len`` slots reuses it; a longer request reallocates with
+    the length rounded up to a multiple of ``len_multiple`` (so slowly growing prompts do not reallocate
+    every step); any other batch size, dtype or device replaces it (one set is kept at a time).
+
+    Args:
+        len_multiple (int): allocation granularity in slots. Default is 64.
+    """
+
+    def __init__(self, len_multiple: int = 64) -> None:
+        self.len_multiple = max(1, len_multiple)
+        self.k: List[torch.Tensor] = []
+        self.v: List[torch.Tensor] = []
+        self.key: Optional[tuple] = None
+        self.max_len = 0
+        self.allocations = 0  # how many times storage was (re)allocated: for tests and benchmarks
+
+    def get(
+        self,
+        layout: List[Tuple[int, int]],
+        batch: int,
+        length: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Storage for ``layout`` (``(h_kv, head_dim)`` per layer), ``batch`` rows and ``length`` slots."""
+        key = (tuple(layout), batch, dtype, torch.device(device))
+        if key != self.key or length > self.max_len:
+            self.release()
+            max_len = -(-length // self.len_multiple) * self.len_multiple
+            self.k = [torch.zeros(batch, h, max_len, d, dtype=dtype, device=device) for h, d in layout]
+            self.v = [torch.zeros(batch, h, max_len, d, dtype=dtype, device=device) for h, d in layout]
+            self.key, self.max_len = key, max_len
+            self.allocations += 1
+        return self.k, self.v
+
+    def release(self) -> None:
+        """Free the storage."""
+        self.k, self.v, self.key, self.max_len = [], [], None, 0
