@@ -53,6 +53,7 @@ from torchtune_grpo.checkpointing import (
 from torchtune_grpo.advantages import RewardStats
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling, RolloutGroups
+from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
 from torchtune_grpo.generation import decode_responses, pack_sequences
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss import KL_ESTIMATORS, kl_reward_penalty
@@ -73,6 +74,9 @@ KNOWN_KEYS = {
     "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
     "log_completions", "profiler", "kl_estimator", "kl_placement", "mask_truncated_completions",
     "dynamic_sampling",
+    # held-out evaluation (torchtune_grpo/evaluation.py)
+    "validation", "eval_every_n_steps", "eval_num_samples", "eval_pass_k", "eval_max_prompts",
+    "eval_reward", "eval_threshold", "eval_batch_size",
 }
 KL_PLACEMENTS = ("loss", "reward")
 _DYNAMIC_SAMPLING_KEYS = {"enabled", "max_rounds", "rtol"}
@@ -183,6 +187,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.epochs_run = 0
         self._data_iter: Optional[Iterator[Any]] = None
         self._timers: Dict[str, float] = {}
+        # Held-out evaluation: at step 0, every eval_every_n_steps and at the end (when `validation` is set).
+        self.eval_every_n_steps = cfg.get("eval_every_n_steps", None)
+        self.eval_num_samples = int(cfg.get("eval_num_samples", 0))
+        self.eval_pass_k = cfg.get("eval_pass_k", None)
+        self.eval_max_prompts = cfg.get("eval_max_prompts", None)
+        self.eval_threshold = float(cfg.get("eval_threshold", 1.0))
+        self.eval_batch_size = int(cfg.get("eval_batch_size", 32))
+        self._validation = None
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -226,6 +238,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
         self._sampler, self._dataloader = self._setup_data(cfg)
+        self._setup_validation(cfg)
 
         self.epochs = int(cfg.get("epochs", 1))
         self.steps_per_epoch = len(self._dataloader)
@@ -389,6 +402,57 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             f"{self.batch_size * self.world_size * self.group_size} sequences",
         )
         return sampler, dataloader
+
+    def _setup_validation(self, cfg: DictConfig) -> None:
+        """Held-out prompts of this rank (every world_size-th, so ranks share the work), or None."""
+        if cfg.get("validation", None) is None:
+            return
+        # Fail now, not at the first evaluation, when no reward component decides correctness.
+        correctness_name(self._rewards.names, cfg.get("eval_reward", None))
+        dataset = config.instantiate(cfg.validation, self._tokenizer)
+        n = len(dataset)
+        if self.eval_max_prompts is not None:
+            n = min(n, int(self.eval_max_prompts))
+        self._validation = [dataset[i] for i in range(self.rank, n, self.world_size)]
+        self._eval_reward = cfg.get("eval_reward", None)
+        utils.log_rank_zero(log, f"Held-out evaluation on {n} validation prompts")
+
+    @torch.no_grad()
+    def evaluate(self) -> Dict[str, float]:
+        """Held-out metrics ``eval/*`` (greedy accuracy, mean reward, pass@k), the same on every rank."""
+        t0 = time.perf_counter()
+        # Its own RNG stream: evaluating does not change the training samples drawn afterwards.
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(self.seed + 7919 * (self.rank + 1))
+        self._model.eval()
+        with self._unsharded_for_generation():
+            sums = evaluate(
+                self._model,
+                self._tokenizer,
+                self._engine,
+                self._validation,
+                self._rewards,
+                max_new_tokens=self.max_response_length,
+                num_samples=self.eval_num_samples,
+                k=self.eval_pass_k,
+                correctness=self._eval_reward,
+                threshold=self.eval_threshold,
+                batch_size=self.eval_batch_size,
+                generator=generator,
+            )
+        self._model.train()
+        reduced = EvalSums.from_list(self._all_reduce_sum(sums.as_list()), k=sums.k)
+        metrics = reduced.metrics()
+        metrics["time/eval"] = time.perf_counter() - t0
+        return metrics
+
+    def _log_eval(self) -> None:
+        metrics = self.evaluate()
+        if self._is_rank_zero:
+            self._metrics_file.write({"step": self.global_step, **metrics})
+            self._metric_logger.log_dict(metrics, step=self.global_step)
+            shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "eval/num_prompts")
+            log.info(f"Held-out evaluation at step {self.global_step}: {shown}")
 
     # ----------------------------------------------------------------------------------- checkpoints
 
@@ -732,6 +796,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             desc="GRPO", dynamic_ncols=True,
         )
         self._profiler.start()
+        if self._validation is not None:
+            self._log_eval()  # step 0 (or the resumed step): the baseline
         # max_steps (when set) wins over epochs; the data then cycles for as many epochs as needed.
         while self.global_step < self.total_steps:
             metrics, samples = self._train_step(self._next_batch())
@@ -750,8 +816,17 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 and self.global_step % int(self.save_every_n_steps) == 0
             ):
                 self.save_checkpoint(self.global_step)
+            if (
+                self._validation is not None
+                and self.eval_every_n_steps
+                and self.global_step < self.total_steps
+                and self.global_step % int(self.eval_every_n_steps) == 0
+            ):
+                self._log_eval()
         self._profiler.stop()
         pbar.close()
+        if self._validation is not None:
+            self._log_eval()  # the end
         self.save_checkpoint(self.global_step)
 
     def cleanup(self) -> None:

@@ -25,7 +25,9 @@ from torchtune_grpo.rewards import _base as reward_base, build_reward_set
 REWARD_OPTION_KEYS = set(getattr(reward_base, "OPTION_KEYS", ("name", "weight")))
 
 CONFIG_DIR = REPO / "configs"
-ALL_CONFIGS = sorted(CONFIG_DIR.rglob("*.yaml"))
+# `*_sft.yaml` configs are for torchtune's own SFT recipes (the demo's warm start): tests/test_evaluation.py
+# checks them.
+ALL_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if not p.stem.endswith("_sft"))
 REAL_CONFIGS = [
     "qwen2_5/0.5B_full_grpo",
     "qwen2_5/1.5B_full_grpo",
@@ -44,7 +46,9 @@ def _name(path: Path) -> str:
 
 
 def _recipe(name: str) -> str:
-    """The recipe a config is for: LoRA configs have "lora" in their name."""
+    """The recipe a config is for: LoRA configs have "lora" in their name; `*_sft` are torchtune's SFT."""
+    if name.endswith("_sft"):
+        return "full_finetune_single_device"
     return "grpo_lora_finetune_distributed" if "lora" in name else "grpo_full_finetune_distributed"
 
 
@@ -185,7 +189,7 @@ def test_cli_ls(capsys):
     code, out, _ = _run_cli(["ls"], capsys)
     assert code == 0
     listed = [line.split()[-1] for line in out.splitlines()[1:]]
-    assert sorted(listed) == sorted(_name(p) for p in ALL_CONFIGS)
+    assert sorted(listed) == sorted(_name(p) for p in CONFIG_DIR.rglob("*.yaml"))
     assert list_configs() == sorted(listed)
     for line in out.splitlines()[1:]:
         assert line.split()[0] == _recipe(line.split()[-1])

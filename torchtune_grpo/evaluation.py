@@ -1,0 +1,229 @@
+"""Held-out evaluation: greedy accuracy, mean reward and pass@k of a model on a prompt dataset.
+
+Pure in the sense of the stage modules (docs/architecture.md): a model, a tokenizer, a generation engine,
+prompts and a reward set in, sums out. No ``torch.distributed`` and no config reading: the recipe shards
+the prompts over ranks, all-reduces :meth:`EvalSums.as_list` and turns the result into metrics with
+:meth:`EvalSums.metrics`; ``tune-grpo eval`` calls the same function on one process.
+
+Metrics (the keys the recipe logs, each prefixed ``eval/``):
+
+- ``accuracy``: fraction of prompts whose **greedy** completion (engine temperature 0) is correct, i.e. its
+  ``correctness`` reward component is ``>= threshold``;
+- ``reward/mean``: mean total (weighted) reward of the greedy completions;
+- ``pass@k``: with ``n = num_samples`` completions sampled per prompt at the engine's temperature and ``c``
+  of them correct, the unbiased estimator of Chen et al. 2021 (arXiv:2107.03374, "Evaluating Large
+  Language Models Trained on Code"), ``1 - C(n - c, k) / C(n, k)``, averaged over prompts. The default
+  ``k = n`` makes it exactly "at least one of the n samples is correct".
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from torchtune_grpo.data import collate_prompts
+from torchtune_grpo.generation import decode_responses
+from torchtune_grpo.rewards import RewardBatch
+
+__all__ = ["EvalSums", "evaluate", "pass_at_k", "correctness_name"]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021).
+
+    ``1 - C(n-c, k) / C(n, k)``; e.g. ``n=4, c=1, k=2``: ``1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5``.
+
+    Raises:
+        ValueError: unless ``1 <= k <= n`` and ``0 <= c <= n``.
+    """
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def correctness_name(reward_names: Sequence[str], name: Optional[str] = None) -> str:
+    """The reward component that decides "correct": ``name``, else the one named ``correctness``.
+
+    Raises:
+        ValueError: when there is no such component (the message lists the names there are).
+    """
+    wanted = name or "correctness"
+    if wanted not in reward_names:
+        raise ValueError(
+            f"Evaluation needs a reward component named '{wanted}' to decide correctness, but the reward "
+            f"set has {list(reward_names)}. Name one `correctness` in reward_functions, or set eval_reward "
+            "to one of these names."
+        )
+    return wanted
+
+
+@dataclass
+class EvalSums:
+    """Sums over prompts (additive across ranks: all-reduce :meth:`as_list`, then :meth:`from_list`).
+
+    Attributes:
+        prompts (float): prompts evaluated.
+        correct (float): prompts whose greedy completion is correct.
+        reward (float): summed total reward of the greedy completions.
+        response_length (float): summed greedy completion length in tokens.
+        pass_at_k (float): summed per-prompt pass@k (0 when ``k == 0``).
+        k (int): the k of pass@k; 0 when no samples were drawn. Not summed.
+    """
+
+    prompts: float = 0.0
+    correct: float = 0.0
+    reward: float = 0.0
+    response_length: float = 0.0
+    pass_at_k: float = 0.0
+    k: int = 0
+
+    def as_list(self) -> List[float]:
+        return [self.prompts, self.correct, self.reward, self.response_length, self.pass_at_k]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float], k: int) -> "EvalSums":
+        return cls(*[float(v) for v in values], k=k)
+
+    def metrics(self, prefix: str = "eval/") -> Dict[str, float]:
+        """``{prefix}accuracy``, ``{prefix}reward/mean``, ``{prefix}response_length/mean``,
+        ``{prefix}pass@k`` (when ``k > 0``) and ``{prefix}num_prompts``."""
+        n = max(self.prompts, 1.0)
+        out = {
+            f"{prefix}accuracy": self.correct / n,
+            f"{prefix}reward/mean": self.reward / n,
+            f"{prefix}response_length/mean": self.response_length / n,
+            f"{prefix}num_prompts": self.prompts,
+        }
+        if self.k > 0:
+            out[f"{prefix}pass@{self.k}"] = self.pass_at_k / n
+        return out
+
+
+@dataclass
+class _Scored:
+    correct: List[bool] = field(default_factory=list)
+    total: List[float] = field(default_factory=list)
+    completions: List[str] = field(default_factory=list)
+    lengths: List[int] = field(default_factory=list)
+
+
+def _score(
+    model, tokenizer, engine, batch, rewards, correctness: str, threshold: float, *, group_size: int,
+    max_new_tokens: int, temperature: Optional[float], generator: Optional[torch.Generator],
+) -> _Scored:
+    g = group_size
+    rollout = engine.generate(
+        model,
+        batch.tokens,
+        group_size=g,
+        max_new_tokens=max_new_tokens,
+        pad_id=tokenizer.pad_id,
+        stop_tokens=tokenizer.stop_tokens,
+        generator=generator,
+        temperature=temperature,
+    )
+    n = len(rollout.response_ids)
+    completions = decode_responses(tokenizer, rollout.response_ids)
+    out = rewards(
+        RewardBatch(
+            prompts=[batch.prompts[i // g] for i in range(n)],
+            completions=completions,
+            completion_ids=rollout.response_ids,
+            fields=[batch.fields[i // g] for i in range(n)],
+        )
+    )
+    right = (out.per_component[correctness] >= threshold).tolist()
+    return _Scored(right, out.total.tolist(), completions, [len(r) for r in rollout.response_ids])
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer,
+    engine,
+    prompts: Sequence[Dict[str, Any]],
+    rewards,
+    *,
+    max_new_tokens: int,
+    num_samples: int = 0,
+    k: Optional[int] = None,
+    correctness: Optional[str] = None,
+    threshold: float = 1.0,
+    batch_size: int = 32,
+    generator: Optional[torch.Generator] = None,
+    progress: Optional[Callable[[int], None]] = None,
+    records: Optional[List[Dict[str, Any]]] = None,
+) -> EvalSums:
+    """Evaluate ``model`` on ``prompts``: greedy accuracy and reward, and pass@k from sampled completions.
+
+    Args:
+        model (torch.nn.Module): a torchtune decoder (with FSDP2: already unsharded by the caller).
+        tokenizer: its tokenizer (``pad_id``, ``stop_tokens``, ``decode``).
+        engine: a generation engine with ``generate(model, prompts, group_size=..., temperature=...)``.
+        prompts (Sequence[Dict[str, Any]]): dataset items ``{"tokens", "prompt", "answer", ...}``.
+        rewards: a :class:`~torchtune_grpo.rewards.RewardSet` (its per-component scores are read).
+        max_new_tokens (int): response budget.
+        num_samples (int): completions sampled per prompt for pass@k (n); 0 skips sampling. Default is 0.
+        k (Optional[int]): the k of pass@k, ``1 <= k <= num_samples``. Default is None (``k = num_samples``).
+        correctness (Optional[str]): the reward component deciding correctness. Default is None
+            (``"correctness"``).
+        threshold (float): a completion is correct when that component is ``>= threshold``. Default is 1.0.
+        batch_size (int): prompts per generation call. Default is 32.
+        generator (Optional[torch.Generator]): RNG for the sampled completions. Default is None.
+        progress (Optional[Callable[[int], None]]): called with the number of prompts done after each
+            batch (e.g. ``tqdm.update``). Default is None.
+        records (Optional[List[Dict[str, Any]]]): when given, one dict per prompt is appended (prompt,
+            answer, greedy completion, correct, reward). Default is None.
+
+    Returns:
+        EvalSums: sums over ``prompts`` (see :meth:`EvalSums.metrics`).
+
+    Raises:
+        ValueError: on a missing correctness component or a bad ``k``.
+    """
+    name = correctness_name(list(rewards.names), correctness)
+    k = (num_samples if k is None else int(k)) if num_samples > 0 else 0
+    if num_samples > 0 and not 1 <= k <= num_samples:
+        raise ValueError(f"pass@k needs 1 <= k <= num_samples, got k={k}, num_samples={num_samples}")
+    was_training = model.training
+    model.eval()
+    sums = EvalSums(k=k)
+    try:
+        for start in range(0, len(prompts), batch_size):
+            items = [prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
+            batch = collate_prompts(items)
+            greedy = _score(
+                model, tokenizer, engine, batch, rewards, name, threshold, group_size=1,
+                max_new_tokens=max_new_tokens, temperature=0.0, generator=generator,
+            )
+            sums.prompts += len(items)
+            sums.correct += sum(greedy.correct)
+            sums.reward += sum(greedy.total)
+            sums.response_length += sum(greedy.lengths)
+            if num_samples > 0:
+                sampled = _score(
+                    model, tokenizer, engine, batch, rewards, name, threshold, group_size=num_samples,
+                    max_new_tokens=max_new_tokens, temperature=None, generator=generator,
+                )
+                for i in range(len(items)):
+                    c = sum(sampled.correct[i * num_samples : (i + 1) * num_samples])
+                    sums.pass_at_k += pass_at_k(num_samples, c, k)
+            if records is not None:
+                for i, item in enumerate(items):
+                    records.append(
+                        {
+                            "prompt": item["prompt"],
+                            "answer": item.get("answer"),
+                            "completion": greedy.completions[i],
+                            "correct": bool(greedy.correct[i]),
+                            "reward": greedy.total[i],
+                        }
+                    )
+            if progress is not None:
+                progress(len(items))
+    finally:
+        model.train(was_training)
+    return sums
