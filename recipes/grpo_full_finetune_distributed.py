@@ -838,12 +838,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         dist.destroy_process_group()
 
 
-@config.parse
-def recipe_main(cfg: DictConfig) -> None:
-    """Entry point: ``tune run grpo_full_finetune_distributed --config CONFIG [key=value ...]``."""
+def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
+    """Set up, train and clean up ``recipe_cls`` (this recipe or a subclass such as the LoRA one)."""
     launched_by_torchrun = training.is_distributed()
-    config.log_config(recipe_name="GRPOFullFinetuneRecipeDistributed", cfg=cfg)
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    config.log_config(recipe_name=recipe_cls.__name__, cfg=cfg)
+    recipe = recipe_cls(cfg=cfg)
     recipe.setup(cfg=cfg)
     recipe.train()
     recipe.cleanup()
@@ -853,6 +852,12 @@ def recipe_main(cfg: DictConfig) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+@config.parse
+def recipe_main(cfg: DictConfig) -> None:
+    """Entry point: ``tune run grpo_full_finetune_distributed --config CONFIG [key=value ...]``."""
+    run_recipe(GRPOFullFinetuneRecipeDistributed, cfg)
 
 
 if __name__ == "__main__":

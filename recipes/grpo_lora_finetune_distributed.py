@@ -50,7 +50,7 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
-from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
+from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, run_recipe
 from torchtune_grpo.checkpointing import finalize_step_dir, save_recipe_state
 from torchtune_grpo.lora import (
     ADAPTER_TORCHTUNE_FILE,
@@ -257,17 +257,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
 @config.parse
 def recipe_main(cfg: DictConfig) -> None:
     """Entry point: ``tune run grpo_lora_finetune_distributed --config CONFIG [key=value ...]``."""
-    launched_by_torchrun = training.is_distributed()
-    config.log_config(recipe_name="GRPOLoRAFinetuneRecipeDistributed", cfg=cfg)
-    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg=cfg)
-    recipe.setup(cfg=cfg)
-    recipe.train()
-    recipe.cleanup()
-    if launched_by_torchrun:
-        # As in the full recipe: leave right away once everything is flushed (gloo teardown abort).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    run_recipe(GRPOLoRAFinetuneRecipeDistributed, cfg)
 
 
 if __name__ == "__main__":
