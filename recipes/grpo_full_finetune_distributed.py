@@ -591,15 +591,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 generator=self._generator,
             )
         t1 = time.perf_counter()
-        n = len(rollout.response_ids)
         completions = decode_responses(self._tokenizer, rollout.response_ids)
         reward_out = self._rewards(
-            RewardBatch(
-                prompts=[batch.prompts[i // g] for i in range(n)],
-                completions=completions,
-                completion_ids=rollout.response_ids,
-                fields=[batch.fields[i // g] for i in range(n)],
-            )
+            RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
         )
         self._timers["generation"] += t1 - t0
         self._timers["reward"] += time.perf_counter() - t1

@@ -125,15 +125,9 @@ def _score(
         generator=generator,
         temperature=temperature,
     )
-    n = len(rollout.response_ids)
     completions = decode_responses(tokenizer, rollout.response_ids)
     out = rewards(
-        RewardBatch(
-            prompts=[batch.prompts[i // g] for i in range(n)],
-            completions=completions,
-            completion_ids=rollout.response_ids,
-            fields=[batch.fields[i // g] for i in range(n)],
-        )
+        RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
     )
     right = (out.per_component[correctness] >= threshold).tolist()
     return _Scored(right, out.total.tolist(), completions, [len(r) for r in rollout.response_ids])

@@ -100,15 +100,9 @@ def rejection_sample(
                 model, batch.tokens, group_size=g, max_new_tokens=max_new_tokens,
                 pad_id=tokenizer.pad_id, stop_tokens=tokenizer.stop_tokens, generator=generator,
             )
-            n = len(rollout.response_ids)
             completions = decode_responses(tokenizer, rollout.response_ids)
             out = rewards(
-                RewardBatch(
-                    prompts=[batch.prompts[i // g] for i in range(n)],
-                    completions=completions,
-                    completion_ids=rollout.response_ids,
-                    fields=[batch.fields[i // g] for i in range(n)],
-                )
+                RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
             )
             scores = (out.total if reward_name is None else out.per_component[reward_name]).tolist()
             truncated = rollout.truncated.tolist()

@@ -79,6 +79,35 @@ class RewardBatch(NamedTuple):
     completion_ids: List[List[int]]
     fields: List[Dict[str, Any]]
 
+    @classmethod
+    def for_groups(
+        cls,
+        prompts: List[str],
+        fields: List[Dict[str, Any]],
+        completions: List[str],
+        completion_ids: List[List[int]],
+        group_size: int,
+    ) -> "RewardBatch":
+        """Builds the batch of a rollout from its per-prompt data (B prompts, ``B x group_size`` completions).
+
+        Args:
+            prompts (List[str]): B prompt texts.
+            fields (List[Dict[str, Any]]): B prompts' dataset columns.
+            completions (List[str]): N = B x group_size decoded completions, grouped by prompt.
+            completion_ids (List[List[int]]): their token ids.
+            group_size (int): completions per prompt.
+
+        Returns:
+            RewardBatch: with ``prompts`` and ``fields`` repeated for every completion of a group.
+        """
+        n = len(completions)
+        return cls(
+            prompts=[prompts[i // group_size] for i in range(n)],
+            completions=completions,
+            completion_ids=completion_ids,
+            fields=[fields[i // group_size] for i in range(n)],
+        )
+
     def sample(self, i: int) -> RewardSample:
         """Returns completion ``i`` as a :class:`RewardSample`."""
         return RewardSample(self.prompts[i], self.completions[i], self.completion_ids[i], self.fields[i])
