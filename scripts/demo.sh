@@ -4,8 +4,9 @@
 #   bash scripts/demo.sh
 #
 #   1. SFT warm start: torchtune's own recipe (full_finetune_single_device) on the tiny Qwen2-shaped model
-#      from its random init, with our sft_dataset builder over synthetic arithmetic TRAIN problems
-#      ("What is 13 + 6?" -> " 13 + 6 = 19 </think> <answer> 19 </answer>").
+#      from its random init, with our sft_dataset builder over worked two-digit additions of the TRAIN split
+#      ("What is 58 + 67?" -> " 8+7=15,5+6+1=12 </think> <answer> 125 </answer>"). The teacher is careless
+#      on purpose: it drops the carry ("+0") in 65% of the problems that need one.
 #   2. GRPO (our recipe) from the SFT checkpoint, rewarded by exact match of the <answer>, evaluated on the
 #      held-out split at step 0, every eval_every_n_steps and at the end (metrics.jsonl: eval/*).
 #   3. Held-out evaluation of both checkpoints (tune-grpo eval: greedy accuracy, mean reward, pass@k).
@@ -13,15 +14,18 @@
 #
 # The last line is `held-out accuracy: <SFT> -> <GRPO>` (greedy, fractions of the held-out problems).
 # Environment knobs (the learning test uses them to run a shorter demo):
-#   DEMO_DIR (/tmp/torchtune_grpo/demo), DEMO_SEED (0), DEMO_SFT_EPOCHS, DEMO_GRPO_STEPS,
-#   DEMO_EVAL_EVERY; anything else goes through the YAML files (configs/tiny/demo_*.yaml).
+#   DEMO_DIR (/tmp/torchtune_grpo/demo), DEMO_SEED (0), DEMO_SFT_EPOCHS (4), DEMO_SFT_PROBLEMS (7000),
+#   DEMO_CARRY_DROP (0.65), DEMO_GRPO_STEPS (20), DEMO_EVAL_EVERY (5); anything else goes through the
+#   YAML files (configs/tiny/demo_*.yaml).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo}"
 SEED="${DEMO_SEED:-0}"
-SFT_EPOCHS="${DEMO_SFT_EPOCHS:-30}"
-GRPO_STEPS="${DEMO_GRPO_STEPS:-40}"
+SFT_EPOCHS="${DEMO_SFT_EPOCHS:-4}"
+SFT_PROBLEMS="${DEMO_SFT_PROBLEMS:-7000}"
+CARRY_DROP="${DEMO_CARRY_DROP:-0.65}"
+GRPO_STEPS="${DEMO_GRPO_STEPS:-20}"
 EVAL_EVERY="${DEMO_EVAL_EVERY:-5}"
 # One thread per process: on 2 shared cores, 2 OpenMP threads per process were much slower (barriers
 # stall when another process holds a core), and results do not depend on the core count.
@@ -37,29 +41,25 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 cd "$WORK"  # `tune run` finds the recipes as installed modules, from any directory
 
-step "data: synthetic arithmetic train problems -> $WORK/arith_train.jsonl"
-python - "$WORK/arith_train.jsonl" "$SEED" <<'EOF'
+step "data: worked additions of the train split from a careless teacher -> $WORK/addition_train.jsonl"
+python - "$WORK/addition_train.jsonl" "$SFT_PROBLEMS" "$CARRY_DROP" "$SEED" <<'EOF'
 import json, sys
-from omegaconf import OmegaConf
-from torchtune_grpo.data import arithmetic_problems
+from torchtune_grpo.data import addition_sft_rows
 
-out, seed = sys.argv[1], int(sys.argv[2])
-# The same problem space as the GRPO config's dataset (every train problem, none of the held-out ones).
-ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-problems = arithmetic_problems(608, max_value=20, seed=seed, split="train")
+out, n, drop, seed = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+# The same problems as configs/tiny/demo_grpo.yaml's dataset (train split; none of the held-out ones).
+rows, counts = addition_sft_rows(n, min_value=10, max_value=99, carry_drop_rate=drop, seed=seed)
 with open(out, "w") as f:
-    for a, op, b in problems:
-        c = ops[op](a, b)
-        f.write(json.dumps({"question": f"What is {a} {op} {b}?", "answer": str(c),
-                            "reasoning": f"{a} {op} {b} = {c}"}) + "\n")
-print(f"{len(problems)} problems")
+    f.writelines(json.dumps(row) + "\n" for row in rows)
+print(f"{counts['problems']} problems, {counts['need_carry']} need a carry, the teacher dropped it in "
+      f"{counts['carry_dropped']} (their answers are wrong)")
 EOF
 
 ASSET_DIR="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2"))')"
 
 step "1/4 SFT warm start: tune run full_finetune_single_device (torchtune's recipe), $SFT_EPOCHS epochs"
 tune run full_finetune_single_device --config "$REPO/configs/tiny/demo_sft.yaml" \
-  asset_dir="$ASSET_DIR" dataset.data_files="$WORK/arith_train.jsonl" dataset.cache_dir="$WORK/hf_cache" \
+  asset_dir="$ASSET_DIR" dataset.data_files="$WORK/addition_train.jsonl" dataset.cache_dir="$WORK/hf_cache" \
   output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed="$SEED" > "$WORK/sft.log" 2>&1 \
   || { tail -n 40 "$WORK/sft.log"; exit 1; }
 SFT_CKPT="$WORK/sft/epoch_$((SFT_EPOCHS - 1))"
@@ -68,6 +68,7 @@ echo "SFT checkpoint: $SFT_CKPT (log: $WORK/sft.log)"
 step "2/4 GRPO: tune run grpo_full_finetune_distributed, $GRPO_STEPS steps"
 tune run grpo_full_finetune_distributed --config "$REPO/configs/tiny/demo_grpo.yaml" \
   checkpointer.checkpoint_dir="$SFT_CKPT" output_dir="$WORK/grpo" max_steps="$GRPO_STEPS" \
+  dataset.num_samples="$SFT_PROBLEMS" dataset.seed="$SEED" \
   eval_every_n_steps="$EVAL_EVERY" seed="$SEED" > "$WORK/grpo.log" 2>&1 \
   || { tail -n 40 "$WORK/grpo.log"; exit 1; }
 GRPO_CKPT="$WORK/grpo/step_$GRPO_STEPS"

@@ -13,6 +13,8 @@ from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
+    addition_sft_rows,
+    addition_worked_solution,
     arithmetic_dataset,
     arithmetic_problems,
     collate_prompts,
@@ -286,6 +288,36 @@ def test_arithmetic_errors(tokenizer):
         arithmetic_problems(10, operations=("/",))
     with pytest.raises(ValueError, match="split"):
         arithmetic_problems(10, split="test")
+
+
+def test_addition_worked_solution_by_hand():
+    # 58 + 67: units 8+7=15 (write 5, carry 1), tens 5+6+1=12 -> 125
+    assert addition_worked_solution(58, 67) == ("8+7=15,5+6+1=12", "125")
+    # the careless teacher writes the carry as 0 and concludes 115
+    assert addition_worked_solution(58, 67, drop_carry=True) == ("8+7=15,5+6+0=11", "115")
+    assert addition_worked_solution(12, 3) == ("2+3=5,1+0+0=1", "15")  # shorter operand padded with 0
+    assert addition_worked_solution(999, 1) == ("9+1=10,9+0+1=10,9+0+1=10", "1000")
+    assert addition_worked_solution(999, 1, drop_carry=True) == ("9+1=10,9+0+0=9,9+0+0=9", "990")
+    assert addition_worked_solution(41, 52, drop_carry=True) == addition_worked_solution(41, 52)  # no carry
+    with pytest.raises(ValueError, match="-3"):
+        addition_worked_solution(-3, 4)
+
+
+def test_addition_sft_rows_match_the_grpo_problems_and_drop_rate(tokenizer):
+    rows, counts = addition_sft_rows(2000, carry_drop_rate=0.65, seed=5)
+    prompts = arithmetic_dataset(tokenizer, num_samples=2000, min_value=10, max_value=99, operations=["+"], seed=5)
+    assert [r["question"] for r in rows] == [p["question"] for p in prompts]
+    truth = {p["question"]: p["answer"] for p in prompts}
+    wrong = [r for r in rows if r["answer"] != truth[r["question"]]]
+    # every wrong row is a dropped carry, and only those are wrong
+    assert counts["carry_dropped"] == len(wrong) and all("+0=" in r["reasoning"] for r in wrong)
+    # about 45% of two-digit additions carry from the units; 65% of those are dropped (binomial sd ~0.016)
+    assert abs(counts["need_carry"] / counts["problems"] - 0.45) < 0.05
+    assert abs(counts["carry_dropped"] / counts["need_carry"] - 0.65) < 0.06
+    assert addition_sft_rows(2000, carry_drop_rate=0.0, seed=5)[1]["carry_dropped"] == 0
+    assert addition_sft_rows(200, carry_drop_rate=0.65, seed=5) == addition_sft_rows(200, carry_drop_rate=0.65, seed=5)
+    with pytest.raises(ValueError, match="carry_drop_rate"):
+        addition_sft_rows(10, carry_drop_rate=1.5)
 
 
 # ----------------------------------------------------------------------------- collate

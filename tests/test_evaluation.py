@@ -346,14 +346,28 @@ def test_demo_sft_config_builds_with_torchtunes_keys(tokenizer, tmp_path):
               "enable_activation_offloading", "metric_logger", "resume_from_checkpoint"}
     assert needed <= set(cfg.keys())
     cfg.asset_dir = asset_path("tiny_qwen2")
+    # the rows scripts/demo.sh writes, through the SFT config's dataset
+    from torchtune_grpo.data import addition_sft_rows
+
+    rows, _ = addition_sft_rows(50, carry_drop_rate=0.0, seed=0)
+    rows.append({"question": "What is 99 + 99?", "reasoning": "9+9=18,9+9+1=19", "answer": "198"})
     data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"question": "What is 2 + 3?", "answer": "5", "reasoning": "2 + 3 = 5"}) + "\n")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg.dataset.data_files = str(data)
     cfg.dataset.cache_dir = str(tmp_path / "hf_cache")
     OmegaConf.to_container(cfg, resolve=True)
     ds = tt_config.instantiate(cfg.dataset, tokenizer)
-    text = tokenizer.decode(ds[0]["tokens"][:-1])  # without the stop token
-    # the GRPO demo config's prompt, then the response the GRPO rewards score
+    text = tokenizer.decode(ds[len(rows) - 1]["tokens"][:-1])  # without the stop token
+    assert text.endswith("<think> 9+9=18,9+9+1=19 </think> <answer> 198 </answer>")
+    # SFT and GRPO see the very same prompt tokens for a problem (GRPO's dataset: same problems, same seed).
     grpo = OmegaConf.load(REPO / "configs" / "tiny" / "demo_grpo.yaml")
-    assert text.startswith(grpo.dataset.system_prompt) and grpo.validation.system_prompt == grpo.dataset.system_prompt
-    assert text.endswith("<think> 2 + 3 = 5 </think> <answer> 5 </answer>")
+    grpo.dataset.num_samples = 50
+    grpo.max_prompt_length = 64
+    prompts = tt_config.instantiate(grpo.dataset, tokenizer)
+    assert [p["question"] for p in prompts] == [r["question"] for r in rows[:50]]
+    sft_item, grpo_item = ds[0], prompts[0]
+    n = len(grpo_item["tokens"])
+    assert sft_item["tokens"][:n] == list(grpo_item["tokens"])
+    # and the longest worked answer (a carry in both columns) fits GRPO's response budget, stop token included
+    longest = len(ds[len(rows) - 1]["tokens"]) - n
+    assert longest <= grpo.max_response_length, (longest, grpo.max_response_length)

@@ -1,6 +1,11 @@
 """Prompt datasets for GRPO: each item is ``{"tokens", "prompt", "answer", ...}`` (docs/architecture.md)."""
 
-from torchtune_grpo.data._arithmetic import arithmetic_dataset, arithmetic_problems
+from torchtune_grpo.data._arithmetic import (
+    addition_sft_rows,
+    addition_worked_solution,
+    arithmetic_dataset,
+    arithmetic_problems,
+)
 from torchtune_grpo.data._code import CODE_SYSTEM_PROMPT, code_dataset
 from torchtune_grpo.data._gsm8k import extract_gsm8k_answer, gsm8k_dataset
 from torchtune_grpo.data._math import extract_boxed_answer, math_dataset
@@ -20,6 +25,8 @@ from torchtune_grpo.data._verifiable import load_rows, require_columns, verifiab
 
 __all__ = [
     "ANSWER_FORMATS",
+    "addition_sft_rows",
+    "addition_worked_solution",
     "arithmetic_dataset",
     "arithmetic_problems",
     "ChatPrompt",

@@ -191,3 +191,96 @@ def arithmetic_dataset(
         system_prompt=system_prompt,
         source_name=f"arithmetic split '{split}'",
     )
+
+
+def addition_worked_solution(a: int, b: int, drop_carry: bool = False) -> Tuple[str, str]:
+    """Column addition of ``a + b``, units column first, in the compact form the demo's SFT data uses.
+
+    Each column is written as its two digits plus the carry into it (the units column has none), then
+    the answer is the last column's sum followed by the last digit of every lower column::
+
+        58 + 67 -> ("8+7=15,5+6+1=12", "125")
+        58 + 67, drop_carry=True -> ("8+7=15,5+6+0=11", "115")   # the careless teacher
+
+    With ``drop_carry`` the carry into every column is written (and used) as 0: the mistake of a careless
+    student, which the demo's SFT teacher makes on purpose so that GRPO has something to fix.
+
+    Args:
+        a (int): first operand, >= 0.
+        b (int): second operand, >= 0.
+        drop_carry (bool): forget every carry. Default is False.
+
+    Returns:
+        Tuple[str, str]: ``(reasoning, answer)``; ``answer`` is what that reasoning concludes (the true
+        sum unless a carry was dropped).
+
+    Raises:
+        ValueError: if an operand is negative.
+    """
+    if a < 0 or b < 0:
+        raise ValueError(f"addition_worked_solution needs operands >= 0, got {a} and {b}")
+    width = max(len(str(a)), len(str(b)))
+    digits_a, digits_b = str(a).zfill(width)[::-1], str(b).zfill(width)[::-1]  # units first
+    steps, low_digits, carry = [], [], 0
+    for i, (da, db) in enumerate(zip(digits_a, digits_b)):
+        written_carry = 0 if drop_carry else carry
+        total = int(da) + int(db) + written_carry
+        steps.append(f"{da}+{db}={total}" if i == 0 else f"{da}+{db}+{written_carry}={total}")
+        low_digits.append(str(total % 10))
+        carry = total // 10
+    answer = str(total) + "".join(reversed(low_digits[:-1]))
+    return ",".join(steps), answer
+
+
+def addition_sft_rows(
+    num_samples: int,
+    min_value: int = 10,
+    max_value: int = 99,
+    carry_drop_rate: float = 0.0,
+    seed: int = 0,
+    split: str = "train",
+    validation_fraction: float = 0.1,
+) -> "tuple[List[dict], dict]":
+    """SFT rows (``question``, ``reasoning``, ``answer``) of worked column additions from a careless teacher.
+
+    The problems are exactly those of ``arithmetic_dataset`` with the same ``num_samples``, values,
+    ``operations=["+"]``, ``seed`` and ``split``, so SFT and GRPO see the same train prompts and the
+    validation split stays unseen by both. In a share ``carry_drop_rate`` of the problems that need a
+    carry, the teacher forgets it (see ``addition_worked_solution``), so that row's answer is wrong: the
+    SFT model learns to carry only sometimes, and GRPO with an exact-match reward can teach it to always
+    carry, on problems it never saw. Write the rows as jsonl for ``sft_dataset``.
+
+    Args:
+        num_samples (int): number of problems.
+        min_value (int): smallest operand (>= 0). Default is 10.
+        max_value (int): largest operand. Default is 99.
+        carry_drop_rate (float): share, in [0, 1], of the carry-needing problems whose carry is dropped.
+            Default is 0.0 (a perfect teacher).
+        seed (int): seed of the problem draw and of the teacher's mistakes. Default is 0.
+        split (str): ``"train"`` or ``"validation"``. Default is ``"train"``.
+        validation_fraction (float): share of problems held out. Default is 0.1.
+
+    Returns:
+        tuple[List[dict], dict]: the rows, and counts ``{"problems", "need_carry", "carry_dropped"}``.
+
+    Raises:
+        ValueError: if ``carry_drop_rate`` is outside [0, 1] or ``min_value`` is negative.
+    """
+    if not 0.0 <= carry_drop_rate <= 1.0:
+        raise ValueError(f"carry_drop_rate must be in [0, 1], got {carry_drop_rate}")
+    if min_value < 0:
+        raise ValueError(f"min_value must be >= 0 for worked additions, got {min_value}")
+    problems = arithmetic_problems(
+        num_samples, min_value=min_value, max_value=max_value, operations=("+",), seed=seed, split=split,
+        validation_fraction=validation_fraction,
+    )
+    teacher = random.Random(f"careless-teacher-{seed}")  # its own stream: the problems don't depend on it
+    rows, need_carry, dropped = [], 0, 0
+    for a, _, b in problems:
+        carries = addition_worked_solution(a, b)[1] != addition_worked_solution(a, b, drop_carry=True)[1]
+        drop = carries and teacher.random() < carry_drop_rate
+        need_carry += carries
+        dropped += drop
+        reasoning, answer = addition_worked_solution(a, b, drop_carry=drop)
+        rows.append({"question": f"What is {a} + {b}?", "reasoning": reasoning, "answer": answer})
+    return rows, {"problems": len(rows), "need_carry": need_carry, "carry_dropped": dropped}
