@@ -174,6 +174,17 @@ def test_plot_cli(tmp_path, capsys):
     assert "metrics.jsonl" in capsys.readouterr().err
 
 
+def test_plot_notes_a_kl_that_was_never_computed():
+    from torchtune_grpo.plotting import _panel_note
+
+    kl_panel = [("kl", "kl")]
+    no_reference = [{"step": s, "kl": 0.0} for s in (1, 2, 3)]
+    assert "kl_coef: 0" in _panel_note(no_reference, kl_panel)
+    # a real KL is 0 at step 1 only: drawn, no note
+    assert _panel_note([{"step": 1, "kl": 0.0}, {"step": 2, "kl": 1e-4}], kl_panel) is None
+    assert _panel_note(no_reference, [("reward/mean", "r")]) is None
+
+
 def test_plot_without_plottable_metrics_fails(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "other": 1}) + "\n")
     with pytest.raises(ValueError, match="no plottable"):

@@ -45,6 +45,17 @@ def _series(rows: List[Dict[str, float]], key: str) -> Tuple[List[float], List[f
     return xs, ys
 
 
+def _panel_note(rows: List[Dict[str, float]], keys: List[Tuple[str, str]]) -> Optional[str]:
+    """A note for a panel whose curve says nothing: the recipe logs ``kl`` as 0 when it has no reference.
+
+    Without a reference model (``kl_coef: 0``) no KL is computed and every logged value is exactly 0.0; a
+    real KL to the initial policy is 0 at step 1 and positive after it.
+    """
+    if [key for key, _ in keys] == ["kl"] and all(y == 0.0 for y in _series(rows, "kl")[1]):
+        return "no KL computed: no reference model (kl_coef: 0)"
+    return None
+
+
 def plot_run(output_dir: "str | Path", out: Optional["str | Path"] = None, title: Optional[str] = None) -> Path:
     """Write a 2 x 2 PNG: mean reward, held-out accuracy (and pass@k), KL, mean response length vs step.
 
@@ -86,8 +97,9 @@ def plot_run(output_dir: "str | Path", out: Optional["str | Path"] = None, title
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     for ax, (panel_title, ylabel, keys) in zip(axes.flat, panels):
+        note = _panel_note(rows, keys)  # a curve that would say nothing is replaced by a note
         drawn = False
-        for key, label in keys:
+        for key, label in keys if note is None else []:
             xs, ys = _series(rows, key)
             if xs:
                 ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
@@ -95,7 +107,8 @@ def plot_run(output_dir: "str | Path", out: Optional["str | Path"] = None, title
         if panel_title.startswith("Held-out") and drawn:
             ax.set_ylim(-0.02, 1.02)
         if not drawn:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(0.5, 0.5, note or "not logged", ha="center", va="center", transform=ax.transAxes,
+                    color="gray")
         ax.set_title(panel_title)
         ax.set_xlabel("training step")
         ax.set_ylabel(ylabel)
