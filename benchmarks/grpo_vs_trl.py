@@ -12,6 +12,8 @@ generation round, the whole batch in one micro-batch, no activation checkpointin
     python -m venv /work/bench-venv --system-site-packages
     /work/bench-venv/bin/pip install "torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')" -e ".[bench]"
     python benchmarks/grpo_vs_trl.py --trl-python /work/bench-venv/bin/python --rounds 2
+    # our side with config overrides, as on tune run's command line
+    python benchmarks/grpo_vs_trl.py --trl-python /work/bench-venv/bin/python --ours-set fsdp_single_process=false
 
 Step time is the wall time between the ends of consecutive optimizer steps (so everything a step does is
 in it: data, generation, rewards, logprobs, backward, optimizer, logging), the first step (warm-up) is
@@ -417,8 +419,18 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def run_ours(workload_dir: Path, steps: int, result_path: Path, device: str = "cpu", dtype: str = "fp32") -> None:
-    """Child: our recipe, in-process, on the workload; writes per-step timestamps and token counts."""
+def run_ours(
+    workload_dir: Path,
+    steps: int,
+    result_path: Path,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    overrides: Optional[List[str]] = None,
+) -> None:
+    """Child: our recipe, in-process, on the workload; writes per-step timestamps and token counts.
+
+    ``overrides``: ``key=value`` config overrides (dotted keys, YAML values), as on ``tune run``'s command line.
+    """
     import torch
     from omegaconf import OmegaConf
 
@@ -428,6 +440,7 @@ def run_ours(workload_dir: Path, steps: int, result_path: Path, device: str = "c
     spec = json.loads((workload_dir / "workload.json").read_text())
     with tempfile.TemporaryDirectory() as out:
         cfg = OmegaConf.create(recipe_config(workload_dir, Path(out), spec, steps, device, dtype))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
         recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
         ends: List[float] = []
@@ -578,9 +591,19 @@ def run_trl(workload_dir: Path, steps: int, result_path: Path, device: str = "cp
 
 
 def run_child(
-    python: str, side: str, workload_dir: Path, steps: int, threads: int, device: str = "cpu", dtype: str = "fp32"
+    python: str,
+    side: str,
+    workload_dir: Path,
+    steps: int,
+    threads: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
+    overrides: Optional[List[str]] = None,
 ) -> Dict[str, Any]:
-    """Run one side in a fresh process; add its peak RSS (``ru_maxrss`` via ``wait4``)."""
+    """Run one side in a fresh process; add its peak RSS (``ru_maxrss`` via ``wait4``).
+
+    ``overrides`` (``key=value``) change our recipe's config; TRL's side takes none.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         env = {
@@ -592,7 +615,7 @@ def run_child(
         }
         cmd = [
             python, str(Path(__file__).resolve()), f"_child_{side}", str(workload_dir), str(steps),
-            str(result_path), device, dtype,
+            str(result_path), device, dtype, json.dumps(list(overrides or []) if side == "ours" else []),
         ]
         wall = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -681,6 +704,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--ours-python", default=sys.executable)
     parser.add_argument("--workdir", default=None, help="where workloads are built (default: a temp dir)")
     parser.add_argument("--json", default=None, help="write all results here")
+    parser.add_argument(
+        "--ours-set", nargs="*", default=[], metavar="KEY=VALUE",
+        help="config overrides for our recipe, as on tune run's command line (e.g. share_prompt_in_training=false)",
+    )
     args = parser.parse_args(argv)
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="grpo_bench_"))
@@ -691,6 +718,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "python": sys.version.split()[0],
             "loadavg_before": loadavg(),
         },
+        "ours_overrides": list(args.ours_set),
         "workloads": {},
     }
     for name in args.workloads:
@@ -701,7 +729,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         pythons = {"ours": args.ours_python, "trl": args.trl_python}
         for r in range(args.rounds):
             for side in args.sides:
-                res = run_child(pythons[side], side, wdir, steps, args.threads, args.device, args.dtype)
+                res = run_child(
+                    pythons[side], side, wdir, steps, args.threads, args.device, args.dtype, args.ours_set
+                )
                 runs[side].append(res)
                 times = [round(b - a, 3) for a, b in zip(res["ends"][:-1], res["ends"][1:])]
                 print(f"[{name}] round {r + 1} {side}: step times {times} peak RSS "
@@ -756,7 +786,10 @@ def markdown_table(report: Dict[str, Any]) -> str:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1].startswith("_child_"):
         side, wdir, nsteps, out_path = sys.argv[1][len("_child_"):], Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
-        (run_ours if side == "ours" else run_trl)(wdir, nsteps, out_path, sys.argv[5], sys.argv[6])
+        if side == "ours":
+            run_ours(wdir, nsteps, out_path, sys.argv[5], sys.argv[6], json.loads(sys.argv[7]))
+        else:
+            run_trl(wdir, nsteps, out_path, sys.argv[5], sys.argv[6])
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (gloo/TRL threads); the result file is written
     main()

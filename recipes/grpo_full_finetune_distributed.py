@@ -54,10 +54,12 @@ from torchtune_grpo.advantages import RewardStats
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling, RolloutGroups
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
-from torchtune_grpo.generation import decode_responses, pack_sequences
+from torchtune_grpo.generation import decode_responses, pack_sequences, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss import KL_ESTIMATORS, kl_reward_penalty
 from torchtune_grpo.metrics import JsonlWriter
+from torchtune_grpo.packing import TrainingBatch
+from torchtune_grpo.offpolicy import logprob_mismatch_sum, response_values
 from torchtune_grpo.rewards import RewardBatch, build_reward_set
 from torchtune_grpo.step_metrics import LOSS_METRICS, rollout_sums, step_metrics
 
@@ -73,7 +75,9 @@ KNOWN_KEYS = {
     "dtype", "enable_activation_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
     "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
     "log_completions", "profiler", "kl_estimator", "kl_placement", "mask_truncated_completions",
-    "dynamic_sampling",
+    "dynamic_sampling", "share_prompt_in_training", "fsdp_single_process",
+    # generation engines with their own weights (vLLM): the check after each weight sync
+    "weight_sync",
     # held-out evaluation (torchtune_grpo/evaluation.py)
     "validation", "eval_every_n_steps", "eval_num_samples", "eval_pass_k", "eval_max_prompts",
     "eval_reward", "eval_threshold", "eval_batch_size",
@@ -173,6 +177,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # "reward": penalise each sequence's reward before the advantage (RLHF-PPO); "loss": GRPO's term.
         self.kl_in_reward = self.kl_coef > 0 and cfg.get("kl_placement", "loss") == "reward"
         self.mask_truncated = bool(cfg.get("mask_truncated_completions", False))
+        # Training forwards compute each prompt once for its group's sequences (torchtune_grpo/packing.py).
+        self.share_prompt = bool(cfg.get("share_prompt_in_training", True))
         ds_cfg = cfg.get("dynamic_sampling", None)
         self._dynamic = DynamicSampling(**(OmegaConf.to_container(ds_cfg, resolve=True) if ds_cfg else {}))
         self.clip_grad_norm = cfg.get("clip_grad_norm", None)
@@ -226,6 +232,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._engine = config.instantiate(cfg.generation)
+        # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
+        # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
+        self._engine_holds_weights = bool(getattr(self._engine, "holds_weights", False))
+        self._weight_sync = None
+        if self._engine_holds_weights:
+            ws_cfg = cfg.get("weight_sync", None)
+            self._weight_sync = config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck()
+        self._num_syncs = 0
+        self._rollout_logprobs: List[Optional[List[List[float]]]] = []  # engine logprobs, per round
         self._rewards = build_reward_set(
             cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
         )
@@ -263,6 +278,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         profiler_cfg = cfg.get("profiler", None) or OmegaConf.create(_PROFILER_OFF)
         self._profiler, _ = config.instantiate(profiler_cfg)
         self._write_algorithm_card(cfg)
+        if self._engine_holds_weights:
+            # The engine started from checkpoint_dir; a resumed or converted policy may differ from it.
+            sync = self._sync_engine_weights(step=self.global_step)
+            utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
 
     def _write_algorithm_card(self, cfg: DictConfig) -> None:
         """Print and write ``${output_dir}/algorithm_card.md``: what this run optimises, exactly."""
@@ -330,7 +349,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         return self._ref_model is not None
 
     def _reference_logprobs(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
-        """Reference-policy logprobs ``[N, T]`` of ``tokens [N, L]``; None without a reference.
+        """Reference-policy logprobs ``[N, T]`` of ``tokens`` (a ``TrainingBatch``); None without a reference.
 
         A hook: the LoRA recipe computes them with the same model, adapters disabled.
         """
@@ -353,20 +372,28 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        training.shard_model(
-            model,
-            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-            cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
-            reshard_after_forward=self._reshard_after_forward,
-        )
+        cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        # fsdp_single_process: false trains the plain module on one process (no FSDP2 copies; docs/configs.md)
+        shard = self.world_size > 1 or cpu_offload or bool(cfg.get("fsdp_single_process", True))
+        if shard:
+            training.shard_model(
+                model,
+                shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+                cpu_offload=cpu_offload,
+                reshard_after_forward=self._reshard_after_forward,
+            )
+        else:
+            model.to_empty(device=self._device)
         with training.set_default_dtype(self._dtype), self._device:
             for m in model.modules():
                 if hasattr(m, "rope_init"):  # RoPE caches are buffers that meta-init left empty
                     m.rope_init()
-        training.load_from_full_model_state_dict(
-            model, state_dict, self._device, strict=True,
-            cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
-        )
+        if shard:
+            training.load_from_full_model_state_dict(
+                model, state_dict, self._device, strict=True, cpu_offload=cpu_offload
+            )
+        else:
+            model.load_state_dict(state_dict, strict=True)
         training.validate_no_params_on_meta_device(model)
         if not trainable:
             model.eval()
@@ -519,6 +546,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     @contextmanager
     def _unsharded_for_generation(self) -> Iterator[None]:
         # Gather the parameters once per rollout rather than once per decoded token.
+        if self._engine_holds_weights:
+            yield  # the engine samples from its own copy of the weights
+            return
         fsdp_modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
         for m in fsdp_modules:
             m.unshard()
@@ -530,6 +560,63 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 m.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
                 m.reshard()
 
+    def _full_weights(self) -> Iterator["tuple[str, torch.Tensor]"]:
+        """``(torchtune name, full tensor)`` of every policy weight, gathered from FSDP2 one at a time.
+
+        A generator with collectives inside: every rank must consume it completely, in the same order.
+        """
+        for name, param in self._model.state_dict().items():
+            if param.device != self._device:
+                param = param.to(self._device)  # fsdp_cpu_offload: gather on the compute device
+            if hasattr(param, "full_tensor"):  # a DTensor shard
+                param = param.full_tensor()
+            yield name, param.detach()
+
+    def _sync_engine_weights(self, step: int) -> Dict[str, float]:
+        """Load the policy's weights into the engine (vLLM) and, when due, check it samples from them.
+
+        Each rank's engine gets the full weights (one engine per rank, docs/vllm.md). The check scores a
+        fixed probe sequence with the trainer and with the engine; the largest difference over all ranks is
+        logged as ``generation/sync_logprob_diff``, and every rank stops with ``WeightSyncError`` when it
+        exceeds ``weight_sync.tolerance``. ``step``: optimizer steps the weights have taken (for messages).
+        """
+        t0 = time.perf_counter()
+        self._engine.load_weights(self._full_weights())
+        metrics = {}
+        if self._weight_sync.due(self._num_syncs):
+            first_prompt = self._dataloader.dataset[0]["tokens"]  # the same on every rank and every check
+            probe = self._weight_sync.probe(self._engine.vocab_size, prompt=first_prompt)
+            self._model.eval()
+            with torch.no_grad():
+                trainer = sequence_logprobs(
+                    self._model,
+                    torch.tensor([probe], device=self._device),
+                    chunk_size=self.logprob_chunk_size,
+                ).logprobs[0]
+            diff = self._weight_sync.measure(trainer, self._engine.prompt_logprobs(probe))
+            t = torch.tensor([diff], dtype=torch.float64, device=self._device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # NaN propagates, so a broken rank is seen
+            diff = t.item()
+            self._weight_sync.verify(diff, step=step)
+            metrics["generation/sync_logprob_diff"] = diff
+        self._num_syncs += 1
+        metrics["time/weight_sync"] = time.perf_counter() - t0
+        return metrics
+
+    def _sampler_logprobs(self, groups: List[int], prompt_ids: List[List[int]], start: int, width: int):
+        """The engine's sampling logprobs of the trained rows, laid out like the trainer's ``[N, T]``.
+
+        None when the engine reports none (the native engine samples from the trainer's own model).
+        ``groups`` index the step's generated groups, all rounds concatenated (as ``RolloutGroups``).
+        """
+        rounds = self._rollout_logprobs
+        if not rounds or any(r is None for r in rounds):
+            return None
+        rows = [row for r in rounds for row in r]
+        g = self.group_size
+        picked = [rows[gi * g + j] for gi in groups for j in range(g)]
+        return response_values(prompt_ids, picked, start, width).to(self._device)
+
     def _all_reduce_sum(self, values: List[float]) -> List[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self._device)
         dist.all_reduce(t)
@@ -540,18 +627,20 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     @torch.no_grad()
     def _batched_logprobs(
-        self, model: torch.nn.Module, tokens: torch.Tensor, start: int
+        self, model: torch.nn.Module, tokens: "TrainingBatch | torch.Tensor", start: int = 0
     ) -> torch.Tensor:
+        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``)."""
+        if isinstance(tokens, torch.Tensor):
+            tokens = TrainingBatch.from_tokens(tokens, start)
         return torch.cat(
             [
-                sequence_logprobs(
+                tokens.logprobs(
                     model,
-                    tokens[mb],
-                    start=start,
+                    mb,
                     temperature=self._logprob_temperature,
                     chunk_size=self.logprob_chunk_size,
                 ).logprobs
-                for mb in self._micro_batches(tokens.size(0))
+                for mb in self._micro_batches(len(tokens))
             ]
         )
 
@@ -595,6 +684,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         reward_out = self._rewards(
             RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
         )
+        self._rollout_logprobs.append(rollout.logprobs)
         self._timers["generation"] += t1 - t0
         self._timers["reward"] += time.perf_counter() - t1
         return RolloutGroups(
@@ -641,43 +731,54 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         ref_logprobs: Optional[torch.Tensor],
         num_tokens: float,
         num_seqs: float,
+        sampler_logprobs: Optional[torch.Tensor] = None,
     ) -> "tuple[Dict[str, Any], Optional[torch.Tensor]]":
         """``ppo_epochs`` optimizer steps on this step's rollouts, each accumulated over micro-batches.
 
-        ``tokens [N, L]``, ``mask [N, T]``, ``advantages [N]``, ``old_logprobs``/``ref_logprobs [N, T]``;
-        ``num_tokens``/``num_seqs`` are global counts. Returns the loss metrics (global contributions,
+        ``tokens`` (a ``TrainingBatch`` of N sequences), ``mask [N, T]``, ``advantages [N]``,
+        ``old_logprobs``/``ref_logprobs [N, T]``;
+        ``num_tokens``/``num_seqs`` are global counts; ``sampler_logprobs [N, T]`` are the generation
+        engine's (vLLM), None for the native engine. Returns the loss metrics (global contributions,
         averaged over epochs) and the last gradient norm (None without clipping).
         """
         # Loss terms come back as global-sum contributions: add them up on device, sync once at the end.
         stats = dict.fromkeys(LOSS_METRICS, 0.0)
+        mismatch = 0.0
+        # Only a loss with truncated importance sampling takes the engine's logprobs (custom losses need not).
+        tis = sampler_logprobs is not None and getattr(self._loss_fn, "tis_cap", None) is not None
         entropy_grad = getattr(self._loss_fn, "entropy_coef", 0.0) > 0
-        micro_batches = self._micro_batches(tokens.size(0))
+        micro_batches = self._micro_batches(len(tokens))
         grad_norm = None
-        for _ in range(self.ppo_epochs):
+        for epoch in range(self.ppo_epochs):
             for i, mb in enumerate(micro_batches):
                 # Reduce-scatter gradients only after the last micro-batch.
-                self._model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                if isinstance(self._model, FSDPModule):
+                    self._model.set_requires_gradient_sync(i == len(micro_batches) - 1)
                 # Entropy comes from the same chunked forward (never full logits); it carries a gradient
                 # only when the loss has an entropy bonus.
-                out_lp = sequence_logprobs(
+                out_lp = tokens.logprobs(
                     self._model,
-                    tokens[mb],
-                    start=start,
+                    mb,
                     temperature=self._logprob_temperature,
                     chunk_size=self.logprob_chunk_size,
                     with_entropy=True,
                     entropy_grad=entropy_grad,
                 )
                 logprobs = out_lp.logprobs
+                old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
+                if sampler_logprobs is not None and epoch == 0:
+                    # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
+                    mismatch += logprob_mismatch_sum(old, sampler_logprobs[mb], mask[mb]) / max(num_tokens, 1)
                 out = self._loss_fn(
                     logprobs,
-                    old_logprobs[mb] if old_logprobs is not None else logprobs.detach(),
+                    old,
                     advantages[mb],
                     mask[mb],
                     ref_logprobs=ref_logprobs[mb] if ref_logprobs is not None else None,
                     entropy=out_lp.entropy,
                     num_tokens=num_tokens,
                     num_seqs=num_seqs,
+                    **({"sampler_logprobs": sampler_logprobs[mb]} if tis else {}),
                 )
                 # FSDP averages gradients over ranks; the loss is already a global sum.
                 (out.loss * self.world_size).backward()
@@ -693,12 +794,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._optimizer.zero_grad(set_to_none=True)
             if self._lr_scheduler is not None:
                 self._lr_scheduler.step()
+        if sampler_logprobs is not None:
+            stats["generation/logprob_mismatch"] = mismatch
         return stats, grad_norm
 
     def _train_step(self, batch) -> "tuple[Dict[str, Any], List[Dict[str, Any]]]":
         t0 = time.perf_counter()
         g = self.group_size
         self._timers = {"generation": 0.0, "reward": 0.0}  # summed over generation rounds
+        self._rollout_logprobs = []
         generated, num_rounds = self._collect_rollouts(batch)
         zero_std = self._dynamic.informative(generated).logical_not()
         selection = self._dynamic.select(generated, self.batch_size)
@@ -706,10 +810,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         n = len(train.response_ids)
 
         # ---- layout for training; skip logits for positions that are prompt in every row
-        tokens, response_mask = pack_sequences(train.prompt_ids, train.response_ids, self._tokenizer.pad_id)
-        tokens = tokens.to(self._device)
-        start = min(len(p) for p in train.prompt_ids) - 1
-        response_mask = response_mask[:, start + 1 :].to(self._device)  # [N, T]
+        # (share_prompt_in_training: a micro-batch's sequences of one prompt share one row, the prompt
+        # computed once; results keep the [N, T] layout either way. torchtune_grpo/packing.py)
+        tokens = TrainingBatch(
+            train.prompt_ids, train.response_ids, self._tokenizer.pad_id,
+            share_prompt=self.share_prompt, device=self._device,
+        )
+        start = tokens.start
+        response_mask = tokens.response_mask  # [N, T]
         # DAPO's overlong filtering: a truncated completion's tokens leave the loss, and the row leaves
         # the sequence count (it still shaped its group's advantage baseline).
         kept = ~train.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
@@ -735,10 +843,17 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         adv_out = self._advantages(rewards)
         advantages = adv_out.advantages.to(self._device)
         num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), kept.sum().item()])
+        # [N, T] the engine's sampling logprobs (vLLM; for TIS and generation/logprob_mismatch) or None
+        sampler_logprobs = self._sampler_logprobs(selection.indices, train.prompt_ids, start, mask.size(1))
 
         stats, grad_norm = self._optimize(
-            tokens, start, mask, advantages, old_logprobs, ref_logprobs, num_tokens, num_seqs
+            tokens, start, mask, advantages, old_logprobs, ref_logprobs, num_tokens, num_seqs,
+            sampler_logprobs,
         )
+        # The engine (vLLM) samples the next step from the weights just updated.
+        sync = {"time/weight_sync": 0.0}
+        if self._engine_holds_weights:
+            sync = self._sync_engine_weights(step=self.global_step + 1)
         t_step = time.perf_counter() - t0
 
         # ---- metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py)
@@ -758,10 +873,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 "tokens_per_second": reduced["tokens"] / t_step,
                 "time/generation": self._timers["generation"],
                 "time/reward": self._timers["reward"],
-                "time/train": t_step - self._timers["generation"] - self._timers["reward"],
+                "time/train": t_step - self._timers["generation"] - self._timers["reward"]
+                - sync["time/weight_sync"],
                 "time/step": t_step,
             }
         )
+        if self._engine_holds_weights:
+            metrics.update(sync)
+        if "generation/logprob_mismatch" in reduced:
+            metrics["generation/logprob_mismatch"] = reduced["generation/logprob_mismatch"]
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
         if self._device.type == "cuda":
@@ -829,7 +949,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._metric_logger.close()
             self._metrics_file.close()
             self._completions_file.close()
-        dist.destroy_process_group()
+        close = getattr(self._engine, "close", None)
+        if close is not None:
+            close()  # vLLM's teardown uses (and destroys) the process group: it goes first
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:

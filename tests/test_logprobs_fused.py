@@ -73,3 +73,30 @@ def test_sequence_logprobs_of_a_decoder_match_with_and_without_fusion():
     # Same gradients up to fp32 rounding (this decoder's weights are scaled up 4x, so they are large).
     for a, b in zip(grads[0][1], grads[1][1]):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.parametrize("with_entropy,entropy_grad", [(False, True), (True, True)])
+def test_a_single_chunk_keeps_its_logits_and_gives_the_same_gradients(with_entropy, entropy_grad):
+    # 26 tokens in one chunk (logits kept from forward) vs chunks of 4 (recomputed in backward); backward
+    # runs twice on the kept logits (retain_graph) and must not consume them.
+    torch.manual_seed(1)
+    d, v = 16, 50
+    lin = torch.nn.Linear(d, v, bias=False)
+    hidden = torch.randn(2, 13, d, requires_grad=True)
+    targets = torch.randint(0, v, (2, 13))
+    g_lp, g_ent = torch.randn(2, 13), torch.randn(2, 13)
+    grads = []
+    for chunk_size in (512, 4):
+        hidden.grad, lin.weight.grad = None, None
+        out = chunked_logprobs(
+            hidden, targets, lin, temperature=0.7, chunk_size=chunk_size, with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )
+        loss = (out.logprobs * g_lp).sum() + ((out.entropy * g_ent).sum() if with_entropy else 0)
+        loss.backward(retain_graph=True)
+        first = (hidden.grad.clone(), lin.weight.grad.clone())
+        loss.backward()
+        torch.testing.assert_close(hidden.grad, 2 * first[0])
+        grads.append(first)
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)

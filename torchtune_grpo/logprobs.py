@@ -9,7 +9,9 @@ For a plain bias-free projection (``nn.Linear`` or torchtune's ``TiedLinear``: e
 output layer) a fused autograd function does this with hand-written gradients: backward recomputes a
 chunk's logits, turns them into the logits' gradient in place, and accumulates the weight's gradient into
 one buffer with ``addmm_``. Peak working memory is about two ``[chunk_size, V]`` fp32 buffers, and no
-per-chunk ``[V, D]`` weight-gradient temporaries (docs/benchmarks.md has the measurements). Any other
+per-chunk ``[V, D]`` weight-gradient temporaries (docs/benchmarks.md has the measurements). When all the
+tokens fit in one chunk, forward keeps that chunk's logits for backward instead (one ``[tokens, V]``
+buffer, held from forward to backward; it saves a quarter of the projection's work). Any other
 projection takes the generic path: activation checkpointing per chunk.
 """
 
@@ -87,6 +89,10 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
         m = hidden.size(0)
+        # One chunk holds everything: keep its logits for backward instead of recomputing them there (the
+        # [m, V] buffer exists in forward anyway; with several chunks, backward recomputes chunk by chunk).
+        keep_logits = m <= chunk_size and any(ctx.needs_input_grad[:2])
+        ctx.kept_logits = None
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(m, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(m, dtype=torch.float32, device=hidden.device) if with_entropy else None
@@ -106,6 +112,8 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
                 p.div_(total[:, None])  # softmax
                 # H = lse - sum_v p_v z_v, the sum as a row-wise dot product (no [C, V] product tensor).
                 entropy[start:end] = c_lse - torch.einsum("cv,cv->c", p, z)
+            if keep_logits:
+                ctx.kept_logits = z  # already divided by the temperature
             del z, p
         ctx.save_for_backward(hidden, weight, targets, lse, entropy if with_entropy else lse)
         ctx.temperature = temperature
@@ -133,10 +141,13 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
         for start in range(0, m, ctx.chunk_size):
             end = min(start + ctx.chunk_size, m)
             h = hidden[start:end]
-            z = F.linear(h, weight).float()
-            if tau != 1.0:
-                z.div_(tau)
-            z.sub_(lse[start:end, None])  # log p
+            if ctx.kept_logits is not None:
+                z = ctx.kept_logits - lse[:, None]  # log p; a new buffer: backward may run again
+            else:
+                z = F.linear(h, weight).float()
+                if tau != 1.0:
+                    z.div_(tau)
+                z.sub_(lse[start:end, None])  # log p
             p = torch.exp(z)
             g_lp = g_logp[start:end, None].float()
             if use_entropy:

@@ -6,12 +6,15 @@ Per response token ``t`` of sequence ``i`` (advantage ``A_i``, ``|o_i|`` respons
     rho_it   = s_i = exp(mean_t' (log pi(o_it') - log pi_old(o_it')))   ratio_level="sequence" (GSPO)
     policy_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i)
                and, with dual_clip = c and A_i < 0, min(policy_t, -c A_i)
+               and, with tis_cap = C and an engine's sampling logprobs mu, x min(pi_old / mu, C)   (TIS)
     loss_t   = policy_t + kl_coef * k(d_t) - entropy_coef * H_t,     d_t = log pi_ref(o_it) - log pi(o_it)
 
 then aggregated over the batch by ``loss_agg_mode``. References: PPO (Schulman et al. 2017,
 arXiv:1707.06347); GRPO (Shao et al. 2024, arXiv:2402.03300); clip-higher ``eps_high > eps_low`` (DAPO, Yu
 et al. 2025, arXiv:2503.14476); dual clip (Ye et al. 2020, arXiv:1912.09729); sequence-level ratio (GSPO,
 Zheng et al. 2025, arXiv:2507.18071); constant normaliser (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783);
+truncated importance sampling for an engine that samples with other kernels than the trainer's (TIS, Yao et
+al. 2025, https://fengyao.notion.site/off-policy-rl; torchtune_grpo/offpolicy.py);
 KL estimators k1/k2/k3 (Schulman 2020, "Approximating KL Divergence",
 http://joschu.net/blog/kl-approx.html).
 
@@ -26,6 +29,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import nn
+
+from torchtune_grpo.offpolicy import tis_weights
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -206,10 +211,15 @@ class GRPOLoss(nn.Module):
         loss_agg_mode (str): one of :data:`LOSS_AGG_MODES`. Default is ``"token-mean"``.
         max_response_length (Optional[int]): generation budget in tokens; required by
             ``"seq-mean-token-sum-norm"``. Default is None.
+        tis_cap (Optional[float]): truncated importance sampling: multiply each token's policy term by
+            ``min(pi_old / mu, tis_cap)``, ``mu`` being the generation engine's sampling probability
+            (``sampler_logprobs`` in :meth:`forward`; the recipe passes vLLM's). Typically 2. Without
+            ``sampler_logprobs`` (the native engine samples from ``pi_old`` itself) it changes nothing.
+            Default is None (off).
 
     Raises:
         ValueError: on an unknown mode, estimator or ratio level, a negative clip range or coefficient, a
-            dual clip ``<= 1``, or a missing ``max_response_length``.
+            dual clip ``<= 1``, a ``tis_cap <= 0``, or a missing ``max_response_length``.
     """
 
     def __init__(
@@ -224,6 +234,7 @@ class GRPOLoss(nn.Module):
         entropy_coef: float = 0.0,
         loss_agg_mode: str = "token-mean",
         max_response_length: Optional[int] = None,
+        tis_cap: Optional[float] = None,
     ) -> None:
         super().__init__()
         if loss_agg_mode not in LOSS_AGG_MODES:
@@ -242,6 +253,8 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         if entropy_coef < 0:
             raise ValueError(f"entropy_coef must be >= 0 (it is a bonus), got {entropy_coef}")
+        if tis_cap is not None and tis_cap <= 0:
+            raise ValueError(f"tis_cap must be > 0 (or null), got {tis_cap}")
         if loss_agg_mode == "seq-mean-token-sum-norm":
             if max_response_length is None or max_response_length <= 0:
                 raise ValueError(
@@ -257,6 +270,7 @@ class GRPOLoss(nn.Module):
         self.entropy_coef = float(entropy_coef)
         self.loss_agg_mode = loss_agg_mode
         self.max_response_length = max_response_length
+        self.tis_cap = None if tis_cap is None else float(tis_cap)
 
     def _aggregate(
         self,
@@ -300,6 +314,7 @@ class GRPOLoss(nn.Module):
         entropy: Optional[torch.Tensor] = None,
         num_tokens: Union[int, torch.Tensor],
         num_seqs: Union[int, torch.Tensor],
+        sampler_logprobs: Optional[torch.Tensor] = None,
     ) -> LossOutput:
         """Computes one micro-batch's share of the global GRPO loss.
 
@@ -321,6 +336,9 @@ class GRPOLoss(nn.Module):
                 micro-batches and ranks of the step.
             num_seqs (Union[int, torch.Tensor]): sequences over all micro-batches and ranks of the step,
                 empty ones included.
+            sampler_logprobs (Optional[torch.Tensor]): the generation engine's log-probabilities of the
+                sampled tokens, shape ``[B, T]`` (constants); used for TIS when ``tis_cap`` is set.
+                Default is None.
 
         Returns:
             LossOutput: the scaled loss (with grad) and detached metric contributions.
@@ -333,7 +351,8 @@ class GRPOLoss(nn.Module):
             raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
         shape = logprobs.shape
         for name, t in (
-            ("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs), ("entropy", entropy)
+            ("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs), ("entropy", entropy),
+            ("sampler_logprobs", sampler_logprobs),
         ):
             if t is not None and t.shape != shape:
                 raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}")
@@ -357,6 +376,9 @@ class GRPOLoss(nn.Module):
         if self.dual_clip is not None:
             # For A < 0 the PPO term -rho*A grows without bound in rho; cap it at -c*A (no gradient there).
             policy = torch.where(adv < 0, torch.minimum(policy, -self.dual_clip * adv), policy)
+        if self.tis_cap is not None and sampler_logprobs is not None:
+            # The tokens came from the engine's mu, not pi_old: reweight towards pi_old (truncated).
+            policy = policy * tis_weights(old_logprobs, sampler_logprobs, mask, self.tis_cap)
 
         per_token = policy
         if ref_logprobs is not None:

@@ -3,5 +3,17 @@
 from torchtune_grpo.generation._native import NativeGenerator
 from torchtune_grpo.generation._rollout import Rollout, decode_responses, pack_sequences
 from torchtune_grpo.generation._sampling import sample_tokens
+from torchtune_grpo.generation._vllm import VLLMGenerator
+from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncCheck, WeightSyncError
 
-__all__ = ["NativeGenerator", "Rollout", "decode_responses", "pack_sequences", "sample_tokens"]
+__all__ = [
+    "NativeGenerator",
+    "Rollout",
+    "TuneToHFNames",
+    "VLLMGenerator",
+    "WeightSyncCheck",
+    "WeightSyncError",
+    "decode_responses",
+    "pack_sequences",
+    "sample_tokens",
+]

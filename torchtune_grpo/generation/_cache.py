@@ -96,9 +96,10 @@ def cached_attention_forward(
     except that grouped-query attention is left to ``scaled_dot_product_attention(enable_gqa=True)``
     instead of materialising every key/value head ``num_heads / num_kv_heads`` times (a copy of the whole
     cache window per layer per decoded token). SDPA computes the same numbers (the tests check exact
-    greedy equality with torchtune's own generation). Anything else falls back to torchtune's forward.
+    greedy equality with torchtune's own generation). The mask may be boolean or additive (float, the
+    query's dtype). Anything else falls back to torchtune's forward.
     """
-    if y is None or mask is None or mask.dtype != torch.bool or self.kv_cache is None:
+    if y is None or mask is None or self.kv_cache is None:
         return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
     b, s_x, _ = x.shape
     s_y = y.shape[1]
@@ -134,7 +135,9 @@ def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator
     """Attach ``caches[i]`` to ``attns[i]`` (enabled) for the duration; restore the previous state after.
 
     Plain torchtune ``MultiHeadAttention`` modules also run :func:`cached_attention_forward` meanwhile
-    (an instance attribute, removed on exit); subclasses with their own forward keep it.
+    (an instance attribute, restored on exit); subclasses with their own forward keep it, and so do
+    instances with their own forward, unless it marks itself as torchtune's for every input it may get
+    here (``falls_back_to_mha``: the shared-prompt training forward of ``torchtune_grpo/packing.py``).
     """
     saved = [(a.kv_cache, a.cache_enabled) for a in attns]
     patched = []
@@ -142,13 +145,18 @@ def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator
         for a, c in zip(attns, caches):
             a.kv_cache = c
             a.cache_enabled = True
-            if type(a).forward is MultiHeadAttention.forward and "forward" not in a.__dict__:
+            own = a.__dict__.get("forward")
+            replaceable = own is None or getattr(getattr(own, "__func__", None), "falls_back_to_mha", False)
+            if type(a).forward is MultiHeadAttention.forward and replaceable:
                 a.forward = types.MethodType(cached_attention_forward, a)
-                patched.append(a)
+                patched.append((a, own))
         yield
     finally:
-        for a in patched:
-            del a.forward
+        for a, own in patched:
+            if own is None:
+                del a.forward
+            else:
+                a.forward = own
         for a, (c, enabled) in zip(attns, saved):
             a.kv_cache = c
             a.cache_enabled = enabled

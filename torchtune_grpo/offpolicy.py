@@ -1,0 +1,89 @@
+"""Off-policy correction for a generation engine whose sampling probabilities differ from the trainer's.
+
+An engine such as vLLM samples with its own kernels (and, in bf16, its own rounding), so the probability
+``mu(o_t)`` it sampled a token with is not exactly the trainer's ``pi_old(o_t)`` for the same weights. The
+policy-gradient estimate assumes samples from ``pi_old``; truncated importance sampling (TIS; Yao et al.
+2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+https://fengyao.notion.site/off-policy-rl) reweights each token's policy loss by
+
+    w_t = min(pi_old(o_t) / mu(o_t), C)
+
+(``C`` the cap, typically 2), which corrects the mismatch in expectation while the cap bounds the
+variance. These helpers are pure: ``[B, T]`` tensors in, ``[B, T]`` tensors or sums out.
+"""
+
+from typing import List
+
+import torch
+
+__all__ = ["logprob_mismatch_sum", "response_values", "tis_weights"]
+
+# |log ratio| is clamped before exp, as in loss.py: exp(20) is far above any useful cap.
+_MAX_LOG_RATIO = 20.0
+
+
+def tis_weights(
+    old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
+    """Truncated importance weights ``min(exp(old - sampler), cap)`` per token, detached.
+
+    Args:
+        old_logprobs (torch.Tensor): the trainer's ``log pi_old`` of the sampled tokens, ``[B, T]``.
+        sampler_logprobs (torch.Tensor): the engine's ``log mu`` of the same tokens, ``[B, T]``.
+        mask (torch.Tensor): True on response tokens, ``[B, T]`` bool; other positions get weight 1 (they
+            may hold anything, even NaN, in the inputs).
+        cap (float): the truncation ``C > 0``.
+
+    Returns:
+        torch.Tensor: ``[B, T]`` weights in ``(0, cap]``, no gradient.
+    """
+    log_w = torch.where(
+        mask.bool(), old_logprobs.detach() - sampler_logprobs.detach(), torch.zeros_like(old_logprobs)
+    )
+    return torch.exp(log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).clamp(max=cap)
+
+
+def logprob_mismatch_sum(
+    trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``sum |log pi - log mu|`` over response tokens (divide by the token count for the mean).
+
+    The recipe logs the global token mean as ``generation/logprob_mismatch``: 0 for an engine that
+    samples exactly from the trainer's distribution, about 1e-6 for vLLM in fp32 on CPU, more in bf16.
+
+    Args:
+        trainer_logprobs (torch.Tensor): ``[B, T]``.
+        sampler_logprobs (torch.Tensor): ``[B, T]``.
+        mask (torch.Tensor): ``[B, T]`` bool, True on response tokens.
+
+    Returns:
+        torch.Tensor: a 0-d float64 sum (detached).
+    """
+    diff = (trainer_logprobs.detach().double() - sampler_logprobs.detach().double()).abs()
+    return torch.where(mask.bool(), diff, torch.zeros_like(diff)).sum()
+
+
+def response_values(
+    prompt_ids: List[List[int]], values: List[List[float]], start: int, width: int
+) -> torch.Tensor:
+    """Lay out per-response-token values (e.g. sampling logprobs) like the trainer's logprobs.
+
+    The trainer's logprobs of a packed row (``pack_sequences``, prompt then response from position 0)
+    start at the prediction of token ``start + 1``; response token ``j`` of row ``i`` sits at position
+    ``len(prompt_i) + j``, so its logprob is column ``len(prompt_i) + j - 1 - start``.
+
+    Args:
+        prompt_ids (List[List[int]]): N prompts.
+        values (List[List[float]]): N lists, one value per response token.
+        start (int): the ``start`` passed to ``sequence_logprobs``.
+        width (int): ``T``, the number of logprob columns.
+
+    Returns:
+        torch.Tensor: ``[N, width]`` float32, 0 where no response token is.
+    """
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, (prompt, row) in enumerate(zip(prompt_ids, values)):
+        if row:
+            first = len(prompt) - 1 - start
+            out[i, first : first + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out

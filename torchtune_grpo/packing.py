@@ -1,0 +1,404 @@
+"""Training layouts of a GRPO step's sequences, and their per-token logprobs.
+
+The ``G`` completions of a group share their prompt, and with causal attention the prompt's hidden states,
+keys and values are the same in all ``G`` rows. The default layout (one row per sequence,
+``prompt + completion``) computes them ``G`` times. :class:`TrainingBatch` with ``share_prompt=True`` packs
+the sequences of one prompt (within a micro-batch) into one row instead::
+
+    [ prompt (P slots) | completion 1 (C slots) | completion 2 (C slots) | ... | completion M (C slots) ]
+
+A response's last token predicts nothing, so a completion region holds all its tokens but the last (``C`` is
+the longest response minus one). The linear layers (most of the FLOPs) then see ``P + M x C`` tokens
+instead of ``M x (P + C + 1)``, and attention is split so that it never costs more than in the unshared
+layout: the prompt attends causally to itself once, and each completion attends to the prompt's keys and
+causally to its own tokens (``M`` blocks of ``C x (P + C)``; no completion ever sees another). Position ids
+continue from the prompt in each completion. Every logprob is the same function of the same inputs as in
+the unshared layout (tested to ~1e-6 in fp32, gradients included); only the order of some floating-point
+sums differs.
+
+The shared attention runs in the torchtune ``MultiHeadAttention`` modules of the model when a forward gets a
+:class:`SharedPromptMask` as its ``mask``: :func:`install_shared_prompt_attention` gives those modules a
+forward that recognises it and otherwise runs torchtune's own forward unchanged. The layout travels as the
+``mask`` argument (not as global state), so activation checkpointing's recomputation in backward sees it.
+
+Results always come back in the unshared layout: column ``j`` of an ``[N, T]`` result is the prediction of
+token ``start + j + 1`` of the row ``prompt + response``, as
+:func:`~torchtune_grpo.logprobs.sequence_logprobs` gives it, with ``start = min(prompt lengths) - 1``;
+positions that are not response tokens hold 0. Masks, advantages, reference/old logprobs and loss
+aggregation therefore do not depend on the layout.
+"""
+
+import types
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules import MultiHeadAttention, TransformerDecoder
+
+from torchtune_grpo.generation._rollout import pack_sequences
+from torchtune_grpo.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
+
+__all__ = [
+    "SharedPromptMask",
+    "TrainingBatch",
+    "install_shared_prompt_attention",
+    "shared_prompt_layout",
+    "supports_shared_prompt",
+]
+
+
+class SharedPromptMask:
+    """The attention layout of a shared-prompt forward, passed to the decoder as its ``mask``.
+
+    A plain object (not a tensor), so that module hooks (FSDP2, activation checkpointing) pass it through.
+
+    Args:
+        prompt_slots (int): ``P``, the prompt region of every row (prompts right-padded to it).
+        completion_slots (int): ``C``, the region of each completion (right-padded to it).
+        num_completions (int): ``M``, completion regions per row.
+        prompt_lengths (torch.Tensor): ``[R]`` long, the real prompt length of each row.
+    """
+
+    def __init__(
+        self, prompt_slots: int, completion_slots: int, num_completions: int, prompt_lengths: torch.Tensor
+    ) -> None:
+        self.prompt_slots = prompt_slots
+        self.completion_slots = completion_slots
+        self.num_completions = num_completions
+        p, c, m = prompt_slots, completion_slots, num_completions
+        device = prompt_lengths.device
+        # [R*M, 1, C, P+C]: a completion token sees its row's real prompt tokens and its own earlier tokens.
+        sees_prompt = torch.arange(p, device=device)[None, :] < prompt_lengths[:, None]  # [R, P]
+        sees_prompt = sees_prompt.repeat_interleave(m, dim=0)[:, None, None, :].expand(-1, 1, c, p)
+        causal = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+        causal = causal[None, None].expand(sees_prompt.size(0), 1, c, c)
+        self.completion_mask = torch.cat([sees_prompt, causal], dim=-1)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor:
+        """Shared-prompt attention: ``q [R, h, S, d]``, ``k, v [R, h_kv, S, d]`` -> ``[R, h, S, d]``."""
+        p, c, m = self.prompt_slots, self.completion_slots, self.num_completions
+        r, h_kv, d = k.size(0), k.size(1), k.size(3)
+        gqa = q.size(1) != h_kv
+        # The prompt once per row: right-padded, so plain causal attention is exact for its real tokens.
+        out_p = F.scaled_dot_product_attention(
+            q[:, :, :p], k[:, :, :p], v[:, :, :p], dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+        )
+
+        def per_completion(t: torch.Tensor) -> torch.Tensor:  # [R, heads, M*C, d] -> [R*M, heads, C, d]
+            return t[:, :, p:].unflatten(2, (m, c)).transpose(1, 2).flatten(0, 1)
+
+        def with_prompt(t: torch.Tensor) -> torch.Tensor:  # keys/values: the row's prompt, then its own
+            prompt = t[:, :, :p].unsqueeze(1).expand(r, m, h_kv, p, d).flatten(0, 1)
+            return torch.cat([prompt, per_completion(t)], dim=2)  # [R*M, h_kv, P+C, d]
+
+        out_c = F.scaled_dot_product_attention(
+            per_completion(q), with_prompt(k), with_prompt(v), attn_mask=self.completion_mask,
+            dropout_p=dropout_p, enable_gqa=gqa,
+        )  # [R*M, h, C, d]
+        out_c = out_c.unflatten(0, (r, m)).transpose(1, 2).flatten(2, 3)  # [R, h, M*C, d]
+        return torch.cat([out_p, out_c], dim=2)
+
+
+def _shared_prompt_forward(
+    self: MultiHeadAttention,
+    x: torch.Tensor,
+    y: Optional[torch.Tensor] = None,
+    *,
+    mask=None,
+    input_pos: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """torchtune's ``MultiHeadAttention.forward``, with the attention of a :class:`SharedPromptMask` layout.
+
+    Projections, positional embeddings and q/k norms are torchtune's, step for step; only the attention
+    call differs. Any other ``mask`` (None, a tensor, a BlockMask) runs torchtune's forward unchanged.
+    """
+    if not isinstance(mask, SharedPromptMask):
+        return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
+    if y is None or (self.kv_cache is not None and self.cache_enabled):
+        raise ValueError("A shared-prompt forward is a training forward: self-attention without a KV cache")
+    b, s_x, _ = x.shape
+    s_y = y.shape[1]
+    q = self.q_proj(x).view(b, s_x, self.num_heads, self.head_dim)
+    if self.pos_embeddings is not None:
+        q = self.pos_embeddings(q, input_pos=input_pos)
+    q = q.transpose(1, 2)  # [b, h, s, d]
+    if self.q_norm is not None:
+        q = self.q_norm(q)
+    k = self.k_proj(y).view(b, s_y, -1, self.head_dim)
+    v = self.v_proj(y).view(b, s_y, -1, self.head_dim)
+    if self.pos_embeddings is not None:
+        k = self.pos_embeddings(k, input_pos=input_pos)
+    k = k.transpose(1, 2)  # [b, h_kv, s, d]
+    v = v.transpose(1, 2)
+    if self.k_norm is not None:
+        k = self.k_norm(k)
+    out = mask.attention(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0)
+    out = out.transpose(1, 2).contiguous().view(b, s_x, -1)
+    return self.output_proj(out)
+
+
+# The generation engine (generation/_cache.py) may swap this forward for its cached one during a rollout:
+# it falls back to torchtune's forward for every mask but a SharedPromptMask.
+_shared_prompt_forward.falls_back_to_mha = True
+
+
+def _attention_modules(model: nn.Module) -> List[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+
+
+def supports_shared_prompt(model: nn.Module) -> bool:
+    """Whether ``model`` can run shared-prompt forwards.
+
+    True for a torchtune :class:`~torchtune.modules.TransformerDecoder` (FSDP-wrapped or not) whose attention
+    modules are all plain causal self-attention ``MultiHeadAttention`` (LoRA projections are fine) and which
+    returns no intermediate hidden states. Anything else trains in the unshared layout.
+    """
+    if not isinstance(model, TransformerDecoder) or model.output_hidden_states:
+        return False
+    attns = _attention_modules(model)
+    if not attns:
+        return False
+    for a in attns:
+        own = a.__dict__.get("forward")
+        if type(a).forward is not MultiHeadAttention.forward or not a.is_causal:
+            return False
+        if own is not None and getattr(own, "__func__", None) is not _shared_prompt_forward:
+            return False
+    return True
+
+
+def install_shared_prompt_attention(model: nn.Module) -> bool:
+    """Let ``model``'s attention modules run :class:`SharedPromptMask` forwards (idempotent).
+
+    Every other forward is unchanged. Returns False (and changes nothing) when
+    :func:`supports_shared_prompt` is False.
+    """
+    if not supports_shared_prompt(model):
+        return False
+    for a in _attention_modules(model):
+        if "forward" not in a.__dict__:
+            a.forward = types.MethodType(_shared_prompt_forward, a)
+    return True
+
+
+class SharedPromptLayout(NamedTuple):
+    """One micro-batch in the shared-prompt layout (see the module docstring). ``R`` rows, ``S`` slots.
+
+    Attributes:
+        tokens (torch.Tensor): ``[R, S]`` long, padded with the pad id.
+        input_pos (torch.Tensor): ``[R, S]`` long position ids (each completion continues its prompt).
+        mask (SharedPromptMask): the attention layout.
+        src (torch.Tensor): ``[K]`` long: flat ``R x S`` index of the hidden state predicting each response
+            token (the prompt's last real token for a completion's first token).
+        targets (torch.Tensor): ``[K]`` long: the response tokens.
+        dst (torch.Tensor): ``[K]`` long: flat index into the micro-batch's ``[n, T]`` result.
+    """
+
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    mask: SharedPromptMask
+    src: torch.Tensor
+    targets: torch.Tensor
+    dst: torch.Tensor
+
+
+def shared_prompt_layout(
+    prompt_ids: List[List[int]],
+    response_ids: List[List[int]],
+    pad_id: int,
+    start: int,
+    width: int,
+    device: Optional[torch.device] = None,
+) -> SharedPromptLayout:
+    """Pack consecutive sequences with the same prompt into one row each.
+
+    Args:
+        prompt_ids (List[List[int]]): ``n`` prompts (each non-empty); equal consecutive prompts share a row.
+        response_ids (List[List[int]]): ``n`` responses.
+        pad_id (int): padding id.
+        start (int): the result's first column predicts token ``start + 1`` of each ``prompt + response``.
+        width (int): ``T``, columns of the result.
+        device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+
+    Returns:
+        SharedPromptLayout: the packed rows and the gather/scatter indices of every response token.
+    """
+    runs: List[List[int]] = []  # sequence indices per row
+    for i, p in enumerate(prompt_ids):
+        if not p:
+            raise ValueError("shared-prompt packing needs non-empty prompts")
+        if runs and prompt_ids[runs[-1][0]] == p:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    p_slots = max(len(p) for p in prompt_ids)
+    # A response's last token predicts nothing: a completion region holds all its tokens but the last.
+    c_slots = max(1, max(len(r) for r in response_ids) - 1)
+    m = max(len(run) for run in runs)
+    s = p_slots + m * c_slots
+    # Pads need some position id; keep them inside the range the unshared rows use.
+    max_pos = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids)) - 1
+    tokens = torch.full((len(runs), s), pad_id, dtype=torch.long)
+    input_pos = torch.zeros((len(runs), s), dtype=torch.long)
+    prompt_lengths = torch.zeros(len(runs), dtype=torch.long)
+    src, targets, dst = [], [], []
+    c_range = torch.arange(c_slots)
+    for row, run in enumerate(runs):
+        prompt = prompt_ids[run[0]]
+        p_len = len(prompt)
+        prompt_lengths[row] = p_len
+        tokens[row, :p_len] = torch.tensor(prompt, dtype=torch.long)
+        input_pos[row, :p_slots] = torch.arange(p_slots).clamp(max=max_pos)
+        for slot in range(m):
+            base = p_slots + slot * c_slots
+            input_pos[row, base : base + c_slots] = (p_len + c_range).clamp(max=max_pos)
+            if slot >= len(run):
+                continue  # an empty completion region: attends to the prompt, feeds no result
+            i = run[slot]
+            resp = response_ids[i]
+            if not resp:
+                continue
+            k = len(resp)
+            tokens[row, base : base + k - 1] = torch.tensor(resp[:-1], dtype=torch.long)
+            # Token t of the response is predicted at the prompt's last token (t = 0) or at token t - 1.
+            pred = torch.arange(base - 1, base + k - 1)
+            pred[0] = p_len - 1
+            src.append(row * s + pred)
+            targets.append(torch.tensor(resp, dtype=torch.long))
+            dst.append(i * width + p_len - 1 - start + torch.arange(k))
+    empty = torch.zeros(0, dtype=torch.long)
+    src_t = torch.cat(src) if src else empty
+    targets_t = torch.cat(targets) if targets else empty
+    dst_t = torch.cat(dst) if dst else empty
+    return SharedPromptLayout(
+        tokens=tokens.to(device),
+        input_pos=input_pos.to(device),
+        mask=SharedPromptMask(p_slots, c_slots, m, prompt_lengths.to(device)),
+        src=src_t.to(device),
+        targets=targets_t.to(device),
+        dst=dst_t.to(device),
+    )
+
+
+class TrainingBatch:
+    """A step's ``N`` sequences laid out for the training forwards; per-token logprobs ``[N, T]`` of any rows.
+
+    Args:
+        prompt_ids (List[List[int]]): ``N`` prompts (consecutive sequences of a group repeat their prompt).
+        response_ids (List[List[int]]): ``N`` responses.
+        pad_id (int): padding id.
+        share_prompt (bool): compute each prompt once per group of sequences in the same micro-batch (see
+            the module docstring); False lays out one row per sequence. Models that
+            :func:`supports_shared_prompt` rejects use one row per sequence anyway. Default is True.
+        device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+
+    Attributes:
+        tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.
+        start (int): ``min(prompt lengths) - 1``: column 0 of a result predicts token ``start + 1``.
+        response_mask (torch.Tensor): ``[N, T]`` bool, True where a column predicts a response token.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: List[List[int]],
+        response_ids: List[List[int]],
+        pad_id: int,
+        *,
+        share_prompt: bool = True,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
+        self.start = min(len(p) for p in prompt_ids) - 1
+        self.tokens = tokens.to(device)
+        self.response_mask = response_mask[:, self.start + 1 :].to(device)
+        self.prompt_ids, self.response_ids = prompt_ids, response_ids
+        self.pad_id = pad_id
+        self.share_prompt = share_prompt
+        self.device = device
+        self._layouts: Dict[Tuple[int, int], SharedPromptLayout] = {}
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, start: int = 0) -> "TrainingBatch":
+        """An unshared batch of already packed rows ``tokens [N, L]``, results from column ``start``."""
+        batch = cls.__new__(cls)
+        batch.tokens, batch.start = tokens, start
+        batch.response_mask = None
+        batch.prompt_ids = batch.response_ids = None
+        batch.pad_id, batch.share_prompt, batch.device = None, False, tokens.device
+        batch._layouts = {}
+        return batch
+
+    def __len__(self) -> int:
+        return self.tokens.size(0)
+
+    @property
+    def width(self) -> int:
+        """``T``: result columns."""
+        return self.tokens.size(1) - 1 - self.start
+
+    def layout(self, rows: slice) -> SharedPromptLayout:
+        """The shared-prompt layout of ``rows`` (built once, reused by every pass over the same rows)."""
+        key = (rows.start or 0, rows.stop if rows.stop is not None else len(self))
+        if key not in self._layouts:
+            a, b = key
+            self._layouts[key] = shared_prompt_layout(
+                self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device
+            )
+        return self._layouts[key]
+
+    def logprobs(
+        self,
+        model: nn.Module,
+        rows: slice,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 512,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
+    ) -> TokenLogprobs:
+        """Per-token logprobs (and entropy) of ``rows`` under ``model``: ``[n, T]``, 0 off response tokens.
+
+        Arguments as :func:`~torchtune_grpo.logprobs.sequence_logprobs`. One forward over the rows.
+        """
+        shared = self.share_prompt and install_shared_prompt_attention(model)
+        if shared:
+            lay = self.layout(rows)
+            max_len = getattr(model, "max_seq_len", None)
+            shared = max_len is None or lay.tokens.size(1) <= max_len  # else: one row per sequence
+        if not shared:
+            out = sequence_logprobs(
+                model, self.tokens[rows], start=self.start, temperature=temperature, chunk_size=chunk_size,
+                with_entropy=with_entropy, entropy_grad=entropy_grad,
+            )
+            if self.response_mask is None:
+                return out
+            # The same convention as the shared layout: 0 wherever no response token is predicted.
+            keep = self.response_mask[rows]
+            zero = lambda t: None if t is None else torch.where(keep, t, torch.zeros_like(t))  # noqa: E731
+            return TokenLogprobs(zero(out.logprobs), zero(out.entropy))
+        n, width = self.tokens[rows].size(0), self.width
+
+        def unembed(h: torch.Tensor) -> torch.Tensor:
+            # Only the hidden states that predict response tokens: [K, D].
+            picked = model.norm(h.reshape(-1, h.size(-1)).index_select(0, lay.src))
+            out = chunked_logprobs(
+                picked[None], lay.targets[None], model.output, temperature=temperature,
+                chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            )
+            if out.entropy is None:
+                return out.logprobs[0].clone()  # [K]; a fresh tensor, not a view (FSDP2)
+            return torch.stack([out.logprobs[0], out.entropy[0]], dim=-1)  # [K, 2]
+
+        with replace_unembed(model, unembed):
+            out = model(lay.tokens, mask=lay.mask, input_pos=lay.input_pos)
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            flat = torch.zeros(n * width, dtype=values.dtype, device=values.device)
+            return flat.index_copy(0, lay.dst, values).view(n, width)
+
+        if with_entropy:
+            return TokenLogprobs(scatter(out[:, 0]), scatter(out[:, 1]))
+        return TokenLogprobs(scatter(out), None)
