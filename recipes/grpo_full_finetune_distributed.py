@@ -54,7 +54,7 @@ from torchtune_grpo.advantages import RewardStats
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling, RolloutGroups
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
-from torchtune_grpo.generation import decode_responses, pack_sequences, WeightSyncCheck
+from torchtune_grpo.generation import decode_responses, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss import KL_ESTIMATORS, kl_reward_penalty
 from torchtune_grpo.metrics import JsonlWriter
@@ -348,7 +348,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """Whether reference logprobs are computed (a hook: LoRA has a reference but no second model)."""
         return self._ref_model is not None
 
-    def _reference_logprobs(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+    def _reference_logprobs(self, tokens: "TrainingBatch", start: int) -> Optional[torch.Tensor]:
         """Reference-policy logprobs ``[N, T]`` of ``tokens`` (a ``TrainingBatch``); None without a reference.
 
         A hook: the LoRA recipe computes them with the same model, adapters disabled.

@@ -59,6 +59,7 @@ from torchtune_grpo.lora import (
     nf4_parameters,
     save_adapter,
 )
+from torchtune_grpo.packing import TrainingBatch
 
 log = utils.get_logger("INFO")
 
@@ -198,7 +199,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     def _has_reference(self) -> bool:
         return self.kl_coef > 0
 
-    def _reference_logprobs(self, tokens: torch.Tensor, start: int) -> Optional[torch.Tensor]:
+    def _reference_logprobs(self, tokens: "TrainingBatch", start: int) -> Optional[torch.Tensor]:
         """Logprobs ``[N, T]`` under the base model: the policy with its adapters switched off."""
         if self.kl_coef <= 0:
             return None

@@ -5,7 +5,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import pytest
 import torch
