@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
+from torchtune_grpo._attention import project_qkv
 from torchtune_grpo.generation._rollout import pack_sequences
 from torchtune_grpo.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
 
@@ -120,21 +121,7 @@ def _shared_prompt_forward(
     if y is None or (self.kv_cache is not None and self.cache_enabled):
         raise ValueError("A shared-prompt forward is a training forward: self-attention without a KV cache")
     b, s_x, _ = x.shape
-    s_y = y.shape[1]
-    q = self.q_proj(x).view(b, s_x, self.num_heads, self.head_dim)
-    if self.pos_embeddings is not None:
-        q = self.pos_embeddings(q, input_pos=input_pos)
-    q = q.transpose(1, 2)  # [b, h, s, d]
-    if self.q_norm is not None:
-        q = self.q_norm(q)
-    k = self.k_proj(y).view(b, s_y, -1, self.head_dim)
-    v = self.v_proj(y).view(b, s_y, -1, self.head_dim)
-    if self.pos_embeddings is not None:
-        k = self.pos_embeddings(k, input_pos=input_pos)
-    k = k.transpose(1, 2)  # [b, h_kv, s, d]
-    v = v.transpose(1, 2)
-    if self.k_norm is not None:
-        k = self.k_norm(k)
+    q, k, v = project_qkv(self, x, y, input_pos)  # [b, h, s_x, d], [b, h_kv, s_y, d] x2
     out = mask.attention(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0)
     out = out.transpose(1, 2).contiguous().view(b, s_x, -1)
     return self.output_proj(out)

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention
 
+from torchtune_grpo._attention import project_qkv
+
 __all__ = [
     "CacheState",
     "KVCachePool",
@@ -102,21 +104,7 @@ def cached_attention_forward(
     if y is None or mask is None or self.kv_cache is None:
         return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
     b, s_x, _ = x.shape
-    s_y = y.shape[1]
-    q = self.q_proj(x).view(b, s_x, self.num_heads, self.head_dim)
-    if self.pos_embeddings is not None:
-        q = self.pos_embeddings(q, input_pos=input_pos)
-    q = q.transpose(1, 2)  # [b, h, s, d]
-    if self.q_norm is not None:
-        q = self.q_norm(q)
-    k = self.k_proj(y).view(b, s_y, -1, self.head_dim)
-    v = self.v_proj(y).view(b, s_y, -1, self.head_dim)
-    if self.pos_embeddings is not None:
-        k = self.pos_embeddings(k, input_pos=input_pos)
-    k = k.transpose(1, 2)  # [b, h_kv, s, d]
-    v = v.transpose(1, 2)
-    if self.k_norm is not None:
-        k = self.k_norm(k)
+    q, k, v = project_qkv(self, x, y, input_pos)  # [b, h, s_x, d], [b, h_kv, s_y, d] x2
     k, v = self.kv_cache.update(k, v)  # [b, h_kv, W, d]
     out = F.scaled_dot_product_attention(
         q,
