@@ -28,6 +28,7 @@ FSDP (``ignored_params``) and held whole on every rank: with torch 2.13 FSDP2's 
 NF4's all-gather extension, and sharding NF4 needs every weight's block count to divide by the world size.
 """
 
+import importlib
 import os
 import shutil
 import sys
@@ -82,6 +83,14 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         return super().known_keys() | LORA_KEYS
 
     def __init__(self, cfg: DictConfig) -> None:
+        if getattr(_engine_class(cfg), "holds_weights", False):
+            # Its weight sync sends full weights under Hugging Face names; LoRA would need the adapters merged
+            # into the base weights first, which is not written yet.
+            raise ValueError(
+                f"generation: {cfg.generation._component_} is not supported by grpo_lora_finetune_distributed "
+                "yet (engines with their own copy of the weights need merged LoRA weights at every sync). "
+                "Use torchtune_grpo.generation.NativeGenerator, or the full fine-tuning recipe."
+            )
         super().__init__(cfg)
         self._save_adapter_weights_only = bool(cfg.get("save_adapter_weights_only", False))
 
@@ -253,6 +262,15 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
             save_recipe_state(target, recipe_state)
             log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
         dist.barrier()
+
+
+def _engine_class(cfg: DictConfig) -> Optional[type]:
+    """The class named by ``generation._component_`` (None when it cannot be imported: setup says why)."""
+    module, _, name = str(cfg.get("generation", {}).get("_component_", "")).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None) if module else None
+    except ImportError:
+        return None
 
 
 @config.parse

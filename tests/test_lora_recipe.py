@@ -292,6 +292,17 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
     recipe.cleanup()
 
 
+def test_engine_with_own_weights_is_refused_naming_it(tmp_path):
+    # The vLLM engine syncs full weights under HF names; LoRA needs merged weights, not written yet: the recipe
+    # must say so at construction, not fail at the first sync with a converter's "unexpected key".
+    from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
+
+    cfg = OmegaConf.load(write_config(tmp_path, base=LORA_CONFIG, max_steps=1))
+    cfg.generation = {"_component_": "torchtune_grpo.generation.VLLMGenerator", "model": "unused"}
+    with pytest.raises(ValueError, match="VLLMGenerator is not supported by grpo_lora_finetune_distributed"):
+        GRPOLoRAFinetuneRecipeDistributed(cfg)
+
+
 def test_non_lora_model_is_refused():
     with torch.device("meta"):
         model = tt_config.instantiate(OmegaConf.load(REPO / "configs" / "tiny" / "full_grpo_cpu.yaml").model)
