@@ -174,6 +174,9 @@ def test_card_kl_clip_entropy_and_ratio():
     assert "N = number of sequences not truncated" in masked
     custom = algorithm_card(_spec(loss_agg_mode=None, loss_name="MyLoss"))
     assert "Custom loss component `MyLoss`" in custom
+    tis = algorithm_card(_spec(tis_cap=2.0))
+    assert "times min(pi_old(o_i,t) / mu(o_i,t), 2), mu = the generation engine's sampling probability" in tis
+    assert "truncated importance sampling" not in algorithm_card(_spec())
 
 
 # ------------------------------------------------------------------------------- config validation

@@ -55,6 +55,8 @@ class AlgorithmSpec:
         epsilon_low (float): lower clip range. Default is 0.2.
         epsilon_high (float): upper clip range. Default is 0.2.
         dual_clip (Optional[float]): dual-clip bound. Default is None.
+        tis_cap (Optional[float]): truncated importance sampling cap against the engine's sampling
+            logprobs. Default is None (off).
         ratio_level (str): ``"token"`` or ``"sequence"``. Default is ``"token"``.
         entropy_coef (float): entropy bonus weight. Default is 0.0.
         kl_coef (float): KL weight. Default is 0.0.
@@ -84,6 +86,7 @@ class AlgorithmSpec:
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2
     dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None
     ratio_level: str = "token"
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
@@ -127,6 +130,7 @@ class AlgorithmSpec:
             epsilon_low=getattr(loss, "epsilon_low", 0.0),
             epsilon_high=getattr(loss, "epsilon_high", 0.0),
             dual_clip=getattr(loss, "dual_clip", None),
+            tis_cap=getattr(loss, "tis_cap", None),
             ratio_level=getattr(loss, "ratio_level", "token"),
             entropy_coef=getattr(loss, "entropy_coef", 0.0),
             optimizer=described + (f", schedule {lr_schedule}" if lr_schedule else ""),
@@ -201,6 +205,11 @@ def _objective(s: AlgorithmSpec) -> List[str]:
     )
     if s.dual_clip is not None:
         lines.append(f"           and p_i,t = min(p_i,t, -{_g(s.dual_clip)} * A_i) where A_i < 0   [dual clip]")
+    if s.tis_cap is not None:
+        lines.append(
+            f"           times min(pi_old(o_i,t) / mu(o_i,t), {_g(s.tis_cap)}), mu = the generation engine's "
+            "sampling probability   [truncated importance sampling]"
+        )
     per_token = "p_i,t"
     if s.kl_coef > 0 and s.kl_placement == "loss":
         per_token += f" + {_g(s.kl_coef)} * {s.kl_estimator}_i,t"
