@@ -65,6 +65,21 @@ def run_tune(
     return output
 
 
+def run_script_expecting(source: str, marker: str, tmp_path: Path) -> None:
+    """Run ``source`` as a Python script (repository on PYTHONPATH) and assert it printed ``marker``.
+
+    Judged by the script's own success marker, not its exit code: a gloo process group may abort at exit
+    after all work is done (DESIGN.md).
+    """
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert marker in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
 def read_jsonl(path: Path) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

@@ -171,16 +171,6 @@ def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(tmp_pa
     # FSDP2 on one gloo process, as the recipe runs: once every parameter is gathered, decode steps call
     # the layers directly, so the compiled step is one graph (not one per layer) and tokens are exact.
     # Judged by the script's own success marker (gloo may abort at exit, see DESIGN.md).
-    import os
-    import subprocess
-    import sys
+    from tests.recipe_utils import run_script_expecting
 
-    from tests.conftest import REPO
-
-    script = tmp_path / "fsdp_generation.py"
-    script.write_text(_FSDP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert "FSDP-GENERATION-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_script_expecting(_FSDP_SCRIPT, "FSDP-GENERATION-OK", tmp_path)

@@ -7,10 +7,7 @@ The shared layout must give the same logprobs, entropies and gradients as one ro
 tests/test_algorithms_recipe.py::test_every_variant_is_independent_of_micro_batches_and_processes.
 """
 
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +15,8 @@ from torchtune import training
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerSelfAttentionLayer
 
-from tests.conftest import make_tiny_decoder, REPO
+from tests.conftest import make_tiny_decoder
+from tests.recipe_utils import run_script_expecting
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.packing import (
     install_shared_prompt_attention,
@@ -193,13 +191,7 @@ os._exit(0)
 def test_fsdp2_shared_matches_unshared(tmp_path):
     # FSDP2 on one gloo process, as the recipe runs. Judged by the script's own success marker (gloo may
     # abort at exit, see DESIGN.md).
-    script = tmp_path / "fsdp_shared.py"
-    script.write_text(_FSDP_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert "FSDP-SHARED-OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_script_expecting(_FSDP_SCRIPT, "FSDP-SHARED-OK", tmp_path)
 
 
 @pytest.mark.slow
