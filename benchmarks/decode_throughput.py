@@ -21,7 +21,6 @@ from typing import Any, Dict
 import torch
 
 from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.generation._native import decode_step
 
 MODELS = {
     "qwen2_5_0_5b": ("torchtune.models.qwen2_5", "qwen2_5_0_5b", {}),
@@ -99,7 +98,7 @@ def measure(args, model, batch: int, device: torch.device) -> Dict[str, Any]:
         "decode_step_ms": decode_s / steps * 1e3,
         "bound_tokens_per_s": bound,
         "fraction_of_bound": tokens_per_s / bound if bound else None,
-        "compiled": engine._decode_fn(device) is not decode_step,
+        "compiled": engine.compiles_decode(device),
     }
 
 

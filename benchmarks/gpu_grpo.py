@@ -294,7 +294,6 @@ def measure_decode(
     bandwidth: Optional[float],
 ) -> Dict[str, Any]:
     from torchtune_grpo.generation import NativeGenerator
-    from torchtune_grpo.generation._native import decode_step
 
     vocab = model.tok_embeddings.num_embeddings
     pad_id, stop_id = special_ids(vocab)
@@ -325,7 +324,7 @@ def measure_decode(
     tps = rows * steps / decode_s
     out = {
         "rows": rows,
-        "compiled": engine._decode_fn(device) is not decode_step,
+        "compiled": engine.compiles_decode(device),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "warmup_s": warmup_s,
@@ -359,7 +358,6 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
 
     from torchtune_grpo.advantages import GroupRelativeAdvantage
     from torchtune_grpo.generation import NativeGenerator, pack_sequences
-    from torchtune_grpo.generation._native import decode_step
     from torchtune_grpo.logprobs import sequence_logprobs
     from torchtune_grpo.loss import GRPOLoss
 
@@ -448,7 +446,7 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
         "prompts": args.prompts, "group": g, "rows": args.prompts * g,
         "prompt_len": [args.min_prompt_len, args.max_prompt_len], "response_len": args.response_len,
         "micro_batch": mbs, "chunk_size": chunk, "activation_checkpointing": args.activation_checkpointing,
-        "compile_decode": engine._decode_fn(device) is not decode_step,
+        "compile_decode": engine.compiles_decode(device),
         "warmup_steps": args.warmup_steps, "warmup_s": warmup_s, "first_step_s": warm[0]["time_step"] if warm else None,
         "measured_steps": args.steps, "median": med,
         "tokens_per_s": tokens / med["time_step"],

@@ -41,9 +41,12 @@ def test_cache_is_allocated_once_and_reused_across_calls_and_shapes():
     )
     assert _greedy(engine, model, PROMPTS) == first
     assert engine.cache.allocations == 1
+    # fp32: the shared-prefix layout, each prompt's keys/values once ([B, ...]) and each row's completion
+    # ([B x G, ...]), 64 slots each.
+    assert [k[0].shape for k in engine.cache.k] == [(3, 2, 64, 16), (6, 2, 64, 16)]
     # A longer sequence than the cache holds grows it (rounded up to 64 slots) ...
     assert _greedy(engine, model, PROMPTS, max_new_tokens=70)[0][:10] == first[0]
-    assert engine.cache.allocations == 2 and engine.cache.max_len == 128
+    assert engine.cache.allocations == 2 and engine.cache.capacities == [64, 128]
     # ... and another batch size (group size) replaces it; results stay those of the simple path.
     out = _greedy(engine, model, PROMPTS, group_size=3)
     assert engine.cache.allocations == 3
@@ -174,3 +177,62 @@ def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(tmp_pa
     from tests.recipe_utils import run_script_expecting
 
     run_script_expecting(_FSDP_SCRIPT, "FSDP-GENERATION-OK", tmp_path)
+
+
+def test_shared_prefix_attention_equals_sdpa_over_each_rows_full_cache():
+    # Worked against the definition: each row attends over [its prompt | its completion] with SDPA
+    # (GQA, padded prompt slots masked), the prompt's keys/values repeated for every row of the group.
+    import torch.nn.functional as F
+
+    from torchtune_grpo.generation._cache import CacheState
+    from torchtune_grpo.generation._prefix_attention import PrefixDecodeMask, SharedPrefixKVCache
+
+    torch.manual_seed(0)
+    b, g, h, h_kv, d, p, t = 3, 4, 4, 2, 8, 5, 3
+    n = b * g
+    pk, pv = torch.randn(b, h_kv, 8, d), torch.randn(b, h_kv, 8, d)  # 8 slots stored, p read
+    ck, cv = torch.randn(n, h_kv, 6, d), torch.randn(n, h_kv, 6, d)  # t - 1 written, then this token
+    q, k_new, v_new = torch.randn(n, h, 1, d), torch.randn(n, h_kv, 1, d), torch.randn(n, h_kv, 1, d)
+    pad = torch.tensor([0, 2, 4])  # left padding of each prompt
+    real = torch.arange(p)[None, :] >= pad[:, None]  # [B, P]
+    prefix_mask = torch.zeros(b, p).masked_fill(~real, float("-inf"))[:, None, None, :]
+
+    # Reference: every row's full keys [P + t], its prompt's keys repeated.
+    full_k = torch.cat([pk[:, :, :p].repeat_interleave(g, 0), ck[:, :, : t - 1], k_new], dim=2)
+    full_v = torch.cat([pv[:, :, :p].repeat_interleave(g, 0), cv[:, :, : t - 1], v_new], dim=2)
+    keep = torch.cat([real.repeat_interleave(g, 0), torch.ones(n, t, dtype=torch.bool)], dim=1)
+    ref = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=keep[:, None, None, :], enable_gqa=True)
+
+    # Eager: the completion window is exactly the t written slots.
+    state = CacheState(slots=torch.tensor([t - 1]), window=t)
+    cache = SharedPrefixKVCache(pk, pv, ck.clone(), cv.clone(), state, prefix_window=p)
+    out = cache.attend(q, k_new, v_new, PrefixDecodeMask(prefix_mask, None))
+    assert out.shape == (n, h, 1, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(cache.k_cache[:, :, t - 1], k_new[:, :, 0])  # the new token was written
+
+    # Compiled-style fixed windows: 6 completion slots (the last 3 unwritten, masked) and 8 prompt slots
+    # (3 unused, masked). Leftover finite values there must not matter.
+    state = CacheState(slots=torch.tensor([t - 1]), window=6)
+    cache = SharedPrefixKVCache(pk, pv, ck.clone(), cv.clone(), state, prefix_window=8)
+    wide_prefix = torch.full((b, 1, 1, 8), float("-inf"))
+    wide_prefix[..., :p] = prefix_mask
+    completion = torch.zeros(1, 1, 1, 6).masked_fill(torch.arange(6) >= t, float("-inf"))
+    out = cache.attend(q, k_new, v_new, PrefixDecodeMask(wide_prefix, completion))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_half_precision_and_per_row_option_use_one_cache_row_per_sequence():
+    # bf16 scores would be rounded by a bf16 matmul (SDPA keeps them fp32): such rollouts keep the per-row
+    # layout; so does share_prefill=False. fp32 with share_prefill stores each prompt once (rows B, then N).
+    model = make_tiny_decoder()
+    engine = NativeGenerator(temperature=0.0)
+    _greedy(engine, model, PROMPTS, group_size=4)
+    assert [k[0].size(0) for k in engine.cache.k] == [3, 12]
+    unshared = NativeGenerator(temperature=0.0, share_prefill=False)
+    _greedy(unshared, model, PROMPTS, group_size=4)
+    assert [k[0].size(0) for k in unshared.cache.k] == [12]
+    half = NativeGenerator(temperature=0.0)
+    out = _greedy(half, make_tiny_decoder().to(torch.bfloat16), PROMPTS, group_size=4)
+    assert [(k[0].size(0), k[0].dtype) for k in half.cache.k] == [(12, torch.bfloat16)]
+    assert all(out[4 * i] == out[4 * i + j] for i in range(3) for j in range(4))  # greedy: a group agrees

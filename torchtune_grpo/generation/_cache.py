@@ -32,6 +32,7 @@ __all__ = [
     "attention_modules",
     "attached_caches",
     "cached_attention_forward",
+    "takes_cached_forward",
 ]
 
 
@@ -99,12 +100,17 @@ def cached_attention_forward(
     instead of materialising every key/value head ``num_heads / num_kv_heads`` times (a copy of the whole
     cache window per layer per decoded token). SDPA computes the same numbers (the tests check exact
     greedy equality with torchtune's own generation). The mask may be boolean or additive (float, the
-    query's dtype). Anything else falls back to torchtune's forward.
+    query's dtype), or a ``PrefixDecodeMask`` for a cache with an ``attend`` method. Anything else falls
+    back to torchtune's forward.
     """
     if y is None or mask is None or self.kv_cache is None:
         return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
     b, s_x, _ = x.shape
     q, k, v = project_qkv(self, x, y, input_pos)  # [b, h, s_x, d], [b, h_kv, s_y, d] x2
+    attend = getattr(self.kv_cache, "attend", None)
+    if attend is not None:  # a cache that attends itself (the shared-prefix layout of _prefix_attention.py)
+        out = attend(q, k, v, mask)
+        return self.output_proj(out.transpose(1, 2).contiguous().view(b, s_x, -1))
     k, v = self.kv_cache.update(k, v)  # [b, h_kv, W, d]
     out = F.scaled_dot_product_attention(
         q,
@@ -118,14 +124,25 @@ def cached_attention_forward(
     return self.output_proj(out)
 
 
+def takes_cached_forward(attn: nn.Module) -> bool:
+    """Whether :func:`attached_caches` gives ``attn`` :func:`cached_attention_forward`.
+
+    Plain torchtune ``MultiHeadAttention`` modules do; so do instances whose own forward marks itself as
+    torchtune's for every input it may get here (``falls_back_to_mha``). Subclasses with their own forward
+    keep it.
+    """
+    own = attn.__dict__.get("forward")
+    replaceable = own is None or getattr(getattr(own, "__func__", None), "falls_back_to_mha", False)
+    return type(attn).forward is MultiHeadAttention.forward and replaceable
+
+
 @contextmanager
 def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator[None]:
     """Attach ``caches[i]`` to ``attns[i]`` (enabled) for the duration; restore the previous state after.
 
-    Plain torchtune ``MultiHeadAttention`` modules also run :func:`cached_attention_forward` meanwhile
-    (an instance attribute, restored on exit); subclasses with their own forward keep it, and so do
-    instances with their own forward, unless it marks itself as torchtune's for every input it may get
-    here (``falls_back_to_mha``: the shared-prompt training forward of ``torchtune_grpo/packing.py``).
+    Modules for which :func:`takes_cached_forward` holds also run :func:`cached_attention_forward`
+    meanwhile (an instance attribute, restored on exit; e.g. over the shared-prompt training forward of
+    ``torchtune_grpo/packing.py``, which marks itself ``falls_back_to_mha``).
     """
     saved = [(a.kv_cache, a.cache_enabled) for a in attns]
     patched = []
@@ -134,8 +151,7 @@ def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator
             a.kv_cache = c
             a.cache_enabled = True
             own = a.__dict__.get("forward")
-            replaceable = own is None or getattr(getattr(own, "__func__", None), "falls_back_to_mha", False)
-            if type(a).forward is MultiHeadAttention.forward and replaceable:
+            if takes_cached_forward(a):
                 a.forward = types.MethodType(cached_attention_forward, a)
                 patched.append((a, own))
         yield
@@ -151,12 +167,14 @@ def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator
 
 
 class KVCachePool:
-    """Key/value storage for every layer, allocated once and reused while the shape allows.
+    """Key/value storage for every layer, allocated once and reused while the shapes allow.
 
-    The storage of layer ``i`` is ``k[i], v[i]: [batch, h_kv, max_len, head_dim]``. A request for the same
-    batch size, dtype and device and at most ``max_len`` slots reuses it; a longer request reallocates with
-    the length rounded up to a multiple of ``len_multiple`` (so slowly growing prompts do not reallocate
-    every step); any other batch size, dtype or device replaces it (one set is kept at a time).
+    A request names one or more *parts*, each ``(rows, length)``: the engine's shared-prefix layout asks for
+    ``[(B, P), (B x G, T)]`` (each prompt once, each row's completion), the per-row layout for
+    ``[(B x G, P + T)]``. Part ``j`` of layer ``i`` is ``k[j][i], v[j][i]: [rows_j, h_kv, capacity_j,
+    head_dim]``. A request with the same parts' rows, dtype and device whose lengths fit reuses the storage;
+    a longer one reallocates with the lengths rounded up to a multiple of ``len_multiple`` (so slowly growing
+    prompts do not reallocate every step); anything else replaces it (one set is kept at a time).
 
     Args:
         len_multiple (int): allocation granularity in slots. Default is 64.
@@ -164,31 +182,36 @@ class KVCachePool:
 
     def __init__(self, len_multiple: int = 64) -> None:
         self.len_multiple = max(1, len_multiple)
-        self.k: List[torch.Tensor] = []
-        self.v: List[torch.Tensor] = []
+        self.k: List[List[torch.Tensor]] = []
+        self.v: List[List[torch.Tensor]] = []
         self.key: Optional[tuple] = None
-        self.max_len = 0
+        self.capacities: List[int] = []
         self.allocations = 0  # how many times storage was (re)allocated: for tests and benchmarks
 
     def get(
         self,
         layout: List[Tuple[int, int]],
-        batch: int,
-        length: int,
+        parts: List[Tuple[int, int]],
         dtype: torch.dtype,
         device: torch.device,
-    ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-        """Storage for ``layout`` (``(h_kv, head_dim)`` per layer), ``batch`` rows and ``length`` slots."""
-        key = (tuple(layout), batch, dtype, torch.device(device))
-        if key != self.key or length > self.max_len:
+    ) -> List[Tuple[List[torch.Tensor], List[torch.Tensor]]]:
+        """Storage for ``layout`` (``(h_kv, head_dim)`` per layer) and ``parts`` (``(rows, length)`` each).
+
+        Returns:
+            List[Tuple[List[torch.Tensor], List[torch.Tensor]]]: per part, the per-layer keys and values.
+        """
+        key = (tuple(layout), tuple(rows for rows, _ in parts), dtype, torch.device(device))
+        fits = key == self.key and all(n <= cap for (_, n), cap in zip(parts, self.capacities))
+        if not fits:
             self.release()
-            max_len = -(-length // self.len_multiple) * self.len_multiple
-            self.k = [torch.zeros(batch, h, max_len, d, dtype=dtype, device=device) for h, d in layout]
-            self.v = [torch.zeros(batch, h, max_len, d, dtype=dtype, device=device) for h, d in layout]
-            self.key, self.max_len = key, max_len
+            self.capacities = [-(-n // self.len_multiple) * self.len_multiple for _, n in parts]
+            for (rows, _), cap in zip(parts, self.capacities):
+                self.k.append([torch.zeros(rows, h, cap, d, dtype=dtype, device=device) for h, d in layout])
+                self.v.append([torch.zeros(rows, h, cap, d, dtype=dtype, device=device) for h, d in layout])
+            self.key = key
             self.allocations += 1
-        return self.k, self.v
+        return list(zip(self.k, self.v))
 
     def release(self) -> None:
         """Free the storage."""
-        self.k, self.v, self.key, self.max_len = [], [], None, 0
+        self.k, self.v, self.key, self.capacities = [], [], None, []

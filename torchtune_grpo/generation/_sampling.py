@@ -30,7 +30,9 @@ def sample_tokens(
     """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:  # one [N, V] pass less per token at the usual temperature
+        logits = logits / temperature
     vocab = logits.size(-1)
     if top_k is not None and 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
