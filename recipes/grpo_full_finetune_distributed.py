@@ -373,8 +373,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
         cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
-        # fsdp_single_process: false trains the plain module on one process (no FSDP2 copies; docs/configs.md)
-        shard = self.world_size > 1 or cpu_offload or bool(cfg.get("fsdp_single_process", True))
+        # One process trains the plain module unless fsdp_single_process (or fsdp_cpu_offload) asks for FSDP2:
+        # there it has nothing to shard and only copies weights and gradients (docs/configs.md).
+        shard = self.world_size > 1 or cpu_offload or bool(cfg.get("fsdp_single_process", False))
+        if trainable and self.world_size == 1:
+            why = "fsdp_cpu_offload: true" if cpu_offload else "fsdp_single_process: true"
+            plain = "the plain model (fsdp_single_process: false)"
+            mode = f"the FSDP2-wrapped model ({why})" if shard else plain
+            utils.log_rank_zero(log, f"One process: training {mode}")
         if shard:
             training.shard_model(
                 model,

@@ -1,5 +1,6 @@
 """Training with each prompt computed once per group (torchtune_grpo/packing.py, `share_prompt_in_training`),
-and on one process without FSDP2 (`fsdp_single_process: false`).
+and on one process without FSDP2 (`fsdp_single_process: false`, the default) against FSDP2
+(`fsdp_single_process: true`).
 
 The shared layout must give the same logprobs, entropies and gradients as one row per sequence (fp32, to
 ~1e-5), for micro-batches that split a group, with activation checkpointing, under FSDP2, and in the recipe
@@ -199,13 +200,14 @@ def test_recipe_weights_match_unshared_training(tmp_path):
     # The split-independence workload of tests/test_algorithms_recipe.py (every loss aggregation mode, KL,
     # entropy bonus, truncation masking, ppo_epochs 2), trained three ways: one row per sequence in one
     # micro-batch; shared prompts with micro-batches of 3 sequences (groups of 4 split across micro-batches);
-    # shared prompts on the plain module (fsdp_single_process: false, no FSDP2 on one process).
+    # both under FSDP2 (fsdp_single_process: true); and shared prompts on the plain module
+    # (fsdp_single_process: false, the default: no FSDP2 on one process).
     from tests.recipe_utils import read_jsonl, run_tune, weights
     from tests.test_algorithms_recipe import _split_config, VARIANTS
 
     runs = {
-        "unshared": ("share_prompt_in_training=False",),
-        "shared": ("share_prompt_in_training=True",),
+        "unshared": ("share_prompt_in_training=False", "fsdp_single_process=True"),
+        "shared": ("share_prompt_in_training=True", "fsdp_single_process=True"),
         "plain": ("share_prompt_in_training=True", "fsdp_single_process=False"),
     }
     results = {}
@@ -230,7 +232,8 @@ def test_recipe_weights_match_unshared_training(tmp_path):
 
 @pytest.mark.slow
 def test_plain_module_on_one_process_resumes_exactly(tmp_path):
-    # fsdp_single_process: false keeps the plain module: checkpoint, optimizer state and resume still work.
+    # fsdp_single_process: false (the default) keeps the plain module: checkpoint, optimizer state and resume
+    # still work.
     import json
     import shutil
 

@@ -1,0 +1,76 @@
+"""Which model one process trains (docs/configs.md, `fsdp_single_process`): the plain model by default,
+FSDP2 (DTensor parameters) with `fsdp_single_process: true` or `fsdp_cpu_offload: true`.
+
+With more than one process the recipe always uses FSDP2; the multi-process tests
+(tests/test_algorithms_recipe.py, tests/test_recipe.py::test_two_processes) run it that way.
+"""
+
+import logging
+import os
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+from torch.distributed.tensor import DTensor
+
+from tests.recipe_utils import write_config
+
+
+@pytest.fixture
+def clean_env():
+    """The recipe sets RANK/WORLD_SIZE/MASTER_* for its one-process group: restore the environment."""
+    saved = dict(os.environ)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.parametrize(
+    "overrides, sharded, mode",
+    [
+        ({}, False, "the plain model (fsdp_single_process: false)"),
+        ({"fsdp_single_process": False}, False, "the plain model (fsdp_single_process: false)"),
+        ({"fsdp_single_process": True}, True, "the FSDP2-wrapped model (fsdp_single_process: true)"),
+        ({"fsdp_cpu_offload": True}, True, "the FSDP2-wrapped model (fsdp_cpu_offload: true)"),
+    ],
+    ids=["default", "false", "true", "cpu_offload"],
+)
+def test_one_process_trains_the_plain_model_unless_asked(
+    tmp_path, clean_env, caplog, monkeypatch, overrides, sharded, mode
+):
+    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
+
+    if overrides.get("fsdp_cpu_offload"):
+        # torchtune's shard_model offloads with pinned memory, which needs an accelerator (a CPU-only machine
+        # raises "Cannot access accelerator device"): unpinned here, the choice of FSDP2 is what is tested.
+        monkeypatch.setattr(
+            "torchtune.training._distributed.CPUOffloadPolicy", partial(CPUOffloadPolicy, pin_memory=False)
+        )
+    # The tiny config has kl_coef > 0: the frozen reference model goes through the same choice as the policy.
+    cfg = OmegaConf.load(write_config(tmp_path, max_steps=1, **overrides))
+    assert "fsdp_single_process" not in cfg or overrides  # the default case really relies on the default
+    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
+    assert recipe.world_size == 1
+    with caplog.at_level(logging.INFO):
+        recipe.setup(cfg)
+    try:
+        assert recipe._ref_model is not None
+        for model in (recipe._model, recipe._ref_model):
+            params = dict(model.named_parameters())
+            assert params
+            for name, p in params.items():
+                assert isinstance(p, DTensor) == sharded, name
+            assert isinstance(model, FSDPModule) == sharded
+        assert f"One process: training {mode}" in caplog.text
+    finally:
+        recipe.cleanup()
