@@ -236,3 +236,21 @@ def test_half_precision_and_per_row_option_use_one_cache_row_per_sequence():
     out = _greedy(half, make_tiny_decoder().to(torch.bfloat16), PROMPTS, group_size=4)
     assert [(k[0].size(0), k[0].dtype) for k in half.cache.k] == [(12, torch.bfloat16)]
     assert all(out[4 * i] == out[4 * i + j] for i in range(3) for j in range(4))  # greedy: a group agrees
+
+
+def test_rollout_tensors_are_normal_tensors_usable_in_training():
+    # The engine decodes under torch.inference_mode; nothing it returns may be an inference tensor (those
+    # cannot be saved for backward or updated in place by the training step).
+    model = make_tiny_decoder()
+    rollout = NativeGenerator().generate(
+        model, PROMPTS, group_size=2, max_new_tokens=4, pad_id=0, stop_tokens=[96],
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert not rollout.truncated.is_inference()
+    w = torch.ones(len(rollout.response_ids), requires_grad=True)
+    (w * rollout.truncated).sum().backward()  # saved for backward: fails on an inference tensor
+    assert torch.equal(w.grad, rollout.truncated.float())
+    rollout.truncated[0] = False  # in place: fails on an inference tensor
+    # The model's own forward and training still work after a rollout.
+    model(torch.randint(1, 90, (2, 12))).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -1,6 +1,6 @@
 """The native generation engine: batched, KV-cached sampling with the torchtune model itself."""
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -255,7 +255,6 @@ class NativeGenerator:
         """Free the KV cache now (the next ``generate`` allocates a new one)."""
         self.cache.release()
 
-    @torch.no_grad()
     def generate(
         self,
         model: nn.Module,
@@ -285,6 +284,27 @@ class NativeGenerator:
         Returns:
             Rollout: ``B x G`` rows; row ``i`` belongs to prompt ``i // G``.
         """
+        # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
+        # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
+        # rollout is built outside, and a functional op there turns its tensors into normal ones.
+        with torch.inference_mode():
+            out, done, stop = self._sample(
+                model, prompts, group_size, max_new_tokens, pad_id, stop_tokens, generator, temperature
+            )
+        return _to_rollout(prompts, group_size, out, done, stop)
+
+    def _sample(
+        self,
+        model: nn.Module,
+        prompts: List[List[int]],
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+        generator: Optional[torch.Generator],
+        temperature: Optional[float],
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token loop of :meth:`generate`: ``[N, steps]`` tokens, ``[N]`` done flags, the stop ids."""
         temperature = self.temperature if temperature is None else temperature
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
@@ -339,7 +359,7 @@ class NativeGenerator:
             if not self.reuse_cache:
                 self.cache.release()
 
-        return _to_rollout(prompts, group_size, out[:, :steps], done, stop)
+        return out[:, :steps], done, stop
 
 
 class _SharedPrefixRollout:
