@@ -73,3 +73,26 @@ def test_pack_sequences_layout():
     tokens, mask = pack_sequences([[1, 2, 3], [4]], [[7, 8], [9, 10, 11]], pad_id=0)
     assert tokens.tolist() == [[1, 2, 3, 7, 8], [4, 9, 10, 11, 0]]
     assert mask.tolist() == [[False, False, False, True, True], [False, True, True, True, False]]
+
+
+def test_decode_responses_drops_undecodable_ids_and_tries_each_alone_once():
+    from torchtune_grpo.generation import decode_responses
+
+    class Tok:  # decodes ids < 10 as letters; anything else raises, like a tokenizer past its vocabulary
+        calls = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Tok.calls += 1
+            if any(i >= 10 for i in ids):
+                raise KeyError(max(ids))
+            return "".join("abcdefghij"[i] for i in ids)
+
+    tok = Tok()
+    assert decode_responses(tok, [[0, 1, 2], [3, 50, 4, 50, 77]]) == ["abc", "de"]
+    # 1 + (1 failed + 4 unique ids alone + 1 final) calls; the bad ids are remembered for this tokenizer:
+    assert Tok.calls == 7
+    Tok.calls = 0
+    assert decode_responses(tok, [[50, 5, 77, 6]] * 3) == ["fg"] * 3
+    assert Tok.calls == 3  # one call per completion, none per token
+    Tok.calls = 0
+    assert decode_responses(Tok(), [[50, 5]]) == ["f"] and Tok.calls == 4  # another tokenizer: fresh memory

@@ -254,3 +254,38 @@ def test_rollout_tensors_are_normal_tensors_usable_in_training():
     # The model's own forward and training still work after a rollout.
     model(torch.randint(1, 90, (2, 12))).sum().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_lean_decode_layers_give_torchtunes_tokens_and_step_aside_for_hooks(monkeypatch):
+    # The lean decode layer (submodule forwards called directly, one RoPE call for q and k) must give the
+    # simple path's greedy tokens for both RoPE flavours (Qwen2's rotate-half, Llama 3's scaled interleaved),
+    # and must not run when a submodule carries a forward hook (it would skip the hook).
+    from torchtune.models.llama3_2 import llama3_2
+
+    import torchtune_grpo.generation._native as native
+
+    calls = []
+    real = native.lean_decode_layer
+    monkeypatch.setattr(native, "lean_decode_layer", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    llama = llama3_2(
+        vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256,
+        intermediate_dim=128, scale_factor=32,
+    )
+    with torch.no_grad():
+        for p in llama.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    for model in (make_tiny_decoder(), llama.eval()):
+        calls.clear()
+        out = _greedy(NativeGenerator(temperature=0.0), model, PROMPTS, group_size=2)
+        assert len(calls) == 2 * 9  # 2 layers x 9 decode steps (the 10th token needs none)
+        for i, prompt in enumerate(PROMPTS):
+            assert out[2 * i] == out[2 * i + 1] == _simple_path(model, prompt, 10)
+
+    model = make_tiny_decoder()
+    seen = []
+    model.layers[0].mlp.w1.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    calls.clear()
+    out = _greedy(NativeGenerator(temperature=0.0), model, PROMPTS, group_size=2)
+    assert calls == [] and len(seen) == 1 + 9  # the hook ran at the prefill and every decode step
+    assert out[0] == _simple_path(model, PROMPTS[0], 10)

@@ -14,7 +14,12 @@ from torchtune_grpo.generation._cache import (
     SlotKVCache,
     takes_cached_forward,
 )
-from torchtune_grpo.generation._prefix_attention import PrefixDecodeMask, SharedPrefixKVCache
+from torchtune_grpo.generation._prefix_attention import (
+    lean_decode_eligible,
+    lean_decode_layer,
+    PrefixDecodeMask,
+    SharedPrefixKVCache,
+)
 from torchtune_grpo.generation._rollout import Rollout
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.logprobs import replace_unembed
@@ -112,6 +117,7 @@ def prefix_decode_step(
     write_slot: torch.Tensor,
     completion_slots: Optional[torch.Tensor] = None,
     direct: bool = False,
+    lean: bool = False,
 ) -> torch.Tensor:
     """:func:`decode_step` for the shared-prefix cache layout (:class:`SharedPrefixKVCache` attached).
 
@@ -126,6 +132,8 @@ def prefix_decode_step(
             (compiled steps; slots after ``step`` are masked), or None when the caches' window is exactly
             ``step + 1`` slots. Default is None.
         direct (bool): run the decoder's layers without module hooks. Default is False.
+        lean (bool): with ``direct``, run each layer as :func:`lean_decode_layer` (see
+            :func:`lean_decode_eligible`). Default is False.
 
     Returns:
         torch.Tensor: ``[N, V]`` float32 next-token logits.
@@ -134,9 +142,14 @@ def prefix_decode_step(
     completion = None
     if completion_slots is not None:
         completion = _additive_mask(completion_slots <= step, prefix_mask.dtype).view(1, 1, 1, -1)
-    return _run_decoder(
-        model, token, PrefixDecodeMask(prefix_mask, completion), (lengths + step).unsqueeze(1), direct
-    )
+    mask = PrefixDecodeMask(prefix_mask, completion)
+    input_pos = (lengths + step).unsqueeze(1)
+    if not (direct and lean):
+        return _run_decoder(model, token, mask, input_pos, direct)
+    h = model.tok_embeddings.forward(token.unsqueeze(1))
+    for layer in model.layers:
+        h = lean_decode_layer(layer, h, mask, input_pos)
+    return model.unembed(h)
 
 
 def _run_decoder(
@@ -414,6 +427,7 @@ class _SharedPrefixRollout:
         self.lengths = (prompt_len - pad_b).repeat_interleave(group_size)  # [N] each row's prompt length
         self.completion_slots = torch.arange(c_window, device=device) if self.compiled else None
         self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.lean: Optional[bool] = None  # decided at the first decode step (needs `direct`)
         if self.compiled:
             for t in (*pk, *pv, *ck, *cv, self.write_slot):
                 torch._dynamo.mark_static_address(t)
@@ -423,17 +437,19 @@ class _SharedPrefixRollout:
         return logits.repeat_interleave(self.group_size, dim=0)
 
     def decode(self, model: nn.Module, token: torch.Tensor, t: int, direct: bool) -> torch.Tensor:
+        if self.lean is None:
+            self.lean = direct and lean_decode_eligible(model.layers)
+        self.step.fill_(t)
         if not self.compiled:
             self.state.window = t + 1  # exactly the completion slots written, this token's included
-            self.step.fill_(t)
             return prefix_decode_step(
-                model, token, self.step, self.lengths, self.prefix_mask, self.write_slot, None, direct
+                model, token, self.step, self.lengths, self.prefix_mask, self.write_slot, None, direct,
+                self.lean,
             )
         torch.compiler.cudagraph_mark_step_begin()
-        self.step.fill_(t)
         logits = self.decode_fn(
             model, token, self.step, self.lengths, self.prefix_mask, self.write_slot,
-            self.completion_slots, direct,
+            self.completion_slots, direct, self.lean,
         )
         return logits.clone()  # a CUDA graph's output is overwritten by the next replay
 

@@ -1,6 +1,7 @@
 """The result of a rollout and its layout for training."""
 
-from typing import List, NamedTuple, Optional
+import weakref
+from typing import List, NamedTuple, Optional, Set
 
 import torch
 
@@ -60,7 +61,8 @@ def decode_responses(tokenizer, response_ids: List[List[int]]) -> List[str]:
     A model's embedding table is usually larger than its tokenizer's vocabulary (Qwen2.5: 151,936 rows,
     about 151,665 tokens), and an untrained or diverging model can sample an id the tokenizer cannot
     decode. Such ids are dropped from the text instead of crashing the run; the token ids themselves are
-    unchanged for training.
+    unchanged for training. Each id is tried alone at most once per tokenizer: the undecodable ones are
+    remembered (a random model's rollout otherwise costs one decode call per token).
 
     Args:
         tokenizer: a torchtune tokenizer with ``decode(ids, skip_special_tokens=...)``.
@@ -70,16 +72,30 @@ def decode_responses(tokenizer, response_ids: List[List[int]]) -> List[str]:
         List[str]: N texts.
     """
     texts = []
+    bad = _undecodable_ids(tokenizer)
     for ids in response_ids:
+        if bad:
+            ids = [t for t in ids if t not in bad]
         try:
             texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+            continue
         except Exception:  # noqa: BLE001 - any tokenizer's failure on an unknown id
-            kept = []
-            for token in ids:
-                try:
-                    tokenizer.decode([token], skip_special_tokens=True)
-                    kept.append(token)
-                except Exception:  # noqa: BLE001
-                    continue
-            texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+            pass
+        for token in set(ids):
+            try:
+                tokenizer.decode([token], skip_special_tokens=True)
+            except Exception:  # noqa: BLE001
+                bad.add(token)
+        texts.append(tokenizer.decode([t for t in ids if t not in bad], skip_special_tokens=True))
     return texts
+
+
+_UNDECODABLE: "weakref.WeakKeyDictionary[object, Set[int]]" = weakref.WeakKeyDictionary()
+
+
+def _undecodable_ids(tokenizer) -> Set[int]:
+    """The ids ``tokenizer`` failed to decode so far (a fresh set if it cannot be weakly referenced)."""
+    try:
+        return _UNDECODABLE.setdefault(tokenizer, set())
+    except TypeError:
+        return set()
