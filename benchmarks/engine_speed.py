@@ -1,15 +1,18 @@
-"""Rollout time of the native engine, optionally against another version of it (its ``_native.py`` file).
+"""Rollout time of the native engine.
 
 Rollout time of ``generate`` (B prompts x G samples, the workload's budget, no stop token so every run
-decodes the same number of tokens), on a model wrapped with FSDP2 on one gloo process and gathered once
-for the rollout, as the recipe runs it. Runs alternate between engines; medians are reported.
+decodes the same number of tokens) on the plain model, as the recipe runs it on one process, or
+(``--fsdp 1``) on a model wrapped with FSDP2 on one gloo process and gathered once for the rollout, as the
+recipe runs it on several. Medians over ``--repeats`` rollouts after one warm-up.
 
-    git show REV:torchtune_grpo/generation/_native.py > /tmp/old_native.py
-    python benchmarks/engine_speed.py --baseline /tmp/old_native.py --workloads tiny llama100m
+To compare with another revision, run the same script from a checkout of it::
+
+    git worktree add /tmp/before REV
+    PYTHONPATH=/tmp/before python /tmp/before/benchmarks/engine_speed.py --workloads tiny llama100m
+    python benchmarks/engine_speed.py --workloads tiny llama100m
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import socket
@@ -29,11 +32,10 @@ from torchtune_grpo.generation import NativeGenerator  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--baseline", default=None, help="a previous _native.py to compare against")
     parser.add_argument("--workloads", nargs="+", default=["tiny", "llama100m"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--fsdp", type=int, default=0, help="1: FSDP2-wrap the model (gathered once)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with socket.socket() as s:
@@ -41,11 +43,6 @@ def main() -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
     engines = {"new": NativeGenerator()}
-    if args.baseline:
-        spec = importlib.util.spec_from_file_location("baseline_native", args.baseline)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        engines = {"baseline": mod.NativeGenerator(), **engines}
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     for name in args.workloads:

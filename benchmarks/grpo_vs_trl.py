@@ -12,8 +12,8 @@ generation round, the whole batch in one micro-batch, no activation checkpointin
     python -m venv /work/bench-venv --system-site-packages
     /work/bench-venv/bin/pip install "torch==$(python -c 'import torch; print(torch.__version__.split("+")[0])')" -e ".[bench]"
     python benchmarks/grpo_vs_trl.py --trl-python /work/bench-venv/bin/python --rounds 2
-    # our side with config overrides, as on tune run's command line
-    python benchmarks/grpo_vs_trl.py --trl-python /work/bench-venv/bin/python --ours-set fsdp_single_process=false
+    # our side with config overrides, as on tune run's command line (e.g. FSDP2 on the one process)
+    python benchmarks/grpo_vs_trl.py --trl-python /work/bench-venv/bin/python --ours-set fsdp_single_process=true
 
 Step time is the wall time between the ends of consecutive optimizer steps (so everything a step does is
 in it: data, generation, rewards, logprobs, backward, optimizer, logging), the first step (warm-up) is
@@ -21,9 +21,10 @@ excluded, and the median over all measured steps of all rounds is reported. Toke
 completion tokens of the step's sequences. Peak memory is the child process's peak RSS (``ru_maxrss``
 from ``wait4``) and, separately, the peak RSS sampled while training (after the model is loaded).
 
-Our side runs the real recipe class (``GRPOFullFinetuneRecipeDistributed``: FSDP2 on one process, as
-``tune run`` does) in-process in the child, with two benchmark-only changes: the step function is wrapped
-to take a timestamp, and the final checkpoint save is skipped (TRL saves nothing either).
+Our side runs the real recipe class (``GRPOFullFinetuneRecipeDistributed`` with its shipped defaults, as
+``tune run`` runs it on one process: a one-process group, the plain model) in-process in the child, with two
+benchmark-only changes: the step function is wrapped to take a timestamp, and the final checkpoint save is
+skipped (TRL saves nothing either).
 """
 
 import argparse

@@ -131,8 +131,8 @@ def validate_config(cfg: DictConfig, known_keys: Optional[set] = None) -> None:
 
 
 def _init_distributed(device_type: str) -> None:
-    # `tune run` without --nproc_per_node runs us in-process: make a one-process group so the code path
-    # (FSDP2, collectives, state-dict gathering) is the same on 1 process as on 64.
+    # `tune run` without --nproc_per_node runs us in-process: make a one-process group so the collectives
+    # and state-dict gathering are the same on 1 process as on 64 (FSDP2 there only with fsdp_single_process).
     if not training.is_distributed():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
@@ -144,7 +144,7 @@ def _init_distributed(device_type: str) -> None:
 
 
 class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
-    """GRPO full fine-tuning with FSDP2. See the module docstring and ``docs/``.
+    """GRPO full fine-tuning, FSDP2-sharded across processes. See the module docstring and ``docs/``.
 
     Args:
         cfg (DictConfig): the run's config (see ``configs/tiny/full_grpo_cpu.yaml`` for every key).

@@ -117,15 +117,21 @@ def test_compiled_decode_step_is_one_graph_without_breaks_and_exact():
     # The CUDA path compiles decode_step (mode="reduce-overhead"); on CPU the same tracing runs with the
     # aot_eager backend: one graph, no graph break (a break would mean a host sync or Python-side
     # dynamism in the step), no recompilation for another prompt length, and the same tokens as eager.
-    torch._dynamo.reset()
-    counters.clear()
-    model = make_tiny_decoder()
-    engine = NativeGenerator(temperature=0.0, compile_decode=True, compile_backend="aot_eager")
-    assert _greedy(engine, model, PROMPTS) == _greedy(NativeGenerator(temperature=0.0), model, PROMPTS)
-    longer = [p + [30] for p in PROMPTS]
-    assert _greedy(engine, model, longer) == _greedy(NativeGenerator(temperature=0.0), model, longer)
-    assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 1
+    # Both cache layouts: shared prefix (fp32 default) and per row (share_prefill=False, as half precision).
+    for share in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        model = make_tiny_decoder()
+        engine = NativeGenerator(
+            temperature=0.0, compile_decode=True, compile_backend="aot_eager", share_prefill=share
+        )
+        eager = NativeGenerator(temperature=0.0)
+        assert _greedy(engine, model, PROMPTS) == _greedy(eager, model, PROMPTS)
+        longer = [p + [30] for p in PROMPTS]
+        assert _greedy(engine, model, longer) == _greedy(eager, model, longer)
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] == 1
+        assert len(engine.cache.k) == (2 if share else 1)
     torch._dynamo.reset()
 
 

@@ -176,8 +176,12 @@ class NativeGenerator:
     - The KV cache is allocated once and reused across rollouts while the batch size, dtype and device
       stay the same and the sequence fits (it grows in steps of ``cache_len_multiple`` slots otherwise).
       It is attached to the model only during ``generate``: training forwards never see it.
-    - Each prompt is prefilled once (``[B, P]``, not ``[B x G, P]``) and its cache copied to the other
-      ``G - 1`` rows of its group.
+    - Each prompt is prefilled once (``[B, P]``, not ``[B x G, P]``). With a float32 cache its keys and
+      values are then kept once per group and every decode step reads them once per group
+      (:mod:`~torchtune_grpo.generation._prefix_attention`); otherwise they are copied to the other
+      ``G - 1`` rows of the group.
+    - Decoding runs under ``torch.inference_mode`` with little Python around each operation
+      (:func:`~torchtune_grpo.generation._prefix_attention.lean_decode_layer`).
     - No device-to-host synchronisation per token: the loop checks whether every row has stopped once
       every ``stop_check_interval`` tokens.
     - On CUDA the decode step (fixed shapes, see :func:`decode_step`) is compiled with
@@ -189,10 +193,12 @@ class NativeGenerator:
         top_p (float): nucleus sampling mass. Default is 1.0 (off).
         stop_check_interval (int): check whether every row has stopped once every this many tokens:
             each check is a device-to-host sync. Default is 8.
-        share_prefill (bool): prefill each prompt once and copy its cache to its group; False prefills
-            every row (the result is the same up to floating-point batch effects). Default is True.
+        share_prefill (bool): prefill each prompt once and share its cache with its group (stored once
+            for a float32 cache, copied to each row otherwise); False prefills and caches every row (the
+            result is the same up to floating-point effects). Default is True.
         reuse_cache (bool): keep the KV cache between calls (it then also occupies memory during the
-            training part of a step: ``2 x layers x h_kv x head_dim x (P + T) x B x G`` elements); False
+            training part of a step: ``2 x layers x h_kv x head_dim`` elements per slot, ``B x P + B x G
+            x T`` slots shared, ``B x G x (P + T)`` per row); False
             frees it after each rollout (one allocation per rollout; with a compiled decode step, also
             new CUDA graphs). Default is True.
         cache_len_multiple (int): the cache length is rounded up to a multiple of this. Default is 64.
