@@ -268,11 +268,11 @@ def test_lean_decode_layers_give_torchtunes_tokens_and_step_aside_for_hooks(monk
     # and must not run when a submodule carries a forward hook (it would skip the hook).
     from torchtune.models.llama3_2 import llama3_2
 
-    import torchtune_grpo.generation._native as native
+    import torchtune_grpo.generation._layouts as layouts
 
     calls = []
-    real = native.lean_decode_layer
-    monkeypatch.setattr(native, "lean_decode_layer", lambda *a: calls.append(1) or real(*a))
+    real = layouts.lean_decode_layer
+    monkeypatch.setattr(layouts, "lean_decode_layer", lambda *a: calls.append(1) or real(*a))
     torch.manual_seed(0)
     llama = llama3_2(
         vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256,

@@ -1,0 +1,318 @@
+"""A rollout's two KV-cache layouts and their decode steps (used by :class:`NativeGenerator`).
+
+*Shared prefix* (float32 caches): each prompt's keys/values once per group plus each row's completion
+(:mod:`~torchtune_grpo.generation._prefix_attention`), decoded by :func:`prefix_decode_step`. *Per row*
+(half precision, attention modules with their own forward, ``share_prefill: false``): one
+``[prompt | completion]`` cache per row, decoded by :func:`decode_step`. Both steps have fixed shapes when
+compiled (CUDA graphs) and never read a value back to the host.
+"""
+
+from typing import List, Optional, Tuple, TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from torchtune_grpo.generation._cache import CacheState, SlotKVCache
+from torchtune_grpo.generation._prefix_attention import (
+    lean_decode_eligible,
+    lean_decode_layer,
+    PrefixDecodeMask,
+    SharedPrefixKVCache,
+)
+
+if TYPE_CHECKING:
+    from torchtune_grpo.generation._native import NativeGenerator
+
+__all__ = ["decode_step", "prefix_decode_step", "PerRowRollout", "SharedPrefixRollout"]
+
+
+def _additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``keep``, ``-inf`` elsewhere, in ``dtype``: what SDPA turns a boolean mask into."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+
+def decode_step(
+    model: nn.Module,
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    pad: torch.Tensor,
+    valid: torch.Tensor,
+    slot_ids: torch.Tensor,
+    write_slot: torch.Tensor,
+    direct: bool = False,
+    mask_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """One decode step with fixed shapes and no host synchronisation (what CUDA graphs capture).
+
+    The model must have the engine's caches attached and its ``unembed`` replaced by last-position logits.
+
+    Args:
+        model (nn.Module): the torchtune decoder.
+        token (torch.Tensor): ``[N]`` the tokens just sampled.
+        pos (torch.Tensor): 0-d long: the cache slot ``token`` goes to.
+        pad (torch.Tensor): ``[N]`` long: left-padding slots of each row.
+        valid (torch.Tensor): ``[N, W]`` bool: slots that hold a real (non-pad) token, over the window.
+        slot_ids (torch.Tensor): ``[W]`` ``arange(W)``.
+        write_slot (torch.Tensor): ``[1]`` long: the caches' write position (a static buffer, set here).
+        direct (bool): run the decoder's layers without module hooks (see :func:`can_skip_module_hooks`).
+            Default is False.
+        mask_dtype (Optional[torch.dtype]): give attention an additive mask of this dtype (0 where a slot
+            is seen, ``-inf`` where not), built once per step, instead of a boolean one: the same numbers
+            (SDPA turns a boolean mask into exactly this), but on CPU SDPA otherwise converts the boolean
+            mask again in every layer, which costs more than the attention itself at small widths.
+            Default is None (boolean).
+
+    Returns:
+        torch.Tensor: ``[N, V]`` float32 next-token logits.
+    """
+    write_slot.copy_(pos.view(1))
+    mask = (valid & (slot_ids <= pos)).unsqueeze(1)  # [N, 1, W]: real tokens up to and including pos
+    if mask_dtype is not None:
+        mask = _additive_mask(mask, mask_dtype)
+    input_pos = (pos - pad).unsqueeze(1)  # [N, 1]: position ids skip the padding
+    return _run_decoder(model, token, mask, input_pos, direct)
+
+
+def prefix_decode_step(
+    model: nn.Module,
+    token: torch.Tensor,
+    step: torch.Tensor,
+    lengths: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    write_slot: torch.Tensor,
+    completion_slots: Optional[torch.Tensor] = None,
+    direct: bool = False,
+    lean: bool = False,
+) -> torch.Tensor:
+    """:func:`decode_step` for the shared-prefix cache layout (:class:`SharedPrefixKVCache` attached).
+
+    Args:
+        model (nn.Module): the torchtune decoder.
+        token (torch.Tensor): ``[N]`` the tokens just sampled.
+        step (torch.Tensor): 0-d long: the completion slot ``token`` goes to (0 for the first token).
+        lengths (torch.Tensor): ``[N]`` long: each row's prompt length (its position ids continue there).
+        prefix_mask (torch.Tensor): ``[B, 1, 1, Pw]`` additive mask of the prompt slots.
+        write_slot (torch.Tensor): ``[1]`` long: the caches' write position (a static buffer, set here).
+        completion_slots (Optional[torch.Tensor]): ``[Wc]`` ``arange(Wc)`` for a fixed completion window
+            (compiled steps; slots after ``step`` are masked), or None when the caches' window is exactly
+            ``step + 1`` slots. Default is None.
+        direct (bool): run the decoder's layers without module hooks. Default is False.
+        lean (bool): with ``direct``, run each layer as :func:`lean_decode_layer` (see
+            :func:`lean_decode_eligible`). Default is False.
+
+    Returns:
+        torch.Tensor: ``[N, V]`` float32 next-token logits.
+    """
+    write_slot.copy_(step.view(1))
+    completion = None
+    if completion_slots is not None:
+        completion = _additive_mask(completion_slots <= step, prefix_mask.dtype).view(1, 1, 1, -1)
+    mask = PrefixDecodeMask(prefix_mask, completion)
+    input_pos = (lengths + step).unsqueeze(1)
+    if not (direct and lean):
+        return _run_decoder(model, token, mask, input_pos, direct)
+    h = model.tok_embeddings.forward(token.unsqueeze(1))
+    for layer in model.layers:
+        h = lean_decode_layer(layer, h, mask, input_pos)
+    return model.unembed(h)
+
+
+def _run_decoder(
+    model: nn.Module, token: torch.Tensor, mask: object, input_pos: torch.Tensor, direct: bool
+) -> torch.Tensor:
+    if not direct:
+        return model(token.unsqueeze(1), mask=mask, input_pos=input_pos)
+    # TransformerDecoder.forward without hooks: embeddings, layers, (replaced) unembed.
+    h = model.tok_embeddings(token.unsqueeze(1))
+    for layer in model.layers:
+        h = layer.forward(h, mask=mask, input_pos=input_pos)
+    return model.unembed(h)
+
+
+class SharedPrefixRollout:
+    """One rollout in the shared-prefix layout (:mod:`~torchtune_grpo.generation._prefix_attention`).
+
+    The prefill runs the ``B`` prompts once, writing the prompt part of the cache; the decode steps write
+    and read each row's completion part and read the prompt part once per group. Eagerly the completion
+    window is exactly the slots written so far (no mask); a compiled step has fixed windows (rounded up
+    to ``cache_len_multiple``) and masks the rest.
+
+    Args:
+        engine (NativeGenerator): the engine (its cache pool, compiled steps, settings).
+        layout (List[Tuple[int, int]]): ``(h_kv, head_dim)`` of each attention layer.
+        prompt (torch.Tensor): ``[B, P]`` left-padded prompts.
+        pad_b (torch.Tensor): ``[B]`` left padding of each prompt.
+        group_size (int): rows per prompt, G.
+        max_new_tokens (int): the completion budget, T.
+        dtype (torch.dtype): the cache's dtype (the model's).
+        device (torch.device): the model's device.
+        all_cached (bool): every attention module runs the engine's cached forward.
+    """
+
+    def __init__(
+        self,
+        engine: "NativeGenerator",
+        layout: List[Tuple[int, int]],
+        prompt: torch.Tensor,
+        pad_b: torch.Tensor,
+        group_size: int,
+        max_new_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        all_cached: bool,
+    ) -> None:
+        b, prompt_len = prompt.shape
+        self.group_size = group_size
+        self.decode_fn = engine._decode_fn(device, prefix_decode_step)
+        self.compiled = self.decode_fn is not prefix_decode_step
+        mult = engine.cache.len_multiple
+        # A compiled step is specialised on its windows: round them up to bound the number of graphs.
+        p_window = -(-prompt_len // mult) * mult if self.compiled else prompt_len
+        c_window = -(-max_new_tokens // mult) * mult if self.compiled else max_new_tokens
+        (pk, pv), (ck, cv) = engine.cache.get(
+            layout, [(b, p_window), (b * group_size, c_window)], dtype, device
+        )
+        if self.compiled:
+            # The fixed windows read slots this rollout has not written: they are masked, but zero them
+            # so that a non-finite leftover of an earlier rollout cannot leak through (0 x inf = nan).
+            for c in (*pk, *pv):
+                c[:, :, prompt_len:p_window].zero_()
+            for c in (*ck, *cv):
+                c[:, :, :c_window].zero_()
+        slots = torch.arange(p_window, device=device)
+        real = (slots[None, :] >= pad_b[:, None]) & (slots[None, :] < prompt_len)  # [B, Pw]
+        self.prefix_mask = _additive_mask(real, dtype)[:, None, None, :]  # [B, 1, 1, Pw]
+        # Prefill: [B, P] causal over real tokens; a padded query row sees itself (no NaN softmax).
+        p_slots = slots[:prompt_len]
+        causal = p_slots[:, None] >= p_slots[None, :]
+        self.prefill_mask = (causal[None] & real[:, None, :prompt_len]) | torch.eye(
+            prompt_len, dtype=torch.bool, device=device
+        )
+        self.prefill_pos = (p_slots[None, :] - pad_b[:, None]).clamp(min=0)  # [B, P]
+        self.prompt = prompt
+        prefill_state = CacheState(slots=p_slots, window=prompt_len)
+        self.prefill_caches = [SlotKVCache(k, v, prefill_state) for k, v in zip(pk, pv)]
+        self.write_slot = engine._write_slot(device)
+        self.state = CacheState(slots=self.write_slot, window=c_window)
+        self.decode_caches = [
+            SharedPrefixKVCache(pk_i, pv_i, ck_i, cv_i, self.state, p_window)
+            for pk_i, pv_i, ck_i, cv_i in zip(pk, pv, ck, cv)
+        ]
+        self.lengths = (prompt_len - pad_b).repeat_interleave(group_size)  # [N] each row's prompt length
+        self.completion_slots = torch.arange(c_window, device=device) if self.compiled else None
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.lean: Optional[bool] = None  # decided at the first decode step (needs `direct`)
+        if self.compiled:
+            for t in (*pk, *pv, *ck, *cv, self.write_slot):
+                torch._dynamo.mark_static_address(t)
+
+    def prefill(self, model: nn.Module) -> torch.Tensor:
+        logits = model(self.prompt, mask=self.prefill_mask, input_pos=self.prefill_pos)  # [B, V]
+        return logits.repeat_interleave(self.group_size, dim=0)
+
+    def decode(self, model: nn.Module, token: torch.Tensor, t: int, direct: bool) -> torch.Tensor:
+        if self.lean is None:
+            self.lean = direct and lean_decode_eligible(model.layers)
+        self.step.fill_(t)
+        if not self.compiled:
+            self.state.window = t + 1  # exactly the completion slots written, this token's included
+            return prefix_decode_step(
+                model, token, self.step, self.lengths, self.prefix_mask, self.write_slot, None, direct,
+                self.lean,
+            )
+        torch.compiler.cudagraph_mark_step_begin()
+        logits = self.decode_fn(
+            model, token, self.step, self.lengths, self.prefix_mask, self.write_slot,
+            self.completion_slots, direct, self.lean,
+        )
+        return logits.clone()  # a CUDA graph's output is overwritten by the next replay
+
+
+class PerRowRollout:
+    """One rollout in the per-row layout: every row's cache holds its own copy of the prompt.
+
+    Used for half-precision caches, attention modules that keep their own forward, and
+    ``share_prefill: false``. The prefill runs each prompt once and copies its cache to the group's rows
+    (or, with ``share_prefill: false``, runs every row). Arguments as for :class:`SharedPrefixRollout`;
+    with ``all_cached`` false the decode mask stays boolean (what torchtune's attention documents).
+    """
+
+    def __init__(
+        self,
+        engine: "NativeGenerator",
+        layout: List[Tuple[int, int]],
+        prompt: torch.Tensor,
+        pad_b: torch.Tensor,
+        group_size: int,
+        max_new_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        all_cached: bool,
+    ) -> None:
+        b, prompt_len = prompt.shape
+        g = group_size
+        self.decode_fn = engine._decode_fn(device, decode_step)
+        self.compiled = self.decode_fn is not decode_step
+        # The attention window: every slot this rollout writes. A compiled step is specialised on it, so
+        # round it up to bound the number of distinct graphs.
+        window = prompt_len + max_new_tokens
+        if self.compiled:
+            window = -(-window // engine.cache.len_multiple) * engine.cache.len_multiple
+        slot_ids = torch.arange(window, device=device)
+        valid_b = slot_ids[None, :] >= pad_b[:, None]  # [B, W]
+        self.pad = pad_b.repeat_interleave(g)  # [N]
+        self.valid = valid_b.repeat_interleave(g, dim=0)  # [N, W]
+        self.slot_ids = slot_ids
+        # Prefill rows: one per prompt (its cache is then copied to the group), or every row.
+        self.share = engine.share_prefill and g > 1
+        p_pad = pad_b if self.share else self.pad
+        p_valid = valid_b if self.share else self.valid
+        self.prompt = prompt if self.share else prompt.repeat_interleave(g, dim=0)
+        p_slots = slot_ids[:prompt_len]
+        self.prefill_pos = (p_slots[None, :] - p_pad[:, None]).clamp(min=0)  # [rows, P]
+        causal = p_slots[:, None] >= slot_ids[None, :]  # [P, W]
+        # A padded query row would attend to nothing (NaN softmax): let it see itself.
+        self.prefill_mask = (causal[None] & p_valid[:, None, :]) | (p_slots[:, None] == slot_ids[None, :])
+        ((ks, vs),) = engine.cache.get(layout, [(b * g, window)], dtype, device)
+        self.ks, self.vs, self.num_prompts, self.group_size, self.prompt_len = ks, vs, b, g, prompt_len
+        state = CacheState(slots=p_slots, window=window)
+        if self.share:
+            # Rows 0, G, 2G, ...: a strided view, so the prefill writes straight into the big cache.
+            self.prefill_caches = [SlotKVCache(k[::g], v[::g], state) for k, v in zip(ks, vs)]
+        else:
+            self.prefill_caches = [SlotKVCache(k, v, state) for k, v in zip(ks, vs)]
+        self.write_slot = engine._write_slot(device)
+        decode_state = CacheState(slots=self.write_slot, window=window)
+        self.decode_caches = [SlotKVCache(k, v, decode_state) for k, v in zip(ks, vs)]
+        for k, v in zip(ks, vs):
+            # Stale slots past the prompt are masked until written; zero them anyway so a non-finite
+            # leftover can never leak through a 0-weight (0 x inf = nan).
+            k[:, :, prompt_len:window].zero_()
+            v[:, :, prompt_len:window].zero_()
+        if self.compiled:
+            for t in (*ks, *vs, self.write_slot):
+                torch._dynamo.mark_static_address(t)
+        self.pos = torch.tensor(prompt_len, dtype=torch.long, device=device)  # slot of the next token
+        # Additive float masks when every attention runs the engine's cached forward; other attention
+        # modules keep the boolean mask torchtune documents.
+        self.mask_dtype = dtype if all_cached else None
+
+    def prefill(self, model: nn.Module) -> torch.Tensor:
+        logits = model(self.prompt, mask=self.prefill_mask, input_pos=self.prefill_pos)  # [rows, V]
+        if self.share:
+            p, g = self.prompt_len, self.group_size
+            for k, v in zip(self.ks, self.vs):
+                for c in (k, v):
+                    grouped = c.view(self.num_prompts, g, *c.shape[1:])
+                    grouped[:, 1:, :, :p].copy_(grouped[:, :1, :, :p])
+            logits = logits.repeat_interleave(g, dim=0)  # [N, V]
+        return logits
+
+    def decode(self, model: nn.Module, token: torch.Tensor, t: int, direct: bool) -> torch.Tensor:
+        self.pos.fill_(self.prompt_len + t)
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.decode_fn(
+            model, token, self.pos, self.pad, self.valid, self.slot_ids, self.write_slot, direct, self.mask_dtype
+        )
+        return logits.clone() if self.compiled else logits  # a CUDA graph's output is overwritten next replay
