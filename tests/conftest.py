@@ -1,5 +1,7 @@
-"""Shared fixtures: a tiny torchtune decoder built in code, and paths to the shipped tiny config."""
+"""Shared fixtures: a tiny torchtune decoder built in code, paths to the shipped tiny config, one intra-op
+thread, and an environment restored after an in-process recipe."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,31 @@ def make_tiny_decoder(seed: int = 0, vocab_size: int = 97, scale: float = 4.0):
 @pytest.fixture
 def tiny_decoder():
     return make_tiny_decoder()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as the subprocess runs get (OMP_NUM_THREADS=1): with a few busy cores, the
+    default thread pool makes tiny ops 10-100x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def clean_env():
+    """An in-process recipe sets RANK/WORLD_SIZE/MASTER_* for its one-process group: restore the
+    environment and destroy the group afterwards."""
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -6,33 +6,14 @@ With more than one process the recipe always uses FSDP2; the multi-process tests
 """
 
 import logging
-import os
 from functools import partial
 
 import pytest
-import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tests.recipe_utils import write_config
-
-
-@pytest.fixture
-def clean_env():
-    """The recipe sets RANK/WORLD_SIZE/MASTER_* for its one-process group: restore the environment."""
-    saved = dict(os.environ)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +27,7 @@ def clean_env():
     ids=["default", "false", "true", "cpu_offload"],
 )
 def test_one_process_trains_the_plain_model_unless_asked(
-    tmp_path, clean_env, caplog, monkeypatch, overrides, sharded, mode
+    tmp_path, clean_env, one_thread, caplog, monkeypatch, overrides, sharded, mode
 ):
     from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 

@@ -8,14 +8,12 @@ PEFT export (torchtune_grpo.lora) gives PEFT the same model as torchtune's, for 
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Dict
 
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 from torchao.dtypes.nf4tensor import NF4Tensor
@@ -205,28 +203,8 @@ def test_two_processes(tmp_path, quantize_base):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread, as the subprocess runs get (OMP_NUM_THREADS=1): with a few busy cores, the
-    default thread pool makes these tiny ops 10-100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def clean_env():
-    """The recipe sets RANK/WORLD_SIZE/MASTER_* for its one-process group: restore the environment."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (tests/conftest.py)."""
 
 
 def _dense(param: torch.Tensor) -> torch.Tensor:
