@@ -1,6 +1,6 @@
 """The native generation engine: batched, KV-cached sampling with the torchtune model itself."""
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -159,6 +159,35 @@ class NativeGenerator:
         """Free the KV cache now (the next ``generate`` allocates a new one)."""
         self.cache.release()
 
+    def _new_rollout(
+        self,
+        model: nn.Module,
+        attns: List[nn.Module],
+        prompts: List[List[int]],
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+    ) -> Union[SharedPrefixRollout, PerRowRollout]:
+        """Left-pad the prompts and set up this rollout's cache layout (see ``_layouts.py``)."""
+        param = next(model.parameters())
+        device, dtype = param.device, param.dtype
+        prompt_len = max(len(p) for p in prompts)
+        # [B] left padding per prompt, [B, P] left-padded prompts.
+        pad_b = torch.tensor([prompt_len - len(p) for p in prompts], dtype=torch.long)
+        prompt = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            prompt[i, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
+        layout = [(a.num_kv_heads, a.head_dim) for a in attns]
+        all_cached = all(takes_cached_forward(a) for a in attns)
+        # The shared-prefix layout needs the engine's attention everywhere and fp32 scores (see
+        # _prefix_attention.py); everything else decodes with a per-row cache.
+        shared = self.share_prefill and all_cached and dtype == torch.float32
+        layout_cls = SharedPrefixRollout if shared else PerRowRollout
+        return layout_cls(
+            self, layout, prompt.to(device), pad_b.to(device), group_size, max_new_tokens, dtype, device,
+            all_cached,
+        )
+
     def generate(
         self,
         model: nn.Module,
@@ -188,54 +217,20 @@ class NativeGenerator:
         Returns:
             Rollout: ``B x G`` rows; row ``i`` belongs to prompt ``i // G``.
         """
+        temperature = self.temperature if temperature is None else temperature
+        n = len(prompts) * group_size
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
-        # rollout is built outside, and a functional op there turns its tensors into normal ones.
-        with torch.inference_mode():
-            out, done, stop = self._sample(
-                model, prompts, group_size, max_new_tokens, pad_id, stop_tokens, generator, temperature
-            )
-        return _to_rollout(prompts, group_size, out, done, stop)
-
-    def _sample(
-        self,
-        model: nn.Module,
-        prompts: List[List[int]],
-        group_size: int,
-        max_new_tokens: int,
-        pad_id: int,
-        stop_tokens: Sequence[int],
-        generator: Optional[torch.Generator],
-        temperature: Optional[float],
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The token loop of :meth:`generate`: ``[N, steps]`` tokens, ``[N]`` done flags, the stop ids."""
-        temperature = self.temperature if temperature is None else temperature
-        param = next(model.parameters())
-        device, dtype = param.device, param.dtype
-        n = len(prompts) * group_size
-        prompt_len = max(len(p) for p in prompts)
-        # [B] left padding per prompt, [B, P] left-padded prompts.
-        pad_b = torch.tensor([prompt_len - len(p) for p in prompts], dtype=torch.long)
-        prompt = torch.full((len(prompts), prompt_len), pad_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            prompt[i, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
-        prompt, pad_b = prompt.to(device), pad_b.to(device)
-
-        attns = attention_modules(model)
-        layout = [(a.num_kv_heads, a.head_dim) for a in attns]
-        all_cached = all(takes_cached_forward(a) for a in attns)
-        # The shared-prefix layout needs the engine's attention everywhere and fp32 scores (see
-        # _prefix_attention.py); everything else decodes with a per-row cache.
-        shared = self.share_prefill and all_cached and dtype == torch.float32
-        rollout = SharedPrefixRollout if shared else PerRowRollout
-        run = rollout(self, layout, prompt, pad_b, group_size, max_new_tokens, dtype, device, all_cached)
-
-        stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
-        out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        done = torch.zeros(n, dtype=torch.bool, device=device)
-        steps = 0
-        try:
-            with replace_unembed(model, self._unembed_for(model)):
+        # rollout is built after it, and a functional op there turns its tensors into normal ones.
+        with torch.inference_mode(), replace_unembed(model, self._unembed_for(model)):
+            attns = attention_modules(model)
+            run = self._new_rollout(model, attns, prompts, group_size, max_new_tokens, pad_id)
+            device = run.prompt.device
+            stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
+            out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
+            done = torch.zeros(n, dtype=torch.bool, device=device)
+            steps = 0
+            try:
                 with attached_caches(attns, run.prefill_caches):
                     logits = run.prefill(model)  # [N, V]
                 # The prefill ran through the model's own forward (FSDP's root hooks included); decode
@@ -244,10 +239,7 @@ class NativeGenerator:
                 with attached_caches(attns, run.decode_caches):
                     for t in range(max_new_tokens):
                         token = sample_tokens(
-                            logits,
-                            temperature=temperature,
-                            top_k=self.top_k,
-                            top_p=self.top_p,
+                            logits, temperature=temperature, top_k=self.top_k, top_p=self.top_p,
                             generator=generator,
                         )
                         token = token.masked_fill(done, pad_id)
@@ -259,11 +251,10 @@ class NativeGenerator:
                         if steps % self.stop_check_interval == 0 and bool(done.all()):
                             break
                         logits = run.decode(model, token, t, direct)
-        finally:
-            if not self.reuse_cache:
-                self.cache.release()
-
-        return out[:, :steps], done, stop
+            finally:
+                if not self.reuse_cache:
+                    self.cache.release()
+        return _to_rollout(prompts, group_size, out[:, :steps], done, stop)
 
 
 def _to_rollout(
