@@ -80,6 +80,23 @@ def run_script_expecting(source: str, marker: str, tmp_path: Path) -> None:
     assert marker in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+_GLOO_PREAMBLE = """import os, socket, sys
+import torch, torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+"""
+
+
+def run_in_one_process_group(body: str, marker: str, tmp_path: Path) -> None:
+    """Run ``body`` in a fresh process inside a one-process gloo group (``os``, ``sys``, ``torch`` and
+    ``dist`` imported); it passes by reaching its end, which prints ``marker``."""
+    tail = f"print({marker!r})\nsys.stdout.flush()\ndist.destroy_process_group()\nos._exit(0)\n"
+    run_script_expecting(_GLOO_PREAMBLE + body.strip("\n") + "\n" + tail, marker, tmp_path)
+
+
 def read_jsonl(path: Path) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

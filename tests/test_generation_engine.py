@@ -136,14 +136,7 @@ def test_compiled_decode_step_is_one_graph_without_breaks_and_exact():
 
 
 _FSDP_SCRIPT = r"""
-import os, socket, sys
-import torch, torch.distributed as dist
 from torch._dynamo.utils import counters
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
 from torch.distributed.fsdp import fully_shard, FSDPModule
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.generation import NativeGenerator
@@ -169,10 +162,6 @@ assert counters["stats"]["unique_graphs"] == 1
 for m in fsdp:
     m.reshard()
 assert not can_skip_module_hooks(model)
-print("FSDP-GENERATION-OK")
-sys.stdout.flush()
-dist.destroy_process_group()
-os._exit(0)
 """
 
 
@@ -180,9 +169,9 @@ def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(tmp_pa
     # FSDP2 on one gloo process, as the recipe runs: once every parameter is gathered, decode steps call
     # the layers directly, so the compiled step is one graph (not one per layer) and tokens are exact.
     # Judged by the script's own success marker (gloo may abort at exit, see DESIGN.md).
-    from tests.recipe_utils import run_script_expecting
+    from tests.recipe_utils import run_in_one_process_group
 
-    run_script_expecting(_FSDP_SCRIPT, "FSDP-GENERATION-OK", tmp_path)
+    run_in_one_process_group(_FSDP_SCRIPT, "FSDP-GENERATION-OK", tmp_path)
 
 
 def test_shared_prefix_attention_equals_sdpa_over_each_rows_full_cache():

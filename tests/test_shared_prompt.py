@@ -17,7 +17,7 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tests.conftest import make_tiny_decoder
-from tests.recipe_utils import run_script_expecting
+from tests.recipe_utils import run_in_one_process_group
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.packing import (
     install_shared_prompt_attention,
@@ -155,13 +155,6 @@ def test_unsupported_models_train_unshared():
 
 
 _FSDP_SCRIPT = r"""
-import os, socket, sys
-import torch, torch.distributed as dist
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
 from torch.distributed.fsdp import fully_shard
 from tests.conftest import make_tiny_decoder
 from tests.test_shared_prompt import _groups, _logprobs_and_grads
@@ -182,17 +175,13 @@ torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-6)
 torch.testing.assert_close(eb, ea, atol=1e-5, rtol=1e-6)
 for k in ga:
     torch.testing.assert_close(gb[k], ga[k], atol=1e-5, rtol=1e-5)
-print("FSDP-SHARED-OK")
-sys.stdout.flush()
-dist.destroy_process_group()
-os._exit(0)
 """
 
 
 def test_fsdp2_shared_matches_unshared(tmp_path):
     # FSDP2 on one gloo process, as the recipe runs. Judged by the script's own success marker (gloo may
     # abort at exit, see DESIGN.md).
-    run_script_expecting(_FSDP_SCRIPT, "FSDP-SHARED-OK", tmp_path)
+    run_in_one_process_group(_FSDP_SCRIPT, "FSDP-SHARED-OK", tmp_path)
 
 
 @pytest.mark.slow
