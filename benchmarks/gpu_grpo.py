@@ -14,12 +14,13 @@ completion), so no tokenizer is needed. Parts (``--parts``, in this order):
   ``bound = rows / ((weight bytes + rows x mean context x KV bytes per token) / copy bandwidth)``.
   Decode time = ``generate`` with ``--new-tokens`` minus ``generate`` with 1 token (prefill + first sample),
   so it holds ``new_tokens - 1`` steps, each a forward of one token per row plus sampling.
-- ``grpo``: one GRPO step driven with the project's real components, as the recipe wires them (without
-  FSDP2): ``NativeGenerator.generate`` (``--prompts`` x ``--group`` rows) -> reward -> advantages
-  (``GroupRelativeAdvantage``) -> reference logprobs (``sequence_logprobs``, chunked, micro-batched, frozen
-  copy of the initial policy, as with ``kl_coef > 0``) -> per micro-batch ``sequence_logprobs`` with grad
-  (chunked fused logprobs + logged entropy) + ``GRPOLoss`` (token-mean, k3 KL 0.04) + backward ->
-  grad-norm clip 1.0 -> AdamW step. Times each phase, tokens/s, peak memory and MFU.
+- ``grpo``: one GRPO step on the recipe's own path (without FSDP2): ``NativeGenerator.generate``
+  (``--prompts`` x ``--group`` rows) -> reward -> advantages (``GroupRelativeAdvantage``) -> the recipe's
+  training layout (``TrainingBatch``, shared prompt, as ``share_prompt_in_training: true``) -> reference
+  logprobs (``batch_logprobs``: chunked, micro-batched, frozen copy of the initial policy, as with
+  ``kl_coef > 0``) -> the recipe's update core (``torchtune_grpo.update.PolicyUpdate``: per micro-batch
+  logprobs with grad and logged entropy, ``GRPOLoss`` token-mean with k3 KL 0.04, backward, grad-norm clip
+  1.0, AdamW step). Times each phase, tokens/s, peak memory and MFU.
 - ``recipe``: the real recipe class ``GRPOFullFinetuneRecipeDistributed`` (FSDP2 on one process, as
   ``tune run`` runs it) with ``configs/qwen2_5/<size>_full_grpo.yaml``, where only tokenizer, checkpointer,
   dataset and reward are replaced by the synthetic components below, and the checkpoint save is skipped;
@@ -357,9 +358,10 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
     from torchtune import modules, training
 
     from torchtune_grpo.advantages import GroupRelativeAdvantage
-    from torchtune_grpo.generation import NativeGenerator, pack_sequences
-    from torchtune_grpo.logprobs import sequence_logprobs
+    from torchtune_grpo.generation import NativeGenerator
     from torchtune_grpo.loss import GRPOLoss
+    from torchtune_grpo.packing import TrainingBatch
+    from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
 
     policy = build_model(name, device, dtype, seed=0)
     ref = build_model(name, device, dtype, seed=0)  # the frozen initial policy (kl_coef > 0)
@@ -378,9 +380,9 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
     generator = torch.Generator(device=device).manual_seed(0)
     g, mbs, chunk = args.group, args.micro_batch, args.chunk_size
     n_params = flop_params(policy)
-
-    def micro(n: int) -> List[slice]:
-        return [slice(i, min(i + mbs, n)) for i in range(0, n, mbs)]
+    update = PolicyUpdate(
+        policy, optimizer, loss_fn, micro_batch_size=mbs, clip_grad_norm=1.0, chunk_size=chunk,
+    )
 
     def step(seed: int) -> Dict[str, Any]:
         prompts = random_prompts(args.prompts, args.min_prompt_len, args.max_prompt_len, vocab,
@@ -394,32 +396,23 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
         t1 = time.perf_counter()
         rewards = torch.tensor(even_token_reward(rollout.response_ids))
         adv = advantage(rewards, g).advantages.to(device)
-        tokens, resp_mask = pack_sequences(rollout.prompt_ids, rollout.response_ids, pad_id)
-        tokens = tokens.to(device)
-        start = min(len(p) for p in rollout.prompt_ids) - 1
-        mask = resp_mask[:, start + 1 :].to(device)
-        n = tokens.size(0)
+        layout = TrainingBatch(rollout.prompt_ids, rollout.response_ids, pad_id, share_prompt=True, device=device)
+        mask = layout.response_mask
+        n = len(layout)
         num_tokens = int(mask.sum().item())
         sync(device)
         t2 = time.perf_counter()
-        with torch.no_grad():
-            ref_lp = torch.cat([
-                sequence_logprobs(ref, tokens[mb], start=start, chunk_size=chunk).logprobs for mb in micro(n)
-            ])
+        ref_lp = batch_logprobs(ref, layout, micro_batch_size=mbs, chunk_size=chunk)
         sync(device)
         t3 = time.perf_counter()
         policy.train()
-        loss_sum = 0.0
-        for mb in micro(n):
-            out_lp = sequence_logprobs(policy, tokens[mb], start=start, chunk_size=chunk,
-                                       with_entropy=True, entropy_grad=False)
-            out = loss_fn(out_lp.logprobs, out_lp.logprobs.detach(), adv[mb], mask[mb],
-                          ref_logprobs=ref_lp[mb], entropy=out_lp.entropy, num_tokens=num_tokens, num_seqs=n)
-            out.loss.backward()
-            loss_sum = loss_sum + out.loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm=1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        stats = update(
+            Experience(
+                batch=layout, mask=mask, advantages=adv, old_logprobs=None, ref_logprobs=ref_lp,
+                engine_logprobs=None, num_tokens=num_tokens, num_seqs=n,
+            )
+        )
+        loss_sum, grad_norm = stats.losses["loss"], stats.grad_norm
         sync(device)
         t4 = time.perf_counter()
         times = {"generation": t1 - t0, "reward_pack": t2 - t1, "ref_logprobs": t3 - t2, "train": t4 - t3,
@@ -427,7 +420,7 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
         tok = count_tokens(rollout.prompt_ids, rollout.response_ids)
         resp = sum(len(r) for r in rollout.response_ids)
         return {**{f"time_{k}": v for k, v in times.items()}, "tokens": tok, "response_tokens": resp,
-                "padded_tokens": int(tokens.numel()), "loss": float(loss_sum),
+                "padded_tokens": int(layout.tokens.numel()), "loss": float(loss_sum),
                 "grad_norm": float(grad_norm), "reward_mean": float(rewards.mean())}
 
     t0 = time.perf_counter()
@@ -461,7 +454,7 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
         step_flops = train_flops + 2 * n_params * tokens + 2 * n_params * med["response_tokens"]
         out["mfu_step"] = step_flops / med["time_step"] / peak_flops
         out["mfu_step_6n_only"] = train_flops / med["time_step"] / peak_flops
-    del policy, ref, engine, optimizer
+    del policy, ref, engine, optimizer, update
     free_memory()
     return out
 

@@ -6,21 +6,23 @@
 # This file is installed as a top-level module, so `tune run` finds it from any directory.
 """GRPO (Group Relative Policy Optimization, Shao et al. 2024, arXiv:2402.03300), full fine-tuning.
 
-One step, on every rank::
+One step, on every rank, and the object that carries it from one stage to the next::
 
-    batch_size prompts -> group_size completions each (KV-cached sampling) -> rewards
+    batch_size prompts -> group_size completions each, scored        RolloutGroups  (torchtune_grpo/rollout.py)
       [dynamic sampling: drop zero-variance groups, more rounds on new prompts until the batch is full]
-      -> reference logprobs (frozen initial policy; none when kl_coef == 0) and old logprobs
+      -> training layout, reference logprobs (frozen initial policy; none when kl_coef == 0) and old logprobs
       -> [KL penalty in the reward] -> advantages (group-relative, RLOO, batch std, ...)
+                                                                     Experience     (torchtune_grpo/update.py)
       -> ppo_epochs x (micro-batched clipped loss + KL + entropy bonus, backward) -> clip grads -> step
+      -> weight sync to an engine with its own weights (vLLM) -> metrics -> checkpoint
 
 Global batch per step: ``batch_size x world_size`` prompts, ``x group_size`` sequences. Losses are
 normalised by global token/sequence counts, so the update does not depend on how the batch is split over
 micro-batches or processes. The variants (GRPO, Dr. GRPO, DAPO, GSPO) are config: see docs/algorithms.md
-and the ``algorithm_card.md`` every run writes to its output directory.
+and the ``algorithm_card.md`` every run writes to its output directory. The class below reads in the order
+of a step: setup, the step, then one section per stage (docs/architecture.md).
 """
 
-import difflib
 import os
 import random
 import socket
@@ -41,6 +43,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
+from torchtune_grpo.advantages import RewardStats
 from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
 from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpointing import (
@@ -50,84 +53,24 @@ from torchtune_grpo.checkpointing import (
     RECIPE_STATE_FILE,
     save_recipe_state,
 )
-from torchtune_grpo.advantages import RewardStats
+from torchtune_grpo.config import KNOWN_KEYS, validate_config
 from torchtune_grpo.data import collate_prompts
-from torchtune_grpo.dynamic_sampling import DynamicSampling, RolloutGroups
+from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
-from torchtune_grpo.generation import decode_responses, WeightSyncCheck
+from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
-from torchtune_grpo.loss import KL_ESTIMATORS, kl_reward_penalty
+from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.metrics import JsonlWriter
 from torchtune_grpo.packing import TrainingBatch
-from torchtune_grpo.offpolicy import logprob_mismatch_sum, response_values
-from torchtune_grpo.rewards import RewardBatch, build_reward_set
-from torchtune_grpo.step_metrics import LOSS_METRICS, rollout_sums, step_metrics
+from torchtune_grpo.rewards import build_reward_set
+from torchtune_grpo.rollout import RolloutGroups, sample_and_score
+from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
+from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs
 
-# Every top-level key this recipe reads. Anything else is a typo or a key from another trainer.
-KNOWN_KEYS = {
-    "output_dir", "model", "tokenizer", "checkpointer", "resume_from_checkpoint", "dataset", "seed",
-    "shuffle", "group_size", "batch_size", "max_prompt_length", "max_response_length", "epochs",
-    "max_steps", "ppo_epochs", "micro_batch_size", "kl_coef", "generation", "reward_functions",
-    "reward_fallback", "loss", "advantage", "optimizer", "lr_scheduler", "clip_grad_norm", "device",
-    "dtype", "enable_activation_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
-    "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
-    "log_completions", "profiler", "kl_estimator", "kl_placement", "mask_truncated_completions",
-    "dynamic_sampling", "share_prompt_in_training", "fsdp_single_process",
-    # generation engines with their own weights (vLLM): the check after each weight sync
-    "weight_sync",
-    # held-out evaluation (torchtune_grpo/evaluation.py)
-    "validation", "eval_every_n_steps", "eval_num_samples", "eval_pass_k", "eval_max_prompts",
-    "eval_reward", "eval_threshold", "eval_batch_size",
-}
-KL_PLACEMENTS = ("loss", "reward")
-_DYNAMIC_SAMPLING_KEYS = {"enabled", "max_rounds", "rtol"}
 _PROFILER_OFF = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}
-REQUIRED_KEYS = {
-    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "group_size", "batch_size",
-    "max_response_length", "generation", "reward_functions", "loss", "advantage", "optimizer",
-    "device", "dtype", "metric_logger",
-}
-
-
-def validate_config(cfg: DictConfig, known_keys: Optional[set] = None) -> None:
-    """Fail early, naming the key, on unknown (misspelled) or missing top-level keys.
-
-    ``known_keys`` defaults to this recipe's ``KNOWN_KEYS`` (the LoRA recipe passes a superset).
-    """
-    known_keys = KNOWN_KEYS if known_keys is None else known_keys
-    unknown = sorted(set(cfg.keys()) - known_keys)
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known_keys, n=1)
-            hints.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-        raise ValueError(
-            f"Unknown config key(s): {', '.join(hints)}. "
-            f"Known keys: {', '.join(sorted(known_keys))}."
-        )
-    missing = sorted(REQUIRED_KEYS - set(cfg.keys()))
-    if missing:
-        raise ValueError(f"Missing required config key(s): {', '.join(missing)}.")
-    for key in ("group_size", "batch_size", "max_response_length"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
-    if int(cfg.group_size) < 2:
-        raise ValueError("group_size must be >= 2: a group-relative advantage needs a group.")
-    for key in ("kl_coef", "kl_estimator", "kl_placement"):
-        if key in cfg.get("loss", {}):
-            raise ValueError(f"Set {key} at the top level of the config, not under loss.")
-    if cfg.get("kl_estimator", "k3") not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {cfg.kl_estimator!r}")
-    if cfg.get("kl_placement", "loss") not in KL_PLACEMENTS:
-        raise ValueError(f"kl_placement must be one of {list(KL_PLACEMENTS)}, got {cfg.kl_placement!r}")
-    unknown = sorted(set(cfg.get("dynamic_sampling", None) or {}) - _DYNAMIC_SAMPLING_KEYS)
-    if unknown:
-        raise ValueError(
-            f"Unknown dynamic_sampling key(s): {unknown}. Known: {sorted(_DYNAMIC_SAMPLING_KEYS)}."
-        )
 
 
 def _init_distributed(device_type: str) -> None:
@@ -143,6 +86,7 @@ def _init_distributed(device_type: str) -> None:
     dist.init_process_group(training.get_distributed_backend(device_type))
 
 
+
 class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     """GRPO full fine-tuning, FSDP2-sharded across processes. See the module docstring and ``docs/``.
 
@@ -155,11 +99,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     @classmethod
     def known_keys(cls) -> set:
-        """Top-level config keys this recipe reads (subclasses add theirs)."""
+        """Top-level config keys this recipe reads (subclasses add theirs; torchtune_grpo/config.py)."""
         return KNOWN_KEYS
 
     def __init__(self, cfg: DictConfig) -> None:
         validate_config(cfg, self.known_keys())
+        # The engine first: a recipe that cannot use it says so before any process group exists.
+        self._engine: GenerationEngine = self._check_engine(check_engine(config.instantiate(cfg.generation)), cfg)
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         _init_distributed(self._device.type)
@@ -192,7 +138,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.global_step = 0
         self.epochs_run = 0
         self._data_iter: Optional[Iterator[Any]] = None
-        self._timers: Dict[str, float] = {}
         # Held-out evaluation: at step 0, every eval_every_n_steps and at the end (when `validation` is set).
         self.eval_every_n_steps = cfg.get("eval_every_n_steps", None)
         self.eval_num_samples = int(cfg.get("eval_num_samples", 0))
@@ -202,7 +147,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.eval_batch_size = int(cfg.get("eval_batch_size", 32))
         self._validation = None
 
-    # ------------------------------------------------------------------------------------------ setup
+    # ================================================================================================ setup
+
+    def _check_engine(self, engine: GenerationEngine, cfg: DictConfig) -> GenerationEngine:
+        """The generation engine, if this recipe can train with it (a hook: LoRA refuses some)."""
+        return engine
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything from the config and, when resuming, restore the latest checkpoint."""
@@ -231,16 +180,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._setup_models(cfg, base_checkpointer, resume_dir)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        self._engine = config.instantiate(cfg.generation)
         # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
         # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
-        self._engine_holds_weights = bool(getattr(self._engine, "holds_weights", False))
         self._weight_sync = None
-        if self._engine_holds_weights:
+        if self._engine.holds_weights:
             ws_cfg = cfg.get("weight_sync", None)
             self._weight_sync = config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck()
         self._num_syncs = 0
-        self._rollout_logprobs: List[Optional[List[List[float]]]] = []  # engine logprobs, per round
         self._rewards = build_reward_set(
             cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
         )
@@ -269,6 +215,20 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 num_training_steps=self.total_steps * self.ppo_epochs,
                 last_epoch=-1,
             )
+        # The update core (torchtune_grpo/update.py): micro-batched loss with global normalisation,
+        # FSDP2 gradient sync, clipping, optimizer and scheduler steps.
+        self._update = PolicyUpdate(
+            self._model,
+            self._optimizer,
+            self._loss_fn,
+            lr_scheduler=self._lr_scheduler,
+            ppo_epochs=self.ppo_epochs,
+            micro_batch_size=self.micro_batch_size,
+            clip_grad_norm=self.clip_grad_norm,
+            world_size=self.world_size,
+            temperature=self._logprob_temperature,
+            chunk_size=self.logprob_chunk_size,
+        )
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
@@ -278,7 +238,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         profiler_cfg = cfg.get("profiler", None) or OmegaConf.create(_PROFILER_OFF)
         self._profiler, _ = config.instantiate(profiler_cfg)
         self._write_algorithm_card(cfg)
-        if self._engine_holds_weights:
+        if self._engine.holds_weights:
             # The engine started from checkpoint_dir; a resumed or converted policy may differ from it.
             sync = self._sync_engine_weights(step=self.global_step)
             utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
@@ -343,31 +303,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             f"Reference model: {'frozen copy of the initial policy' if self._ref_model else 'none (kl_coef = 0)'}",
         )
 
-    @property
-    def _has_reference(self) -> bool:
-        """Whether reference logprobs are computed (a hook: LoRA has a reference but no second model)."""
-        return self._ref_model is not None
-
-    def _reference_logprobs(self, tokens: "TrainingBatch", start: int) -> Optional[torch.Tensor]:
-        """Reference-policy logprobs ``[N, T]`` of ``tokens`` (a ``TrainingBatch``); None without a reference.
-
-        A hook: the LoRA recipe computes them with the same model, adapters disabled.
-        """
-        if self._ref_model is None:
-            return None
-        return self._batched_logprobs(self._ref_model, tokens, start)
-
     def _setup_model(
         self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool
     ) -> torch.nn.Module:
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
-        max_len = int(cfg.get("max_prompt_length", 0)) + self.max_response_length
-        if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
-            raise ValueError(
-                f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
-                f"max_seq_len = {model.max_seq_len}"
-            )
+        self._check_max_seq_len(cfg, model)
         if trainable and cfg.get("enable_activation_checkpointing", False):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
@@ -382,18 +323,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             mode = f"the FSDP2-wrapped model ({why})" if shard else plain
             utils.log_rank_zero(log, f"One process: training {mode}")
         if shard:
-            training.shard_model(
-                model,
-                shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-                cpu_offload=cpu_offload,
-                reshard_after_forward=self._reshard_after_forward,
-            )
+            self._shard(model, cpu_offload=cpu_offload)
         else:
             model.to_empty(device=self._device)
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                if hasattr(m, "rope_init"):  # RoPE caches are buffers that meta-init left empty
-                    m.rope_init()
+        self._init_rope(model)
         if shard:
             training.load_from_full_model_state_dict(
                 model, state_dict, self._device, strict=True, cpu_offload=cpu_offload
@@ -405,6 +338,31 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             model.eval()
             model.requires_grad_(False)
         return model
+
+    def _check_max_seq_len(self, cfg: DictConfig, model: torch.nn.Module) -> None:
+        """Fail when prompt + response budget exceeds the model's ``max_seq_len`` (RoPE cache size)."""
+        max_len = int(cfg.get("max_prompt_length", 0)) + self.max_response_length
+        if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
+            raise ValueError(
+                f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
+                f"max_seq_len = {model.max_seq_len}"
+            )
+
+    def _shard(self, model: torch.nn.Module, *, cpu_offload: bool) -> None:
+        """FSDP2 per transformer layer, then the root (a hook: LoRA keeps NF4 weights out)."""
+        training.shard_model(
+            model,
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+            cpu_offload=cpu_offload,
+            reshard_after_forward=self._reshard_after_forward,
+        )
+
+    def _init_rope(self, model: torch.nn.Module) -> None:
+        """Fill the RoPE caches: buffers that meta-device init left empty."""
+        with training.set_default_dtype(self._dtype), self._device:
+            for m in model.modules():
+                if hasattr(m, "rope_init"):
+                    m.rope_init()
 
     def _setup_data(self, cfg: DictConfig):
         dataset = config.instantiate(cfg.dataset, self._tokenizer)
@@ -450,6 +408,286 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._eval_reward = cfg.get("eval_reward", None)
         utils.log_rank_zero(log, f"Held-out evaluation on {n} validation prompts")
 
+    # ============================================================================================= the step
+
+    def train(self) -> None:
+        """Run GRPO steps until ``max_steps`` (or ``epochs`` x batches per epoch)."""
+        if self._device.type == "cuda":
+            training.cleanup_before_training()  # empty_cache; torch.cpu has none
+        self._optimizer.zero_grad(set_to_none=True)
+        pbar = tqdm(
+            total=self.total_steps, initial=self.global_step, disable=not self._is_rank_zero,
+            desc="GRPO", dynamic_ncols=True,
+        )
+        self._profiler.start()
+        if self._validation is not None:
+            self._log_eval()  # step 0 (or the resumed step): the baseline
+        # max_steps (when set) wins over epochs; the data then cycles for as many epochs as needed.
+        while self.global_step < self.total_steps:
+            metrics, samples = self._train_step(self._next_batch())
+            self.global_step += 1
+            pbar.update(1)
+            pbar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+            if self._is_rank_zero:
+                self._metrics_file.write({"step": self.global_step, **metrics})
+                self._completions_file.write_many(samples)
+                if self.global_step % self.log_every_n_steps == 0:
+                    self._metric_logger.log_dict(metrics, step=self.global_step)
+            self._profiler.step()
+            if (
+                self.save_every_n_steps
+                and self.global_step < self.total_steps
+                and self.global_step % int(self.save_every_n_steps) == 0
+            ):
+                self.save_checkpoint(self.global_step)
+            if (
+                self._validation is not None
+                and self.eval_every_n_steps
+                and self.global_step < self.total_steps
+                and self.global_step % int(self.eval_every_n_steps) == 0
+            ):
+                self._log_eval()
+        self._profiler.stop()
+        pbar.close()
+        if self._validation is not None:
+            self._log_eval()  # the end
+        self.save_checkpoint(self.global_step)
+
+    def _train_step(self, batch) -> "tuple[Dict[str, Any], List[Dict[str, Any]]]":
+        """One GRPO step on this rank's prompt ``batch``: the metrics (global) and ``completions.jsonl`` rows."""
+        t0 = time.perf_counter()
+        generated, num_rounds = self._collect_rollouts(batch)  # rollout and rewards
+        selection = self._dynamic.select(generated, self.batch_size)
+        trained = generated.select(selection.indices)
+        # Layout, reference/old logprobs, advantages: everything the update takes.
+        exp, kl_penalty = self._experience(trained)
+        stats = self._update(exp)
+        # The engine (vLLM) samples the next step from the weights just updated.
+        sync = self._sync_engine_weights(step=self.global_step + 1) if self._engine.holds_weights else None
+        t_step = time.perf_counter() - t0
+
+        # Metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py).
+        zero_std = self._dynamic.informative(generated).logical_not()
+        local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp))
+        reduced = dict(zip(local, self._all_reduce_sum([float(v) for v in local.values()])))
+        metrics = train_step_metrics(
+            reduced,
+            rounds=num_rounds,  # the same on every rank
+            lr=get_lr(self._optimizer),
+            step_seconds=t_step,
+            rollout=generated,
+            weight_sync=sync,
+            grad_norm=stats.grad_norm,
+            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if self._device.type == "cuda" else None,
+        )
+        samples = sample_records(trained, exp.advantages, self.global_step + 1, self.log_completions)
+        return metrics, samples
+
+    # ========================================================================================== rollout
+
+    def _next_batch(self):
+        """The next prompt batch of this rank, starting a new epoch (reshuffled) when one ends."""
+        while True:
+            if self._data_iter is None:
+                self._sampler.set_epoch(self.epochs_run)
+                self._data_iter = iter(self._dataloader)  # resumes mid-epoch after load_state_dict
+            try:
+                return next(self._data_iter)
+            except StopIteration:
+                # DistributedSampler(drop_last) gives every rank the same number of batches, so all ranks
+                # roll over together.
+                self._data_iter = None
+                self.epochs_run += 1
+
+    @contextmanager
+    def _unsharded_for_generation(self) -> Iterator[None]:
+        # Gather the parameters once per rollout rather than once per decoded token.
+        if self._engine.holds_weights:
+            yield  # the engine samples from its own copy of the weights
+            return
+        fsdp_modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
+        for m in fsdp_modules:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in fsdp_modules:
+                m.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
+                m.reshard()
+
+    def _generate_and_score(self, batch) -> RolloutGroups:
+        """One generation round: ``group_size`` completions for each prompt of ``batch``, with rewards."""
+        self._model.eval()  # no dropout while sampling
+        return sample_and_score(
+            self._model,
+            self._tokenizer,
+            self._engine,
+            batch,
+            self._rewards,
+            group_size=self.group_size,
+            max_new_tokens=self.max_response_length,
+            generator=self._generator,
+            generation_context=self._unsharded_for_generation(),
+        )
+
+    def _collect_rollouts(self, batch) -> "tuple[RolloutGroups, int]":
+        """Generation rounds of this step: one, or (dynamic sampling) until the batch can be filled.
+
+        Every rank runs the same number of rounds (generation and FSDP collectives need it): after each
+        round the ranks agree, with one all-reduce, whether any of them still lacks informative groups.
+        """
+        rounds = [self._generate_and_score(batch)]
+        while len(rounds) < self._dynamic.max_rounds:
+            wanted = self._dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
+            if self._all_reduce_sum([float(wanted)])[0] == 0:
+                break
+            rounds.append(self._generate_and_score(self._next_batch()))  # new prompts
+        return RolloutGroups.concat(rounds), len(rounds)
+
+    # ================================================================================ rewards -> advantages
+
+    def _advantages(self, rewards: torch.Tensor):
+        """Advantages of this rank's sequences; batch-level statistics are global (all-reduced)."""
+        if not getattr(self._advantage, "uses_batch_stats", False):
+            return self._advantage(rewards, self.group_size)
+        stats = RewardStats(*self._all_reduce_sum(list(RewardStats.of(rewards))))
+        return self._advantage(rewards, self.group_size, batch_stats=stats)
+
+    # ======================================================================= reference and old logprobs
+
+    @property
+    def _has_reference(self) -> bool:
+        """Whether reference logprobs are computed (a hook: LoRA has a reference but no second model)."""
+        return self._ref_model is not None
+
+    def _reference_logprobs(self, layout: "TrainingBatch | torch.Tensor") -> Optional[torch.Tensor]:
+        """Reference-policy logprobs ``[N, T]`` of ``layout`` (see ``_batched_logprobs``); None without one.
+
+        A hook: the LoRA recipe computes them with the same model, adapters disabled.
+        """
+        if self._ref_model is None:
+            return None
+        return self._batched_logprobs(self._ref_model, layout)
+
+    def _batched_logprobs(
+        self, model: torch.nn.Module, layout: "TrainingBatch | torch.Tensor", start: int = 0
+    ) -> torch.Tensor:
+        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``), no grad."""
+        if isinstance(layout, torch.Tensor):
+            layout = TrainingBatch.from_tokens(layout, start)
+        return batch_logprobs(
+            model, layout, micro_batch_size=self.micro_batch_size, temperature=self._logprob_temperature,
+            chunk_size=self.logprob_chunk_size,
+        )
+
+    @property
+    def _logprob_temperature(self) -> float:
+        # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio.
+        temperature = float(self._engine.temperature)
+        return temperature if temperature > 0 else 1.0
+
+    def _experience(self, trained: RolloutGroups) -> "tuple[Experience, torch.Tensor]":
+        """The trained groups laid out for the update, with their logprobs, advantages and global counts.
+
+        Returns the :class:`Experience` and the per-sequence KL penalty ``[N]`` taken off the rewards
+        (zeros unless ``kl_placement: reward``).
+        """
+        n = len(trained.response_ids)
+        # Training layout; positions that are prompt in every row get no logits. share_prompt_in_training:
+        # a micro-batch's sequences of one prompt share one row, the prompt computed once; results keep
+        # the [N, T] layout either way (torchtune_grpo/packing.py).
+        layout = TrainingBatch(
+            trained.prompt_ids, trained.response_ids, self._tokenizer.pad_id,
+            share_prompt=self.share_prompt, device=self._device,
+        )
+        # DAPO's overlong filtering: a truncated completion's tokens leave the loss, and the row leaves
+        # the sequence count (it still shaped its group's advantage baseline).
+        kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
+        kept = kept.to(self._device)
+        mask = layout.response_mask & kept.unsqueeze(1)  # [N, T]
+
+        ref_logprobs = self._reference_logprobs(layout)  # [N, T] or None
+        self._model.train()
+        # With one pass the old policy *is* the current one (ratio 1): no extra forward needed, unless
+        # the KL penalty in the reward needs the sampling policy's logprobs before the advantages.
+        old_logprobs = (
+            self._batched_logprobs(self._model, layout)
+            if self.ppo_epochs > 1 or self.kl_in_reward
+            else None
+        )
+        rewards = trained.rewards
+        kl_penalty = torch.zeros(n)
+        if self.kl_in_reward:
+            kl_penalty = kl_reward_penalty(
+                old_logprobs, ref_logprobs, layout.response_mask, self.kl_coef, self.kl_estimator
+            ).cpu()
+            rewards = rewards - kl_penalty
+        advantages = self._advantages(rewards).advantages.to(self._device)
+        num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), kept.sum().item()])
+        # [N, T] the engine's sampling logprobs (vLLM; for TIS and generation/logprob_mismatch) or None
+        engine_logprobs = None
+        if trained.engine_logprobs is not None:
+            engine_logprobs = layout.response_values(trained.engine_logprobs)
+        exp = Experience(
+            batch=layout, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs, num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+        return exp, kl_penalty
+
+    # ======================================================================================= engine sync
+
+    def _full_weights(self) -> Iterator["tuple[str, torch.Tensor]"]:
+        """``(torchtune name, full tensor)`` of every policy weight, gathered from FSDP2 one at a time.
+
+        A generator with collectives inside: every rank must consume it completely, in the same order.
+        """
+        for name, param in self._model.state_dict().items():
+            if param.device != self._device:
+                param = param.to(self._device)  # fsdp_cpu_offload: gather on the compute device
+            if hasattr(param, "full_tensor"):  # a DTensor shard
+                param = param.full_tensor()
+            yield name, param.detach()
+
+    def _sync_engine_weights(self, step: int) -> Dict[str, float]:
+        """Load the policy's weights into the engine (vLLM) and, when due, check it samples from them.
+
+        Each rank's engine gets the full weights (one engine per rank, docs/vllm.md). The check scores a
+        fixed probe sequence with the trainer and with the engine; the largest difference over all ranks is
+        logged as ``generation/sync_logprob_diff``, and every rank stops with ``WeightSyncError`` when it
+        exceeds ``weight_sync.tolerance``. ``step``: optimizer steps the weights have taken (for messages).
+        """
+        t0 = time.perf_counter()
+        self._engine.load_weights(self._full_weights())
+        metrics = {}
+        if self._weight_sync.due(self._num_syncs):
+            first_prompt = self._dataloader.dataset[0]["tokens"]  # the same on every rank and every check
+            probe = self._weight_sync.probe(self._engine.vocab_size, prompt=first_prompt)
+            self._model.eval()
+            with torch.no_grad():
+                trainer = sequence_logprobs(
+                    self._model,
+                    torch.tensor([probe], device=self._device),
+                    chunk_size=self.logprob_chunk_size,
+                ).logprobs[0]
+            diff = self._weight_sync.measure(trainer, self._engine.prompt_logprobs(probe))
+            t = torch.tensor([diff], dtype=torch.float64, device=self._device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # NaN propagates, so a broken rank is seen
+            diff = t.item()
+            self._weight_sync.verify(diff, step=step)
+            metrics["generation/sync_logprob_diff"] = diff
+        self._num_syncs += 1
+        metrics["time/weight_sync"] = time.perf_counter() - t0
+        return metrics
+
+    # =========================================================================== metrics and evaluation
+
+    def _all_reduce_sum(self, values: List[float]) -> List[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self._device)
+        dist.all_reduce(t)
+        return t.tolist()
+
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
         """Held-out metrics ``eval/*`` (greedy accuracy, mean reward, pass@k), the same on every rank."""
@@ -487,7 +725,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             shown = ", ".join(f"{k}={v:.3f}" for k, v in metrics.items() if k != "eval/num_prompts")
             log.info(f"Held-out evaluation at step {self.global_step}: {shown}")
 
-    # ----------------------------------------------------------------------------------- checkpoints
+    # ====================================================================================== checkpoints
 
     def _recipe_state(self) -> Dict[str, Any]:
         # RNG states differ per rank: gather them all so every rank resumes its own stream.
@@ -547,417 +785,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             log.info(f"Saved checkpoint for step {step} to {target}")
         dist.barrier()
 
-    # -------------------------------------------------------------------------------------- training
-
-    @contextmanager
-    def _unsharded_for_generation(self) -> Iterator[None]:
-        # Gather the parameters once per rollout rather than once per decoded token.
-        if self._engine_holds_weights:
-            yield  # the engine samples from its own copy of the weights
-            return
-        fsdp_modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
-        for m in fsdp_modules:
-            m.unshard()
-            m.set_reshard_after_forward(False, recurse=False)
-        try:
-            yield
-        finally:
-            for m in fsdp_modules:
-                m.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
-                m.reshard()
-
-    def _full_weights(self) -> Iterator["tuple[str, torch.Tensor]"]:
-        """``(torchtune name, full tensor)`` of every policy weight, gathered from FSDP2 one at a time.
-
-        A generator with collectives inside: every rank must consume it completely, in the same order.
-        """
-        for name, param in self._model.state_dict().items():
-            if param.device != self._device:
-                param = param.to(self._device)  # fsdp_cpu_offload: gather on the compute device
-            if hasattr(param, "full_tensor"):  # a DTensor shard
-                param = param.full_tensor()
-            yield name, param.detach()
-
-    def _sync_engine_weights(self, step: int) -> Dict[str, float]:
-        """Load the policy's weights into the engine (vLLM) and, when due, check it samples from them.
-
-        Each rank's engine gets the full weights (one engine per rank, docs/vllm.md). The check scores a
-        fixed probe sequence with the trainer and with the engine; the largest difference over all ranks is
-        logged as ``generation/sync_logprob_diff``, and every rank stops with ``WeightSyncError`` when it
-        exceeds ``weight_sync.tolerance``. ``step``: optimizer steps the weights have taken (for messages).
-        """
-        t0 = time.perf_counter()
-        self._engine.load_weights(self._full_weights())
-        metrics = {}
-        if self._weight_sync.due(self._num_syncs):
-            first_prompt = self._dataloader.dataset[0]["tokens"]  # the same on every rank and every check
-            probe = self._weight_sync.probe(self._engine.vocab_size, prompt=first_prompt)
-            self._model.eval()
-            with torch.no_grad():
-                trainer = sequence_logprobs(
-                    self._model,
-                    torch.tensor([probe], device=self._device),
-                    chunk_size=self.logprob_chunk_size,
-                ).logprobs[0]
-            diff = self._weight_sync.measure(trainer, self._engine.prompt_logprobs(probe))
-            t = torch.tensor([diff], dtype=torch.float64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # NaN propagates, so a broken rank is seen
-            diff = t.item()
-            self._weight_sync.verify(diff, step=step)
-            metrics["generation/sync_logprob_diff"] = diff
-        self._num_syncs += 1
-        metrics["time/weight_sync"] = time.perf_counter() - t0
-        return metrics
-
-    def _sampler_logprobs(self, groups: List[int], prompt_ids: List[List[int]], start: int, width: int):
-        """The engine's sampling logprobs of the trained rows, laid out like the trainer's ``[N, T]``.
-
-        None when the engine reports none (the native engine samples from the trainer's own model).
-        ``groups`` index the step's generated groups, all rounds concatenated (as ``RolloutGroups``).
-        """
-        rounds = self._rollout_logprobs
-        if not rounds or any(r is None for r in rounds):
-            return None
-        rows = [row for r in rounds for row in r]
-        g = self.group_size
-        picked = [rows[gi * g + j] for gi in groups for j in range(g)]
-        return response_values(prompt_ids, picked, start, width).to(self._device)
-
-    def _all_reduce_sum(self, values: List[float]) -> List[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self._device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def _micro_batches(self, n: int) -> List[slice]:
-        return [slice(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
-
-    @torch.no_grad()
-    def _batched_logprobs(
-        self, model: torch.nn.Module, tokens: "TrainingBatch | torch.Tensor", start: int = 0
-    ) -> torch.Tensor:
-        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``)."""
-        if isinstance(tokens, torch.Tensor):
-            tokens = TrainingBatch.from_tokens(tokens, start)
-        return torch.cat(
-            [
-                tokens.logprobs(
-                    model,
-                    mb,
-                    temperature=self._logprob_temperature,
-                    chunk_size=self.logprob_chunk_size,
-                ).logprobs
-                for mb in self._micro_batches(len(tokens))
-            ]
-        )
-
-    @property
-    def _logprob_temperature(self) -> float:
-        # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio.
-        temperature = float(getattr(self._engine, "temperature", 1.0))
-        return temperature if temperature > 0 else 1.0
-
-    def _next_batch(self):
-        """The next prompt batch of this rank, starting a new epoch (reshuffled) when one ends."""
-        while True:
-            if self._data_iter is None:
-                self._sampler.set_epoch(self.epochs_run)
-                self._data_iter = iter(self._dataloader)  # resumes mid-epoch after load_state_dict
-            try:
-                return next(self._data_iter)
-            except StopIteration:
-                # DistributedSampler(drop_last) gives every rank the same number of batches, so all ranks
-                # roll over together.
-                self._data_iter = None
-                self.epochs_run += 1
-
-    def _generate_and_score(self, batch) -> RolloutGroups:
-        """One generation round: ``group_size`` completions for each prompt of ``batch``, with rewards."""
-        g = self.group_size
-        t0 = time.perf_counter()
-        self._model.eval()  # no dropout while sampling
-        with self._unsharded_for_generation():
-            rollout = self._engine.generate(
-                self._model,
-                batch.tokens,
-                group_size=g,
-                max_new_tokens=self.max_response_length,
-                pad_id=self._tokenizer.pad_id,
-                stop_tokens=self._tokenizer.stop_tokens,
-                generator=self._generator,
-            )
-        t1 = time.perf_counter()
-        completions = decode_responses(self._tokenizer, rollout.response_ids)
-        reward_out = self._rewards(
-            RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
-        )
-        self._rollout_logprobs.append(rollout.logprobs)
-        self._timers["generation"] += t1 - t0
-        self._timers["reward"] += time.perf_counter() - t1
-        return RolloutGroups(
-            group_size=g,
-            prompts=list(batch.prompts),
-            fields=list(batch.fields),
-            prompt_ids=rollout.prompt_ids,
-            response_ids=rollout.response_ids,
-            completions=completions,
-            truncated=rollout.truncated.cpu().bool(),
-            rewards=reward_out.total,
-            per_component=reward_out.per_component,
-            errors=reward_out.errors,
-        )
-
-    def _collect_rollouts(self, batch) -> "tuple[RolloutGroups, int]":
-        """Generation rounds of this step: one, or (dynamic sampling) until the batch can be filled.
-
-        Every rank runs the same number of rounds (generation and FSDP collectives need it): after each
-        round the ranks agree, with one all-reduce, whether any of them still lacks informative groups.
-        """
-        rounds = [self._generate_and_score(batch)]
-        while len(rounds) < self._dynamic.max_rounds:
-            wanted = self._dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
-            if self._all_reduce_sum([float(wanted)])[0] == 0:
-                break
-            rounds.append(self._generate_and_score(self._next_batch()))  # new prompts
-        return RolloutGroups.concat(rounds), len(rounds)
-
-    def _advantages(self, rewards: torch.Tensor):
-        """Advantages of this rank's sequences; batch-level statistics are global (all-reduced)."""
-        if not getattr(self._advantage, "uses_batch_stats", False):
-            return self._advantage(rewards, self.group_size)
-        stats = RewardStats(*self._all_reduce_sum(list(RewardStats.of(rewards))))
-        return self._advantage(rewards, self.group_size, batch_stats=stats)
-
-    def _optimize(
-        self,
-        tokens: torch.Tensor,
-        start: int,
-        mask: torch.Tensor,
-        advantages: torch.Tensor,
-        old_logprobs: Optional[torch.Tensor],
-        ref_logprobs: Optional[torch.Tensor],
-        num_tokens: float,
-        num_seqs: float,
-        sampler_logprobs: Optional[torch.Tensor] = None,
-    ) -> "tuple[Dict[str, Any], Optional[torch.Tensor]]":
-        """``ppo_epochs`` optimizer steps on this step's rollouts, each accumulated over micro-batches.
-
-        ``tokens`` (a ``TrainingBatch`` of N sequences), ``mask [N, T]``, ``advantages [N]``,
-        ``old_logprobs``/``ref_logprobs [N, T]``;
-        ``num_tokens``/``num_seqs`` are global counts; ``sampler_logprobs [N, T]`` are the generation
-        engine's (vLLM), None for the native engine. Returns the loss metrics (global contributions,
-        averaged over epochs) and the last gradient norm (None without clipping).
-        """
-        # Loss terms come back as global-sum contributions: add them up on device, sync once at the end.
-        stats = dict.fromkeys(LOSS_METRICS, 0.0)
-        mismatch = 0.0
-        # Only a loss with truncated importance sampling takes the engine's logprobs (custom losses need not).
-        tis = sampler_logprobs is not None and getattr(self._loss_fn, "tis_cap", None) is not None
-        entropy_grad = getattr(self._loss_fn, "entropy_coef", 0.0) > 0
-        micro_batches = self._micro_batches(len(tokens))
-        grad_norm = None
-        for epoch in range(self.ppo_epochs):
-            for i, mb in enumerate(micro_batches):
-                # Reduce-scatter gradients only after the last micro-batch.
-                if isinstance(self._model, FSDPModule):
-                    self._model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                # Entropy comes from the same chunked forward (never full logits); it carries a gradient
-                # only when the loss has an entropy bonus.
-                out_lp = tokens.logprobs(
-                    self._model,
-                    mb,
-                    temperature=self._logprob_temperature,
-                    chunk_size=self.logprob_chunk_size,
-                    with_entropy=True,
-                    entropy_grad=entropy_grad,
-                )
-                logprobs = out_lp.logprobs
-                old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
-                if sampler_logprobs is not None and epoch == 0:
-                    # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
-                    mismatch += logprob_mismatch_sum(old, sampler_logprobs[mb], mask[mb]) / max(num_tokens, 1)
-                out = self._loss_fn(
-                    logprobs,
-                    old,
-                    advantages[mb],
-                    mask[mb],
-                    ref_logprobs=ref_logprobs[mb] if ref_logprobs is not None else None,
-                    entropy=out_lp.entropy,
-                    num_tokens=num_tokens,
-                    num_seqs=num_seqs,
-                    **({"sampler_logprobs": sampler_logprobs[mb]} if tis else {}),
-                )
-                # FSDP averages gradients over ranks; the loss is already a global sum.
-                (out.loss * self.world_size).backward()
-                for key in stats:
-                    stats[key] = stats[key] + getattr(out, key).detach() / self.ppo_epochs
-            if self.clip_grad_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(
-                    self._model.parameters(), max_norm=float(self.clip_grad_norm)
-                )
-                if hasattr(grad_norm, "full_tensor"):
-                    grad_norm = grad_norm.full_tensor()
-            self._optimizer.step()
-            self._optimizer.zero_grad(set_to_none=True)
-            if self._lr_scheduler is not None:
-                self._lr_scheduler.step()
-        if sampler_logprobs is not None:
-            stats["generation/logprob_mismatch"] = mismatch
-        return stats, grad_norm
-
-    def _train_step(self, batch) -> "tuple[Dict[str, Any], List[Dict[str, Any]]]":
-        t0 = time.perf_counter()
-        g = self.group_size
-        self._timers = {"generation": 0.0, "reward": 0.0}  # summed over generation rounds
-        self._rollout_logprobs = []
-        generated, num_rounds = self._collect_rollouts(batch)
-        zero_std = self._dynamic.informative(generated).logical_not()
-        selection = self._dynamic.select(generated, self.batch_size)
-        train = generated.select(selection.indices)
-        n = len(train.response_ids)
-
-        # ---- layout for training; skip logits for positions that are prompt in every row
-        # (share_prompt_in_training: a micro-batch's sequences of one prompt share one row, the prompt
-        # computed once; results keep the [N, T] layout either way. torchtune_grpo/packing.py)
-        tokens = TrainingBatch(
-            train.prompt_ids, train.response_ids, self._tokenizer.pad_id,
-            share_prompt=self.share_prompt, device=self._device,
-        )
-        start = tokens.start
-        response_mask = tokens.response_mask  # [N, T]
-        # DAPO's overlong filtering: a truncated completion's tokens leave the loss, and the row leaves
-        # the sequence count (it still shaped its group's advantage baseline).
-        kept = ~train.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
-        kept = kept.to(self._device)
-        mask = response_mask & kept.unsqueeze(1)
-
-        ref_logprobs = self._reference_logprobs(tokens, start)  # [N, T] or None
-        self._model.train()
-        # With one pass the old policy *is* the current one (ratio 1): no extra forward needed, unless
-        # the KL penalty in the reward needs the sampling policy's logprobs before the advantages.
-        old_logprobs = (
-            self._batched_logprobs(self._model, tokens, start)
-            if self.ppo_epochs > 1 or self.kl_in_reward
-            else None
-        )
-        rewards = train.rewards
-        kl_penalty = torch.zeros(n)
-        if self.kl_in_reward:
-            kl_penalty = kl_reward_penalty(
-                old_logprobs, ref_logprobs, response_mask, self.kl_coef, self.kl_estimator
-            ).cpu()
-            rewards = rewards - kl_penalty
-        adv_out = self._advantages(rewards)
-        advantages = adv_out.advantages.to(self._device)
-        num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), kept.sum().item()])
-        # [N, T] the engine's sampling logprobs (vLLM; for TIS and generation/logprob_mismatch) or None
-        sampler_logprobs = self._sampler_logprobs(selection.indices, train.prompt_ids, start, mask.size(1))
-
-        stats, grad_norm = self._optimize(
-            tokens, start, mask, advantages, old_logprobs, ref_logprobs, num_tokens, num_seqs,
-            sampler_logprobs,
-        )
-        # The engine (vLLM) samples the next step from the weights just updated.
-        sync = {"time/weight_sync": 0.0}
-        if self._engine_holds_weights:
-            sync = self._sync_engine_weights(step=self.global_step + 1)
-        t_step = time.perf_counter() - t0
-
-        # ---- metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py)
-        local = {
-            **rollout_sums(generated, zero_std, selection),
-            **{k: float(v) for k, v in stats.items()},
-            "kl_penalty": kl_penalty.double().sum().item(),
-            "n_trained": float(n),
-        }
-        keys = list(local)
-        reduced = dict(zip(keys, self._all_reduce_sum([float(local[k]) for k in keys])))
-        metrics = step_metrics(reduced)
-        metrics.update(
-            {
-                "dynamic_sampling/rounds": num_rounds,  # the same on every rank
-                "lr": get_lr(self._optimizer),
-                "tokens_per_second": reduced["tokens"] / t_step,
-                "time/generation": self._timers["generation"],
-                "time/reward": self._timers["reward"],
-                "time/train": t_step - self._timers["generation"] - self._timers["reward"]
-                - sync["time/weight_sync"],
-                "time/step": t_step,
-            }
-        )
-        if self._engine_holds_weights:
-            metrics.update(sync)
-        if "generation/logprob_mismatch" in reduced:
-            metrics["generation/logprob_mismatch"] = reduced["generation/logprob_mismatch"]
-        if grad_norm is not None:
-            metrics["grad_norm"] = float(grad_norm)
-        if self._device.type == "cuda":
-            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-
-        samples = [
-            {
-                "step": self.global_step + 1,
-                "prompt": train.prompts[i // g],
-                "completion": train.completions[i],
-                "reward": train.rewards[i].item(),
-                "advantage": adv_out.advantages[i].item(),
-                **{f"reward/{k}": v[i].item() for k, v in train.per_component.items()},
-            }
-            for i in range(min(self.log_completions, n))
-        ]
-        return metrics, samples
-
-    def train(self) -> None:
-        """Run GRPO steps until ``max_steps`` (or ``epochs`` x batches per epoch)."""
-        if self._device.type == "cuda":
-            training.cleanup_before_training()  # empty_cache; torch.cpu has none
-        self._optimizer.zero_grad(set_to_none=True)
-        pbar = tqdm(
-            total=self.total_steps, initial=self.global_step, disable=not self._is_rank_zero,
-            desc="GRPO", dynamic_ncols=True,
-        )
-        self._profiler.start()
-        if self._validation is not None:
-            self._log_eval()  # step 0 (or the resumed step): the baseline
-        # max_steps (when set) wins over epochs; the data then cycles for as many epochs as needed.
-        while self.global_step < self.total_steps:
-            metrics, samples = self._train_step(self._next_batch())
-            self.global_step += 1
-            pbar.update(1)
-            pbar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
-            if self._is_rank_zero:
-                self._metrics_file.write({"step": self.global_step, **metrics})
-                self._completions_file.write_many(samples)
-                if self.global_step % self.log_every_n_steps == 0:
-                    self._metric_logger.log_dict(metrics, step=self.global_step)
-            self._profiler.step()
-            if (
-                self.save_every_n_steps
-                and self.global_step < self.total_steps
-                and self.global_step % int(self.save_every_n_steps) == 0
-            ):
-                self.save_checkpoint(self.global_step)
-            if (
-                self._validation is not None
-                and self.eval_every_n_steps
-                and self.global_step < self.total_steps
-                and self.global_step % int(self.eval_every_n_steps) == 0
-            ):
-                self._log_eval()
-        self._profiler.stop()
-        pbar.close()
-        if self._validation is not None:
-            self._log_eval()  # the end
-        self.save_checkpoint(self.global_step)
-
     def cleanup(self) -> None:
-        """Close loggers and the process group."""
+        """Close loggers, the generation engine and the process group."""
         if self._is_rank_zero:
             self._metric_logger.close()
             self._metrics_file.close()
             self._completions_file.close()
-        close = getattr(self._engine, "close", None)
-        if close is not None:
-            close()  # vLLM's teardown uses (and destroys) the process group: it goes first
+        self._engine.close()  # vLLM's teardown uses (and destroys) the process group: it goes first
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -28,12 +28,10 @@ FSDP (``ignored_params``) and held whole on every rank: with torch 2.13 FSDP2's 
 NF4's all-gather extension, and sharding NF4 needs every weight's block count to divide by the world size.
 """
 
-import importlib
 import os
 import shutil
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -53,6 +51,8 @@ from torchtune.modules.peft import (
 
 from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, run_recipe
 from torchtune_grpo.checkpointing import finalize_step_dir, save_recipe_state
+from torchtune_grpo.config import LORA_KEYS
+from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.lora import (
     ADAPTER_TORCHTUNE_FILE,
     load_nf4_base_weights,
@@ -64,8 +64,6 @@ from torchtune_grpo.packing import TrainingBatch
 
 log = utils.get_logger("INFO")
 
-# Top-level keys this recipe reads on top of the full recipe's.
-LORA_KEYS = {"save_adapter_weights_only"}
 MERGED_DIR = "merged"  # step_N/merged: the Hugging Face model with the adapter merged in
 
 
@@ -83,7 +81,13 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         return super().known_keys() | LORA_KEYS
 
     def __init__(self, cfg: DictConfig) -> None:
-        if getattr(_engine_class(cfg), "holds_weights", False):
+        super().__init__(cfg)
+        self._save_adapter_weights_only = bool(cfg.get("save_adapter_weights_only", False))
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def _check_engine(self, engine: GenerationEngine, cfg: DictConfig) -> GenerationEngine:
+        if engine.holds_weights:
             # Its weight sync sends full weights under Hugging Face names; LoRA would need the adapters merged
             # into the base weights first, which is not written yet.
             raise ValueError(
@@ -91,10 +95,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
                 "yet (engines with their own copy of the weights need merged LoRA weights at every sync). "
                 "Use torchtune_grpo.generation.NativeGenerator, or the full fine-tuning recipe."
             )
-        super().__init__(cfg)
-        self._save_adapter_weights_only = bool(cfg.get("save_adapter_weights_only", False))
-
-    # ------------------------------------------------------------------------------------------ setup
+        return engine
 
     def _setup_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Path]) -> None:
         # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.
@@ -122,12 +123,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
         self._lora = lora_hyperparams(model)  # raises for a model without LoRA layers
-        max_len = int(cfg.get("max_prompt_length", 0)) + self.max_response_length
-        if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
-            raise ValueError(
-                f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
-                f"max_seq_len = {model.max_seq_len}"
-            )
+        self._check_max_seq_len(cfg, model)
         adapter_names = set(get_adapter_params(model))
         set_trainable_params(model, adapter_names)
         if cfg.get("enable_activation_checkpointing", False):
@@ -150,14 +146,14 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
                     f"The saved adapter does not match the model: unexpected {loaded.unexpected_keys}, "
                     f"missing {sorted(adapter_names - set(adapter_state))}"
                 )
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                if isinstance(m, LoRALinear) and adapter_state is None:
-                    # A fresh adapter: A random, B zero, so the initial policy is the base model.
-                    m.to_empty(device="cpu" if cpu_offload else self._device)
-                    m.initialize_parameters()
-                if hasattr(m, "rope_init"):  # RoPE caches are buffers that meta-init left empty
-                    m.rope_init()
+        if adapter_state is None:
+            with training.set_default_dtype(self._dtype), self._device:
+                for m in model.modules():
+                    if isinstance(m, LoRALinear):
+                        # A fresh adapter: A random, B zero, so the initial policy is the base model.
+                        m.to_empty(device="cpu" if cpu_offload else self._device)
+                        m.initialize_parameters()
+        self._init_rope(model)
 
         loaded = training.load_from_full_model_state_dict(
             model, base_state, self._device, cpu_offload=cpu_offload
@@ -181,15 +177,10 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         )
         return model
 
-    def _shard(self, model: torch.nn.Module, *, cpu_offload: bool, ignored_params: set) -> None:
-        """FSDP2 per transformer layer, then the root (``training.shard_model``), NF4 weights left out."""
+    def _shard(self, model: torch.nn.Module, *, cpu_offload: bool, ignored_params: frozenset = frozenset()) -> None:
+        """FSDP2 per transformer layer, then the root, as the full recipe; NF4 weights left out."""
         if not ignored_params:
-            training.shard_model(
-                model,
-                shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
-                cpu_offload=cpu_offload,
-                reshard_after_forward=self._reshard_after_forward,
-            )
+            super()._shard(model, cpu_offload=cpu_offload)
             return
         kwargs: Dict[str, Any] = {
             "reshard_after_forward": self._reshard_after_forward,
@@ -208,7 +199,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     def _has_reference(self) -> bool:
         return self.kl_coef > 0
 
-    def _reference_logprobs(self, tokens: "TrainingBatch", start: int) -> Optional[torch.Tensor]:
+    def _reference_logprobs(self, layout: "TrainingBatch | torch.Tensor") -> Optional[torch.Tensor]:
         """Logprobs ``[N, T]`` under the base model: the policy with its adapters switched off."""
         if self.kl_coef <= 0:
             return None
@@ -216,7 +207,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         self._model.eval()
         try:
             with disable_adapter(self._model):
-                return self._batched_logprobs(self._model, tokens, start)
+                return self._batched_logprobs(self._model, layout)
         finally:
             self._model.train(was_training)
 
@@ -262,15 +253,6 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
             save_recipe_state(target, recipe_state)
             log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
         dist.barrier()
-
-
-def _engine_class(cfg: DictConfig) -> Optional[type]:
-    """The class named by ``generation._component_`` (None when it cannot be imported: setup says why)."""
-    module, _, name = str(cfg.get("generation", {}).get("_component_", "")).rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name, None) if module else None
-    except ImportError:
-        return None
 
 
 @config.parse

@@ -14,12 +14,12 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from torchtune_grpo.generation import Rollout
+from torchtune_grpo.generation import GenerationEngine, Rollout
 
 GENERATE_CALLS = 0
 
 
-class ScriptedGenerator:
+class ScriptedGenerator(GenerationEngine):
     """Completions from the prompt's ids: varied lengths, some truncated, some groups all alike.
 
     Args:

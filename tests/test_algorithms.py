@@ -5,10 +5,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from grpo_full_finetune_distributed import validate_config
+from torchtune_grpo.config import validate_config
 from tests.conftest import TINY_CONFIG
 from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
-from torchtune_grpo.dynamic_sampling import DynamicSampling, GroupSelection, RolloutGroups
+from torchtune_grpo.dynamic_sampling import DynamicSampling, GroupSelection
+from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.logprobs import chunked_logprobs
 from torchtune_grpo.rewards import RewardBatch, SoftOverlongPunishment
 from torchtune_grpo.step_metrics import rollout_sums, step_metrics

@@ -66,7 +66,7 @@ def test_workload_gives_both_trainers_the_same_weights_and_prompts(name, tmp_pat
 def test_recipe_config_is_valid_for_the_recipe(tmp_path):
     from omegaconf import OmegaConf
 
-    from grpo_full_finetune_distributed import validate_config
+    from torchtune_grpo.config import validate_config
 
     cfg = bench.recipe_config(tmp_path, tmp_path / "out", bench.WORKLOADS["tiny"], steps=3)
     validate_config(OmegaConf.create(cfg))

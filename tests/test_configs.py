@@ -15,7 +15,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config, training
 from torchtune.config._utils import _get_component_from_path
 
-from grpo_full_finetune_distributed import KNOWN_KEYS, REQUIRED_KEYS, validate_config
+from torchtune_grpo.config import KNOWN_KEYS, REQUIRED_KEYS, validate_config
 from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 from tests.conftest import REPO
 from torchtune_grpo.cli import list_configs, main

@@ -13,7 +13,8 @@ from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune_grpo.generation import TuneToHFNames, VLLMGenerator, WeightSyncCheck, WeightSyncError
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.loss import GRPOLoss
-from torchtune_grpo.offpolicy import logprob_mismatch_sum, response_values, tis_weights
+from torchtune_grpo.offpolicy import logprob_mismatch_sum, tis_weights
+from torchtune_grpo.packing import response_values
 
 LLAMA = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16}
 QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16}

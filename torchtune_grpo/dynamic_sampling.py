@@ -8,7 +8,7 @@ drops such groups and keeps generating (from new prompts) until the batch is ful
 Here (per rank, pure; the recipe runs the rounds and the collectives):
 
 1. A generation round turns ``batch_size`` prompts into ``batch_size`` groups of scored completions
-   (:class:`RolloutGroups`).
+   (:class:`~torchtune_grpo.rollout.RolloutGroups`).
 2. While a rank has fewer than ``batch_size`` informative groups and fewer than ``max_rounds`` rounds were
    run, every rank runs another round on the next ``batch_size`` prompts of its dataloader (the recipe
    all-reduces "does any rank still need groups?", so all ranks run the same number of rounds, which
@@ -22,93 +22,14 @@ Informative means "not zero-variance" as defined by
 equal. The filter looks at the task reward (the sum of ``reward_functions``), before any KL penalty.
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Sequence
+from typing import List, NamedTuple
 
 import torch
 
 from torchtune_grpo.advantages import ZERO_VARIANCE_RTOL, zero_variance_groups
+from torchtune_grpo.rollout import RolloutGroups
 
-__all__ = ["DynamicSampling", "GroupSelection", "RolloutGroups"]
-
-
-@dataclass
-class RolloutGroups:
-    """Scored completions of ``num_groups`` prompts, ``group_size`` each: what generation rounds produced.
-
-    Row ``i`` (of ``N = num_groups x group_size``) answers prompt ``i // group_size``.
-
-    Attributes:
-        group_size (int): completions per prompt, ``G``.
-        prompts (List[str]): prompt text, one per group.
-        fields (List[Dict[str, Any]]): the prompt's dataset columns, one per group.
-        prompt_ids (List[List[int]]): prompt token ids, one per row.
-        response_ids (List[List[int]]): completion token ids, one per row.
-        completions (List[str]): decoded completions, one per row.
-        truncated (torch.Tensor): ``[N]`` bool, True where no stop token came within the budget.
-        rewards (torch.Tensor): ``[N]`` float32, the weighted sum of the reward components.
-        per_component (Dict[str, torch.Tensor]): each component's ``[N]`` scores.
-        errors (Dict[str, int]): samples given the fallback, per component, counted when scored (a
-            selection keeps the counts of everything that was scored).
-    """
-
-    group_size: int
-    prompts: List[str]
-    fields: List[Dict[str, Any]]
-    prompt_ids: List[List[int]]
-    response_ids: List[List[int]]
-    completions: List[str]
-    truncated: torch.Tensor
-    rewards: torch.Tensor
-    per_component: Dict[str, torch.Tensor] = field(default_factory=dict)
-    errors: Dict[str, int] = field(default_factory=dict)
-
-    @property
-    def num_groups(self) -> int:
-        """Number of prompt groups."""
-        return len(self.prompts)
-
-    def select(self, groups: Sequence[int]) -> "RolloutGroups":
-        """The given groups, in that order."""
-        g = self.group_size
-        rows = [gi * g + j for gi in groups for j in range(g)]
-        index = torch.tensor(rows, dtype=torch.long)
-        return RolloutGroups(
-            group_size=g,
-            prompts=[self.prompts[i] for i in groups],
-            fields=[self.fields[i] for i in groups],
-            prompt_ids=[self.prompt_ids[i] for i in rows],
-            response_ids=[self.response_ids[i] for i in rows],
-            completions=[self.completions[i] for i in rows],
-            truncated=self.truncated[index],
-            rewards=self.rewards[index],
-            per_component={k: v[index] for k, v in self.per_component.items()},
-            errors=dict(self.errors),
-        )
-
-    @staticmethod
-    def concat(parts: Sequence["RolloutGroups"]) -> "RolloutGroups":
-        """The groups of several rounds, one after the other (errors are summed)."""
-        if not parts:
-            raise ValueError("concat needs at least one RolloutGroups")
-        if len(parts) == 1:
-            return parts[0]
-        errors: Dict[str, int] = {}
-        for p in parts:
-            for k, v in p.errors.items():
-                errors[k] = errors.get(k, 0) + int(v)
-        return RolloutGroups(
-            group_size=parts[0].group_size,
-            prompts=[x for p in parts for x in p.prompts],
-            fields=[x for p in parts for x in p.fields],
-            prompt_ids=[x for p in parts for x in p.prompt_ids],
-            response_ids=[x for p in parts for x in p.response_ids],
-            completions=[x for p in parts for x in p.completions],
-            truncated=torch.cat([p.truncated for p in parts]),
-            rewards=torch.cat([p.rewards for p in parts]),
-            per_component={k: torch.cat([p.per_component[k] for p in parts]) for k in parts[0].per_component},
-            errors=errors,
-        )
+__all__ = ["DynamicSampling", "GroupSelection"]
 
 
 class GroupSelection(NamedTuple):

@@ -17,14 +17,13 @@ Metrics (the keys the recipe logs, each prefixed ``eval/``):
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from torchtune_grpo.data import collate_prompts
-from torchtune_grpo.generation import decode_responses
-from torchtune_grpo.rewards import RewardBatch
+from torchtune_grpo.rollout import sample_and_score
 
 __all__ = ["EvalSums", "evaluate", "pass_at_k", "correctness_name"]
 
@@ -102,37 +101,6 @@ class EvalSums:
         return out
 
 
-@dataclass
-class _Scored:
-    correct: List[bool] = field(default_factory=list)
-    total: List[float] = field(default_factory=list)
-    completions: List[str] = field(default_factory=list)
-    lengths: List[int] = field(default_factory=list)
-
-
-def _score(
-    model, tokenizer, engine, batch, rewards, correctness: str, threshold: float, *, group_size: int,
-    max_new_tokens: int, temperature: Optional[float], generator: Optional[torch.Generator],
-) -> _Scored:
-    g = group_size
-    rollout = engine.generate(
-        model,
-        batch.tokens,
-        group_size=g,
-        max_new_tokens=max_new_tokens,
-        pad_id=tokenizer.pad_id,
-        stop_tokens=tokenizer.stop_tokens,
-        generator=generator,
-        temperature=temperature,
-    )
-    completions = decode_responses(tokenizer, rollout.response_ids)
-    out = rewards(
-        RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
-    )
-    right = (out.per_component[correctness] >= threshold).tolist()
-    return _Scored(right, out.total.tolist(), completions, [len(r) for r in rollout.response_ids])
-
-
 @torch.no_grad()
 def evaluate(
     model: torch.nn.Module,
@@ -189,21 +157,24 @@ def evaluate(
         for start in range(0, len(prompts), batch_size):
             items = [prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
             batch = collate_prompts(items)
-            greedy = _score(
-                model, tokenizer, engine, batch, rewards, name, threshold, group_size=1,
-                max_new_tokens=max_new_tokens, temperature=0.0, generator=generator,
+            greedy = sample_and_score(
+                model, tokenizer, engine, batch, rewards, group_size=1, max_new_tokens=max_new_tokens,
+                temperature=0.0, generator=generator,
             )
+            greedy_correct = (greedy.per_component[name] >= threshold).tolist()
+            greedy_total = greedy.rewards.tolist()
             sums.prompts += len(items)
-            sums.correct += sum(greedy.correct)
-            sums.reward += sum(greedy.total)
-            sums.response_length += sum(greedy.lengths)
+            sums.correct += sum(greedy_correct)
+            sums.reward += sum(greedy_total)
+            sums.response_length += sum(len(r) for r in greedy.response_ids)
             if num_samples > 0:
-                sampled = _score(
-                    model, tokenizer, engine, batch, rewards, name, threshold, group_size=num_samples,
-                    max_new_tokens=max_new_tokens, temperature=None, generator=generator,
+                sampled = sample_and_score(
+                    model, tokenizer, engine, batch, rewards, group_size=num_samples,
+                    max_new_tokens=max_new_tokens, generator=generator,
                 )
+                correct = (sampled.per_component[name] >= threshold).tolist()
                 for i in range(len(items)):
-                    c = sum(sampled.correct[i * num_samples : (i + 1) * num_samples])
+                    c = sum(correct[i * num_samples : (i + 1) * num_samples])
                     sums.pass_at_k += pass_at_k(num_samples, c, k)
             if records is not None:
                 for i, item in enumerate(items):
@@ -212,8 +183,8 @@ def evaluate(
                             "prompt": item["prompt"],
                             "answer": item.get("answer"),
                             "completion": greedy.completions[i],
-                            "correct": bool(greedy.correct[i]),
-                            "reward": greedy.total[i],
+                            "correct": bool(greedy_correct[i]),
+                            "reward": greedy_total[i],
                         }
                     )
             if progress is not None:

@@ -12,11 +12,9 @@ https://fengyao.notion.site/off-policy-rl) reweights each token's policy loss by
 variance. These helpers are pure: ``[B, T]`` tensors in, ``[B, T]`` tensors or sums out.
 """
 
-from typing import List
-
 import torch
 
-__all__ = ["logprob_mismatch_sum", "response_values", "tis_weights"]
+__all__ = ["logprob_mismatch_sum", "tis_weights"]
 
 # |log ratio| is clamped before exp, as in loss.py: exp(20) is far above any useful cap.
 _MAX_LOG_RATIO = 20.0
@@ -61,29 +59,3 @@ def logprob_mismatch_sum(
     """
     diff = (trainer_logprobs.detach().double() - sampler_logprobs.detach().double()).abs()
     return torch.where(mask.bool(), diff, torch.zeros_like(diff)).sum()
-
-
-def response_values(
-    prompt_ids: List[List[int]], values: List[List[float]], start: int, width: int
-) -> torch.Tensor:
-    """Lay out per-response-token values (e.g. sampling logprobs) like the trainer's logprobs.
-
-    The trainer's logprobs of a packed row (``pack_sequences``, prompt then response from position 0)
-    start at the prediction of token ``start + 1``; response token ``j`` of row ``i`` sits at position
-    ``len(prompt_i) + j``, so its logprob is column ``len(prompt_i) + j - 1 - start``.
-
-    Args:
-        prompt_ids (List[List[int]]): N prompts.
-        values (List[List[float]]): N lists, one value per response token.
-        start (int): the ``start`` passed to ``sequence_logprobs``.
-        width (int): ``T``, the number of logprob columns.
-
-    Returns:
-        torch.Tensor: ``[N, width]`` float32, 0 where no response token is.
-    """
-    out = torch.zeros((len(values), width), dtype=torch.float32)
-    for i, (prompt, row) in enumerate(zip(prompt_ids, values)):
-        if row:
-            first = len(prompt) - 1 - start
-            out[i, first : first + len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out

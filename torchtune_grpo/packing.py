@@ -37,16 +37,71 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
 from torchtune_grpo._attention import project_qkv
-from torchtune_grpo.generation._rollout import pack_sequences
 from torchtune_grpo.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
 
 __all__ = [
     "SharedPromptMask",
     "TrainingBatch",
     "install_shared_prompt_attention",
+    "pack_sequences",
+    "response_values",
     "shared_prompt_layout",
     "supports_shared_prompt",
 ]
+
+
+def pack_sequences(
+    prompt_ids: List[List[int]], response_ids: List[List[int]], pad_id: int
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Lay out ``prompt + response`` per row, right-padded, for training forwards.
+
+    Generation left-pads prompts; training re-packs each row so it starts at position 0. Then a plain
+    causal mask is exact (padding only ever follows real tokens), no position ids are needed, and
+    attention can take the fused ``is_causal`` path.
+
+    Args:
+        prompt_ids (List[List[int]]): N prompts.
+        response_ids (List[List[int]]): N responses.
+        pad_id (int): padding id.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``tokens [N, L]`` (int64) and ``response_mask [N, L]`` (bool,
+        True on response tokens), with ``L = max(len(prompt) + len(response))``.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    n, seq_len = len(lengths), max(lengths)
+    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, seq_len), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        response_mask[i, len(p) : len(p) + len(r)] = True
+    return tokens, response_mask
+
+
+def response_values(
+    prompt_ids: List[List[int]], values: List[List[float]], start: int, width: int
+) -> torch.Tensor:
+    """Lay out per-response-token values (e.g. sampling logprobs) like the trainer's logprobs.
+
+    The trainer's logprobs of a packed row (``pack_sequences``, prompt then response from position 0)
+    start at the prediction of token ``start + 1``; response token ``j`` of row ``i`` sits at position
+    ``len(prompt_i) + j``, so its logprob is column ``len(prompt_i) + j - 1 - start``.
+
+    Args:
+        prompt_ids (List[List[int]]): N prompts.
+        values (List[List[float]]): N lists, one value per response token.
+        start (int): the ``start`` passed to ``sequence_logprobs``.
+        width (int): ``T``, the number of logprob columns.
+
+    Returns:
+        torch.Tensor: ``[N, width]`` float32, 0 where no response token is.
+    """
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, (prompt, row) in enumerate(zip(prompt_ids, values)):
+        if row:
+            first = len(prompt) - 1 - start
+            out[i, first : first + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 class SharedPromptMask:
@@ -325,6 +380,13 @@ class TrainingBatch:
     def width(self) -> int:
         """``T``: result columns."""
         return self.tokens.size(1) - 1 - self.start
+
+    def response_values(self, values: List[List[float]]) -> torch.Tensor:
+        """Per-response-token ``values`` (one list per sequence) in the result layout ``[N, T]``, 0 elsewhere.
+
+        E.g. the engine's sampling logprobs, next to the trainer's (see :func:`response_values`).
+        """
+        return response_values(self.prompt_ids, values, self.start, self.width).to(self.device)
 
     def layout(self, rows: slice) -> SharedPromptLayout:
         """The shared-prompt layout of ``rows`` (built once, reused by every pass over the same rows)."""

@@ -17,8 +17,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from torchtune_grpo.data import collate_prompts
-from torchtune_grpo.generation import decode_responses
-from torchtune_grpo.rewards import RewardBatch
+from torchtune_grpo.rollout import sample_and_score
 
 __all__ = ["RejectionStats", "rejection_sample", "write_jsonl"]
 
@@ -96,16 +95,13 @@ def rejection_sample(
         for start in range(0, len(prompts), batch_size):
             items = [prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
             batch = collate_prompts(items)
-            rollout = engine.generate(
-                model, batch.tokens, group_size=g, max_new_tokens=max_new_tokens,
-                pad_id=tokenizer.pad_id, stop_tokens=tokenizer.stop_tokens, generator=generator,
+            scored = sample_and_score(
+                model, tokenizer, engine, batch, rewards, group_size=g, max_new_tokens=max_new_tokens,
+                generator=generator,
             )
-            completions = decode_responses(tokenizer, rollout.response_ids)
-            out = rewards(
-                RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, g)
-            )
-            scores = (out.total if reward_name is None else out.per_component[reward_name]).tolist()
-            truncated = rollout.truncated.tolist()
+            completions = scored.completions
+            scores = (scored.rewards if reward_name is None else scored.per_component[reward_name]).tolist()
+            truncated = scored.truncated.tolist()
             for p, item in enumerate(items):
                 seen, kept_here = set(), 0
                 for i in range(p * g, (p + 1) * g):

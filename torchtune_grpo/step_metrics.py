@@ -7,16 +7,21 @@ Two kinds of metric, documented in docs/algorithms.md:
 - loss metrics (``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_fraction``, ``ratio_mean``) and
   ``reward/kl_penalty`` describe the batch *trained on*.
 
-Every value here is a sum, so summing the dicts of all ranks gives the global sums.
+Every value of :func:`step_sums` is a sum, so summing the dicts of all ranks gives the global sums;
+:func:`train_step_metrics` turns them (and the step's timings) into the logged metrics, and
+:func:`sample_records` makes the rows of ``completions.jsonl``.
 """
 
-from typing import Dict, Iterable
+from typing import Any, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
-from torchtune_grpo.dynamic_sampling import GroupSelection, RolloutGroups
+from torchtune_grpo.dynamic_sampling import GroupSelection
+from torchtune_grpo.rollout import RolloutGroups
 
-__all__ = ["LOSS_METRICS", "rollout_sums", "step_metrics"]
+__all__ = [
+    "LOSS_METRICS", "rollout_sums", "sample_records", "step_metrics", "step_sums", "train_step_metrics",
+]
 
 #: Fields of :class:`torchtune_grpo.loss.LossOutput` logged under their own name (already global sums).
 LOSS_METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean", "entropy")
@@ -99,3 +104,112 @@ def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METR
         elif key.startswith("err:"):
             metrics[f"reward/{key[4:]}/errors"] = value
     return metrics
+
+
+def step_sums(
+    generated: RolloutGroups,
+    zero_std: torch.Tensor,
+    selection: GroupSelection,
+    losses: Mapping[str, Any],
+    kl_penalty: torch.Tensor,
+    n_trained: int,
+) -> Dict[str, float]:
+    """One rank's sums of a training step: :func:`rollout_sums`, the loss terms and the KL penalty.
+
+    Args:
+        generated (RolloutGroups): every group this rank generated in the step.
+        zero_std (torch.Tensor): ``[generated.num_groups]`` bool, zero-variance groups.
+        selection (GroupSelection): what dynamic sampling kept.
+        losses (Mapping[str, Any]): the update's loss statistics (global-sum contributions).
+        kl_penalty (torch.Tensor): ``[n_trained]`` per-sequence KL penalties subtracted from the rewards.
+        n_trained (int): sequences trained on.
+
+    Returns:
+        Dict[str, float]: sums, keyed for :func:`train_step_metrics`.
+    """
+    return {
+        **rollout_sums(generated, zero_std, selection),
+        **{k: float(v) for k, v in losses.items()},
+        "kl_penalty": kl_penalty.double().sum().item(),
+        "n_trained": float(n_trained),
+    }
+
+
+def train_step_metrics(
+    reduced: Dict[str, float],
+    *,
+    rounds: int,
+    lr: float,
+    step_seconds: float,
+    rollout: RolloutGroups,
+    weight_sync: Optional[Dict[str, float]] = None,
+    grad_norm: Optional[float] = None,
+    peak_memory_gib: Optional[float] = None,
+) -> Dict[str, float]:
+    """A training step's logged metrics from the globally reduced :func:`step_sums` and its timings.
+
+    Args:
+        reduced (Dict[str, float]): :func:`step_sums` summed over ranks.
+        rounds (int): generation rounds run (the same on every rank).
+        lr (float): the learning rate.
+        step_seconds (float): the whole step's time.
+        rollout (RolloutGroups): what this rank generated (its generation and reward times).
+        weight_sync (Optional[Dict[str, float]]): the engine weight sync's metrics (``time/weight_sync``,
+            maybe ``generation/sync_logprob_diff``); None for an engine without its own weights.
+            Default is None.
+        grad_norm (Optional[float]): the gradient norm; None without clipping. Default is None.
+        peak_memory_gib (Optional[float]): peak accelerator memory; None on CPU. Default is None.
+
+    Returns:
+        Dict[str, float]: metric name -> value.
+    """
+    metrics = step_metrics(reduced)
+    sync_seconds = weight_sync["time/weight_sync"] if weight_sync is not None else 0.0
+    metrics.update(
+        {
+            "dynamic_sampling/rounds": rounds,
+            "lr": lr,
+            "tokens_per_second": reduced["tokens"] / step_seconds,
+            "time/generation": rollout.generation_seconds,
+            "time/reward": rollout.reward_seconds,
+            "time/train": step_seconds - rollout.generation_seconds - rollout.reward_seconds - sync_seconds,
+            "time/step": step_seconds,
+        }
+    )
+    if weight_sync is not None:
+        metrics.update(weight_sync)
+    if "generation/logprob_mismatch" in reduced:
+        metrics["generation/logprob_mismatch"] = reduced["generation/logprob_mismatch"]
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    if peak_memory_gib is not None:
+        metrics["memory/peak_allocated_gib"] = peak_memory_gib
+    return metrics
+
+
+def sample_records(
+    trained: RolloutGroups, advantages: torch.Tensor, step: int, limit: int
+) -> List[Dict[str, Any]]:
+    """The first ``limit`` trained completions as ``completions.jsonl`` rows.
+
+    Args:
+        trained (RolloutGroups): the groups trained on.
+        advantages (torch.Tensor): ``[N]`` their advantages.
+        step (int): the step number written in each row.
+        limit (int): rows at most.
+
+    Returns:
+        List[Dict[str, Any]]: ``{step, prompt, completion, reward, advantage, reward/<component>...}``.
+    """
+    g = trained.group_size
+    return [
+        {
+            "step": step,
+            "prompt": trained.prompts[i // g],
+            "completion": trained.completions[i],
+            "reward": trained.rewards[i].item(),
+            "advantage": advantages[i].item(),
+            **{f"reward/{k}": v[i].item() for k, v in trained.per_component.items()},
+        }
+        for i in range(min(limit, len(trained.response_ids)))
+    ]

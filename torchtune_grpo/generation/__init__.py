@@ -1,19 +1,21 @@
 """Generation engines: sample ``group_size`` completions per prompt."""
 
+from torchtune_grpo.generation._engine import check_engine, GenerationEngine
 from torchtune_grpo.generation._native import NativeGenerator
-from torchtune_grpo.generation._rollout import Rollout, decode_responses, pack_sequences
+from torchtune_grpo.generation._rollout import Rollout, decode_responses
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._vllm import VLLMGenerator
 from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncCheck, WeightSyncError
 
 __all__ = [
+    "GenerationEngine",
     "NativeGenerator",
     "Rollout",
     "TuneToHFNames",
     "VLLMGenerator",
     "WeightSyncCheck",
     "WeightSyncError",
+    "check_engine",
     "decode_responses",
-    "pack_sequences",
     "sample_tokens",
 ]

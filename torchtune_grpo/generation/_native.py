@@ -8,6 +8,7 @@ from torchtune.modules import TransformerDecoder
 
 from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool, takes_cached_forward
 from torchtune_grpo.generation._layouts import PerRowRollout, SharedPrefixRollout
+from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._rollout import Rollout
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.logprobs import replace_unembed
@@ -49,7 +50,7 @@ def can_skip_module_hooks(model: nn.Module) -> bool:
     return _only_fsdp_hooks(model) and all(_only_fsdp_hooks(layer) for layer in model.layers)
 
 
-class NativeGenerator:
+class NativeGenerator(GenerationEngine):
     """Sample ``group_size`` completions per prompt with the training model and a KV cache.
 
     All ``num_prompts x group_size`` rows decode together in one batch. Prompts are left-padded so every

@@ -1,11 +1,11 @@
-"""The result of a rollout and its layout for training."""
+"""The result of a rollout, and its completions as text."""
 
 import weakref
 from typing import List, NamedTuple, Optional, Set
 
 import torch
 
-__all__ = ["Rollout", "decode_responses", "pack_sequences"]
+__all__ = ["Rollout", "decode_responses"]
 
 
 class Rollout(NamedTuple):
@@ -25,34 +25,6 @@ class Rollout(NamedTuple):
     response_ids: List[List[int]]
     truncated: torch.Tensor
     logprobs: Optional[List[List[float]]] = None
-
-
-def pack_sequences(
-    prompt_ids: List[List[int]], response_ids: List[List[int]], pad_id: int
-) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Lay out ``prompt + response`` per row, right-padded, for training forwards.
-
-    Generation left-pads prompts; training re-packs each row so it starts at position 0. Then a plain
-    causal mask is exact (padding only ever follows real tokens), no position ids are needed, and
-    attention can take the fused ``is_causal`` path.
-
-    Args:
-        prompt_ids (List[List[int]]): N prompts.
-        response_ids (List[List[int]]): N responses.
-        pad_id (int): padding id.
-
-    Returns:
-        tuple[torch.Tensor, torch.Tensor]: ``tokens [N, L]`` (int64) and ``response_mask [N, L]`` (bool,
-        True on response tokens), with ``L = max(len(prompt) + len(response))``.
-    """
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
-    n, seq_len = len(lengths), max(lengths)
-    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
-    response_mask = torch.zeros((n, seq_len), dtype=torch.bool)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
-        response_mask[i, len(p) : len(p) + len(r)] = True
-    return tokens, response_mask
 
 
 def decode_responses(tokenizer, response_ids: List[List[int]]) -> List[str]:

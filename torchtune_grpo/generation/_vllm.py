@@ -18,6 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._rollout import Rollout
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
 
@@ -33,7 +34,7 @@ def _vllm_device() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-class VLLMGenerator:
+class VLLMGenerator(GenerationEngine):
     """Sample ``group_size`` completions per prompt with vLLM, with the same sampling settings as
     :class:`~torchtune_grpo.generation.NativeGenerator`, and the sampled tokens' log-probabilities.
 

@@ -1,0 +1,190 @@
+"""A step's scored rollout, and the one function that samples and scores completions.
+
+:class:`RolloutGroups` is what leaves the rollout stage: ``group_size`` completions per prompt with their
+token ids, text, rewards, truncation, the engine's sampling logprobs (an engine with its own weights,
+vLLM) and how long generating and scoring took. Dynamic sampling selects from it, the training layout
+and the metrics read it.
+
+:func:`sample_and_score` is how every part of the project gets one: training rollouts (the recipe),
+held-out evaluation (:mod:`torchtune_grpo.evaluation`) and rejection sampling
+(:mod:`torchtune_grpo.rejection_sampling`) all sample, decode and score through it.
+"""
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torchtune_grpo.data import PromptBatch
+from torchtune_grpo.generation import decode_responses, GenerationEngine
+from torchtune_grpo.rewards import RewardBatch, RewardSet
+
+__all__ = ["RolloutGroups", "sample_and_score"]
+
+
+@dataclass
+class RolloutGroups:
+    """Scored completions of ``num_groups`` prompts, ``group_size`` each: what generation rounds produced.
+
+    Row ``i`` (of ``N = num_groups x group_size``) answers prompt ``i // group_size``.
+
+    Attributes:
+        group_size (int): completions per prompt, ``G``.
+        prompts (List[str]): prompt text, one per group.
+        fields (List[Dict[str, Any]]): the prompt's dataset columns, one per group.
+        prompt_ids (List[List[int]]): prompt token ids, one per row.
+        response_ids (List[List[int]]): completion token ids, one per row.
+        completions (List[str]): decoded completions, one per row.
+        truncated (torch.Tensor): ``[N]`` bool, True where no stop token came within the budget.
+        rewards (torch.Tensor): ``[N]`` float32, the weighted sum of the reward components.
+        per_component (Dict[str, torch.Tensor]): each component's ``[N]`` scores.
+        errors (Dict[str, int]): samples given the fallback, per component, counted when scored (a
+            selection keeps the counts of everything that was scored).
+        engine_logprobs (Optional[List[List[float]]]): per row, the engine's log-probability of each sampled
+            response token (an engine with its own weights, e.g. vLLM); None when the engine samples with the
+            trainer's model (:class:`~torchtune_grpo.generation.Rollout`'s ``logprobs``). Default is None.
+        generation_seconds (float): time spent generating (a selection keeps the total of everything
+            generated). Default is 0.
+        reward_seconds (float): time spent decoding and scoring. Default is 0.
+    """
+
+    group_size: int
+    prompts: List[str]
+    fields: List[Dict[str, Any]]
+    prompt_ids: List[List[int]]
+    response_ids: List[List[int]]
+    completions: List[str]
+    truncated: torch.Tensor
+    rewards: torch.Tensor
+    per_component: Dict[str, torch.Tensor] = field(default_factory=dict)
+    errors: Dict[str, int] = field(default_factory=dict)
+    engine_logprobs: Optional[List[List[float]]] = None
+    generation_seconds: float = 0.0
+    reward_seconds: float = 0.0
+
+    @property
+    def num_groups(self) -> int:
+        """Number of prompt groups."""
+        return len(self.prompts)
+
+    def select(self, groups: Sequence[int]) -> "RolloutGroups":
+        """The given groups, in that order (errors and timings: those of everything scored)."""
+        g = self.group_size
+        rows = [gi * g + j for gi in groups for j in range(g)]
+        index = torch.tensor(rows, dtype=torch.long)
+        return RolloutGroups(
+            group_size=g,
+            prompts=[self.prompts[i] for i in groups],
+            fields=[self.fields[i] for i in groups],
+            prompt_ids=[self.prompt_ids[i] for i in rows],
+            response_ids=[self.response_ids[i] for i in rows],
+            completions=[self.completions[i] for i in rows],
+            truncated=self.truncated[index],
+            rewards=self.rewards[index],
+            per_component={k: v[index] for k, v in self.per_component.items()},
+            errors=dict(self.errors),
+            engine_logprobs=None if self.engine_logprobs is None else [self.engine_logprobs[i] for i in rows],
+            generation_seconds=self.generation_seconds,
+            reward_seconds=self.reward_seconds,
+        )
+
+    @staticmethod
+    def concat(parts: Sequence["RolloutGroups"]) -> "RolloutGroups":
+        """The groups of several rounds, one after the other (errors and timings are summed)."""
+        if not parts:
+            raise ValueError("concat needs at least one RolloutGroups")
+        if len(parts) == 1:
+            return parts[0]
+        errors: Dict[str, int] = {}
+        for p in parts:
+            for k, v in p.errors.items():
+                errors[k] = errors.get(k, 0) + int(v)
+        with_logprobs = all(p.engine_logprobs is not None for p in parts)
+        return RolloutGroups(
+            group_size=parts[0].group_size,
+            prompts=[x for p in parts for x in p.prompts],
+            fields=[x for p in parts for x in p.fields],
+            prompt_ids=[x for p in parts for x in p.prompt_ids],
+            response_ids=[x for p in parts for x in p.response_ids],
+            completions=[x for p in parts for x in p.completions],
+            truncated=torch.cat([p.truncated for p in parts]),
+            rewards=torch.cat([p.rewards for p in parts]),
+            per_component={k: torch.cat([p.per_component[k] for p in parts]) for k in parts[0].per_component},
+            errors=errors,
+            engine_logprobs=[x for p in parts for x in p.engine_logprobs] if with_logprobs else None,
+            generation_seconds=sum(p.generation_seconds for p in parts),
+            reward_seconds=sum(p.reward_seconds for p in parts),
+        )
+
+
+def sample_and_score(
+    model: nn.Module,
+    tokenizer,
+    engine: GenerationEngine,
+    batch: PromptBatch,
+    rewards: RewardSet,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    generator: Optional[torch.Generator] = None,
+    temperature: Optional[float] = None,
+    generation_context: Optional[ContextManager] = None,
+) -> RolloutGroups:
+    """Sample ``group_size`` completions for each prompt of ``batch``, decode them and score them.
+
+    Args:
+        model (nn.Module): the policy (the engine samples with it, or ignores it when it holds its own
+            weights). The caller puts it in eval mode.
+        tokenizer: its tokenizer (``pad_id``, ``stop_tokens``, ``decode``).
+        engine (GenerationEngine): the generation engine.
+        batch (PromptBatch): the prompts (``collate_prompts``).
+        rewards (RewardSet): the reward functions.
+        group_size (int): completions per prompt, ``G``.
+        max_new_tokens (int): the response budget.
+        generator (Optional[torch.Generator]): sampling RNG. Default is None.
+        temperature (Optional[float]): override the engine's temperature (0: greedy); None leaves the
+            engine's. Default is None.
+        generation_context (Optional[ContextManager]): entered around the generation call only, and counted
+            in its time (the recipe's FSDP2 unshard). Default is None.
+
+    Returns:
+        RolloutGroups: ``len(batch.tokens) x group_size`` scored rows, with timings.
+    """
+    t0 = time.perf_counter()
+    # Only an override is passed: an engine's generate need not take `temperature`.
+    kwargs = {} if temperature is None else {"temperature": temperature}
+    with generation_context if generation_context is not None else nullcontext():
+        rollout = engine.generate(
+            model,
+            batch.tokens,
+            group_size=group_size,
+            max_new_tokens=max_new_tokens,
+            pad_id=tokenizer.pad_id,
+            stop_tokens=tokenizer.stop_tokens,
+            generator=generator,
+            **kwargs,
+        )
+    t1 = time.perf_counter()
+    completions = decode_responses(tokenizer, rollout.response_ids)
+    scored = rewards(
+        RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, group_size)
+    )
+    t2 = time.perf_counter()
+    return RolloutGroups(
+        group_size=group_size,
+        prompts=list(batch.prompts),
+        fields=list(batch.fields),
+        prompt_ids=rollout.prompt_ids,
+        response_ids=rollout.response_ids,
+        completions=completions,
+        truncated=rollout.truncated.cpu().bool(),
+        rewards=scored.total,
+        per_component=scored.per_component,
+        errors=scored.errors,
+        engine_logprobs=rollout.logprobs,
+        generation_seconds=t1 - t0,
+        reward_seconds=t2 - t1,
+    )
