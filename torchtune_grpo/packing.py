@@ -17,8 +17,9 @@ the unshared layout (tested to ~1e-6 in fp32, gradients included); only the orde
 sums differs.
 
 The shared attention runs in the torchtune ``MultiHeadAttention`` modules of the model when a forward gets a
-:class:`SharedPromptMask` as its ``mask``: :func:`install_shared_prompt_attention` gives those modules a
-forward that recognises it and otherwise runs torchtune's own forward unchanged. The layout travels as the
+:class:`SharedPromptMask` (an :class:`~torchtune_grpo.attention.AttentionLayout`) as its ``mask``:
+:func:`install_shared_prompt_attention` gives those modules :mod:`torchtune_grpo.attention`'s forward, which
+recognises it and otherwise runs torchtune's own forward unchanged. The layout travels as the
 ``mask`` argument (not as global state), so activation checkpointing's recomputation in backward sees it.
 
 Results always come back in the unshared layout: column ``j`` of an ``[N, T]`` result is the prediction of
@@ -28,7 +29,6 @@ positions that are not response tokens hold 0. Masks, advantages, reference/old 
 aggregation therefore do not depend on the layout.
 """
 
-import types
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
-from torchtune_grpo._attention import project_qkv
+from torchtune_grpo.attention import AttentionLayout, install_attention, installable
 from torchtune_grpo.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
 
 __all__ = [
@@ -104,7 +104,7 @@ def response_values(
     return out
 
 
-class SharedPromptMask:
+class SharedPromptMask(AttentionLayout):
     """The attention layout of a shared-prompt forward, passed to the decoder as its ``mask``.
 
     A plain object (not a tensor), so that module hooks (FSDP2, activation checkpointing) pass it through.
@@ -158,35 +158,6 @@ class SharedPromptMask:
         return torch.cat([out_p, out_c], dim=2)
 
 
-def _shared_prompt_forward(
-    self: MultiHeadAttention,
-    x: torch.Tensor,
-    y: Optional[torch.Tensor] = None,
-    *,
-    mask=None,
-    input_pos: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """torchtune's ``MultiHeadAttention.forward``, with the attention of a :class:`SharedPromptMask` layout.
-
-    Projections, positional embeddings and q/k norms are torchtune's, step for step; only the attention
-    call differs. Any other ``mask`` (None, a tensor, a BlockMask) runs torchtune's forward unchanged.
-    """
-    if not isinstance(mask, SharedPromptMask):
-        return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
-    if y is None or (self.kv_cache is not None and self.cache_enabled):
-        raise ValueError("A shared-prompt forward is a training forward: self-attention without a KV cache")
-    b, s_x, _ = x.shape
-    q, k, v = project_qkv(self, x, y, input_pos)  # [b, h, s_x, d], [b, h_kv, s_y, d] x2
-    out = mask.attention(q, k, v, dropout_p=self.attn_dropout if self.training else 0.0)
-    out = out.transpose(1, 2).contiguous().view(b, s_x, -1)
-    return self.output_proj(out)
-
-
-# The generation engine (generation/_cache.py) may swap this forward for its cached one during a rollout:
-# it falls back to torchtune's forward for every mask but a SharedPromptMask.
-_shared_prompt_forward.falls_back_to_mha = True
-
-
 def _attention_modules(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
 
@@ -203,13 +174,7 @@ def supports_shared_prompt(model: nn.Module) -> bool:
     attns = _attention_modules(model)
     if not attns:
         return False
-    for a in attns:
-        own = a.__dict__.get("forward")
-        if type(a).forward is not MultiHeadAttention.forward or not a.is_causal:
-            return False
-        if own is not None and getattr(own, "__func__", None) is not _shared_prompt_forward:
-            return False
-    return True
+    return all(installable(a) and a.is_causal for a in attns)
 
 
 def install_shared_prompt_attention(model: nn.Module) -> bool:
@@ -221,8 +186,7 @@ def install_shared_prompt_attention(model: nn.Module) -> bool:
     if not supports_shared_prompt(model):
         return False
     for a in _attention_modules(model):
-        if "forward" not in a.__dict__:
-            a.forward = types.MethodType(_shared_prompt_forward, a)
+        install_attention(a)
     return True
 
 

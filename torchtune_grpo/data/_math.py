@@ -4,7 +4,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 from torchtune_grpo.data._prompt import PromptDataset
 from torchtune_grpo.data._verifiable import load_rows, require_columns
-from torchtune_grpo.rewards._math import extract_answer
+from torchtune_grpo.text import extract_answer
 
 __all__ = ["extract_boxed_answer", "math_dataset"]
 

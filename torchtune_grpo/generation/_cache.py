@@ -14,16 +14,13 @@ path (``is_causal``) only when ``attn.kv_cache is None``, so a cache that was me
 to every position.
 """
 
-import types
 from contextlib import contextmanager
 from typing import Iterator, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torchtune.modules import MultiHeadAttention
 
-from torchtune_grpo._attention import project_qkv
+from torchtune_grpo.attention import attention_installed, EngineKVCache
 
 __all__ = [
     "CacheState",
@@ -31,8 +28,6 @@ __all__ = [
     "SlotKVCache",
     "attention_modules",
     "attached_caches",
-    "cached_attention_forward",
-    "takes_cached_forward",
 ]
 
 
@@ -49,7 +44,7 @@ class CacheState:
         self.window = window
 
 
-class SlotKVCache(nn.Module):
+class SlotKVCache(EngineKVCache):
     """Drop-in for torchtune's ``KVCache`` inside ``MultiHeadAttention``: writes at ``state.slots``.
 
     Args:
@@ -85,82 +80,22 @@ def attention_modules(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "kv_cache") and hasattr(m, "cache_enabled")]
 
 
-def cached_attention_forward(
-    self: MultiHeadAttention,
-    x: torch.Tensor,
-    y: Optional[torch.Tensor] = None,
-    *,
-    mask: Optional[torch.Tensor] = None,
-    input_pos: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """torchtune's ``MultiHeadAttention.forward`` for cached self-attention, without the GQA copy.
-
-    The same computation, step for step, as torchtune 0.6.1's forward with a KV cache and a boolean mask,
-    except that grouped-query attention is left to ``scaled_dot_product_attention(enable_gqa=True)``
-    instead of materialising every key/value head ``num_heads / num_kv_heads`` times (a copy of the whole
-    cache window per layer per decoded token). SDPA computes the same numbers (the tests check exact
-    greedy equality with torchtune's own generation). The mask may be boolean or additive (float, the
-    query's dtype), or a ``PrefixDecodeMask`` for a cache with an ``attend`` method. Anything else falls
-    back to torchtune's forward.
-    """
-    if y is None or mask is None or self.kv_cache is None:
-        return MultiHeadAttention.forward(self, x, y, mask=mask, input_pos=input_pos)
-    b, s_x, _ = x.shape
-    q, k, v = project_qkv(self, x, y, input_pos)  # [b, h, s_x, d], [b, h_kv, s_y, d] x2
-    attend = getattr(self.kv_cache, "attend", None)
-    if attend is not None:  # a cache that attends itself (the shared-prefix layout of _prefix_attention.py)
-        out = attend(q, k, v, mask)
-        return self.output_proj(out.transpose(1, 2).contiguous().view(b, s_x, -1))
-    k, v = self.kv_cache.update(k, v)  # [b, h_kv, W, d]
-    out = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        attn_mask=mask[:, None, :, :],
-        dropout_p=self.attn_dropout if self.training else 0.0,
-        enable_gqa=self.num_heads != self.num_kv_heads,
-    )
-    out = out.transpose(1, 2).contiguous().view(b, s_x, -1)
-    return self.output_proj(out)
-
-
-def takes_cached_forward(attn: nn.Module) -> bool:
-    """Whether :func:`attached_caches` gives ``attn`` :func:`cached_attention_forward`.
-
-    Plain torchtune ``MultiHeadAttention`` modules do; so do instances whose own forward marks itself as
-    torchtune's for every input it may get here (``falls_back_to_mha``). Subclasses with their own forward
-    keep it.
-    """
-    own = attn.__dict__.get("forward")
-    replaceable = own is None or getattr(getattr(own, "__func__", None), "falls_back_to_mha", False)
-    return type(attn).forward is MultiHeadAttention.forward and replaceable
-
-
 @contextmanager
 def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator[None]:
     """Attach ``caches[i]`` to ``attns[i]`` (enabled) for the duration; restore the previous state after.
 
-    Modules for which :func:`takes_cached_forward` holds also run :func:`cached_attention_forward`
-    meanwhile (an instance attribute, restored on exit; e.g. over the shared-prompt training forward of
-    ``torchtune_grpo/packing.py``, which marks itself ``falls_back_to_mha``).
+    Modules that :func:`~torchtune_grpo.attention.installable` accepts run
+    :func:`~torchtune_grpo.attention.attention_forward` meanwhile (the engine's cached attention); others
+    keep their own forward, which reaches the cache through torchtune's ``kv_cache.update``.
     """
     saved = [(a.kv_cache, a.cache_enabled) for a in attns]
-    patched = []
     try:
-        for a, c in zip(attns, caches):
-            a.kv_cache = c
-            a.cache_enabled = True
-            own = a.__dict__.get("forward")
-            if takes_cached_forward(a):
-                a.forward = types.MethodType(cached_attention_forward, a)
-                patched.append((a, own))
-        yield
+        with attention_installed(attns):
+            for a, c in zip(attns, caches):
+                a.kv_cache = c
+                a.cache_enabled = True
+            yield
     finally:
-        for a, own in patched:
-            if own is None:
-                del a.forward
-            else:
-                a.forward = own
         for a, (c, enabled) in zip(attns, saved):
             a.kv_cache = c
             a.cache_enabled = enabled

@@ -7,12 +7,12 @@
 compiled (CUDA graphs) and never read a value back to the host.
 """
 
-from typing import List, Optional, Tuple, TYPE_CHECKING
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from torchtune_grpo.generation._cache import CacheState, SlotKVCache
+from torchtune_grpo.generation._cache import CacheState, KVCachePool, SlotKVCache
 from torchtune_grpo.generation._prefix_attention import (
     lean_decode_eligible,
     lean_decode_layer,
@@ -20,10 +20,25 @@ from torchtune_grpo.generation._prefix_attention import (
     SharedPrefixKVCache,
 )
 
-if TYPE_CHECKING:
-    from torchtune_grpo.generation._native import NativeGenerator
+__all__ = ["decode_step", "prefix_decode_step", "PerRowRollout", "RolloutResources", "SharedPrefixRollout"]
 
-__all__ = ["decode_step", "prefix_decode_step", "PerRowRollout", "SharedPrefixRollout"]
+
+class RolloutResources(NamedTuple):
+    """What a rollout's layout takes from the engine that runs it (kept by the engine across rollouts).
+
+    Attributes:
+        cache (KVCachePool): the key/value storage.
+        write_slot (torch.Tensor): ``[1]`` long, the caches' write position: one buffer per device for the
+            engine's lifetime (a CUDA graph records its address).
+        compile_step (Callable[[Callable], Callable]): a decode step function -> the function to call (the
+            compiled step, or the step itself when decoding runs eagerly).
+        share_prefill (bool): prefill each prompt once and share its cache with its group.
+    """
+
+    cache: KVCachePool
+    write_slot: torch.Tensor
+    compile_step: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]
+    share_prefill: bool
 
 
 def _additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,7 +153,7 @@ class SharedPrefixRollout:
     to ``cache_len_multiple``) and masks the rest.
 
     Args:
-        engine (NativeGenerator): the engine (its cache pool, compiled steps, settings).
+        resources (RolloutResources): the engine's cache pool, write slot, compiled steps and settings.
         layout (List[Tuple[int, int]]): ``(h_kv, head_dim)`` of each attention layer.
         prompt (torch.Tensor): ``[B, P]`` left-padded prompts.
         pad_b (torch.Tensor): ``[B]`` left padding of each prompt.
@@ -151,7 +166,7 @@ class SharedPrefixRollout:
 
     def __init__(
         self,
-        engine: "NativeGenerator",
+        resources: RolloutResources,
         layout: List[Tuple[int, int]],
         prompt: torch.Tensor,
         pad_b: torch.Tensor,
@@ -163,13 +178,13 @@ class SharedPrefixRollout:
     ) -> None:
         b, prompt_len = prompt.shape
         self.group_size = group_size
-        self.decode_fn = engine._decode_fn(device, prefix_decode_step)
+        self.decode_fn = resources.compile_step(prefix_decode_step)
         self.compiled = self.decode_fn is not prefix_decode_step
-        mult = engine.cache.len_multiple
+        mult = resources.cache.len_multiple
         # A compiled step is specialised on its windows: round them up to bound the number of graphs.
         p_window = -(-prompt_len // mult) * mult if self.compiled else prompt_len
         c_window = -(-max_new_tokens // mult) * mult if self.compiled else max_new_tokens
-        (pk, pv), (ck, cv) = engine.cache.get(
+        (pk, pv), (ck, cv) = resources.cache.get(
             layout, [(b, p_window), (b * group_size, c_window)], dtype, device
         )
         if self.compiled:
@@ -192,7 +207,7 @@ class SharedPrefixRollout:
         self.prompt = prompt
         prefill_state = CacheState(slots=p_slots, window=prompt_len)
         self.prefill_caches = [SlotKVCache(k, v, prefill_state) for k, v in zip(pk, pv)]
-        self.write_slot = engine._write_slot(device)
+        self.write_slot = resources.write_slot
         self.state = CacheState(slots=self.write_slot, window=c_window)
         self.decode_caches = [
             SharedPrefixKVCache(pk_i, pv_i, ck_i, cv_i, self.state, p_window)
@@ -239,7 +254,7 @@ class PerRowRollout:
 
     def __init__(
         self,
-        engine: "NativeGenerator",
+        resources: RolloutResources,
         layout: List[Tuple[int, int]],
         prompt: torch.Tensor,
         pad_b: torch.Tensor,
@@ -251,20 +266,20 @@ class PerRowRollout:
     ) -> None:
         b, prompt_len = prompt.shape
         g = group_size
-        self.decode_fn = engine._decode_fn(device, decode_step)
+        self.decode_fn = resources.compile_step(decode_step)
         self.compiled = self.decode_fn is not decode_step
         # The attention window: every slot this rollout writes. A compiled step is specialised on it, so
         # round it up to bound the number of distinct graphs.
         window = prompt_len + max_new_tokens
         if self.compiled:
-            window = -(-window // engine.cache.len_multiple) * engine.cache.len_multiple
+            window = -(-window // resources.cache.len_multiple) * resources.cache.len_multiple
         slot_ids = torch.arange(window, device=device)
         valid_b = slot_ids[None, :] >= pad_b[:, None]  # [B, W]
         self.pad = pad_b.repeat_interleave(g)  # [N]
         self.valid = valid_b.repeat_interleave(g, dim=0)  # [N, W]
         self.slot_ids = slot_ids
         # Prefill rows: one per prompt (its cache is then copied to the group), or every row.
-        self.share = engine.share_prefill and g > 1
+        self.share = resources.share_prefill and g > 1
         p_pad = pad_b if self.share else self.pad
         p_valid = valid_b if self.share else self.valid
         self.prompt = prompt if self.share else prompt.repeat_interleave(g, dim=0)
@@ -273,7 +288,7 @@ class PerRowRollout:
         causal = p_slots[:, None] >= slot_ids[None, :]  # [P, W]
         # A padded query row would attend to nothing (NaN softmax): let it see itself.
         self.prefill_mask = (causal[None] & p_valid[:, None, :]) | (p_slots[:, None] == slot_ids[None, :])
-        ((ks, vs),) = engine.cache.get(layout, [(b * g, window)], dtype, device)
+        ((ks, vs),) = resources.cache.get(layout, [(b * g, window)], dtype, device)
         self.ks, self.vs, self.num_prompts, self.group_size, self.prompt_len = ks, vs, b, g, prompt_len
         state = CacheState(slots=p_slots, window=window)
         if self.share:
@@ -281,7 +296,7 @@ class PerRowRollout:
             self.prefill_caches = [SlotKVCache(k[::g], v[::g], state) for k, v in zip(ks, vs)]
         else:
             self.prefill_caches = [SlotKVCache(k, v, state) for k, v in zip(ks, vs)]
-        self.write_slot = engine._write_slot(device)
+        self.write_slot = resources.write_slot
         decode_state = CacheState(slots=self.write_slot, window=window)
         self.decode_caches = [SlotKVCache(k, v, decode_state) for k, v in zip(ks, vs)]
         for k, v in zip(ks, vs):

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool, takes_cached_forward
-from torchtune_grpo.generation._layouts import PerRowRollout, SharedPrefixRollout
+from torchtune_grpo.attention import installable
+from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool
+from torchtune_grpo.generation._layouts import PerRowRollout, RolloutResources, SharedPrefixRollout
 from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._rollout import Rollout
 from torchtune_grpo.generation._sampling import sample_tokens
@@ -179,13 +180,19 @@ class NativeGenerator(GenerationEngine):
         for i, p in enumerate(prompts):
             prompt[i, prompt_len - len(p) :] = torch.tensor(p, dtype=torch.long)
         layout = [(a.num_kv_heads, a.head_dim) for a in attns]
-        all_cached = all(takes_cached_forward(a) for a in attns)
+        all_cached = all(installable(a) for a in attns)  # all run the engine's cached attention
         # The shared-prefix layout needs the engine's attention everywhere and fp32 scores (see
         # _prefix_attention.py); everything else decodes with a per-row cache.
         shared = self.share_prefill and all_cached and dtype == torch.float32
         layout_cls = SharedPrefixRollout if shared else PerRowRollout
+        resources = RolloutResources(
+            cache=self.cache,
+            write_slot=self._write_slot(device),
+            compile_step=lambda step: self._decode_fn(device, step),
+            share_prefill=self.share_prefill,
+        )
         return layout_cls(
-            self, layout, prompt.to(device), pad_b.to(device), group_size, max_new_tokens, dtype, device,
+            resources, layout, prompt.to(device), pad_b.to(device), group_size, max_new_tokens, dtype, device,
             all_cached,
         )
 

@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from torchtune_grpo.attention import EngineKVCache
 from torchtune_grpo.generation._cache import CacheState
 
 __all__ = ["PrefixDecodeMask", "SharedPrefixKVCache", "lean_decode_eligible", "lean_decode_layer"]
@@ -40,7 +41,7 @@ class PrefixDecodeMask(NamedTuple):
     completion: Optional[torch.Tensor]
 
 
-class SharedPrefixKVCache(nn.Module):
+class SharedPrefixKVCache(EngineKVCache):
     """A layer's decode cache: each prompt's keys/values once, then each row's completion.
 
     Rows ``i G .. i G + G - 1`` continue prompt ``i``. New keys/values go to the completion part at
@@ -72,6 +73,8 @@ class SharedPrefixKVCache(nn.Module):
         self.state = state
         self.prefix_window = prefix_window
         self.batch_size = k_cache.size(0)
+
+    attends = True  # attention_forward hands it the queries: it reads the prompt part once per group
 
     def attend(
         self, q: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor, mask: PrefixDecodeMask

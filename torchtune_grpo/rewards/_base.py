@@ -22,8 +22,9 @@ import re
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from torchtune_grpo.text import to_plain  # re-exported: rewards use it on YAML arguments
 from torchtune_grpo.rewards._execution import Outcome, call_with_timeout, resolve_awaitable, run_each
 
 __all__ = [
@@ -145,13 +146,6 @@ class RewardOutput(NamedTuple):
     total: torch.Tensor
     per_component: Dict[str, torch.Tensor]
     errors: Dict[str, int]
-
-
-def to_plain(value: Any) -> Any:
-    """Converts OmegaConf containers (what YAML arguments arrive as) to plain dicts and lists."""
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value, resolve=True)
-    return value
 
 
 def _snake_case(name: str) -> str:

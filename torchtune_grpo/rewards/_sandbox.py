@@ -48,9 +48,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
-from torchtune_grpo.rewards._base import to_plain
+from torchtune_grpo.text import normalize_tests
 
 __all__ = [
     "NETWORK_MODES",
@@ -233,71 +233,6 @@ class SandboxResult(NamedTuple):
     def fraction(self) -> float:
         """Fraction of tests passed, in ``[0, 1]``."""
         return self.passed / self.total if self.total else 0.0
-
-
-def normalize_tests(tests: Any) -> List[Dict[str, str]]:
-    """Turns a dataset's test cases into the runner's list of tests.
-
-    Accepted shapes:
-
-    - a list of Python statements (``["assert add(1, 2) == 3", ...]``, MBPP/HumanEval style): each runs
-      after the solution, in the solution's namespace; it passes when it raises nothing;
-    - a list of ``{"input": str, "output": str}`` (stdin/stdout, APPS/CodeContests style): the solution
-      runs as ``__main__`` with that stdin; it passes when its stdout equals ``output`` (trailing
-      whitespace of each line and surrounding blank lines ignored);
-    - ``{"inputs": [...], "outputs": [...]}``: the same, column-wise;
-    - a JSON string of any of the above, or any other string: one test script.
-
-    Args:
-        tests (Any): the dataset value.
-
-    Returns:
-        List[Dict[str, str]]: ``{"kind": "assert", "source": ...}`` or ``{"kind": "io", "input": ...,
-        "output": ...}`` items.
-
-    Raises:
-        ValueError: on an empty or unrecognised value.
-    """
-    tests = to_plain(tests)
-    if isinstance(tests, str):
-        stripped = tests.strip()
-        if stripped[:1] in ("[", "{"):
-            try:
-                return normalize_tests(json.loads(stripped))
-            except json.JSONDecodeError:
-                pass
-        if not stripped:
-            raise ValueError("empty test cases")
-        return [{"kind": "assert", "source": tests}]
-    if isinstance(tests, dict):
-        if "inputs" in tests and "outputs" in tests:
-            ins, outs = list(tests["inputs"]), list(tests["outputs"])
-            if len(ins) != len(outs):
-                raise ValueError(f"{len(ins)} inputs but {len(outs)} outputs in test cases")
-            tests = [{"input": i, "output": o} for i, o in zip(ins, outs)]
-        elif "input" in tests and "output" in tests:
-            tests = [tests]
-        else:
-            raise ValueError(f"test cases dict needs inputs/outputs, got keys {sorted(tests)}")
-    if not isinstance(tests, (list, tuple)) or not tests:
-        raise ValueError(f"test cases must be a non-empty list, got {type(tests).__name__}: {str(tests)[:100]!r}")
-    out = []
-    for t in tests:
-        if isinstance(t, str):
-            out.append({"kind": "assert", "source": t})
-        elif isinstance(t, dict) and t.get("kind") == "assert" and isinstance(t.get("source"), str):
-            out.append({"kind": "assert", "source": t["source"]})  # already normalised
-        elif isinstance(t, dict) and "input" in t and "output" in t:
-            out.append({"kind": "io", "input": _io_text(t["input"]), "output": _io_text(t["output"])})
-        else:
-            raise ValueError(f"unrecognised test case {str(t)[:100]!r}: expected a statement or {{input, output}}")
-    return out
-
-
-def _io_text(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return "\n".join(str(v) for v in value)
-    return str(value)
 
 
 @functools.lru_cache(maxsize=None)
