@@ -1,0 +1,154 @@
+"""torchtune_grpo.models: the decoder built from a Hugging Face directory computes the same logits as
+transformers, for every supported architecture, and unsupported configs are named errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.hf_models import ARCHITECTURES, hf_logits, make_hf_model
+from torchtune_grpo.models import HFCheckpointer, HFModelSpec, hf_model
+
+VOCAB = 160  # tests/hf_models.py
+
+
+def _tokens(batch: int = 2, length: int = 100, seed: int = 1) -> torch.Tensor:
+    # 100 positions: past the llama3_2 fixture's original_max_position_embeddings (32), so the scaled
+    # low frequencies matter.
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _ours(directory: Path, tmp_path: Path, **kwargs) -> nn.Module:
+    model = hf_model(str(directory), **kwargs)
+    state = HFCheckpointer(str(directory), str(tmp_path / "unused_out")).load_checkpoint()["model"]
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One saved random model per architecture: {arch: directory}."""
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: (make_hf_model(root / arch, arch), root / arch)[1] for arch in ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_logits_equal_transformers(arch, saved, tmp_path):
+    tokens = _tokens()
+    with torch.no_grad():
+        ours = _ours(saved[arch], tmp_path)(tokens)
+    ref = hf_logits(saved[arch], tokens)
+    assert ours.shape == ref.shape == (2, 100, VOCAB)
+    assert ref.abs().max() > 1.0  # not a degenerate model
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
+def test_llama3_rope_scaling_is_applied(saved, tmp_path):
+    # Without the llama3 scaling the same weights give other logits at these lengths: the equality above
+    # really tests the scaling.
+    directory = saved["llama3_2"]
+    model = _ours(directory, tmp_path)
+    from torchtune.modules import RotaryPositionalEmbeddings
+
+    spec = HFModelSpec.from_directory(directory)
+    plain = RotaryPositionalEmbeddings(spec.head_dim, max_seq_len=spec.max_seq_len, base=spec.rope_base)
+    for layer in model.layers:
+        layer.attn.pos_embeddings = plain
+    with torch.no_grad():
+        diff = (model(_tokens()) - hf_logits(directory, _tokens())).abs().max()
+    assert diff > 1e-2
+
+
+def test_qwen3_norm_before_rope_matters(saved, tmp_path):
+    # torchtune 0.6.1's MultiHeadAttention(q_norm=..., k_norm=...) normalises after RoPE: with random norm
+    # weights that is a different model, which is why the norm lives in the projection.
+    directory = saved["qwen3"]
+    model = _ours(directory, tmp_path)
+    for layer in model.layers:
+        attn = layer.attn
+        attn.q_norm, attn.k_norm = attn.q_proj.norm, attn.k_proj.norm
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.forward = nn.Linear.forward.__get__(proj)  # projection only, norm moved after RoPE
+    with torch.no_grad():
+        diff = (model(_tokens()) - hf_logits(directory, _tokens())).abs().max()
+    assert diff > 1e-2
+
+
+def test_tied_model_has_no_output_weight(saved):
+    tied = hf_model(str(saved["qwen3_tied"]))
+    untied = hf_model(str(saved["qwen3"]))
+    assert "output.weight" not in tied.state_dict()
+    assert untied.state_dict()["output.weight"].shape == (VOCAB, 64)
+    # Qwen3 heads are head_dim (32) wide, not hidden_size / heads (16): q_proj is [4 * 32, 64]
+    assert untied.layers[0].attn.q_proj.weight.shape == (128, 64)
+    assert untied.layers[0].attn.q_proj.norm.scale.shape == (32,)
+
+
+def _saved_with(directory: Path, arch: str, **changes) -> Path:
+    """A random ``arch`` model saved to ``directory``, its config.json then edited."""
+    make_hf_model(directory, arch)
+    return _config(directory, **changes)
+
+
+def _config(directory: Path, **changes) -> Path:
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "arch, changes, names",
+    [
+        ("qwen3", {"model_type": "qwen3_moe"}, ["model_type", "'qwen3_moe'", "mixture-of-experts", "'qwen3'", "'llama'"]),
+        ("qwen3", {"num_experts": 8}, ["num_experts", "dense models only"]),
+        ("qwen3", {"use_sliding_window": True}, ["use_sliding_window"]),
+        ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, ["layer_types", "sliding_attention"]),
+        ("qwen2", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+         ["rope_parameters.rope_type", "'yarn'", "'default'", "'llama3'"]),
+        ("llama3", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
+         ["rope_scaling.rope_type", "'linear'"]),
+        ("llama3", {"hidden_act": "gelu"}, ["hidden_act", "'gelu'", "'silu'"]),
+        ("llama3", {"attention_bias": True}, ["attention_bias"]),
+        ("llama3", {"quantization_config": {"quant_method": "gptq"}}, ["quantization_config", "gptq"]),
+    ],
+)
+def test_unsupported_config_is_named(arch, changes, names, tmp_path):
+    directory = _saved_with(tmp_path / arch, arch, **changes)
+    with pytest.raises(ValueError) as err:
+        hf_model(str(directory))
+    for name in names:
+        assert name in str(err.value), (name, str(err.value))
+    with pytest.raises(ValueError):  # the checkpointer checks the same config
+        HFCheckpointer(str(directory), str(tmp_path / "out"))
+
+
+def test_hub_style_rope_fields(tmp_path):
+    # Hub config.json files (transformers 4) write rope_theta + rope_scaling, transformers 5 writes
+    # rope_parameters: both give the same spec.
+    make_hf_model(tmp_path / "m", "llama3_2")
+    v5 = HFModelSpec.from_directory(tmp_path / "m")
+    params = json.loads((tmp_path / "m" / "config.json").read_text())["rope_parameters"]
+    theta = params.pop("rope_theta")
+    _config(tmp_path / "m", rope_parameters=None, rope_theta=theta, rope_scaling=params)
+    v4 = HFModelSpec.from_directory(tmp_path / "m")
+    assert v4 == v5 and v4.rope_base == 500000.0 and v4.rope_scaling.factor == 8.0
+
+
+def test_mistral_sliding_window_bounds_max_seq_len(tmp_path):
+    # Attention within a window of 128 equals full attention on sequences of at most 128 tokens: the model
+    # is built for exactly those, and asking for more is an error naming the field.
+    directory = _saved_with(tmp_path / "m", "mistral", sliding_window=128)
+    assert hf_model(str(directory)).max_seq_len == 128
+    assert hf_model(str(directory), max_seq_len=64).max_seq_len == 64
+    with pytest.raises(ValueError, match="sliding_window = 128"):
+        hf_model(str(directory), max_seq_len=256)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        hf_model(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        hf_model(str(tmp_path / "nowhere"))

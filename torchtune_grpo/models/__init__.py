@@ -1,0 +1,27 @@
+"""Bring your own Hugging Face model: one directory gives the model, its weights and its tokenizer.
+
+    model:        {_component_: torchtune_grpo.models.hf_model, path: DIR}
+    checkpointer: {_component_: torchtune_grpo.models.HFCheckpointer, checkpoint_dir: DIR, output_dir: ...}
+    tokenizer:    {_component_: torchtune_grpo.models.hf_tokenizer, path: DIR}
+
+Supported ``config.json`` ``model_type``: llama (Llama 3.x, SmolLM2, ...), mistral, qwen2 (Qwen2, Qwen2.5) and
+qwen3 (dense). See docs/models.md.
+"""
+
+from torchtune_grpo.models._builder import HeadNormLinear, HeadNormLoRALinear, hf_model, lora_hf_model
+from torchtune_grpo.models._checkpointer import HFCheckpointer, weight_files
+from torchtune_grpo.models._convert import tune_to_hf_param
+from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
+
+__all__ = [
+    "HFCheckpointer",
+    "HFModelSpec",
+    "HeadNormLinear",
+    "HeadNormLoRALinear",
+    "SUPPORTED_MODEL_TYPES",
+    "hf_model",
+    "lora_hf_model",
+    "read_hf_config",
+    "tune_to_hf_param",
+    "weight_files",
+]

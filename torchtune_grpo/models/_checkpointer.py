@@ -1,0 +1,223 @@
+"""Loading a Hugging Face model directory's weights into :func:`~torchtune_grpo.models.hf_model`'s decoder,
+and saving trained weights as a Hugging Face model directory again.
+
+The same interface as torchtune's ``FullModelHFCheckpointer`` (``load_checkpoint()`` ->
+``{"model": state_dict}``, ``save_checkpoint(state, epoch)`` writing ``{output_dir}/epoch_{epoch}``), which the
+recipes and ``tune-grpo eval`` already drive, but configured by the directory alone: the weight files come from
+``model.safetensors.index.json`` (sharded) or ``model.safetensors``, the architecture from ``config.json``.
+What torchtune's checkpointer lacks and this adds: Qwen3 (q/k norm weights), every architecture of
+:mod:`torchtune_grpo.models` from one name table, and a check of every tensor's shape against ``config.json``.
+"""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from torchtune_grpo.models._convert import expected_hf_shapes, hf_to_tune, tune_to_hf
+from torchtune_grpo.models._spec import HFModelSpec, read_hf_config
+
+__all__ = ["HFArchitecture", "HFCheckpointer", "MODEL_KEY", "weight_files"]
+
+log = logging.getLogger(__name__)
+
+MODEL_KEY = "model"  # torchtune.training.MODEL_KEY
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Not copied into a saved checkpoint: weights (written anew), run state, and weight formats this never reads.
+_NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".ckpt")
+_NOT_COPIED_NAMES = {INDEX_FILE, "pytorch_model.bin.index.json", "adapter_config.json"}
+
+
+class HFArchitecture:
+    """What the LoRA recipe reads as ``checkpointer._model_type.name`` (``"LLAMA"``, ``"QWEN3"``, ...).
+
+    ``torchtune_grpo.lora`` decides by this name whether adapters need torchtune's RoPE permutation in
+    the PEFT export (``QWEN2``/``QWEN3`` keep Hugging Face's layout).
+    """
+
+    def __init__(self, model_type: str) -> None:
+        self.name = model_type.upper()
+
+    def __repr__(self) -> str:
+        return f"HFArchitecture({self.name})"
+
+
+def weight_files(directory: Union[str, Path]) -> List[str]:
+    """The safetensors files holding a model directory's weights, in order.
+
+    ``model.safetensors.index.json``'s files when it exists, else ``model.safetensors``, else every
+    ``*.safetensors`` but adapters.
+
+    Raises:
+        FileNotFoundError: when no weight file is found, or a file the index names is missing.
+    """
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        with open(index, encoding="utf-8") as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [name for name in files if not (directory / name).is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{index} names weight files that are missing: {missing} (an interrupted download?)"
+            )
+        return files
+    if (directory / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    files = sorted(p.name for p in directory.glob("*.safetensors") if not p.name.startswith("adapter"))
+    if not files:
+        raise FileNotFoundError(
+            f"no weights in {directory}: expected {SINGLE_FILE} or {INDEX_FILE} with its shards "
+            "(only safetensors checkpoints are read)"
+        )
+    return files
+
+
+class HFCheckpointer:
+    """Reads and writes Hugging Face model directories for :func:`~torchtune_grpo.models.hf_model`.
+
+    Args:
+        checkpoint_dir (str): the model directory (``config.json``, safetensors weights, tokenizer files).
+        output_dir (str): where ``save_checkpoint`` writes ``epoch_{n}/``.
+        checkpoint_files (Optional[List[str]]): weight files to read, relative to ``checkpoint_dir``.
+            Default is None (found from the index or ``model.safetensors``: see :func:`weight_files`).
+        max_shard_size_gib (Optional[float]): split saved weights into shards of about this size with an
+            index. Default is None (keep the source directory's sharding).
+
+    Raises:
+        FileNotFoundError: without ``config.json`` or with a missing weight file.
+        ValueError: for an unsupported architecture (see :class:`~torchtune_grpo.models.HFModelSpec`).
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        output_dir: str,
+        checkpoint_files: Optional[List[str]] = None,
+        max_shard_size_gib: Optional[float] = None,
+    ) -> None:
+        self._checkpoint_dir = Path(checkpoint_dir)
+        self._config: Dict[str, Any] = read_hf_config(self._checkpoint_dir)
+        self._spec = HFModelSpec.from_hf_config(self._config, source=str(self._checkpoint_dir / "config.json"))
+        self._model_type = HFArchitecture(self._spec.model_type)
+        files = list(checkpoint_files) if checkpoint_files else weight_files(self._checkpoint_dir)
+        for name in files:
+            if not (self._checkpoint_dir / name).is_file():
+                raise FileNotFoundError(f"checkpoint_files: {self._checkpoint_dir / name} does not exist")
+        self._files = files
+        self._output_dir = Path(output_dir)
+        if self._output_dir.resolve() == self._checkpoint_dir.resolve():
+            raise ValueError(f"output_dir must differ from checkpoint_dir ({checkpoint_dir}): saving would overwrite it")
+        self._output_dir.mkdir(parents=True, exist_ok=True)
+        self._max_shard_bytes = None if max_shard_size_gib is None else int(max_shard_size_gib * 2**30)
+        self._weight_map: Dict[str, str] = {}  # Hugging Face name -> file, filled by load_checkpoint
+        repo_id_file = self._checkpoint_dir / "repo_id.json"  # written by `tune download`
+        self.repo_id = json.loads(repo_id_file.read_text()).get("repo_id") if repo_id_file.is_file() else None
+
+    @property
+    def spec(self) -> HFModelSpec:
+        """The architecture read from ``config.json``."""
+        return self._spec
+
+    def load_checkpoint(self) -> Dict[str, Any]:
+        """Read every weight file into one torchtune state dict.
+
+        Returns:
+            Dict[str, Any]: ``{"model": state_dict}`` under :func:`hf_model`'s parameter names.
+
+        Raises:
+            ValueError: when a tensor is missing, unexpected, or shaped differently from what ``config.json``
+                describes (the message names the tensor, the file and both shapes).
+        """
+        expected = expected_hf_shapes(self._spec)
+        state: Dict[str, torch.Tensor] = {}
+        self._weight_map = {}
+        for name in self._files:
+            path = self._checkpoint_dir / name
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensor = f.get_tensor(key)
+                    want = expected.get(key)
+                    if want is not None and tuple(tensor.shape) != want:
+                        raise ValueError(
+                            f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, but config.json describes "
+                            f"{want}: the weights do not belong to this config.json"
+                        )
+                    state[key] = tensor
+                    self._weight_map[key] = name
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(
+                f"{self._checkpoint_dir}: {len(missing)} tensors that config.json implies are not in "
+                f"{self._files}, e.g. {missing[:3]}"
+            )
+        return {MODEL_KEY: hf_to_tune(state, self._spec, source=str(self._checkpoint_dir))}
+
+    def save_checkpoint(self, state_dict: Dict[str, Any], epoch: int, intermediate_checkpoint: bool = False,
+                        adapter_only: bool = False) -> Path:
+        """Write ``{output_dir}/epoch_{epoch}``: a Hugging Face model directory.
+
+        Weights in their dtype as given, under Hugging Face names, sharded like the source (or by
+        ``max_shard_size_gib``) with ``model.safetensors.index.json`` when there is more than one file; every
+        other file of the source directory (``config.json``, tokenizer and generation files, ...) copied.
+
+        Args:
+            state_dict (Dict[str, Any]): ``{"model": torchtune state dict}`` (full, on CPU).
+            epoch (int): names the directory (the recipe renames it to ``step_N``).
+            intermediate_checkpoint (bool): unused; the recipe writes its own state. Default is False.
+            adapter_only (bool): not supported here (the LoRA recipe writes adapters itself). Default is False.
+
+        Returns:
+            Path: the directory written.
+        """
+        del intermediate_checkpoint
+        if adapter_only:
+            raise ValueError("HFCheckpointer.save_checkpoint writes full models; adapters are the recipe's job")
+        target = self._output_dir / f"epoch_{epoch}"
+        target.mkdir(parents=True, exist_ok=True)
+        hf_state = tune_to_hf(state_dict[MODEL_KEY], self._spec)
+        shards = self._shards(hf_state)
+        for file_name, tensors in shards.items():
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(target / file_name), metadata={"format": "pt"})
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf_state.values())},
+                "weight_map": {k: f for f, tensors in shards.items() for k in tensors},
+            }
+            with open(target / INDEX_FILE, "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2)
+        for item in self._checkpoint_dir.iterdir():
+            if item.is_file() and not item.name.endswith(_NOT_COPIED) and item.name not in _NOT_COPIED_NAMES:
+                shutil.copy2(item, target / item.name)
+        log.info("Saved a Hugging Face model directory to %s (%d weight files)", target, len(shards))
+        return target
+
+    def _shards(self, hf_state: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
+        """File name -> tensors: the source's sharding, or new shards of at most ``max_shard_size_gib``."""
+        if self._max_shard_bytes is None and len(set(self._weight_map.values())) <= 1:
+            return {SINGLE_FILE: hf_state}
+        if self._max_shard_bytes is None:
+            groups: Dict[str, Dict[str, torch.Tensor]] = {}
+            for key, tensor in hf_state.items():
+                groups.setdefault(self._weight_map.get(key, ""), {})[key] = tensor
+            ordered = [groups[k] for k in sorted(groups)]
+        else:
+            ordered, size = [{}], 0
+            for key, tensor in hf_state.items():
+                nbytes = tensor.numel() * tensor.element_size()
+                if ordered[-1] and size + nbytes > self._max_shard_bytes:
+                    ordered.append({})
+                    size = 0
+                ordered[-1][key] = tensor
+                size += nbytes
+        n = len(ordered)
+        if n == 1:
+            return {SINGLE_FILE: ordered[0]}
+        return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": tensors for i, tensors in enumerate(ordered)}
