@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from torchtune_grpo.models._convert import expected_hf_shapes, hf_to_tune, tune_to_hf
+from torchtune_grpo.models._convert import expected_hf_shapes, hf_to_tune, ignorable, tune_to_hf
 from torchtune_grpo.models._spec import HFModelSpec, read_hf_config
 
 __all__ = ["HFArchitecture", "HFCheckpointer", "MODEL_KEY", "weight_files"]
@@ -145,6 +145,11 @@ class HFCheckpointer:
                 for key in f.keys():
                     tensor = f.get_tensor(key)
                     want = expected.get(key)
+                    if want is None and not ignorable(key, self._spec):
+                        raise ValueError(
+                            f"{path}: tensor {key!r} does not belong to a {self._spec.model_type} model as "
+                            "config.json describes it (see docs/models.md for the supported architectures)"
+                        )
                     if want is not None and tuple(tensor.shape) != want:
                         raise ValueError(
                             f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, but config.json describes "

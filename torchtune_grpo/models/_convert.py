@@ -14,7 +14,7 @@ import torch
 
 from torchtune_grpo.models._spec import HFModelSpec
 
-__all__ = ["hf_to_tune", "tune_to_hf", "tune_to_hf_param", "expected_hf_shapes"]
+__all__ = ["expected_hf_shapes", "hf_to_tune", "ignorable", "tune_to_hf", "tune_to_hf_param"]
 
 _TOP = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -43,6 +43,11 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _TUNE_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # HF rotary buffers some old checkpoints carry; never weights.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def ignorable(name: str, spec: HFModelSpec) -> bool:
+    """Tensors a checkpoint may carry that are not weights of the model: rotary buffers, a tied lm_head."""
+    return bool(_IGNORED.search(name)) or (spec.tie_word_embeddings and name == "lm_head.weight")
 
 
 def _permuted(spec: HFModelSpec, tune_name: str) -> bool:
@@ -90,7 +95,7 @@ def hf_to_tune(state: Dict[str, torch.Tensor], spec: HFModelSpec, source: str = 
     """
     out = {}
     for name, tensor in state.items():
-        if _IGNORED.search(name) or (spec.tie_word_embeddings and name == "lm_head.weight"):
+        if ignorable(name, spec):
             continue
         try:
             tune = hf_name_to_tune(name)
