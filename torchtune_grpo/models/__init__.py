@@ -9,17 +9,22 @@ qwen3 (dense). See docs/models.md.
 """
 
 from torchtune_grpo.models._builder import HeadNormLinear, HeadNormLoRALinear, hf_model, lora_hf_model
+from torchtune_grpo.models._chat_template import ChatTemplateError
 from torchtune_grpo.models._checkpointer import HFCheckpointer, weight_files
 from torchtune_grpo.models._convert import tune_to_hf_param
 from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
+from torchtune_grpo.models._tokenizer import HFTokenizer, hf_tokenizer
 
 __all__ = [
+    "ChatTemplateError",
     "HFCheckpointer",
     "HFModelSpec",
+    "HFTokenizer",
     "HeadNormLinear",
     "HeadNormLoRALinear",
     "SUPPORTED_MODEL_TYPES",
     "hf_model",
+    "hf_tokenizer",
     "lora_hf_model",
     "read_hf_config",
     "tune_to_hf_param",
