@@ -72,3 +72,26 @@ def hf_logits(directory: Path, tokens: torch.Tensor) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(tokens).logits.float()
+
+
+def make_model_dir(directory: Path, arch: str = "qwen3", *, seed: int = 0, **overrides) -> Path:
+    """A complete tiny model directory: random ``arch`` weights and config, and a tokenizer with the matching
+    chat template (Qwen3's for qwen3, ChatML for the rest) over the package's 512-id tiny BPE."""
+    from tests.chat_templates import make_tokenizer_dir
+
+    make_hf_model(directory, arch, seed=seed, vocab_size=512, **overrides)
+    make_tokenizer_dir(directory, "qwen3" if arch.startswith("qwen3") else "qwen2_5")
+    return directory
+
+
+def hf_components(directory: Path) -> Dict[str, Any]:
+    """Config overrides (for tests.recipe_utils.write_config) that point a tiny config at ``directory``
+    through the directory-based components, with chat prompts."""
+    return {
+        "checkpointer": {"_component_": "torchtune_grpo.models.HFCheckpointer", "checkpoint_dir": str(directory),
+                         "output_dir": "${output_dir}"},
+        "model": {"_component_": "torchtune_grpo.models.hf_model", "path": "${checkpointer.checkpoint_dir}"},
+        "tokenizer": {"_component_": "torchtune_grpo.models.hf_tokenizer", "path": "${checkpointer.checkpoint_dir}"},
+        "dataset.prompt_style": "chat",
+        "dataset.system_prompt": "Answer.",
+    }

@@ -122,3 +122,21 @@ def test_output_dir_must_differ(tmp_path):
     make_hf_model(tmp_path / "m", "llama3")
     with pytest.raises(ValueError, match="output_dir must differ"):
         HFCheckpointer(str(tmp_path / "m"), str(tmp_path / "m"))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_weight_sync_names_every_architecture(arch, tmp_path):
+    # The vLLM engine receives the trainer's parameters one by one under Hugging Face names: for every
+    # architecture that is exactly the checkpoint's tensors again (RoPE permutation undone for Llama/Mistral,
+    # Qwen3's q/k norms named q_norm/k_norm).
+    from torchtune_grpo.generation import TuneToHFNames
+
+    make_hf_model(tmp_path / "m", arch)
+    original = load_file(str(tmp_path / "m" / "model.safetensors"))
+    tune = HFCheckpointer(str(tmp_path / "m"), str(tmp_path / "out")).load_checkpoint()["model"]
+    to_hf = TuneToHFNames(json.loads((tmp_path / "m" / "config.json").read_text()))
+    synced = dict(to_hf(name, tensor) for name, tensor in tune.items())
+    assert "model.layers.1.mlp.down_proj.weight" in synced
+    assert synced.keys() == original.keys()  # transformers saves no lm_head for a tied model either
+    for name, tensor in synced.items():
+        assert torch.equal(tensor, original[name]), name

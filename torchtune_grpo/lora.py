@@ -21,6 +21,8 @@ from torch import nn
 from torchtune.models import convert_weights
 from torchtune.modules.peft import LoRALinear
 
+from torchtune_grpo.models import HeadNormLoRALinear
+
 __all__ = [
     "ADAPTER_CONFIG_FILE",
     "ADAPTER_PEFT_FILE",
@@ -42,6 +44,9 @@ ADAPTER_TORCHTUNE_FILE = "adapter_model.pt"  # torchtune keys: what a resumed ru
 # torchtune model types whose attention weights keep Hugging Face's q/k row order (no RoPE permutation in
 # their checkpoint conversion), so their adapters must not be permuted either.
 _HF_QK_LAYOUT = {"QWEN2", "QWEN3"}
+# LoRA layers whose update is the plain low-rank one (a Qwen3 q/k projection adds a norm after it, which the
+# merge and the PEFT export handle like any other base weight).
+_PLAIN_LORA = (LoRALinear, HeadNormLoRALinear)
 # torchtune has no PEFT conversion for these (its own checkpointer skips them too).
 _NO_PEFT = {"PHI3_MINI", "PHI4", "LLAMA3_VISION"}
 
@@ -75,7 +80,7 @@ def lora_hyperparams(model: nn.Module) -> LoRAHyperparams:
             "The model has no LoRA layers: use a torchtune LoRA builder (e.g. "
             "torchtune.models.qwen2_5.lora_qwen2_5_3b) with lora_attn_modules, lora_rank and lora_alpha."
         )
-    if any(type(m).__name__ != "LoRALinear" for _, m in found):
+    if any(type(m) not in _PLAIN_LORA for _, m in found):
         raise ValueError("Only plain LoRA (LoRALinear) is supported by this recipe: set use_dora: False.")
     ranks = {m.rank for _, m in found}
     alphas = {float(m.alpha) for _, m in found}

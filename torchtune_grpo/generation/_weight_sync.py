@@ -11,9 +11,11 @@ Pure: tensors and lists in, numbers out. Gathering the FSDP shards and running t
 the probe is the recipe's job.
 """
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+
+from torchtune_grpo.models import SUPPORTED_MODEL_TYPES, tune_to_hf_param
 
 __all__ = ["TuneToHFNames", "WeightSyncCheck", "WeightSyncError"]
 
@@ -25,51 +27,40 @@ class WeightSyncError(RuntimeError):
 class TuneToHFNames:
     """Maps one torchtune parameter ``(name, tensor)`` to its Hugging Face name (and layout).
 
-    Engines load Hugging Face checkpoints, so they take Hugging Face names. This uses torchtune's own
-    converters, the ones ``FullModelHFCheckpointer`` writes checkpoints with, one parameter at a time so
-    the caller can stream weights instead of building a second full state dict:
+    Engines load Hugging Face checkpoints, so they take Hugging Face names. The mapping is the one
+    :class:`~torchtune_grpo.models.HFCheckpointer` saves with (the same as torchtune's own checkpointer for
+    the architectures torchtune has), one parameter at a time so the caller can stream weights instead of
+    building a second full state dict:
 
-    - ``qwen2`` (Qwen2, Qwen2.5): names only (``qwen2_tune_to_hf``);
-    - ``llama``, ``mistral`` (Llama 2/3/3.1/3.2, Mistral): names, and ``q_proj``/``k_proj`` rows permuted
-      back to Hugging Face's rotary layout (``tune_to_hf``).
+    - ``qwen2`` (Qwen2, Qwen2.5), ``qwen3`` (Qwen3 dense, with its q/k norm weights): names only;
+    - ``llama``, ``mistral`` (Llama 2/3/3.1/3.2/3.3, SmolLM2, Mistral): names, and ``q_proj``/``k_proj`` rows
+      permuted back to Hugging Face's rotary layout.
 
     Args:
         hf_config (Mapping[str, Any]): the model's Hugging Face ``config.json`` (``model_type``,
-            ``num_attention_heads``, ``num_key_value_heads``, ``hidden_size``, optional ``head_dim``).
+            ``num_attention_heads``, ``hidden_size``, optional ``head_dim``).
 
     Raises:
         ValueError: for a ``model_type`` without a converter here.
     """
 
-    SUPPORTED = ("qwen2", "llama", "mistral")
+    SUPPORTED = tuple(sorted(SUPPORTED_MODEL_TYPES))
 
     def __init__(self, hf_config: Mapping[str, Any]) -> None:
         model_type = hf_config.get("model_type")
-        if model_type not in self.SUPPORTED:
+        if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"No torchtune -> Hugging Face weight converter for model_type {model_type!r}; "
                 f"supported: {list(self.SUPPORTED)}"
             )
-        num_heads = int(hf_config["num_attention_heads"])
-        self._kwargs = dict(
-            num_heads=num_heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads", num_heads)),
-            dim=int(hf_config["hidden_size"]),
-            head_dim=hf_config.get("head_dim"),
+        self._rope_layout = SUPPORTED_MODEL_TYPES[model_type]
+        self._head_dim = int(
+            hf_config.get("head_dim") or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
         )
-        if model_type == "qwen2":
-            from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
-
-            self._convert: Callable[..., Dict[str, torch.Tensor]] = qwen2_tune_to_hf
-        else:
-            from torchtune.models.convert_weights import tune_to_hf
-
-            self._convert = tune_to_hf
 
     def __call__(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """``(torchtune name, tensor)`` -> ``(Hugging Face name, tensor)``."""
-        ((hf_name, hf_tensor),) = self._convert({name: tensor}, **self._kwargs).items()
-        return hf_name, hf_tensor
+        return tune_to_hf_param(name, tensor, rope_layout=self._rope_layout, head_dim=self._head_dim)
 
 
 class WeightSyncCheck:

@@ -50,8 +50,8 @@ def ignorable(name: str, spec: HFModelSpec) -> bool:
     return bool(_IGNORED.search(name)) or (spec.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _permuted(spec: HFModelSpec, tune_name: str) -> bool:
-    return spec.rope_layout == "interleaved" and tune_name.endswith(("attn.q_proj.weight", "attn.k_proj.weight"))
+def _permuted(rope_layout: str, tune_name: str) -> bool:
+    return rope_layout == "interleaved" and tune_name.endswith(("attn.q_proj.weight", "attn.k_proj.weight"))
 
 
 def _to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -104,19 +104,35 @@ def hf_to_tune(state: Dict[str, torch.Tensor], spec: HFModelSpec, source: str = 
                 f"{source}: tensor {name!r} does not belong to a {spec.model_type} model as config.json "
                 "describes it (see docs/models.md for the supported architectures)"
             ) from None
-        out[tune] = _to_interleaved(tensor, spec.head_dim) if _permuted(spec, tune) else tensor
+        out[tune] = _to_interleaved(tensor, spec.head_dim) if _permuted(spec.rope_layout, tune) else tensor
     return out
 
 
-def tune_to_hf_param(name: str, tensor: torch.Tensor, spec: HFModelSpec) -> Tuple[str, torch.Tensor]:
-    """One torchtune ``(name, tensor)`` -> Hugging Face's (streamed weight sync, saving)."""
+def tune_to_hf_param(
+    name: str, tensor: torch.Tensor, *, rope_layout: str, head_dim: int
+) -> Tuple[str, torch.Tensor]:
+    """One torchtune ``(name, tensor)`` -> Hugging Face's (streamed weight sync, saving).
+
+    Args:
+        name (str): torchtune parameter name.
+        tensor (torch.Tensor): the full (unsharded) parameter.
+        rope_layout (str): ``"interleaved"`` (Llama, Mistral: q/k rows permuted back) or ``"half"``
+            (Qwen2, Qwen3: renamed only); ``SUPPORTED_MODEL_TYPES[model_type]``.
+        head_dim (int): per-head width.
+
+    Raises:
+        KeyError: for a name no supported model has.
+    """
     hf = tune_name_to_hf(name)
-    return hf, (_to_halves(tensor, spec.head_dim) if _permuted(spec, name) else tensor)
+    return hf, (_to_halves(tensor, head_dim) if _permuted(rope_layout, name) else tensor)
 
 
 def tune_to_hf(state: Dict[str, torch.Tensor], spec: HFModelSpec) -> Dict[str, torch.Tensor]:
     """The torchtune decoder's state dict -> Hugging Face's (no ``lm_head.weight`` when tied)."""
-    return dict(tune_to_hf_param(name, tensor, spec) for name, tensor in state.items())
+    return dict(
+        tune_to_hf_param(name, tensor, rope_layout=spec.rope_layout, head_dim=spec.head_dim)
+        for name, tensor in state.items()
+    )
 
 
 def expected_hf_shapes(spec: HFModelSpec) -> Dict[str, Tuple[int, ...]]:

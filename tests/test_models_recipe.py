@@ -1,0 +1,104 @@
+"""The recipes with a model directory read by torchtune_grpo.models (a tiny random Qwen3 with its own
+tokenizer and chat template), through `tune run`: full fine-tuning on 1 and 2 processes, the vLLM engine,
+and LoRA; every output directory loads in transformers (and PEFT) with the logits of our own model."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf_models import hf_components, hf_logits, make_model_dir
+from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
+from tests.test_vllm_recipe import VLLM_CONFIG
+from tests.conftest import REPO
+from torchtune_grpo.models import HFCheckpointer, hf_model
+
+TWO_STEPS = dict(max_steps=2, save_every_n_steps=2, lr_scheduler=None, **{"optimizer.lr": 1e-3})
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _our_logits(directory: Path, tmp_path: Path) -> torch.Tensor:
+    model = hf_model(str(directory))
+    model.load_state_dict(HFCheckpointer(str(directory), str(tmp_path / "scratch")).load_checkpoint()["model"])
+    with torch.no_grad():
+        return model.eval()(_tokens())
+
+
+def _check_trained_directory(src: Path, step_dir: Path, tmp_path: Path) -> None:
+    """The step directory is a Hugging Face model: our model and transformers agree on it, the weights moved,
+    and the source's config and tokenizer files came along."""
+    start, end = weights(src), weights(step_dir)
+    assert start.keys() == end.keys()
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-4
+    torch.testing.assert_close(hf_logits(step_dir, _tokens()), _our_logits(step_dir, tmp_path), atol=1e-4, rtol=0)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (step_dir / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def _rows(tmp_path: Path):
+    return [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+
+
+def test_qwen3_full_one_process(tmp_path: Path):
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, **hf_components(src), **TWO_STEPS)
+    run_tune(config, cwd=tmp_path)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
+    # Completions were rendered with the model's own chat template (Qwen3's, thinking on).
+    prompt = read_jsonl(tmp_path / "out" / "completions.jsonl")[0]["prompt"]
+    assert prompt.startswith("<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\n")
+    assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_qwen3_full_two_processes(tmp_path: Path):
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, **hf_components(src), **TWO_STEPS)
+    run_tune(config, nproc=2, cwd=tmp_path)
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
+
+
+@pytest.mark.slow
+def test_qwen3_vllm_engine_sync_check(tmp_path: Path):
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **TWO_STEPS)
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation engine started, weights synced and checked" in output
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:  # fp32: the engine got exactly the trainer's weights, q/k norms included
+        assert r["generation/sync_logprob_diff"] < 1e-4, r
+        assert r["generation/logprob_mismatch"] < 1e-4, r
+    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
+
+
+def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    components = hf_components(src)
+    components["model"] = {
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+        "lora_rank": 4, "lora_alpha": 8,
+    }
+    base = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
+    config = write_config(tmp_path, base=base, **components, **TWO_STEPS)
+    run_tune(config, cwd=tmp_path, recipe="grpo_lora_finetune_distributed")
+    step = tmp_path / "out" / "step_2"
+    merged = step / "merged"
+    # The merged model: a Hugging Face directory our model and transformers agree on, weights moved.
+    _check_trained_directory(src, merged, tmp_path)
+    # The PEFT adapter on the base model gives the merged model's logits (q/k adapters in Qwen3's layout,
+    # applied before the q/k norms as in the merge).
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), step).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft(_tokens()).logits, hf_logits(merged, _tokens()), atol=1e-4, rtol=0)
+        assert (peft(_tokens()).logits - hf_logits(src, _tokens())).abs().max() > 1e-4  # the adapter is not zero
