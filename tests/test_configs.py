@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Iterator, List, Tuple
 
 import inspect
+import json
+import math
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torchtune.config._utils import _get_component_from_path
 from torchtune_grpo.config import KNOWN_KEYS, REQUIRED_KEYS, validate_config
 from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 from tests.conftest import REPO
+from tests.real_hf_configs import HUB_CONFIGS, TORCHTUNE_BUILDERS
 from torchtune_grpo.cli import list_configs, main
 from torchtune_grpo.rewards import _base as reward_base, build_reward_set
 
@@ -38,7 +41,7 @@ REAL_CONFIGS = [
     "llama3_2/3B_lora_grpo",
     "qwen2_5/3B_lora_grpo",
     "qwen2_5/3B_qlora_grpo",
-]
+] + [f"qwen3/{p.stem}" for p in sorted((CONFIG_DIR / "qwen3").glob("*.yaml"))]
 
 
 def _name(path: Path) -> str:
@@ -161,22 +164,49 @@ def test_format_reward_matches_prompt_style(path: Path):
 
 
 @pytest.mark.parametrize("name", REAL_CONFIGS)
-def test_real_config(name: str):
+def test_real_config(name: str, tmp_path: Path):
     cfg = _load(name)
     assert cfg.device == "cuda" and cfg.dtype == "bf16"
     assert cfg.enable_activation_checkpointing is True
-    assert cfg.dataset._component_ == "torchtune_grpo.data.gsm8k_dataset"
+    assert cfg.dataset._component_ in ("torchtune_grpo.data.gsm8k_dataset", "torchtune_grpo.data.math_dataset")
     assert cfg.dataset.max_prompt_length == cfg.max_prompt_length
     assert str(cfg.output_dir).startswith("/tmp/torchtune_grpo/")
-    # The tokenizer and the weights come from the same `tune download --output-dir`.
-    checkpoint_dir = str(cfg.checkpointer.checkpoint_dir)
-    assert str(cfg.tokenizer.path).startswith(checkpoint_dir + "/")
-    assert cfg.checkpointer.model_type == ("QWEN2" if name.startswith("qwen2_5") else "LLAMA3_2")
+    # One line to edit: the model, the tokenizer and the weights all come from checkpointer.checkpoint_dir.
+    assert cfg.checkpointer._component_ == "torchtune_grpo.models.HFCheckpointer"
+    for key in ("model", "tokenizer"):
+        assert OmegaConf.to_container(cfg[key])["path"] == "${checkpointer.checkpoint_dir}", key
+    directory = Path(str(cfg.checkpointer.checkpoint_dir))
+    assert str(directory) == f"/tmp/{directory.name}"  # `tune download <repo> --output-dir /tmp/<name>`
+    if name.startswith("qwen3/"):
+        assert cfg.tokenizer.enable_thinking == ("nothink" not in name and "0.6B" not in name)
 
+    # The model the config builds, from the model's real config.json, on the meta device.
+    local = tmp_path / directory.name
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(HUB_CONFIGS[directory.name]))
+    cfg.checkpointer.checkpoint_dir = str(local)
     with training.set_default_dtype(torch.bfloat16), torch.device("meta"):
         model = tt_config.instantiate(cfg.model)
     assert next(model.parameters()).is_meta
     assert cfg.max_prompt_length + cfg.max_response_length <= model.max_seq_len
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items() if "lora" not in k}
+    if directory.name in TORCHTUNE_BUILDERS:
+        # torchtune has this model: the directory builder gives exactly torchtune's (names and shapes).
+        with torch.device("meta"):
+            reference = _get_component_from_path(TORCHTUNE_BUILDERS[directory.name])()
+        assert ours == {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+        assert model.max_seq_len == reference.max_seq_len
+    else:
+        # Qwen3: the parameters of transformers' own model of this config.json, one to one.
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**HUB_CONFIGS[directory.name]))
+        hf_params = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+        if hf.config.tie_word_embeddings:
+            hf_params.pop("lm_head.weight")
+        assert sum(map(math.prod, ours.values())) == sum(map(math.prod, hf_params.values()))
+        assert len(ours) == len(hf_params)
 
 
 def _run_cli(argv: List[str], capsys) -> Tuple[int, str, str]:
