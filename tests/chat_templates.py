@@ -2,7 +2,7 @@
 package's tiny byte-level BPE (torchtune_grpo/assets/tiny_qwen2) for comparing with transformers.
 
 The templates are written here from the public templates' documented behaviour: ChatML with Qwen2.5's
-default system message, SmolLM2's ChatML, Qwen3 (thinking stripped from history, ``enable_thinking``), 
+default system message, SmolLM2's ChatML, Qwen3 (thinking stripped from history, ``enable_thinking``),
 Llama 3.2 (BOS in the template, a dated system header, ``strftime_now``, trimmed contents) and Zephyr.
 """
 
