@@ -102,3 +102,30 @@ def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path):
     with torch.no_grad():
         torch.testing.assert_close(peft(_tokens()).logits, hf_logits(merged, _tokens()), atol=1e-4, rtol=0)
         assert (peft(_tokens()).logits - hf_logits(src, _tokens())).abs().max() > 1e-4  # the adapter is not zero
+
+
+def test_eval_command_with_a_model_directory(tmp_path: Path, one_thread):
+    # `tune-grpo eval` (in process) on a step directory written by HFCheckpointer: the directory components
+    # serve the CLI's own checkpointer/model/tokenizer wiring, and the prompts use the model's chat template.
+    import json
+
+    from omegaconf import OmegaConf
+    from torchtune_grpo.cli import main as cli_main
+
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    step = HFCheckpointer(str(src), str(tmp_path / "out")).save_checkpoint(
+        {"model": HFCheckpointer(str(src), str(tmp_path / "o2")).load_checkpoint()["model"]}, epoch=1
+    )
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / "demo_grpo.yaml")
+    cfg.output_dir = str(tmp_path / "run")
+    for key, value in hf_components(src).items():
+        OmegaConf.update(cfg, key, value, force_add=True, merge=False)
+    cfg.validation.prompt_style = "chat"
+    cfg.validation.system_prompt = "Answer."
+    cfg.validation.num_samples, cfg.eval_num_samples, cfg.max_response_length = 4, 2, 6
+    OmegaConf.save(cfg, tmp_path / "eval.yaml")
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", "--config", str(tmp_path / "eval.yaml"), f"checkpoint_dir={step}", f"json={out}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 4 and len(result["samples"]) == 4
+    assert result["samples"][0]["prompt"].startswith("<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\n")
