@@ -102,7 +102,8 @@ def _config(directory: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "arch, changes, names",
     [
-        ("qwen3", {"model_type": "qwen3_moe"}, ["model_type", "'qwen3_moe'", "mixture-of-experts", "'qwen3'", "'llama'"]),
+        ("qwen3", {"model_type": "qwen3_moe"},
+         ["model_type", "'qwen3_moe'", "mixture-of-experts", "'qwen3'", "'llama'"]),
         ("qwen3", {"num_experts": 8}, ["num_experts", "dense models only"]),
         ("qwen3", {"use_sliding_window": True}, ["use_sliding_window"]),
         ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, ["layer_types", "sliding_attention"]),

@@ -190,7 +190,8 @@ class HFCheckpointer:
         hf_state = tune_to_hf(state_dict[MODEL_KEY], self._spec)
         shards = self._shards(hf_state)
         for file_name, tensors in shards.items():
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(target / file_name), metadata={"format": "pt"})
+            tensors = {k: v.contiguous() for k, v in tensors.items()}
+            save_file(tensors, str(target / file_name), metadata={"format": "pt"})
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf_state.values())},

@@ -41,7 +41,9 @@ def read_hf_config(path: Union[str, Path]) -> Dict[str, Any]:
     """
     directory = Path(path)
     if not directory.is_dir():
-        raise FileNotFoundError(f"model directory {directory} does not exist (set it to your `tune download --output-dir`)")
+        raise FileNotFoundError(
+            f"model directory {directory} does not exist (set it to your `tune download --output-dir`)"
+        )
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(
