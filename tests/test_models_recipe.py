@@ -9,10 +9,10 @@ import torch
 
 from tests.hf_models import hf_components, hf_logits, make_model_dir
 from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
-from tests.test_vllm_recipe import VLLM_CONFIG
 from tests.conftest import REPO
 from torchtune_grpo.models import HFCheckpointer, hf_model
 
+VLLM_CONFIG = REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"
 TWO_STEPS = dict(max_steps=2, save_every_n_steps=2, lr_scheduler=None, **{"optimizer.lr": 1e-3})
 
 
