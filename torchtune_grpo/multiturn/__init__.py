@@ -1,0 +1,40 @@
+"""Multi-turn episodes: tools, tool-call parsing and the environment interface (docs/multi_turn.md).
+
+The rollout loop that drives them lives with the generation engines; this package is pure (no model).
+"""
+
+from torchtune_grpo.multiturn.environment import (
+    EnvOutcome,
+    EnvReply,
+    Environment,
+    ToolEnvironment,
+    start_episodes,
+    step_episodes,
+)
+from torchtune_grpo.multiturn.tools import (
+    TOOL_ERROR_KINDS,
+    Calculator,
+    Tool,
+    ToolBox,
+    ToolCall,
+    ToolResult,
+    calculate,
+    parse_tool_calls,
+)
+
+__all__ = [
+    "Calculator",
+    "EnvOutcome",
+    "EnvReply",
+    "Environment",
+    "TOOL_ERROR_KINDS",
+    "Tool",
+    "ToolBox",
+    "ToolCall",
+    "ToolEnvironment",
+    "ToolResult",
+    "calculate",
+    "parse_tool_calls",
+    "start_episodes",
+    "step_episodes",
+]
