@@ -29,6 +29,65 @@ QWEN2_5 = """{%- if messages[0]['role'] == 'system' %}
 {%- endif %}
 """
 
+# Qwen2.5's template with its tool-calling parts (Hermes style): the tools as JSON lines in a <tools> block of
+# the system message, assistant tool calls in <tool_call> tags, consecutive tool results grouped in one user
+# turn of <tool_response> blocks.
+QWEN2_5_TOOLS = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
 SMOLLM2 = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
@@ -121,7 +180,7 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|
 
 
 def make_tokenizer_dir(directory: Path, style: str) -> Path:
-    """A tokenizer directory of ``style``: ``qwen2_5``, ``smollm2``, ``qwen3``, ``llama3_2``, ``zephyr`` or ``base`` (no
+    """A tokenizer directory of ``style``: ``qwen2_5``, ``qwen2_5_tools``, ``smollm2``, ``qwen3``, ``llama3_2``, ``zephyr`` or ``base`` (no
     chat template). Returns ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(asset_path("tiny_qwen2", "tokenizer.json"))
@@ -143,6 +202,8 @@ def make_tokenizer_dir(directory: Path, style: str) -> Path:
         config["chat_template"] = QWEN3
     elif style == "qwen2_5":
         config["chat_template"] = QWEN2_5
+    elif style == "qwen2_5_tools":
+        config["chat_template"] = QWEN2_5_TOOLS
     elif style == "smollm2":
         config.update(bos_token="<|im_start|>", eos_token="<|im_end|>")
         config["chat_template"] = SMOLLM2

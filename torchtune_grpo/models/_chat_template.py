@@ -96,15 +96,23 @@ class ChatTemplate:
         # transformers: the special tokens first, so that explicit keywords override them
         self._variables: Dict[str, Any] = {**special_tokens, **(kwargs or {})}
 
-    def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: List[Dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Optional[List[Dict[str, Any]]] = None,
+    ) -> str:
         """The conversation as text, ending with the assistant's header when ``add_generation_prompt``.
+
+        ``tools`` (JSON schemas, as transformers' ``apply_chat_template(tools=...)`` takes them) are rendered
+        where the template puts them (Qwen2.5/Qwen3: a ``<tools>`` block in the system message).
 
         Raises:
             ChatTemplateError: when the template raises (e.g. roles out of order), with its message.
         """
         try:
             return self._template.render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
                 **self._variables,
             )
         except jinja2.exceptions.TemplateError as err:

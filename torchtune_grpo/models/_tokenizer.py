@@ -165,14 +165,31 @@ class HFTokenizer:
             )
         return self.chat_template
 
-    def render(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages`` (``[{"role": ..., "content": ...}]``), as text."""
-        return self._require_template().render(messages, add_generation_prompt=add_generation_prompt)
+    def render(
+        self,
+        messages: List[Dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Optional[List[Dict[str, Any]]] = None,
+    ) -> str:
+        """The chat template applied to ``messages`` (``[{"role": ..., "content": ...}]``), as text;
+        ``tools``: JSON schemas of callable tools, rendered where the template puts them. Default is None."""
+        return self._require_template().render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
-    def apply_chat_template(self, messages: List[Dict[str, Any]], add_generation_prompt: bool = True) -> List[int]:
+    def apply_chat_template(
+        self,
+        messages: List[Dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Optional[List[Dict[str, Any]]] = None,
+    ) -> List[int]:
         """Token ids of :meth:`render`: what ``transformers``' ``apply_chat_template(messages,
-        add_generation_prompt=...)`` returns (the template writes BOS itself where the model has one)."""
-        return self._tok.encode(self.render(messages, add_generation_prompt), add_special_tokens=False).ids
+        add_generation_prompt=..., tools=...)`` returns (the template writes BOS itself where the model has
+        one)."""
+        return self._tok.encode(self.render(messages, add_generation_prompt, tools), add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> List[int]:
+        """Token ids of ``text`` as a chat template's output is encoded (special-token strings become their
+        ids; no BOS or EOS added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def tokenize_messages(self, messages: Sequence[Any], add_eos: bool = False) -> Tuple[List[int], List[bool]]:
         """A generation prompt from torchtune ``Message`` objects (or role/content dicts), as the chat datasets
