@@ -11,6 +11,7 @@ from torchtune_grpo.multiturn.environment import (
     start_episodes,
     step_episodes,
 )
+from torchtune_grpo.multiturn.rollout import Episodes, run_episodes
 from torchtune_grpo.multiturn.tools import (
     TOOL_ERROR_KINDS,
     Calculator,
@@ -26,6 +27,7 @@ __all__ = [
     "Calculator",
     "EnvOutcome",
     "EnvReply",
+    "Episodes",
     "Environment",
     "TOOL_ERROR_KINDS",
     "Tool",
@@ -35,6 +37,7 @@ __all__ = [
     "ToolResult",
     "calculate",
     "parse_tool_calls",
+    "run_episodes",
     "start_episodes",
     "step_episodes",
 ]
