@@ -10,6 +10,7 @@ from torchtune_grpo.multiturn import (
     Calculator,
     EnvReply,
     Environment,
+    PythonInterpreter,
     Tool,
     ToolBox,
     ToolEnvironment,
@@ -272,3 +273,26 @@ def test_sync_environment_timeout_leaves_the_thread_behind():
     assert o.error == "timeout: no answer within 0.2 s"
     assert finished == []  # returned while the call was still running
     release.set()
+
+
+# ---------------------------------------------------------------------------------------------- python
+
+
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        ("print(6 * 7)", "42\n"),
+        ("x = 1\nprint(x)\ny = 1 / 0", "1\nError: ZeroDivisionError: division by zero"),
+        ("import sys\nsys.exit(3)", "Error: SystemExit: 3"),
+        ("pass", "(no output)"),
+        ("print('a' * 50)", "a" * 20 + "... [output cut at 20 characters]"),
+        ("import socket\nsocket.create_connection(('127.0.0.1', 80))", "Error: PermissionError: sandbox: network"),
+        ("open('/tmp/escaped', 'w')", "Error: PermissionError: sandbox: writing outside the sandbox directory"),
+        ("while True:\n    pass", "Error: timeout: stopped after 1.0 s"),
+    ],
+)
+def test_python_interpreter_tool(code, expected):
+    box = ToolBox([PythonInterpreter(time_limit=1.0, max_output_chars=20)])
+    (result,) = box.run(call("python", code=code))
+    assert result.ok and result.name == "python"  # the program's failure is its output, not a tool error
+    assert result.content.startswith(expected)

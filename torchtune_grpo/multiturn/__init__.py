@@ -15,6 +15,7 @@ from torchtune_grpo.multiturn.rollout import Episodes, run_episodes
 from torchtune_grpo.multiturn.tools import (
     TOOL_ERROR_KINDS,
     Calculator,
+    PythonInterpreter,
     Tool,
     ToolBox,
     ToolCall,
@@ -30,6 +31,7 @@ __all__ = [
     "Episodes",
     "Environment",
     "TOOL_ERROR_KINDS",
+    "PythonInterpreter",
     "Tool",
     "ToolBox",
     "ToolCall",

@@ -28,9 +28,12 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Un
 
 import jsonschema
 
+from torchtune_grpo.rewards import run_python_program
+
 __all__ = [
     "TOOL_ERROR_KINDS",
     "Calculator",
+    "PythonInterpreter",
     "Tool",
     "ToolBox",
     "ToolCall",
@@ -267,4 +270,49 @@ def Calculator(name: str = "calculator") -> Tool:  # noqa: N802 - a YAML `_compo
             "additionalProperties": False,
         },
         fn=calculate,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ python
+
+
+def PythonInterpreter(  # noqa: N802 - a YAML `_component_` reads like a class
+    name: str = "python",
+    time_limit: float = 5.0,
+    memory_limit_mb: int = 512,
+    max_output_chars: int = 2000,
+    network: str = "auto",
+) -> Tool:
+    """The built-in Python tool: runs the model's program in the code-execution sandbox
+    (:func:`~torchtune_grpo.rewards.run_python_program`: fresh interpreter, wall-clock/CPU/memory limits, no
+    network, no processes, a throwaway directory) and returns what it printed, then the uncaught error if any.
+
+    Args:
+        name (str): the tool's name. Default is ``"python"``.
+        time_limit (float): seconds per program. Default is 5.0.
+        memory_limit_mb (int): address-space limit. Default is 512.
+        max_output_chars (int): printed characters kept. Default is 2000.
+        network (str): the sandbox's network mode (``auto``, ``namespace``, ``audit``). Default is ``auto``.
+    """
+
+    def run(code: str) -> str:
+        result = run_python_program(
+            code, time_limit=time_limit, memory_limit_mb=memory_limit_mb, max_output_chars=max_output_chars,
+            network=network,
+        )
+        text = result.stdout + (f"... [output cut at {max_output_chars} characters]" if result.cut else "")
+        if result.error:
+            text += ("\n" if text and not text.endswith("\n") else "") + f"Error: {result.error}"
+        return text if text else "(no output)"
+
+    return Tool(
+        name=name,
+        description="Run a Python program and return what it prints (use print). No network, no files kept.",
+        parameters={
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the Python program"}},
+            "required": ["code"],
+            "additionalProperties": False,
+        },
+        fn=run,
     )

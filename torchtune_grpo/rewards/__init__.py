@@ -37,9 +37,11 @@ from torchtune_grpo.rewards._model_judge import JUDGE_METHODS, ModelJudge
 from torchtune_grpo.rewards._python import PythonReward, load_function, python_reward
 from torchtune_grpo.rewards._sandbox import (
     NETWORK_MODES,
+    ProgramResult,
     SandboxResult,
     network_namespace_available,
     normalize_tests,
+    run_python_program,
     run_python_tests,
 )
 
@@ -61,6 +63,7 @@ __all__ = [
     "ModelJudge",
     "NETWORK_MODES",
     "OPTION_KEYS",
+    "ProgramResult",
     "PythonReward",
     "Reward",
     "RewardBatch",
@@ -87,5 +90,6 @@ __all__ = [
     "python_reward",
     "reward_name",
     "rubric_fields",
+    "run_python_program",
     "run_python_tests",
 ]

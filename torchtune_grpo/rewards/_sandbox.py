@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from torchtune_grpo.text import normalize_tests
 
@@ -57,6 +57,8 @@ __all__ = [
     "SandboxResult",
     "network_namespace_available",
     "normalize_tests",
+    "ProgramResult",
+    "run_python_program",
     "run_python_tests",
 ]
 
@@ -170,6 +172,21 @@ def _main():
     def norm(text):
         return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
+    class Capped(io.StringIO):
+        """stdout of a program run: keeps the first ``limit`` characters, counts the rest."""
+
+        def __init__(self, limit):
+            super().__init__()
+            self.limit, self.size, self.cut = limit, 0, False
+
+        def write(self, text):
+            room = self.limit - self.size
+            if len(text) > room:
+                self.cut = True
+                text = text[:max(room, 0)]
+            self.size += len(text)
+            return super().write(text) if text else 0
+
     real_stdout = sys.stdout
     module_ns = None
     for i, test in enumerate(tests):
@@ -186,6 +203,22 @@ def _main():
                     continue
                 run(test["source"], "test_%d.py" % i, module_ns)
                 report(i, True)
+            elif test["kind"] == "program":
+                limit = test["max_output"]
+                sys.stdout = captured = Capped(limit)
+                error = ""
+                try:
+                    run(code, "program.py", {"__name__": "__main__", "__builtins__": builtins})
+                except SystemExit as e:
+                    if e.code not in (None, 0):
+                        error = "SystemExit: %s" % (e.code,)
+                except BaseException as e:
+                    error = type(e).__name__ + ": " + str(e)[:300]
+                finally:
+                    sys.stdout = real_stdout
+                payload = {"stdout": captured.getvalue(), "cut": captured.cut, "error": error}
+                out.write("%s %d %d %s\n" % (nonce, i, 0 if error else 1, json.dumps(payload)))
+                out.flush()
             else:
                 sys.stdin = io.StringIO(test["input"])
                 sys.stdout = captured = io.StringIO()
@@ -310,11 +343,35 @@ def run_python_tests(
         ValueError: on bad tests or settings.
         RuntimeError: if ``network="namespace"`` and namespaces are unavailable.
     """
+    cases = normalize_tests(tests)
+    results, reasons, status, seconds = _run_sandboxed(
+        code, cases, time_limit=time_limit, test_time_limit=test_time_limit, memory_limit_mb=memory_limit_mb,
+        max_file_mb=max_file_mb, network=network, block_sockets=block_sockets, block_processes=block_processes,
+        restrict_writes=restrict_writes, site_packages=site_packages, python=python,
+    )
+    return SandboxResult(sum(results), len(cases), status, results, reasons, seconds)
+
+
+def _run_sandboxed(
+    code: str,
+    cases: List[Dict[str, Any]],
+    *,
+    time_limit: float,
+    test_time_limit: Optional[float],
+    memory_limit_mb: Optional[int],
+    max_file_mb: int,
+    network: str,
+    block_sockets: bool,
+    block_processes: bool,
+    restrict_writes: bool,
+    site_packages: bool,
+    python: Optional[str],
+) -> Tuple[List[bool], List[str], str, float]:
+    """One sandboxed interpreter over normalised ``cases``: per-case results and reasons, status, seconds."""
     if network not in NETWORK_MODES:
         raise ValueError(f"network must be one of {list(NETWORK_MODES)}, got {network!r}")
     if not (time_limit > 0 and math.isfinite(time_limit)):
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit}")
-    cases = normalize_tests(tests)
     python = python or sys.executable
     use_namespace = False
     if network != "audit":
@@ -389,8 +446,64 @@ def run_python_tests(
                 continue
             if 0 <= i < len(cases):
                 results[i] = ok
-                reasons[i] = "" if ok else (parts[3] if len(parts) > 3 else "failed")
-    return SandboxResult(sum(results), len(cases), status, results, reasons, seconds)
+                # a program run reports its output (JSON) whether or not it failed
+                reasons[i] = parts[3] if len(parts) > 3 and (parts[3] or not ok) else ("" if ok else "failed")
+    return results, reasons, status, seconds
+
+
+class ProgramResult(NamedTuple):
+    """What :func:`run_python_program` saw.
+
+    Attributes:
+        stdout (str): what the program printed (the first ``max_output_chars`` characters).
+        error (str): ``""``, the uncaught exception (``"NameError: ..."``), or why it was stopped
+            (``"timeout: ..."``, ``"crashed: ..."``).
+        cut (bool): the output was longer than ``max_output_chars``.
+        seconds (float): wall-clock seconds of the run.
+    """
+
+    stdout: str
+    error: str
+    cut: bool
+    seconds: float
+
+
+def run_python_program(
+    code: str,
+    time_limit: float = 5.0,
+    memory_limit_mb: Optional[int] = 512,
+    max_output_chars: int = 4000,
+    network: str = "auto",
+    python: Optional[str] = None,
+) -> ProgramResult:
+    """Runs ``code`` as ``__main__`` in a fresh sandboxed interpreter (the limits of :func:`run_python_tests`:
+    wall-clock, CPU, memory, throwaway directory, no network, no processes) and returns what it printed.
+
+    Args:
+        code (str): the program.
+        time_limit (float): hard wall-clock seconds. Default is 5.0.
+        memory_limit_mb (Optional[int]): address-space limit in MiB. Default is 512.
+        max_output_chars (int): stdout kept. Default is 4000.
+        network (str): see :func:`run_python_tests`. Default is ``"auto"``.
+        python (Optional[str]): the interpreter. Default is None (``sys.executable``).
+
+    Returns:
+        ProgramResult: the output and how the run ended.
+    """
+    results, reasons, status, seconds = _run_sandboxed(
+        code, [{"kind": "program", "max_output": int(max_output_chars)}], time_limit=time_limit,
+        test_time_limit=None, memory_limit_mb=memory_limit_mb, max_file_mb=16, network=network,
+        block_sockets=True, block_processes=True, restrict_writes=True, site_packages=False, python=python,
+    )
+    try:
+        payload = json.loads(reasons[0])
+    except (json.JSONDecodeError, TypeError):
+        payload = None
+    if status != "ok" or not isinstance(payload, dict):
+        why = {"timeout": f"timeout: stopped after {time_limit} s", "ok": "crashed: no result"}.get(
+            status, "crashed: the interpreter died (CPU or memory limit, or os._exit)")
+        return ProgramResult("", why, False, seconds)
+    return ProgramResult(str(payload["stdout"]), str(payload["error"]), bool(payload["cut"]), seconds)
 
 
 @functools.lru_cache(maxsize=None)
