@@ -125,3 +125,51 @@ def test_episode_done_by_environment(tmp_path):
 
     _, engine, _, ep = setup(tmp_path, careful, env=OneShot())
     assert ep.turns == [1, 1] and len(engine.calls) == 1 and ep.info == [{"graded": 1.0}] * 2
+
+
+# ------------------------------------------------------------------------------- sample_and_score
+
+
+def test_sample_and_score_episodes(tmp_path):
+    """Rewards score the final answer and see the conversation; a failed episode gets the fallback; the
+    action masks travel with their rows through select and concat."""
+    from torchtune_grpo.data import PromptBatch
+    from torchtune_grpo.multiturn import MultiTurn
+    from torchtune_grpo.rewards import RewardSet
+    from torchtune_grpo.rollout import RolloutGroups, sample_and_score
+
+    tok = hf_tokenizer(str(make_tokenizer_dir(tmp_path / "tok", "qwen2_5_tools")))
+
+    class FailsOnSeven(ToolEnvironment):
+        def step(self, state, message):
+            if state["fields"]["answer"] == "7" and "<tool_call>" in message["content"]:
+                raise TimeoutError("tool server gone")
+            return super().step(state, message)
+
+    multi_turn = MultiTurn(FailsOnSeven([Calculator()]), max_turns=3, env_timeout=5)
+    turns = multi_turn.turns_for(tok)
+    assert isinstance(turns, ChatTurns) and turns.tools == [Calculator().schema()]
+    prompts = [turns.prompt_ids([{"role": "user", "content": q}]) for q in ("6*7?", "3+4?")]
+    batch = PromptBatch(tokens=prompts, prompts=["6*7?", "3+4?"], fields=[{"answer": "42"}, {"answer": "7"}])
+
+    def correct(b):
+        return [float(c.endswith(f["answer"] + ".")) for c, f in zip(b.completions, b.fields)]
+
+    def used_tool(b):
+        return [float(any(m["role"] == "tool" for m in f["conversation"])) for f in b.fields]
+
+    rewards = RewardSet([correct, used_tool], weights=[1.0, 0.5], names=["correct", "used_tool"], fallback=-1.0)
+    out = sample_and_score(None, tok, TextScript(tok, careful), batch, rewards, group_size=2, max_new_tokens=200,
+                           multi_turn=multi_turn)
+    # prompt 0: row 0 uses the tool and answers 42 (1 + 0.5); row 1 guesses 7 (0).
+    # prompt 1: row 2 calls the tool and the environment fails (fallback -1); row 3 guesses 7, right (1).
+    assert out.rewards.tolist() == [1.5, 0.0, -1.0, 1.0]
+    assert out.errors["environment"] == 1
+    assert [i["turns"] for i in out.episode_info] == [2.0, 1.0, 1.0, 1.0]
+    assert [i["env_error"] for i in out.episode_info] == [0.0, 0.0, 1.0, 0.0]
+    assert out.episode_info[0]["tool_calls"] == 1.0 and out.episode_info[0]["injected_tokens"] > 0
+    assert out.action_mask[1] == [1] * len(out.response_ids[1])
+    assert "<tool_response>" in out.completions[0]  # the whole episode, for logs
+    picked = RolloutGroups.concat([out.select([1]), out.select([0])])
+    assert picked.action_mask == out.action_mask[2:] + out.action_mask[:2]
+    assert picked.conversations == out.conversations[2:] + out.conversations[:2]

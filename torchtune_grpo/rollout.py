@@ -20,6 +20,7 @@ from torch import nn
 
 from torchtune_grpo.data import PromptBatch
 from torchtune_grpo.generation import decode_responses, GenerationEngine
+from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.rewards import RewardBatch, RewardSet
 
 __all__ = ["RolloutGroups", "sample_and_score"]
@@ -49,6 +50,13 @@ class RolloutGroups:
         generation_seconds (float): time spent generating (a selection keeps the total of everything
             generated). Default is 0.
         reward_seconds (float): time spent decoding and scoring. Default is 0.
+        action_mask (Optional[List[List[int]]]): multi-turn episodes: per row and response token, 1 where the
+            model sampled it, 0 where the environment injected it (context: no loss term, not counted). None:
+            every response token is the model's. Default is None.
+        conversations (Optional[List[List[Dict[str, Any]]]]): multi-turn episodes: each row's messages after
+            the prompt (the model's turns and the environment's replies). Default is None.
+        episode_info (Optional[List[Dict[str, float]]]): multi-turn episodes: per row, ``turns``,
+            ``env_error`` (0/1), ``injected_tokens`` and the environment's summed step infos. Default is None.
     """
 
     group_size: int
@@ -64,6 +72,9 @@ class RolloutGroups:
     engine_logprobs: Optional[List[List[float]]] = None
     generation_seconds: float = 0.0
     reward_seconds: float = 0.0
+    action_mask: Optional[List[List[int]]] = None
+    conversations: Optional[List[List[Dict[str, Any]]]] = None
+    episode_info: Optional[List[Dict[str, float]]] = None
 
     @property
     def num_groups(self) -> int:
@@ -89,6 +100,7 @@ class RolloutGroups:
             engine_logprobs=None if self.engine_logprobs is None else [self.engine_logprobs[i] for i in rows],
             generation_seconds=self.generation_seconds,
             reward_seconds=self.reward_seconds,
+            **{k: None if getattr(self, k) is None else [getattr(self, k)[i] for i in rows] for k in _EPISODE_ROWS},
         )
 
     @staticmethod
@@ -117,7 +129,15 @@ class RolloutGroups:
             engine_logprobs=[x for p in parts for x in p.engine_logprobs] if with_logprobs else None,
             generation_seconds=sum(p.generation_seconds for p in parts),
             reward_seconds=sum(p.reward_seconds for p in parts),
+            **{
+                k: [x for p in parts for x in getattr(p, k)] if all(getattr(p, k) is not None for p in parts) else None
+                for k in _EPISODE_ROWS
+            },
         )
+
+
+# Per-row lists that only multi-turn rollouts have; select and concat carry them like the other rows.
+_EPISODE_ROWS = ("action_mask", "conversations", "episode_info")
 
 
 def sample_and_score(
@@ -132,6 +152,7 @@ def sample_and_score(
     generator: Optional[torch.Generator] = None,
     temperature: Optional[float] = None,
     generation_context: Optional[ContextManager] = None,
+    multi_turn: Optional[MultiTurn] = None,
 ) -> RolloutGroups:
     """Sample ``group_size`` completions for each prompt of ``batch``, decode them and score them.
 
@@ -149,6 +170,10 @@ def sample_and_score(
             engine's. Default is None.
         generation_context (Optional[ContextManager]): entered around the generation call only, and counted
             in its time (the recipe's FSDP2 unshard). Default is None.
+        multi_turn (Optional[MultiTurn]): run multi-turn episodes with this environment instead of single
+            completions (:mod:`torchtune_grpo.multiturn`): rewards score each episode's final answer and see
+            the conversation as ``fields["conversation"]`` (``fields["episode"]``: turns, errors, infos); an
+            episode the environment failed gets the reward set's fallback. Default is None.
 
     Returns:
         RolloutGroups: ``len(batch.tokens) x group_size`` scored rows, with timings.
@@ -156,6 +181,12 @@ def sample_and_score(
     t0 = time.perf_counter()
     # Only an override is passed: an engine's generate need not take `temperature`.
     kwargs = {} if temperature is None else {"temperature": temperature}
+    if multi_turn is not None:
+        return _sample_and_score_episodes(
+            model, tokenizer, engine, batch, rewards, multi_turn, group_size=group_size,
+            max_new_tokens=max_new_tokens, generator=generator, temperature=temperature,
+            generation_context=generation_context,
+        )
     with generation_context if generation_context is not None else nullcontext():
         rollout = engine.generate(
             model,
@@ -187,4 +218,72 @@ def sample_and_score(
         engine_logprobs=rollout.logprobs,
         generation_seconds=t1 - t0,
         reward_seconds=t2 - t1,
+    )
+
+
+def _sample_and_score_episodes(
+    model: nn.Module,
+    tokenizer,
+    engine: GenerationEngine,
+    batch: PromptBatch,
+    rewards: RewardSet,
+    multi_turn: MultiTurn,
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    generator: Optional[torch.Generator],
+    temperature: Optional[float],
+    generation_context: Optional[ContextManager],
+) -> RolloutGroups:
+    """:func:`sample_and_score` for multi-turn episodes (generation time includes the environment's)."""
+    t0 = time.perf_counter()
+    with generation_context if generation_context is not None else nullcontext():
+        episodes = multi_turn.run(
+            engine, model, tokenizer, batch.tokens, batch.fields, group_size=group_size,
+            max_new_tokens=max_new_tokens, generator=generator, temperature=temperature,
+        )
+    t1 = time.perf_counter()
+    n = len(episodes.response_ids)
+    info = [
+        {
+            **episodes.info[i],
+            "turns": float(episodes.turns[i]),
+            "env_error": float(bool(episodes.env_errors[i])),
+            "injected_tokens": float(episodes.action_mask[i].count(0)),
+        }
+        for i in range(n)
+    ]
+    row_fields = [
+        {**batch.fields[i // group_size], "conversation": episodes.messages[i],
+         "episode": {**info[i], "error": episodes.env_errors[i]}}
+        for i in range(n)
+    ]
+    scored = rewards(
+        RewardBatch(
+            prompts=[batch.prompts[i // group_size] for i in range(n)],
+            completions=episodes.final_answers(),
+            completion_ids=episodes.response_ids,
+            fields=row_fields,
+        )
+    )
+    failed = torch.tensor([bool(e) for e in episodes.env_errors], dtype=torch.bool)
+    total = torch.where(failed, torch.full_like(scored.total, float(rewards.fallback)), scored.total)
+    t2 = time.perf_counter()
+    return RolloutGroups(
+        group_size=group_size,
+        prompts=list(batch.prompts),
+        fields=list(batch.fields),
+        prompt_ids=episodes.prompt_ids,
+        response_ids=episodes.response_ids,
+        completions=[tokenizer.decode(ids) for ids in episodes.response_ids],
+        truncated=episodes.truncated,
+        rewards=total,
+        per_component=scored.per_component,
+        errors={**scored.errors, "environment": int(failed.sum())},
+        engine_logprobs=episodes.logprobs,
+        generation_seconds=t1 - t0,
+        reward_seconds=t2 - t1,
+        action_mask=episodes.action_mask,
+        conversations=episodes.messages,
+        episode_info=info,
     )

@@ -11,7 +11,7 @@ from torchtune_grpo.multiturn.environment import (
     start_episodes,
     step_episodes,
 )
-from torchtune_grpo.multiturn.rollout import Episodes, run_episodes
+from torchtune_grpo.multiturn.rollout import Episodes, MultiTurn, run_episodes
 from torchtune_grpo.multiturn.tools import (
     TOOL_ERROR_KINDS,
     Calculator,
@@ -29,6 +29,7 @@ __all__ = [
     "EnvOutcome",
     "EnvReply",
     "Episodes",
+    "MultiTurn",
     "Environment",
     "TOOL_ERROR_KINDS",
     "PythonInterpreter",

@@ -152,6 +152,8 @@ class ToolEnvironment:
             raise ValueError(f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
         self.toolbox = ToolBox(tools, max_result_chars=max_result_chars)
         self.max_calls_per_turn = int(max_calls_per_turn)
+        # what the prompt's chat template renders (tools=), read by MultiTurn
+        self.tools = self.toolbox.schemas()
 
     def start(self, fields: Dict[str, Any]) -> Dict[str, Any]:
         return {"fields": fields}

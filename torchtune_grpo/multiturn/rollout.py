@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from torchtune_grpo.multiturn.environment import Environment, start_episodes, step_episodes
+from torchtune_grpo.multiturn.turns import ChatTurns, PlainTurns
 
-__all__ = ["Episodes", "run_episodes"]
+__all__ = ["Episodes", "MultiTurn", "run_episodes"]
 
 
 class Episodes(NamedTuple):
@@ -190,3 +191,49 @@ def run_episodes(
         env_errors=[ep.error for ep in episodes],
         info=[ep.info for ep in episodes],
     )
+
+
+class MultiTurn:
+    """A run's multi-turn settings: the environment and the limits of an episode.
+
+    Args:
+        environment (Environment): the environment (a ``_component_``).
+        max_turns (int): model turns per episode at most. Default is 4.
+        env_timeout (Optional[float]): seconds per environment call. Default is 30.0.
+
+    Raises:
+        ValueError: when ``max_turns`` < 1 or ``env_timeout`` <= 0.
+    """
+
+    def __init__(self, environment: Environment, max_turns: int = 4, env_timeout: Optional[float] = 30.0) -> None:
+        if int(max_turns) < 1:
+            raise ValueError(f"multi_turn.max_turns must be >= 1, got {max_turns}")
+        if env_timeout is not None and not float(env_timeout) > 0:
+            raise ValueError(f"multi_turn.env_timeout must be > 0 seconds (or null), got {env_timeout}")
+        self.environment = environment
+        self.max_turns = int(max_turns)
+        self.env_timeout = None if env_timeout is None else float(env_timeout)
+        self._turns: Dict[int, Any] = {}
+
+    @property
+    def tools(self) -> Optional[List[Dict[str, Any]]]:
+        """The environment's tool schemas (its ``tools`` attribute), for rendering into prompts; None."""
+        return getattr(self.environment, "tools", None)
+
+    def turns_for(self, tokenizer) -> Any:
+        """:class:`ChatTurns` for a tokenizer with a chat template and end-of-turn token, else :class:`PlainTurns`."""
+        key = id(tokenizer)
+        if key not in self._turns:
+            chat = getattr(tokenizer, "chat_template", None) is not None and getattr(tokenizer, "eot_id", None) is not None
+            self._turns[key] = ChatTurns(tokenizer, self.tools) if chat else PlainTurns(tokenizer)
+        return self._turns[key]
+
+    def run(self, engine, model: nn.Module, tokenizer, prompts: List[List[int]], fields: List[Dict[str, Any]], *,
+            group_size: int, max_new_tokens: int, generator: Optional[torch.Generator] = None,
+            temperature: Optional[float] = None) -> Episodes:
+        """:func:`run_episodes` with these settings."""
+        return run_episodes(
+            engine, model, prompts, fields, env=self.environment, turns=self.turns_for(tokenizer),
+            tokenizer=tokenizer, group_size=group_size, max_new_tokens=max_new_tokens, max_turns=self.max_turns,
+            env_timeout=self.env_timeout, generator=generator, temperature=temperature,
+        )
