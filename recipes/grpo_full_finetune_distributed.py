@@ -672,8 +672,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     chunk_size=self.logprob_chunk_size,
                 ).logprobs[0]
             diff = self._weight_sync.measure(trainer, self._engine.prompt_logprobs(probe))
-            t = torch.tensor([diff], dtype=torch.float64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # NaN propagates, so a broken rank is seen
+            # NaN -> +inf first: gloo's MAX can drop a NaN, and a broken rank must stop every rank.
+            t = torch.tensor([self._weight_sync.reducible(diff)], dtype=torch.float64, device=self._device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
             diff = t.item()
             self._weight_sync.verify(diff, step=step)
             metrics["generation/sync_logprob_diff"] = diff

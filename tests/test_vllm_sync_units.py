@@ -16,6 +16,8 @@ from torchtune_grpo.loss import GRPOLoss
 from torchtune_grpo.offpolicy import logprob_mismatch_sum, tis_weights
 from torchtune_grpo.packing import response_values
 
+from tests.recipe_utils import run_script_expecting
+
 LLAMA = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16}
 QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16}
 
@@ -96,10 +98,66 @@ def test_weight_sync_check_schedule_probe_and_verdict():
         check.verify(diff, step=4)
     nan = check.measure(torch.tensor([0.0, float("nan")]), torch.zeros(2))
     assert math.isnan(nan)
-    with pytest.raises(WeightSyncError):
+    with pytest.raises(WeightSyncError, match=r"not finite \(NaN or inf\) on at least one rank"):
         check.verify(nan, step=0)
+    assert check.reducible(nan) == math.inf and check.reducible(0.02) == 0.02
+    with pytest.raises(WeightSyncError, match="not finite"):
+        check.verify(math.inf, step=0)
     with pytest.raises(ValueError, match="probe_length"):
         WeightSyncCheck(probe_length=1)
+
+
+_NAN_ON_ONE_RANK = """
+import json, os, socket, sys
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, port, out_dir):
+    from torchtune_grpo.generation import WeightSyncCheck, WeightSyncError  # in the ranks only
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    check = WeightSyncCheck(tolerance=0.1)
+    # Rank 0's engine is 0.01 off the trainer; rank 1's engine produced a NaN.
+    engine = torch.tensor([-1.01, -2.0]) if rank == 0 else torch.tensor([-1.0, float("nan")])
+    diff = check.measure(torch.tensor([-1.0, -2.0]), engine)
+    raw = torch.tensor([diff], dtype=torch.float64)
+    dist.all_reduce(raw, op=dist.ReduceOp.MAX)  # what the recipe did before: the NaN can vanish
+    # The recipe's reduction (_sync_engine_weights): reducible() before MAX, verify() after.
+    t = torch.tensor([check.reducible(diff)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    try:
+        check.verify(t.item(), step=3)
+        verdict = "passed"
+    except WeightSyncError as e:
+        verdict = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"raw": raw.item(), "reduced": t.item(), "verdict": verdict}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_dir = sys.argv[0] + ".d"
+    os.makedirs(out_dir, exist_ok=True)
+    mp.spawn(rank_main, args=(port, out_dir), nprocs=2)
+    results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
+    # gloo's MAX over [0.01 (rank 0), nan (rank 1)] gives 0.01 (measured): a plain MAX would pass the check.
+    assert all(abs(r["raw"] - 0.01) < 1e-6 for r in results), results
+    for r in results:  # with reducible(): +inf on every rank, and every rank fails the check
+        assert r["reduced"] == float("inf"), results
+        assert "not finite (NaN or inf) on at least one rank" in r["verdict"], results
+    print("NAN_FAILS_ON_BOTH_RANKS")
+"""
+
+
+@pytest.mark.slow
+def test_nan_on_one_of_two_gloo_ranks_fails_the_sync_check_on_both(tmp_path):
+    # 2 gloo processes; each writes its outcome to a file and the parent checks both (judged by the
+    # parent's success marker, not exit codes: see run_script_expecting).
+    run_script_expecting(_NAN_ON_ONE_RANK, "NAN_FAILS_ON_BOTH_RANKS", tmp_path)
 
 
 def test_tis_weights_by_hand():

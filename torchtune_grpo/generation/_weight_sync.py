@@ -11,6 +11,7 @@ Pure: tensors and lists in, numbers out. Gathering the FSDP shards and running t
 the probe is the recipe's job.
 """
 
+import math
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -155,24 +156,39 @@ class WeightSyncCheck:
         diff = (a - b).abs()
         return float("nan") if not torch.isfinite(diff).all() else diff.max().item()
 
+    @staticmethod
+    def reducible(diff: float) -> float:
+        """``diff`` (from :meth:`measure`) as a value that survives a cross-rank maximum: NaN -> +inf.
+
+        An IEEE maximum does not keep NaN on every backend: gloo's all-reduce MAX gives 0.5 for
+        ``[0.5, nan]`` over ranks 0 and 1 (and NaN for ``[nan, 0.5]``), so a NaN on one rank could pass
+        as the other ranks' small difference. +inf wins every maximum and fails :meth:`verify` as well.
+        """
+        return math.inf if math.isnan(diff) else diff
+
     def verify(self, diff: float, *, step: int) -> None:
         """Raise :class:`WeightSyncError` when ``diff`` (from :meth:`measure`) exceeds the tolerance.
 
-        Under several processes the recipe passes the largest difference over all ranks, so that every
-        rank stops together instead of the healthy ones waiting forever in their next collective.
+        Under several processes the recipe passes the largest difference over all ranks (of
+        :meth:`reducible` values, so a NaN anywhere arrives as +inf), so that every rank stops together
+        instead of the healthy ones waiting forever in their next collective.
 
         Args:
             diff (float): the largest probe log-probability difference.
             step (int): the trainer's step (optimizer steps taken so far), for the message.
 
         Raises:
-            WeightSyncError: when ``diff > tolerance`` or ``diff`` is NaN.
+            WeightSyncError: when ``diff > tolerance`` or ``diff`` is NaN or infinite.
         """
         if diff <= self.tolerance:
             return
+        what = (
+            f"differ from the trainer's by up to {diff:.3g}" if math.isfinite(diff)
+            else "are not finite (NaN or inf) on at least one rank"
+        )
         raise WeightSyncError(
             f"Weight sync check failed after step {step}: the generation engine's log-probabilities of the "
-            f"probe sequence differ from the trainer's by up to {diff:.3g} (tolerance {self.tolerance:g}). "
+            f"probe sequence {what} (tolerance {self.tolerance:g}). "
             "The engine is sampling from weights that are not the trainer's: stale (a weight sync that did "
             "not reach the engine) or mis-converted (parameter names or layout). Its rollouts would be "
             "off-policy with no other sign. If this is only numerical noise (bf16, different kernels), "
