@@ -25,6 +25,7 @@ of a step: setup, the step, then one section per stage (docs/architecture.md).
 
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -47,12 +48,16 @@ from torchtune_grpo.advantages import RewardStats
 from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
 from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpointing import (
+    begin_step_dir,
+    checkpoint_retention,
     find_latest_checkpoint,
-    finalize_step_dir,
     model_files,
+    prune_step_dirs,
+    publish_step_dir,
     RECIPE_STATE_FILE,
-    save_recipe_state,
+    recover_interrupted_saves,
 )
+from torchtune_grpo.crash_points import crash_point
 from torchtune_grpo.config import KNOWN_KEYS, validate_config
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
@@ -60,7 +65,7 @@ from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss import kl_reward_penalty
-from torchtune_grpo.metrics import JsonlWriter
+from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
 from torchtune_grpo.packing import TrainingBatch
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
@@ -130,6 +135,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.clip_grad_norm = cfg.get("clip_grad_norm", None)
         self.logprob_chunk_size = int(cfg.get("logprob_chunk_size", 512))
         self.save_every_n_steps = cfg.get("save_every_n_steps", None)
+        self.keep_last_n_checkpoints = checkpoint_retention(cfg.get("keep_last_n_checkpoints", None))
         self.log_every_n_steps = int(cfg.get("log_every_n_steps", 1))
         self.log_completions = int(cfg.get("log_completions", 2))
         self.resume_from_checkpoint = bool(cfg.get("resume_from_checkpoint", False))
@@ -155,17 +161,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def setup(self, cfg: DictConfig) -> None:
         """Build everything from the config and, when resuming, restore the latest checkpoint."""
+        resume_dir = self._find_resume_dir() if self.resume_from_checkpoint else None
         if self._is_rank_zero:
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
             self._metrics_file = JsonlWriter(os.path.join(self.output_dir, "metrics.jsonl"))
             self._completions_file = JsonlWriter(os.path.join(self.output_dir, "completions.jsonl"))
 
-        resume_dir = find_latest_checkpoint(self.output_dir) if self.resume_from_checkpoint else None
-        if self.resume_from_checkpoint and resume_dir is None:
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=True but no complete step_* checkpoint in {self.output_dir}"
-            )
         base_checkpointer = config.instantiate(cfg.checkpointer)
         recipe_state = None
         if resume_dir is not None:
@@ -242,6 +244,27 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             # The engine started from checkpoint_dir; a resumed or converted policy may differ from it.
             sync = self._sync_engine_weights(step=self.global_step)
             utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
+
+    def _find_resume_dir(self) -> Any:
+        """The latest complete checkpoint, after finishing what killed saves left (rank 0 does the disk work).
+
+        The run's logs are cut back to that checkpoint's step, so a resumed run logs each step once.
+        """
+        if self._is_rank_zero:
+            for line in recover_interrupted_saves(self.output_dir):
+                log.info(f"Checkpoints: {line}")
+        dist.barrier()
+        resume_dir = find_latest_checkpoint(self.output_dir)
+        if resume_dir is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but no complete step_* checkpoint in {self.output_dir}"
+            )
+        if self._is_rank_zero:
+            step = int(resume_dir.name.split("_")[-1])
+            for name in ("metrics.jsonl", "completions.jsonl"):
+                if removed := rewind_jsonl(os.path.join(self.output_dir, name), step):
+                    log.info(f"Resuming at step {step}: removed {removed} later record(s) from {name}")
+        return resume_dir
 
     def _write_algorithm_card(self, cfg: DictConfig) -> None:
         """Print and write ``${output_dir}/algorithm_card.md``: what this run optimises, exactly."""
@@ -433,6 +456,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 self._completions_file.write_many(samples)
                 if self.global_step % self.log_every_n_steps == 0:
                     self._metric_logger.log_dict(metrics, step=self.global_step)
+            crash_point("logged", self.global_step)  # test-only (torchtune_grpo/crash_points.py)
             self._profiler.step()
             if (
                 self.save_every_n_steps
@@ -457,11 +481,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """One GRPO step on this rank's prompt ``batch``: the metrics (global) and ``completions.jsonl`` rows."""
         t0 = time.perf_counter()
         generated, num_rounds = self._collect_rollouts(batch)  # rollout and rewards
+        crash_point("rollout", self.global_step + 1)
         selection = self._dynamic.select(generated, self.batch_size)
         trained = generated.select(selection.indices)
         # Layout, reference/old logprobs, advantages: everything the update takes.
         exp, kl_penalty = self._experience(trained)
         stats = self._update(exp)
+        crash_point("update", self.global_step + 1)
         # The engine (vLLM) samples the next step from the weights just updated.
         sync = self._sync_engine_weights(step=self.global_step + 1) if self._engine.holds_weights else None
         t_step = time.perf_counter() - t0
@@ -770,20 +796,27 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
 
     def save_checkpoint(self, step: int) -> None:
-        """Write ``{output_dir}/step_{step}``: a Hugging Face model directory plus recipe state."""
+        """Write ``{output_dir}/step_{step}``: a Hugging Face model directory plus recipe state.
+
+        Written in a staging directory and renamed when complete; only then are checkpoints beyond
+        ``keep_last_n_checkpoints`` removed (torchtune_grpo/checkpointing.py).
+        """
         model_state = training.gather_cpu_state_dict(
             self._model, self._is_rank_zero, device=self._device
         )
         recipe_state = self._recipe_state()
         if self._is_rank_zero:
+            staging = begin_step_dir(self.output_dir, step)
+            written = self._checkpointer._output_dir / f"epoch_{step}"  # torchtune names it by epoch
+            shutil.rmtree(written, ignore_errors=True)  # left by a killed save
             self._checkpointer.save_checkpoint(
                 {training.MODEL_KEY: model_state}, epoch=step, intermediate_checkpoint=False
             )
-            target = finalize_step_dir(
-                self.output_dir, self._checkpointer._output_dir / f"epoch_{step}", step
-            )
-            save_recipe_state(target, recipe_state)
+            os.replace(written, staging)
+            target = publish_step_dir(self.output_dir, staging, step, recipe_state)
             log.info(f"Saved checkpoint for step {step} to {target}")
+            for old in prune_step_dirs(self.output_dir, step, self.keep_last_n_checkpoints):
+                log.info(f"Removed {old} (keep_last_n_checkpoints={self.keep_last_n_checkpoints})")
         dist.barrier()
 
     def cleanup(self) -> None:

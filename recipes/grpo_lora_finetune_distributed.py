@@ -29,7 +29,6 @@ NF4's all-gather extension, and sharding NF4 needs every weight's block count to
 """
 
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ from torchtune.modules.peft import (
 )
 
 from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, run_recipe
-from torchtune_grpo.checkpointing import finalize_step_dir, save_recipe_state
+from torchtune_grpo.checkpointing import begin_step_dir, prune_step_dirs, publish_step_dir
 from torchtune_grpo.config import LORA_KEYS
 from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.lora import (
@@ -216,8 +215,8 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     def save_checkpoint(self, step: int) -> None:
         """Write ``{output_dir}/step_{step}``: adapter (PEFT + torchtune), merged model, recipe state.
 
-        Everything is written to a hidden staging directory first and renamed to ``step_{step}``;
-        ``recipe_state.pt`` comes last and marks the checkpoint complete.
+        Everything is written to a hidden staging directory first and renamed to ``step_{step}`` when
+        complete (``recipe_state.pt`` last; torchtune_grpo/checkpointing.py).
         """
         with_merged = not self._save_adapter_weights_only
         state = training.gather_cpu_state_dict(
@@ -227,8 +226,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         if self._is_rank_zero:
             t0 = time.perf_counter()
             adapter = get_adapter_state_dict(state) if with_merged else state
-            staging = Path(self.output_dir) / f".step_{step}.partial"
-            shutil.rmtree(staging, ignore_errors=True)
+            staging = begin_step_dir(self.output_dir, step)
             staging.mkdir(parents=True)
             if with_merged:
                 for key in adapter:
@@ -249,9 +247,10 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
                 hf_config=self._checkpointer._config,
                 base_model_name_or_path=getattr(self._checkpointer, "repo_id", None),
             )
-            target = finalize_step_dir(self.output_dir, staging, step)
-            save_recipe_state(target, recipe_state)
+            target = publish_step_dir(self.output_dir, staging, step, recipe_state)
             log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
+            for old in prune_step_dirs(self.output_dir, step, self.keep_last_n_checkpoints):
+                log.info(f"Removed {old} (keep_last_n_checkpoints={self.keep_last_n_checkpoints})")
         dist.barrier()
 
 

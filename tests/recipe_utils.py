@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Union
+from typing import Dict, List, Sequence, Union
 
 import torch
 from omegaconf import OmegaConf
@@ -42,6 +42,26 @@ def write_config(
     return path
 
 
+def tune_command(
+    config_path: Path,
+    *overrides: str,
+    nproc: int = 1,
+    recipe: str = "grpo_full_finetune_distributed",
+    launcher_args: Sequence[str] = (),
+) -> List[str]:
+    """``tune run [LAUNCHER_ARGS] [--nproc_per_node N] RECIPE --config ... OVERRIDES``."""
+    cmd = [TUNE, "run", *launcher_args]
+    if nproc > 1:
+        cmd += ["--nproc_per_node", str(nproc)]
+    return cmd + [recipe, "--config", str(config_path), *overrides]
+
+
+def tune_env(**extra: str) -> Dict[str, str]:
+    """The environment of a ``tune run``: the repository on PYTHONPATH (test-only components such as
+    ``tests._rewards`` import), one intra-op thread, and ``extra``."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+
+
 def run_tune(
     config_path: Path,
     *overrides: str,
@@ -54,12 +74,8 @@ def run_tune(
     Runs from ``cwd`` (outside the repository: the recipe is an installed module) with the repository on
     PYTHONPATH, so test-only components (``tests._rewards``...) import.
     """
-    cmd = [TUNE, "run"]
-    if nproc > 1:
-        cmd += ["--nproc_per_node", str(nproc)]
-    cmd += [recipe, "--config", str(config_path), *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = tune_command(config_path, *overrides, nproc=nproc, recipe=recipe)
+    proc = subprocess.run(cmd, cwd=cwd, env=tune_env(), capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"
     return output

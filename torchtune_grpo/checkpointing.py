@@ -1,4 +1,5 @@
-"""Where GRPO checkpoints live on disk, and how a run finds the one to resume from.
+"""Where GRPO checkpoints live on disk, how they are written so that none is ever lost, and how a run finds
+the one to resume from.
 
 Layout under ``output_dir``::
 
@@ -9,8 +10,19 @@ Layout under ``output_dir``::
     step_20/
     ...
 
-``recipe_state.pt`` is written last and atomically (temp file + rename), so a directory without it is
-an interrupted save and is never resumed from.
+A save never touches a complete checkpoint until its replacement is complete:
+
+1. everything is written into a hidden staging directory ``.step_N.staging`` (:func:`begin_step_dir`);
+2. ``recipe_state.pt`` is written into it last, atomically (temp file + rename): from then on the staging
+   directory is a complete checkpoint;
+3. :func:`publish_step_dir` renames it to ``step_N``. Only when ``step_N`` already exists (a run that
+   re-saves a step, e.g. resumed after it finished) the old one is first renamed to ``.step_N.old`` and
+   deleted after the new one is in place;
+4. :func:`prune_step_dirs` (``keep_last_n_checkpoints``) removes older complete checkpoints, after.
+
+A kill at any point leaves a complete ``step_N`` or a complete ``.step_N.staging``;
+:func:`recover_interrupted_saves` (run before resuming) publishes the latter and removes leftovers. A
+directory without ``recipe_state.pt`` is an interrupted save and is never resumed from.
 """
 
 import os
@@ -21,17 +33,25 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from torchtune_grpo.crash_points import crash_point
+
 __all__ = [
     "RECIPE_STATE_FILE",
+    "begin_step_dir",
+    "checkpoint_retention",
+    "complete_step_dirs",
     "find_latest_checkpoint",
-    "finalize_step_dir",
     "model_files",
-    "save_recipe_state",
+    "prune_step_dirs",
+    "publish_step_dir",
+    "recover_interrupted_saves",
     "step_dir",
 ]
 
 RECIPE_STATE_FILE = "recipe_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STAGING_DIR = re.compile(r"^\.step_(\d+)\.staging$")
+_OLD_DIR = re.compile(r"^\.step_(\d+)\.old$")
 
 
 def step_dir(output_dir: str, step: int) -> Path:
@@ -39,46 +59,141 @@ def step_dir(output_dir: str, step: int) -> Path:
     return Path(output_dir) / f"step_{step}"
 
 
-def finalize_step_dir(output_dir: str, written_dir: Path, step: int) -> Path:
-    """Move a directory written by a torchtune checkpointer (``epoch_{n}``) to ``step_{step}``.
+def _staging_dir(output_dir: str, step: int) -> Path:
+    return Path(output_dir) / f".step_{step}.staging"
 
-    torchtune's checkpointers name their output after epochs; GRPO runs are counted in steps.
+
+def _is_complete(directory: Path) -> bool:
+    return (directory / RECIPE_STATE_FILE).is_file()
+
+
+def checkpoint_retention(value: Any) -> Optional[int]:
+    """``keep_last_n_checkpoints`` checked: None (keep all) or an int >= 1.
+
+    Raises:
+        ValueError: naming the key and the value otherwise.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"keep_last_n_checkpoints must be an integer >= 1 or null (keep all), got {value!r}"
+        )
+    return value
+
+
+def begin_step_dir(output_dir: str, step: int) -> Path:
+    """The staging directory to write step ``step``'s checkpoint into (not created; any leftover removed).
+
+    A leftover staging directory of the same step is from a save that was killed (and, when the run
+    resumed, :func:`recover_interrupted_saves` has already published it if it was complete).
+    """
+    staging = _staging_dir(output_dir, step)
+    shutil.rmtree(staging, ignore_errors=True)
+    return staging
+
+
+def publish_step_dir(output_dir: str, staging: Path, step: int, recipe_state: Dict[str, Any]) -> Path:
+    """Mark ``staging`` complete (``recipe_state.pt``, atomically) and rename it to ``step_{step}``.
+
+    An existing ``step_{step}`` is moved aside (``.step_{step}.old``) only once ``staging`` is complete,
+    and deleted after the rename.
 
     Args:
         output_dir (str): the run's output directory.
-        written_dir (Path): the directory the checkpointer wrote.
+        staging (Path): the directory from :func:`begin_step_dir`, holding the model files.
         step (int): the training step the checkpoint belongs to.
+        recipe_state (Dict[str, Any]): what ``recipe_state.pt`` holds.
 
     Returns:
         Path: the final directory.
     """
+    crash_point("save", step)  # model files written, the checkpoint not yet complete
+    tmp = staging / (RECIPE_STATE_FILE + ".tmp")
+    torch.save(recipe_state, tmp)
+    os.replace(tmp, staging / RECIPE_STATE_FILE)
     target = step_dir(output_dir, step)
+    old = Path(output_dir) / f".step_{step}.old"
     if target.exists():
-        shutil.rmtree(target)
-    os.replace(written_dir, target)
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        crash_point("replace", step)  # no step_N for a moment: the complete staging directory stands in
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
     return target
 
 
-def save_recipe_state(directory: Path, state: Dict[str, Any]) -> Path:
-    """Write ``recipe_state.pt`` into ``directory`` atomically, marking the checkpoint complete."""
-    path = directory / RECIPE_STATE_FILE
-    tmp = directory / (RECIPE_STATE_FILE + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+def recover_interrupted_saves(output_dir: str) -> List[str]:
+    """Finish or clean up what killed saves left in ``output_dir``; returns what was done, one line each.
+
+    A complete ``.step_N.staging`` without ``step_N`` (killed while replacing ``step_N``) is published;
+    incomplete staging directories and ``.step_N.old`` leftovers are removed. Run it on one process, while
+    no save is under way.
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    done = []
+    for child in sorted(root.iterdir()):
+        staging = _STAGING_DIR.match(child.name)
+        if not staging:
+            continue
+        target = step_dir(output_dir, int(staging.group(1)))
+        if _is_complete(child) and not target.exists():
+            os.replace(child, target)
+            done.append(f"published the complete interrupted save {child.name} as {target.name}")
+        else:
+            shutil.rmtree(child, ignore_errors=True)
+            done.append(f"removed the incomplete interrupted save {child.name}")
+    # A .step_N.old is only ever made while a newer complete checkpoint exists (step_N's replacement, now
+    # published above, or a later step when pruning): never the last copy.
+    for child in sorted(root.iterdir()):
+        if _OLD_DIR.match(child.name):
+            shutil.rmtree(child, ignore_errors=True)
+            done.append(f"removed {child.name} (replaced or pruned)")
+    return done
+
+
+def complete_step_dirs(output_dir: str) -> Dict[int, Path]:
+    """Every complete ``step_N`` directory, by N."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return {}
+    found = {}
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and _is_complete(child):
+            found[int(match.group(1))] = child
+    return found
 
 
 def find_latest_checkpoint(output_dir: str) -> Optional[Path]:
     """The complete ``step_N`` directory with the largest N, or None when there is none."""
-    root = Path(output_dir)
-    if not root.is_dir():
-        return None
-    best, best_step = None, -1
-    for child in root.iterdir():
-        match = _STEP_DIR.match(child.name)
-        if match and (child / RECIPE_STATE_FILE).is_file() and int(match.group(1)) > best_step:
-            best, best_step = child, int(match.group(1))
-    return best
+    found = complete_step_dirs(output_dir)
+    return found[max(found)] if found else None
+
+
+def prune_step_dirs(output_dir: str, step: int, keep_last_n: Optional[int]) -> List[Path]:
+    """Remove complete checkpoints older than ``step`` beyond the ``keep_last_n`` newest (with ``step``'s).
+
+    Called after step ``step``'s checkpoint is complete. Checkpoints of later steps (left by another run in
+    the same directory) are not touched. None keeps everything.
+
+    Returns:
+        List[Path]: the removed directories.
+    """
+    if keep_last_n is None:
+        return []
+    older = sorted(s for s in complete_step_dirs(output_dir) if s < step)
+    removed = []
+    for s in older[: max(len(older) - (keep_last_n - 1), 0)]:
+        # Renamed first, so a kill mid-delete never leaves a step_N that looks complete but is not.
+        aside = Path(output_dir) / f".step_{s}.old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(step_dir(output_dir, s), aside)
+        shutil.rmtree(aside)
+        removed.append(step_dir(output_dir, s))
+    return removed
 
 
 def model_files(directory: Path) -> List[str]:

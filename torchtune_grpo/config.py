@@ -28,7 +28,7 @@ KNOWN_KEYS: Set[str] = {
     "max_steps", "ppo_epochs", "micro_batch_size", "kl_coef", "generation", "reward_functions",
     "reward_fallback", "loss", "advantage", "optimizer", "lr_scheduler", "clip_grad_norm", "device",
     "dtype", "enable_activation_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
-    "logprob_chunk_size", "save_every_n_steps", "metric_logger", "log_every_n_steps",
+    "logprob_chunk_size", "save_every_n_steps", "keep_last_n_checkpoints", "metric_logger", "log_every_n_steps",
     "log_completions", "profiler", "kl_estimator", "kl_placement", "mask_truncated_completions",
     "dynamic_sampling", "share_prompt_in_training", "fsdp_single_process",
     # generation engines with their own weights (vLLM): the check after each weight sync

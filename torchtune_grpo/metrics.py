@@ -2,10 +2,11 @@
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Dict, Iterable
 
-__all__ = ["JsonlWriter"]
+__all__ = ["JsonlWriter", "rewind_jsonl"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -41,3 +42,36 @@ class JsonlWriter:
     def close(self) -> None:
         """Close the file."""
         self._file.close()
+
+
+def rewind_jsonl(path: "str | Path", step: int) -> int:
+    """Cut a run's ``metrics.jsonl``/``completions.jsonl`` back to what a run resumed at ``step`` keeps.
+
+    A run killed after its last checkpoint (step ``step``) has logged steps it will train again when
+    resumed: records of later steps go, and so do held-out evaluation records (``eval/*``) of ``step``
+    itself, which the resumed run logs again first. Rewritten atomically (temp file + rename); a missing
+    file, or a line cut short by the kill, is fine.
+
+    Returns:
+        int: the number of records removed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line, half-written when the process was killed
+            removed += 1
+            continue
+        at = record.get("step", 0)
+        if at > step or (at == step and any(k.startswith("eval/") for k in record)):
+            removed += 1
+        else:
+            kept.append(line + "\n")
+    if removed:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return removed

@@ -1,0 +1,107 @@
+"""Checkpoint saves that never lose the newest complete checkpoint, recovery after a kill, pruning, and the
+log rewind on resume (torchtune_grpo/checkpointing.py, torchtune_grpo/metrics.py). In process: a kill is
+simulated by an exception at a crash point; tests/test_crash_resume.py kills real runs."""
+
+import json
+
+import pytest
+import torch
+
+import torchtune_grpo.checkpointing as ckpt
+from torchtune_grpo.metrics import rewind_jsonl
+
+
+class Killed(Exception):
+    pass
+
+
+def _save(out, step, payload, monkeypatch=None, kill_at=None):
+    """One save as the recipe does it: model file in staging, then publish; optionally 'killed' at a point."""
+    if kill_at is not None:
+        def crash(name, at):
+            if name == kill_at:
+                raise Killed(name)
+        monkeypatch.setattr(ckpt, "crash_point", crash)
+    staging = ckpt.begin_step_dir(str(out), step)
+    staging.mkdir(parents=True)
+    (staging / "model.txt").write_text(payload)
+    return ckpt.publish_step_dir(str(out), staging, step, {"step": step, "payload": payload})
+
+
+def _names(out):
+    return sorted(p.name for p in out.iterdir())
+
+
+def test_save_publishes_only_complete_checkpoints(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    _save(out, 2, "w2")
+    # Killed mid-save of step 4: model written, recipe state not; step_2 stays the one to resume from.
+    with pytest.raises(Killed):
+        _save(out, 4, "w4", monkeypatch, kill_at="save")
+    assert _names(out) == [".step_4.staging", "step_2"]
+    assert ckpt.find_latest_checkpoint(str(out)) == out / "step_2"
+    assert ckpt.recover_interrupted_saves(str(out)) == [
+        "removed the incomplete interrupted save .step_4.staging"
+    ]
+    assert _names(out) == ["step_2"]
+
+
+def test_resaving_a_step_keeps_a_complete_copy_at_every_point(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    _save(out, 6, "old")
+    # Re-save step 6 (a finished run resumed), killed between moving the old step_6 aside and renaming
+    # the new one into place: no step_6 for that moment, but the new one is complete in staging.
+    with pytest.raises(Killed):
+        _save(out, 6, "new", monkeypatch, kill_at="replace")
+    assert _names(out) == [".step_6.old", ".step_6.staging"]
+    assert ckpt.recover_interrupted_saves(str(out)) == [
+        "published the complete interrupted save .step_6.staging as step_6",
+        "removed .step_6.old (replaced or pruned)",
+    ]
+    latest = ckpt.find_latest_checkpoint(str(out))
+    assert latest == out / "step_6" and (latest / "model.txt").read_text() == "new"
+    assert torch.load(latest / ckpt.RECIPE_STATE_FILE)["payload"] == "new"
+    # Uninterrupted, the re-save replaces it in place and leaves nothing behind.
+    monkeypatch.undo()
+    _save(out, 6, "newer")
+    assert _names(out) == ["step_6"] and (out / "step_6" / "model.txt").read_text() == "newer"
+
+
+def test_keep_last_n_prunes_older_complete_checkpoints_after_the_new_one(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _save(out, 9, "another run's")  # a later step from an earlier run in the same directory: untouched
+    for step in (1, 2, 3):
+        _save(out, step, f"w{step}")
+        removed = ckpt.prune_step_dirs(str(out), step, keep_last_n=2)
+        # keep 2: step and the one before it; at step 3 only step_1 goes
+        assert removed == ([out / "step_1"] if step == 3 else [])
+    assert _names(out) == ["step_2", "step_3", "step_9"]
+    assert ckpt.prune_step_dirs(str(out), 3, keep_last_n=None) == []
+    assert ckpt.prune_step_dirs(str(out), 3, keep_last_n=1) == [out / "step_2"]
+    assert _names(out) == ["step_3", "step_9"]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
+def test_keep_last_n_checkpoints_must_be_a_positive_int(value):
+    with pytest.raises(ValueError, match=rf"keep_last_n_checkpoints must be an integer >= 1 or null .* got {value!r}"):
+        ckpt.checkpoint_retention(value)
+    assert ckpt.checkpoint_retention(None) is None and ckpt.checkpoint_retention(3) == 3
+
+
+def test_rewind_keeps_each_step_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    records = [
+        {"step": 0, "eval/accuracy": 0.1},
+        {"step": 1, "loss": 1.0},
+        {"step": 2, "loss": 2.0},
+        {"step": 2, "eval/accuracy": 0.2},  # logged after the step-2 save: the resumed run logs it again
+        {"step": 3, "loss": 3.0},           # trained again after resuming at step 2
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo')  # cut by the kill
+    assert rewind_jsonl(path, 2) == 3
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
+    assert rewind_jsonl(path, 2) == 0  # idempotent
+    assert rewind_jsonl(tmp_path / "missing.jsonl", 2) == 0
