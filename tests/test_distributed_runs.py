@@ -1,13 +1,18 @@
 """Whole runs through the real launcher (`tune run` in subprocesses) against uninterrupted references:
 
 - killed with SIGKILL at named points (torchtune_grpo/crash_points.py) and resumed, on 1 and 2 processes:
-  the resumed run ends with the reference's weights and metrics, and metrics.jsonl holds each step once.
+  the resumed run ends with the reference's weights and metrics, and metrics.jsonl holds each step once;
+- two "nodes" (two launchers, `--nnodes 2`, c10d rendezvous on 127.0.0.1), one process each: the same
+  result as one node with two processes;
+- a two-process checkpoint resumed on one process (docs/distributed.md says what changes).
 
 The kill points are spread over the process counts to keep this file to a few tiny runs.
 """
 
 import math
+import shutil
 import signal
+import socket
 import subprocess
 
 import pytest
@@ -102,3 +107,54 @@ def test_two_processes_killed_mid_rollout_and_mid_update_resume_exactly(tmp_path
     run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
     assert_same_run(out, two_process_reference)
 
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path, two_process_reference):
+    # torchrun's multi-node path: two launchers (one per "node"), c10d rendezvous on 127.0.0.1. Judged by
+    # both launchers' exit codes: the recipe leaves with os._exit(0) after cleanup under torchrun, which
+    # sidesteps the gloo teardown abort (DESIGN.md), as test_recipe.py's two-process test relies on.
+    cfg = write_config(tmp_path, **OVERRIDES)
+    port = _free_port()
+    launchers = [
+        subprocess.Popen(
+            tune_command(cfg, launcher_args=[
+                "--nnodes", "2", "--node-rank", str(rank), "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            ]),
+            cwd=tmp_path, env=tune_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
+    for rank, (launcher, output) in enumerate(zip(launchers, outputs)):
+        assert launcher.returncode == 0, f"node {rank} failed ({launcher.returncode}):\n{output[-4000:]}"
+    # 2 ranks in all: the global batch is the one-node run's (batch_size 4 x 2 ranks x group_size 4)
+    assert "global batch per step = batch_size 4 x 2 rank(s) x group_size 4 = 32 sequences" in outputs[0]
+    assert_same_run(tmp_path / "out", two_process_reference)
+
+
+@pytest.mark.slow
+def test_resume_on_another_number_of_processes(tmp_path, two_process_reference):
+    # The two-process run's final checkpoint (step 4), continued for two more steps on one process. (The
+    # first of them has LR 0: the 4-step cosine schedule ended at 0 and the optimizer state carries that
+    # LR; the scheduler, now over 6 steps, sets a nonzero one for the second.)
+    shutil.copytree(two_process_reference, tmp_path / "out")
+    cfg = write_config(tmp_path, **{**OVERRIDES, "max_steps": STEPS + 2})
+    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    assert f"Resuming from {tmp_path / 'out' / f'step_{STEPS}'}" in log
+    assert "World size changed since the checkpoint: RNG streams restart." in log
+    # batch_size is per rank: the global batch halves (4 x 1 x 4 instead of 4 x 2 x 4)
+    assert "global batch per step = batch_size 4 x 1 rank(s) x group_size 4 = 16 sequences" in log
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 3))
+    assert all(math.isfinite(m["loss"]) for m in metrics[STEPS:])
+    # The re-sharded weights and optimizer state were loaded and trained on.
+    before = weights(two_process_reference / f"step_{STEPS}")
+    after = weights(tmp_path / "out" / f"step_{STEPS + 2}")
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
