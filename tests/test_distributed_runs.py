@@ -6,7 +6,8 @@
   result as one node with two processes;
 - a two-process checkpoint resumed on one process (docs/distributed.md says what changes).
 
-The kill points are spread over the process counts to keep this file to a few tiny runs.
+The kill points are spread over the process counts to keep this file to a few tiny runs: one process
+(cheap launches) is killed mid-rollout, between saves and mid-update; two processes mid-save.
 """
 
 import math
@@ -78,35 +79,40 @@ def assert_same_run(out, reference) -> None:
 
 
 @pytest.mark.slow
-def test_one_process_killed_between_saves_and_mid_save_resumes_exactly(tmp_path, one_process_reference):
+def test_one_process_killed_mid_rollout_between_saves_and_mid_update_resumes_exactly(
+    tmp_path, one_process_reference
+):
     cfg = write_config(tmp_path, **OVERRIDES)
     out = tmp_path / "out"
-    # Between saves: step_2 saved, step 3 trained and logged, then killed.
-    run_killed(cfg, "logged:3", nproc=1, cwd=tmp_path)
+    # Mid-rollout of step 3 (rollouts scored, nothing trained yet): step_2 is the checkpoint.
+    run_killed(cfg, "rollout:3", nproc=1, cwd=tmp_path)
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+    # Resumed; killed between saves: step 3 trained and logged, no checkpoint after step_2.
+    log = run_killed(cfg, "logged:3", "resume_from_checkpoint=True", nproc=1, cwd=tmp_path)
+    assert f"Resuming from {out / 'step_2'}" in log
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
-    # Resumed from step_2 and killed mid-save of step 4 (model files written, not yet complete).
-    log = run_killed(cfg, "save:4", "resume_from_checkpoint=True", nproc=1, cwd=tmp_path)
-    assert "Resuming from" in log and "removed 1 later record(s) from metrics.jsonl" in log
-    assert (out / ".step_4.staging").is_dir() and (out / "step_2" / "recipe_state.pt").is_file()
-    # Resumed from step_2 again: the incomplete save is removed, the run finishes.
-    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
-    assert "removed the incomplete interrupted save .step_4.staging" in log
+    # Resumed (step 3 is cut from the logs, it is trained again); killed mid-update of step 4.
+    log = run_killed(cfg, "update:4", "resume_from_checkpoint=True", nproc=1, cwd=tmp_path)
+    assert "Resuming at step 2: removed 1 later record(s) from metrics.jsonl" in log
+    run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
     assert_same_run(out, one_process_reference)
-    # (A kill while re-saving a step that has a checkpoint: tests/test_checkpointing.py.)
 
 
 @pytest.mark.slow
-def test_two_processes_killed_mid_rollout_and_mid_update_resume_exactly(tmp_path, two_process_reference):
+def test_two_processes_killed_mid_save_resume_exactly(tmp_path, two_process_reference):
     cfg = write_config(tmp_path, **OVERRIDES)
     out = tmp_path / "out"
-    # Mid-rollout of step 3 (rollouts scored, nothing trained): step_2 is the checkpoint.
-    run_killed(cfg, "rollout:3", nproc=2, cwd=tmp_path)
-    # Resumed, then killed mid-update of step 4 (optimizer stepped, step 4 not logged).
-    log = run_killed(cfg, "update:4", "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
-    assert "Resuming from" in log and "step_2" in log
-    run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
+    # Killed mid-save of step 4: rank 0 has written the model files, not the recipe state; rank 1 waits
+    # at the save's barrier and is stopped by torchrun. Step 4 is already in metrics.jsonl.
+    run_killed(cfg, "save:4", nproc=2, cwd=tmp_path)
+    assert (out / ".step_4.staging").is_dir() and not (out / "step_4").exists()
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    # Resumed from step_2: the incomplete save is removed, steps 3-4 cut from the logs and trained again.
+    log = run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
+    assert "removed the incomplete interrupted save .step_4.staging" in log
+    assert "Resuming at step 2: removed 2 later record(s) from metrics.jsonl" in log
     assert_same_run(out, two_process_reference)
-
+    # (A kill while re-saving a step that has a checkpoint: tests/test_checkpointing.py.)
 
 def _free_port() -> int:
     with socket.socket() as s:
