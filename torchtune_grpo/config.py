@@ -6,9 +6,10 @@ docs/configs.md for what each key does.
 """
 
 import difflib
-from typing import Optional, Set
+import operator
+from typing import Any, Callable, NamedTuple, Optional, Set, Tuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from torchtune_grpo.loss import KL_ESTIMATORS
 
@@ -17,7 +18,9 @@ __all__ = [
     "KL_PLACEMENTS",
     "KNOWN_KEYS",
     "LORA_KEYS",
+    "NUMERIC_RULES",
     "REQUIRED_KEYS",
+    "NumericRule",
     "validate_config",
 ]
 
@@ -55,8 +58,88 @@ KL_PLACEMENTS = ("loss", "reward")
 DYNAMIC_SAMPLING_KEYS: Set[str] = {"enabled", "max_rounds", "rtol"}
 
 
+#: Shown in the error when a required component is switched off with ``key=null``.
+_COMPONENT_EXAMPLES = {
+    "model": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
+    "tokenizer": "torchtune.models.qwen2_5.qwen2_5_tokenizer",
+    "checkpointer": "torchtune.training.FullModelHFCheckpointer",
+    "dataset": "torchtune_grpo.data.gsm8k_dataset",
+    "generation": "torchtune_grpo.generation.NativeGenerator",
+    "loss": "torchtune_grpo.loss.GRPOLoss",
+    "advantage": "torchtune_grpo.advantages.GroupRelativeAdvantage",
+    "optimizer": "torch.optim.AdamW",
+    "metric_logger": "torchtune.training.metric_logging.DiskLogger",
+}
+
+_COMPARISONS = {">=": operator.ge, ">": operator.gt}
+
+
+class NumericRule(NamedTuple):
+    """One row of :data:`NUMERIC_RULES`: ``key`` (dotted, e.g. ``loss.epsilon``) must be ``op bound``.
+
+    Attributes:
+        key (str): the dotted config key; the rule applies when the key is present.
+        kind (type): ``int`` (whole numbers only) or ``float``.
+        op (str): ``">="`` or ``">"``.
+        bound (float): the limit.
+        nullable (bool): whether ``null`` is allowed (it then means the key's documented default).
+        why (str): what the value means, shown in the error.
+    """
+
+    key: str
+    kind: type
+    op: str
+    bound: float
+    nullable: bool
+    why: str
+
+
+#: Every numeric setting the recipes read, with its valid range. A key that is absent takes its default.
+NUMERIC_RULES: Tuple[NumericRule, ...] = tuple(NumericRule(*row) for row in (
+    # key                          kind   op    bound  null   why
+    ("batch_size",                 int,   ">=", 1,     False, "prompts per rank per step"),
+    ("group_size",                 int,   ">=", 2,     False, "completions per prompt: a group-relative "
+                                                             "advantage needs at least 2 to compare"),
+    ("micro_batch_size",           int,   ">=", 1,     False, "sequences per forward/backward"),
+    ("ppo_epochs",                 int,   ">=", 1,     False, "optimizer steps per batch of rollouts"),
+    ("max_response_length",        int,   ">=", 1,     False, "tokens sampled per completion"),
+    ("max_prompt_length",          int,   ">=", 1,     True,  "longest prompt kept, in tokens"),
+    ("epochs",                     int,   ">=", 1,     False, "passes over the prompts"),
+    ("max_steps",                  int,   ">=", 1,     True,  "training steps (null: epochs decide)"),
+    ("log_every_n_steps",          int,   ">=", 1,     False, "steps between metric-logger writes"),
+    ("save_every_n_steps",         int,   ">=", 1,     True,  "steps between checkpoints (null: only "
+                                                             "the final one)"),
+    ("log_completions",            int,   ">=", 0,     False, "completions written per step"),
+    ("logprob_chunk_size",         int,   ">=", 1,     False, "positions per log-softmax chunk"),
+    ("seed",                       int,   ">=", 0,     True,  "the random seed (null: drawn)"),
+    ("kl_coef",                    float, ">=", 0,     False, "weight of the KL penalty (0: none)"),
+    ("clip_grad_norm",             float, ">",  0,     True,  "gradient-norm clip (null: no clipping)"),
+    ("generation.temperature",     float, ">",  0,     False, "the training sampling temperature: 0 is "
+                                                             "greedy, so a group's completions are all "
+                                                             "the same and there is nothing to compare"),
+    ("loss.epsilon",               float, ">",  0,     False, "the PPO clip range (0 clips every ratio "
+                                                             "to 1)"),
+    ("loss.epsilon_low",           float, ">",  0,     True,  "the lower clip range (null: epsilon)"),
+    ("loss.epsilon_high",          float, ">",  0,     True,  "the upper clip range (null: epsilon)"),
+    ("loss.dual_clip",             float, ">",  1,     True,  "dual-clip bound on negative advantages"),
+    ("loss.tis_cap",               float, ">",  0,     True,  "truncated importance sampling cap"),
+    ("loss.entropy_coef",          float, ">=", 0,     False, "entropy bonus weight"),
+    ("dynamic_sampling.max_rounds", int,  ">=", 1,     False, "generation rounds per step"),
+    ("eval_every_n_steps",         int,   ">=", 1,     True,  "steps between held-out evaluations"),
+    ("eval_num_samples",           int,   ">=", 0,     False, "samples per held-out prompt for pass@k"),
+    ("eval_pass_k",                int,   ">=", 1,     True,  "the k of pass@k"),
+    ("eval_max_prompts",           int,   ">=", 1,     True,  "held-out prompts evaluated"),
+    ("eval_batch_size",            int,   ">=", 1,     False, "held-out prompts per generation call"),
+))
+
+
 def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> None:
-    """Fail early, naming the key, on unknown (misspelled) or missing top-level keys and bad values.
+    """Fail early, naming the key and value, on unknown (misspelled), missing or invalid settings.
+
+    Runs before anything is built. Also turns a component switched off on the command line into ``null``
+    (in place): ``tune run ... validation=null`` makes torchtune's parser write ``validation._component_:
+    null``; for an optional component (``validation``, ``lr_scheduler``, ``profiler``, ``weight_sync``)
+    that means "off" (``weight_sync``: the default check), for a required one it is an error that says so.
 
     Args:
         cfg (DictConfig): the run's config.
@@ -64,7 +147,7 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
             the LoRA recipe passes ``KNOWN_KEYS | LORA_KEYS``).
 
     Raises:
-        ValueError: naming the unknown, missing or invalid key (with a close match for a typo).
+        ValueError: naming the unknown, missing or invalid key (with a close match for a typo) and its value.
     """
     known_keys = KNOWN_KEYS if known_keys is None else known_keys
     unknown = sorted(set(cfg.keys()) - known_keys)
@@ -77,14 +160,12 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
             f"Unknown config key(s): {', '.join(hints)}. "
             f"Known keys: {', '.join(sorted(known_keys))}."
         )
-    missing = sorted(REQUIRED_KEYS - set(cfg.keys()))
+    _switch_off_null_components(cfg)
+    missing = sorted(key for key in REQUIRED_KEYS if cfg.get(key, None) is None)
     if missing:
-        raise ValueError(f"Missing required config key(s): {', '.join(missing)}.")
-    for key in ("group_size", "batch_size", "max_response_length"):
-        if int(cfg[key]) < 1:
-            raise ValueError(f"{key} must be >= 1, got {cfg[key]}")
-    if int(cfg.group_size) < 2:
-        raise ValueError("group_size must be >= 2: a group-relative advantage needs a group.")
+        raise ValueError(f"Missing required config key(s): {', '.join(missing)} (absent or null).")
+    for rule in NUMERIC_RULES:
+        _check_number(cfg, rule)
     for key in ("kl_coef", "kl_estimator", "kl_placement"):
         if key in cfg.get("loss", {}):
             raise ValueError(f"Set {key} at the top level of the config, not under loss.")
@@ -97,3 +178,50 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
         raise ValueError(
             f"Unknown dynamic_sampling key(s): {unknown}. Known: {sorted(DYNAMIC_SAMPLING_KEYS)}."
         )
+    if not isinstance(cfg.get("eval_reward", None), (str, type(None))):
+        raise ValueError(f"eval_reward must be the name of a reward component, got {cfg.eval_reward!r}")
+
+
+def _switch_off_null_components(cfg: DictConfig) -> None:
+    """``key=null`` on the command line: ``null`` for an optional component, an error for a required one."""
+    for key in list(cfg.keys()):
+        node = cfg.get(key, None)
+        if not (OmegaConf.is_dict(node) and "_component_" in node and node._component_ is None):
+            continue
+        if key in REQUIRED_KEYS:
+            example = _COMPONENT_EXAMPLES.get(key, "a.module.ClassName")
+            raise ValueError(
+                f"{key} is required and cannot be switched off: {key}._component_ is null (`{key}=null` on the "
+                f"command line sets it). Give a class, e.g. `{key}._component_={example}`, or drop the override."
+            )
+        with open_dict(cfg):
+            cfg[key] = None
+
+
+def _check_number(cfg: DictConfig, rule: NumericRule) -> None:
+    """Raise naming ``rule.key`` and its value when the value is not a number in the rule's range."""
+    value = OmegaConf.select(cfg, rule.key, default=_ABSENT)
+    if value is _ABSENT or (value is None and rule.nullable):
+        return
+    number = _as_number(value, rule.kind)
+    if number is None:
+        kind = "a whole number" if rule.kind is int else "a number"
+        raise ValueError(f"{rule.key} must be {kind} {rule.op} {rule.bound:g} ({rule.why}), got {value!r}")
+    if not _COMPARISONS[rule.op](number, rule.bound):
+        raise ValueError(f"{rule.key} must be {rule.op} {rule.bound:g} ({rule.why}), got {value!r}")
+
+
+_ABSENT = object()
+
+
+def _as_number(value: Any, kind: Callable) -> Optional[float]:
+    """``value`` as a number of ``kind`` (``int``: whole numbers only), or None when it is not one."""
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    if kind is int and not number.is_integer():
+        return None
+    return number
