@@ -25,6 +25,7 @@ of a step: setup, the step, then one section per stage (docs/architecture.md).
 
 import os
 import random
+from itertools import chain
 import shutil
 import socket
 import sys
@@ -50,7 +51,6 @@ from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpointing import (
     begin_step_dir,
     checkpoint_retention,
-    find_latest_checkpoint,
     model_files,
     prune_step_dirs,
     publish_step_dir,
@@ -66,9 +66,11 @@ from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSync
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
-from torchtune_grpo.packing import TrainingBatch
+from torchtune_grpo.offpolicy import off_policy_note
+from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length, TrainingBatch
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
+from torchtune_grpo.setup_checks import check_output_dir, check_state_dict_shapes, require_resume_checkpoint
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
 
@@ -111,6 +113,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         validate_config(cfg, self.known_keys())
         # The engine first: a recipe that cannot use it says so before any process group exists.
         self._engine: GenerationEngine = self._check_engine(check_engine(config.instantiate(cfg.generation)), cfg)
+        if not float(self._engine.temperature) > 0:  # a custom engine's default; the config's is checked
+            raise ValueError(
+                f"generation.temperature must be > 0 for training, got {self._engine.temperature} "
+                f"({type(self._engine).__name__}'s): greedy groups hold G copies of one completion."
+            )
         self._device = utils.get_device(device=cfg.device)
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         _init_distributed(self._device.type)
@@ -160,7 +167,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         return engine
 
     def setup(self, cfg: DictConfig) -> None:
-        """Build everything from the config and, when resuming, restore the latest checkpoint."""
+        """Build everything from the config and, when resuming, restore the latest checkpoint.
+
+        Everything that can fail on the config alone (output directory, resume checkpoint, rewards vs
+        ``eval_reward``, loss arguments) fails before a model is built.
+        """
+        if self._is_rank_zero:
+            check_output_dir(self.output_dir)
         resume_dir = self._find_resume_dir() if self.resume_from_checkpoint else None
         if self._is_rank_zero:
             self._metric_logger = config.instantiate(cfg.metric_logger)
@@ -168,6 +181,22 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._metrics_file = JsonlWriter(os.path.join(self.output_dir, "metrics.jsonl"))
             self._completions_file = JsonlWriter(os.path.join(self.output_dir, "completions.jsonl"))
 
+        self._rewards = build_reward_set(
+            cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
+        )
+        self._check_evaluation_keys(cfg)
+        self._advantage = config.instantiate(cfg.advantage)
+        self._loss_fn = config.instantiate(
+            cfg.loss,
+            kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            max_response_length=self.max_response_length,
+        )
+        note = off_policy_note(
+            getattr(self._loss_fn, "tis_cap", None), type(self._engine).__name__, self._engine.holds_weights
+        )
+        if note:
+            utils.log_rank_zero(log, note)
         base_checkpointer = config.instantiate(cfg.checkpointer)
         recipe_state = None
         if resume_dir is not None:
@@ -180,6 +209,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 self.seed = training.set_seed(seed=recipe_state["seed"])
         self._setup_models(cfg, base_checkpointer, resume_dir)
+        self._check_training_layout(cfg)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
@@ -189,16 +219,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ws_cfg = cfg.get("weight_sync", None)
             self._weight_sync = config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck()
         self._num_syncs = 0
-        self._rewards = build_reward_set(
-            cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
-        )
-        self._advantage = config.instantiate(cfg.advantage)
-        self._loss_fn = config.instantiate(
-            cfg.loss,
-            kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            max_response_length=self.max_response_length,
-        )
         self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
         self._sampler, self._dataloader = self._setup_data(cfg)
         self._setup_validation(cfg)
@@ -254,11 +274,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             for line in recover_interrupted_saves(self.output_dir):
                 log.info(f"Checkpoints: {line}")
         dist.barrier()
-        resume_dir = find_latest_checkpoint(self.output_dir)
-        if resume_dir is None:
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=True but no complete step_* checkpoint in {self.output_dir}"
-            )
+        resume_dir = require_resume_checkpoint(self.output_dir)  # says what it found instead
         if self._is_rank_zero:
             step = int(resume_dir.name.split("_")[-1])
             for name in ("metrics.jsonl", "completions.jsonl"):
@@ -309,7 +325,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
             )
         policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
-        self._model = self._setup_model(cfg, policy_state, trainable=True)
+        source = str(resume_dir) if resume_dir is not None else str(cfg.checkpointer.checkpoint_dir)
+        self._model = self._setup_model(cfg, policy_state, trainable=True, source=source)
         # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
         # used: don't spend its memory.
         self._ref_model = None
@@ -318,7 +335,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 policy_state if resume_dir is None
                 else base_checkpointer.load_checkpoint()[training.MODEL_KEY]
             )
-            self._ref_model = self._setup_model(cfg, ref_state, trainable=False)
+            self._ref_model = self._setup_model(
+                cfg, ref_state, trainable=False, source=str(cfg.checkpointer.checkpoint_dir)
+            )
             del ref_state
         del policy_state
         utils.log_rank_zero(
@@ -327,11 +346,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
 
     def _setup_model(
-        self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool
+        self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool, source: str
     ) -> torch.nn.Module:
+        """The model of ``cfg.model`` with ``state_dict`` (read from the directory ``source``) loaded."""
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
         self._check_max_seq_len(cfg, model)
+        check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), state_dict, source)
         if trainable and cfg.get("enable_activation_checkpointing", False):
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
@@ -370,6 +391,48 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
                 f"max_seq_len = {model.max_seq_len}"
             )
+
+    def _check_training_layout(self, cfg: DictConfig) -> None:
+        """Say (or refuse, when asked for explicitly) when forwards will not share prompts (packing.py)."""
+        if not self.share_prompt:
+            return
+        reason = shared_prompt_unsupported(self._model)
+        if reason is not None:
+            if "share_prompt_in_training" in cfg:
+                raise ValueError(
+                    f"share_prompt_in_training: true, but {reason}. Set share_prompt_in_training: false."
+                )
+            self.share_prompt = False
+            utils.log_rank_zero(
+                log, f"Training layout: one row per sequence, because {reason} (share_prompt_in_training "
+                "is on by default; the results are the same, the prompt is computed once per sequence)."
+            )
+            return
+        max_seq_len = getattr(self._model, "max_seq_len", None)
+        max_prompt = cfg.get("max_prompt_length", None)
+        per_row = min(self.group_size, self.micro_batch_size)
+        if max_seq_len is None or (
+            max_prompt is not None
+            and shared_row_length(int(max_prompt), self.max_response_length, per_row) <= max_seq_len
+        ):
+            return
+        longest = "unknown (no max_prompt_length)" if max_prompt is None else shared_row_length(
+            int(max_prompt), self.max_response_length, per_row
+        )
+        utils.log_rank_zero(
+            log, f"Training layout: a micro-batch whose shared-prompt row (prompt + {per_row} completions; "
+            f"longest {longest}) exceeds the model's max_seq_len {max_seq_len} is computed one row per "
+            "sequence (same results, no prompt sharing for it)."
+        )
+
+    def _check_evaluation_keys(self, cfg: DictConfig) -> None:
+        """Fail on an ``eval_reward`` that names no reward; say when eval keys go unused (no validation)."""
+        if cfg.get("validation", None) is not None:
+            correctness_name(self._rewards.names, cfg.get("eval_reward", None))
+            return
+        unused = sorted(k for k in cfg if k.startswith("eval_") and cfg[k] is not None)
+        if unused:
+            utils.log_rank_zero(log, f"No held-out evaluation (validation is not set): {unused} are not used.")
 
     def _shard(self, model: torch.nn.Module, *, cpu_offload: bool) -> None:
         """FSDP2 per transformer layer, then the root (a hook: LoRA keeps NF4 weights out)."""
@@ -421,8 +484,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """Held-out prompts of this rank (every world_size-th, so ranks share the work), or None."""
         if cfg.get("validation", None) is None:
             return
-        # Fail now, not at the first evaluation, when no reward component decides correctness.
-        correctness_name(self._rewards.names, cfg.get("eval_reward", None))
         dataset = config.instantiate(cfg.validation, self._tokenizer)
         n = len(dataset)
         if self.eval_max_prompts is not None:
@@ -609,9 +670,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     @property
     def _logprob_temperature(self) -> float:
-        # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio.
-        temperature = float(self._engine.temperature)
-        return temperature if temperature > 0 else 1.0
+        # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio. It is
+        # > 0: checked when the recipe starts.
+        return float(self._engine.temperature)
 
     def _experience(self, trained: RolloutGroups) -> "tuple[Experience, torch.Tensor]":
         """The trained groups laid out for the update, with their logprobs, advantages and global counts.

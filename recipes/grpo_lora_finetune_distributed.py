@@ -31,6 +31,7 @@ NF4's all-gather extension, and sharding NF4 needs every weight's block count to
 import os
 import sys
 import time
+from itertools import chain
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -60,6 +61,7 @@ from torchtune_grpo.lora import (
     save_adapter,
 )
 from torchtune_grpo.packing import TrainingBatch
+from torchtune_grpo.setup_checks import check_state_dict_shapes
 
 log = utils.get_logger("INFO")
 
@@ -123,6 +125,9 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
             model = config.instantiate(cfg.model)
         self._lora = lora_hyperparams(model)  # raises for a model without LoRA layers
         self._check_max_seq_len(cfg, model)
+        check_state_dict_shapes(
+            chain(model.named_parameters(), model.named_buffers()), base_state, str(cfg.checkpointer.checkpoint_dir)
+        )
         adapter_names = set(get_adapter_params(model))
         set_trainable_params(model, adapter_names)
         if cfg.get("enable_activation_checkpointing", False):

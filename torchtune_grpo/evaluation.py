@@ -49,6 +49,11 @@ def correctness_name(reward_names: Sequence[str], name: Optional[str] = None) ->
     Raises:
         ValueError: when there is no such component (the message lists the names there are).
     """
+    if name is not None and name not in reward_names:
+        raise ValueError(
+            f"eval_reward={name!r} names no reward component: the reward set has {list(reward_names)}. "
+            "Set eval_reward to one of these names (or leave it out to use the one named `correctness`)."
+        )
     wanted = name or "correctness"
     if wanted not in reward_names:
         raise ValueError(

@@ -12,9 +12,11 @@ https://fengyao.notion.site/off-policy-rl) reweights each token's policy loss by
 variance. These helpers are pure: ``[B, T]`` tensors in, ``[B, T]`` tensors or sums out.
 """
 
+from typing import Optional
+
 import torch
 
-__all__ = ["logprob_mismatch_sum", "tis_weights"]
+__all__ = ["logprob_mismatch_sum", "off_policy_note", "tis_weights"]
 
 # |log ratio| is clamped before exp, as in loss.py: exp(20) is far above any useful cap.
 _MAX_LOG_RATIO = 20.0
@@ -59,3 +61,29 @@ def logprob_mismatch_sum(
     """
     diff = (trainer_logprobs.detach().double() - sampler_logprobs.detach().double()).abs()
     return torch.where(mask.bool(), diff, torch.zeros_like(diff)).sum()
+
+
+def off_policy_note(tis_cap: Optional[float], engine_name: str, engine_samples_own_logprobs: bool) -> Optional[str]:
+    """What a run does about the engine/trainer mismatch when it is not the obvious thing, for the setup log.
+
+    Args:
+        tis_cap (Optional[float]): the loss's ``tis_cap`` (None: no TIS, or a loss without it).
+        engine_name (str): the engine's class name.
+        engine_samples_own_logprobs (bool): whether the engine samples with its own copy of the weights and
+            returns its sampling logprobs (``holds_weights``: vLLM).
+
+    Returns:
+        Optional[str]: the note, or None when TIS is on with such an engine, or off with the native one.
+    """
+    if engine_samples_own_logprobs and tis_cap is None:
+        return (
+            f"Off-policy correction: none. {engine_name} samples with its own kernels, but the loss has no "
+            "tis_cap, so its sampling logprobs only feed generation/logprob_mismatch. Set loss.tis_cap "
+            "(e.g. 2.0) for truncated importance sampling."
+        )
+    if not engine_samples_own_logprobs and tis_cap is not None:
+        return (
+            f"Off-policy correction: loss.tis_cap={tis_cap:g} has no effect: {engine_name} samples with the "
+            "trainer's own model and returns no separate sampling logprobs (pi_old / mu = 1)."
+        )
+    return None

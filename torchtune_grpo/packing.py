@@ -46,6 +46,8 @@ __all__ = [
     "pack_sequences",
     "response_values",
     "shared_prompt_layout",
+    "shared_prompt_unsupported",
+    "shared_row_length",
     "supports_shared_prompt",
 ]
 
@@ -162,19 +164,43 @@ def _attention_modules(model: nn.Module) -> List[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
 
 
-def supports_shared_prompt(model: nn.Module) -> bool:
-    """Whether ``model`` can run shared-prompt forwards.
+def shared_prompt_unsupported(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot run shared-prompt forwards, or None when it can.
 
-    True for a torchtune :class:`~torchtune.modules.TransformerDecoder` (FSDP-wrapped or not) whose attention
-    modules are all plain causal self-attention ``MultiHeadAttention`` (LoRA projections are fine) and which
-    returns no intermediate hidden states. Anything else trains in the unshared layout.
+    It can when it is a torchtune :class:`~torchtune.modules.TransformerDecoder` (FSDP-wrapped or not) whose
+    attention modules are all plain causal self-attention ``MultiHeadAttention`` (LoRA projections are fine)
+    and which returns no intermediate hidden states.
     """
-    if not isinstance(model, TransformerDecoder) or model.output_hidden_states:
-        return False
+    if not isinstance(model, TransformerDecoder):
+        return f"the model is a {type(model).__name__}, not a torchtune TransformerDecoder"
+    if model.output_hidden_states:
+        return "the model returns intermediate hidden states (output_hidden_states)"
     attns = _attention_modules(model)
     if not attns:
-        return False
-    return all(installable(a) and a.is_causal for a in attns)
+        return "the model has no torchtune MultiHeadAttention modules"
+    for a in attns:
+        if not installable(a):
+            return f"its attention {type(a).__name__} has its own forward"
+        if not a.is_causal:
+            return "its attention is not causal self-attention"
+    return None
+
+
+def supports_shared_prompt(model: nn.Module) -> bool:
+    """Whether ``model`` can run shared-prompt forwards (see :func:`shared_prompt_unsupported`).
+
+    Anything else trains in the unshared layout.
+    """
+    return shared_prompt_unsupported(model) is None
+
+
+def shared_row_length(max_prompt_length: int, max_response_length: int, sequences_per_row: int) -> int:
+    """The longest shared-prompt row: ``P + M x C`` slots (``C = max_response_length - 1``, at least 1).
+
+    A micro-batch whose row would be longer than the model's ``max_seq_len`` is computed one row per
+    sequence (:meth:`TrainingBatch.logprobs`). ``sequences_per_row`` is ``min(group_size, micro_batch_size)``.
+    """
+    return max_prompt_length + sequences_per_row * max(1, max_response_length - 1)
 
 
 def install_shared_prompt_attention(model: nn.Module) -> bool:

