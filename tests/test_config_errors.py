@@ -99,7 +99,8 @@ CASES = {
     # ---- checks that need the file system or built objects (recipe setup, before any model)
     "output_dir": Case("setup", {"output_dir": _file_in_the_way},
                        r"output_dir='.*blocker/out' is not writable \((NotADirectoryError|FileExistsError)"),
-    "resume_interrupted": Case("setup", {"resume_from_checkpoint": True, "output_dir": _run_dir_with("step_4", "step_2")},
+    "resume_interrupted": Case("setup",
+                               {"resume_from_checkpoint": True, "output_dir": _run_dir_with("step_4", "step_2")},
                                r"resume_from_checkpoint=True but output_dir='.*run' holds no complete checkpoint: "
                                r"step_2, step_4 without recipe_state\.pt \(interrupted saves\)"),
     "resume_empty": Case("setup", {"resume_from_checkpoint": True, "output_dir": _run_dir_with()},

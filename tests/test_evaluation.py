@@ -339,7 +339,7 @@ def test_recipe_rejects_validation_without_correctness(tmp_path):
     proc = subprocess.run([TUNE, "run", "grpo_full_finetune_distributed", "--config", str(config)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode != 0 and "named 'nope'" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "eval_reward='nope' names no reward component" in proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- the demo configs
