@@ -79,6 +79,8 @@ CASES = {
     "group_size": Case("config", {"group_size": 1}, r"group_size must be >= 2 \(.*at least 2 to compare\), got 1"),
     "log_every_n_steps": Case("config", {"log_every_n_steps": 0}, r"log_every_n_steps must be >= 1 .*got 0"),
     "save_every_n_steps": Case("config", {"save_every_n_steps": 0}, r"save_every_n_steps must be >= 1 .*got 0"),
+    "keep_last_n_checkpoints": Case("config", {"keep_last_n_checkpoints": 0},
+                                    r"keep_last_n_checkpoints must be >= 1 \(complete checkpoints kept .*got 0"),
     "max_response_length": Case("config", {"max_response_length": 0}, r"max_response_length must be >= 1 .*got 0"),
     "temperature": Case("config", {"generation.temperature": 0.0},
                         r"generation\.temperature must be > 0 \(.*greedy.*\), got 0\.0"),

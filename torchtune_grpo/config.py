@@ -109,6 +109,7 @@ NUMERIC_RULES: Tuple[NumericRule, ...] = tuple(NumericRule(*row) for row in (
     ("log_every_n_steps",          int,   ">=", 1,     False, "steps between metric-logger writes"),
     ("save_every_n_steps",         int,   ">=", 1,     True,  "steps between checkpoints (null: only "
                                                              "the final one)"),
+    ("keep_last_n_checkpoints",    int,   ">=", 1,     True,  "complete checkpoints kept (null: all)"),
     ("log_completions",            int,   ">=", 0,     False, "completions written per step"),
     ("logprob_chunk_size",         int,   ">=", 1,     False, "positions per log-softmax chunk"),
     ("seed",                       int,   ">=", 0,     True,  "the random seed (null: drawn)"),
