@@ -296,3 +296,23 @@ def test_python_interpreter_tool(code, expected):
     (result,) = box.run(call("python", code=code))
     assert result.ok and result.name == "python"  # the program's failure is its output, not a tool error
     assert result.content.startswith(expected)
+
+
+def test_tools_from_config_specs():
+    from omegaconf import OmegaConf
+
+    specs = OmegaConf.create(
+        ["torchtune_grpo.multiturn.Calculator",
+         {"_component_": "torchtune_grpo.multiturn.PythonInterpreter", "name": "py", "time_limit": 2}]
+    )
+    env = ToolEnvironment(specs)
+    assert [t["function"]["name"] for t in env.tools] == ["calculator", "py"]
+    for spec, message in [
+        ("calculator", "a dotted path"),
+        ("torchtune_grpo.multiturn.Nope", "cannot be imported"),
+        ({"_component_": "torchtune_grpo.multiturn.Calculator", "size": 3}, "unexpected keyword argument 'size'"),
+        ("torchtune_grpo.multiturn.calculate", "missing 1 required positional argument"),
+        ("json.dumps", "json.dumps"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ToolEnvironment([spec])

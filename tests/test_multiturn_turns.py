@@ -84,3 +84,22 @@ def test_plain_turns(tmp_path):
     tok = hf_tokenizer(str(make_tokenizer_dir(tmp_path, "base")))
     ids = PlainTurns(tok).reply_ids([{"role": "tool", "content": "391"}, {"role": "user", "content": "Go on."}])
     assert tok.decode(ids) == "\n<tool_response>\n391\n</tool_response>\nGo on.\n"
+
+
+def test_tokenizer_tools_render_into_dataset_prompts(tmp_path):
+    """With ``tools`` set (as the recipe does from the environment), the chat prompts datasets build list
+    them, as transformers renders ``tools=``."""
+    from transformers import AutoTokenizer
+
+    from torchtune_grpo.data import PromptDataset
+
+    directory = make_tokenizer_dir(tmp_path, "qwen2_5_tools")
+    tok = hf_tokenizer(str(directory))
+    tok.tools = TOOLS
+    ds = PromptDataset([{"question": "6*7?", "answer": "42"}], tok, formatter="chat", system_prompt="Be brief.",
+                       max_prompt_length=None)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7?"}]
+    out = AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(
+        messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    assert ds[0]["tokens"] == list(out["input_ids"] if hasattr(out, "keys") else out)
+    assert "# Tools" in tok.decode(ds[0]["tokens"], skip_special_tokens=False)

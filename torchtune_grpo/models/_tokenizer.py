@@ -58,6 +58,9 @@ class HFTokenizer:
         pad_id (int): padding (``pad_token``, else ``eos_id``); only ever a filler under a mask.
         stop_tokens (List[int]): generation stops on any of these: ``eos_token_id`` of
             ``generation_config.json`` and ``config.json`` (ints or lists), ``eos_id`` and ``eot_id``.
+        tools (Optional[List[Dict[str, Any]]]): tool schemas rendered into every generation prompt that
+            :meth:`tokenize_messages` builds (set by the recipe from a multi-turn environment's tools, before
+            the datasets tokenize their prompts). Default is None.
 
     Raises:
         FileNotFoundError: without ``tokenizer.json``.
@@ -111,6 +114,7 @@ class HFTokenizer:
         self.eot_id: Optional[int] = self._end_of_turn()
         stops = fallback_eos + [self.eos_id] + ([self.eot_id] if self.eot_id is not None else [])
         self.stop_tokens: List[int] = sorted(set(stops))
+        self.tools: Optional[List[Dict[str, Any]]] = None
 
     # ------------------------------------------------------------------------------------------ ids
 
@@ -213,7 +217,7 @@ class HFTokenizer:
                 "HFTokenizer.tokenize_messages builds generation prompts only: the conversation must end with an "
                 "empty assistant message and add_eos must be False"
             )
-        tokens = self.apply_chat_template(dicts[:-1], add_generation_prompt=True)
+        tokens = self.apply_chat_template(dicts[:-1], add_generation_prompt=True, tools=self.tools)
         return tokens, [True] * len(tokens)
 
     def _end_of_turn(self) -> Optional[int]:

@@ -20,6 +20,7 @@ from torchtune_grpo.multiturn.tools import (
     ToolBox,
     ToolCall,
     ToolResult,
+    build_tool,
     calculate,
     parse_tool_calls,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "ToolCall",
     "ToolEnvironment",
     "ToolResult",
+    "build_tool",
     "calculate",
     "parse_tool_calls",
     "run_episodes",

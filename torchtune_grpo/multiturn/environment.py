@@ -18,9 +18,11 @@ its thread; ``async def`` environments are cancelled properly.)
 import asyncio
 import inspect
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Protocol, Sequence, runtime_checkable
+from typing import (
+    Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable,
+)
 
-from torchtune_grpo.multiturn.tools import Tool, ToolBox, ToolResult, parse_tool_calls
+from torchtune_grpo.multiturn.tools import build_tool, Tool, ToolBox, ToolResult, parse_tool_calls
 
 __all__ = ["EnvOutcome", "EnvReply", "Environment", "ToolEnvironment", "start_episodes", "step_episodes"]
 
@@ -141,16 +143,21 @@ class ToolEnvironment:
     an error message (the model may correct itself) and counted in ``info["tool_errors"]``.
 
     Args:
-        tools (Sequence[Tool]): the tools (e.g. :func:`~torchtune_grpo.multiturn.tools.Calculator`).
+        tools (Sequence[Union[Tool, str, Mapping[str, Any]]]): the tools: :class:`Tool` objects, or, from a
+            YAML config, the dotted path of a function returning one (``torchtune_grpo.multiturn.Calculator``)
+            or ``{_component_: path, **kwargs}`` (torchtune's config does not build nested components).
         max_calls_per_turn (int): calls beyond this many in one turn are answered with an error.
             Default is 4.
         max_result_chars (int): see :class:`ToolBox`. Default is 2000.
     """
 
-    def __init__(self, tools: Sequence[Tool], max_calls_per_turn: int = 4, max_result_chars: int = 2000) -> None:
+    def __init__(
+        self, tools: Sequence[Union[Tool, str, Mapping[str, Any]]], max_calls_per_turn: int = 4,
+        max_result_chars: int = 2000,
+    ) -> None:
         if int(max_calls_per_turn) < 1:
             raise ValueError(f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
-        self.toolbox = ToolBox(tools, max_result_chars=max_result_chars)
+        self.toolbox = ToolBox([build_tool(t) for t in tools], max_result_chars=max_result_chars)
         self.max_calls_per_turn = int(max_calls_per_turn)
         # what the prompt's chat template renders (tools=), read by MultiTurn
         self.tools = self.toolbox.schemas()

@@ -19,12 +19,12 @@ itself) and the error kind is counted in the metrics; nothing raises into the ro
 """
 
 import ast
-import inspect
+import importlib
 import json
 import math
 import operator
 import re
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jsonschema
 
@@ -38,6 +38,7 @@ __all__ = [
     "ToolBox",
     "ToolCall",
     "ToolResult",
+    "build_tool",
     "calculate",
     "parse_tool_calls",
 ]
@@ -143,6 +144,35 @@ def parse_tool_calls(text: str) -> List[ToolCall]:
             continue
         calls.append(ToolCall(obj["name"], arguments))
     return calls
+
+
+def build_tool(spec: Union[Tool, str, Mapping[str, Any]]) -> Tool:
+    """A :class:`Tool` from itself, a dotted path of a function returning one, or ``{_component_: path,
+    **kwargs}`` (a YAML list entry).
+
+    Raises:
+        ValueError: naming the spec, when it does not resolve to a :class:`Tool`.
+    """
+    if isinstance(spec, Tool):
+        return spec
+    kwargs: Dict[str, Any] = {}
+    if isinstance(spec, Mapping):
+        kwargs = {k: v for k, v in spec.items() if k != "_component_"}
+        spec = spec.get("_component_")
+    if not isinstance(spec, str) or "." not in spec:
+        raise ValueError(f"a tool must be a Tool, a dotted path or {{_component_: path, ...}}, got {spec!r}")
+    module, _, name = spec.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"tool {spec!r} cannot be imported: {e}") from None
+    try:
+        tool = factory(**kwargs)
+    except TypeError as e:  # wrong or missing arguments
+        raise ValueError(f"tool {spec!r}: {e}") from None
+    if not isinstance(tool, Tool):
+        raise ValueError(f"tool {spec!r} returned {type(tool).__name__}, not a torchtune_grpo.multiturn.Tool")
+    return tool
 
 
 class ToolBox:
