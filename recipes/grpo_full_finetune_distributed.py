@@ -69,6 +69,7 @@ from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
 from torchtune_grpo.offpolicy import off_policy_note
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length, TrainingBatch
 from torchtune_grpo.rewards import build_reward_set
+from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
 from torchtune_grpo.setup_checks import check_output_dir, check_state_dict_shapes, require_resume_checkpoint
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
@@ -212,6 +213,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._check_training_layout(cfg)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
+        # Multi-turn episodes (docs/multi_turn.md): set before the datasets tokenize their prompts, which
+        # then list the environment's tools.
+        self._multi_turn = self._setup_multi_turn(cfg)
         # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
         # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
         self._weight_sync = None
@@ -450,6 +454,28 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 if hasattr(m, "rope_init"):
                     m.rope_init()
 
+    def _setup_multi_turn(self, cfg: DictConfig) -> Optional[MultiTurn]:
+        """The environment and episode limits (``environment``, ``multi_turn``), or None for single turns."""
+        if cfg.get("environment", None) is None:
+            return None
+        options = OmegaConf.to_container(cfg.get("multi_turn", None) or OmegaConf.create({}), resolve=True)
+        multi_turn = MultiTurn(config.instantiate(cfg.environment), **options)
+        if multi_turn.tools and not hasattr(self._tokenizer, "tools"):
+            utils.log_rank_zero(
+                log,
+                f"{type(self._tokenizer).__name__} cannot render tool schemas: prompts do not list the environment's "
+                "tools (use torchtune_grpo.models.hf_tokenizer for a model directory's chat template)",
+            )
+        elif multi_turn.tools:
+            self._tokenizer.tools = multi_turn.tools
+        turns = multi_turn.turns_for(self._tokenizer)  # fails now if the chat template cannot be continued
+        utils.log_rank_zero(
+            log,
+            f"Multi-turn episodes: {type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns, "
+            f"replies rendered by {type(turns).__name__}",
+        )
+        return multi_turn
+
     def _setup_data(self, cfg: DictConfig):
         dataset = config.instantiate(cfg.dataset, self._tokenizer)
         sampler = DistributedSampler(
@@ -616,6 +642,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             max_new_tokens=self.max_response_length,
             generator=self._generator,
             generation_context=self._unsharded_for_generation(),
+            multi_turn=self._multi_turn,
         )
 
     def _collect_rollouts(self, batch) -> "tuple[RolloutGroups, int]":
@@ -692,7 +719,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # the sequence count (it still shaped its group's advantage baseline).
         kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
         kept = kept.to(self._device)
-        mask = layout.response_mask & kept.unsqueeze(1)  # [N, T]
+        actions = layout.response_mask  # [N, T]
+        if trained.action_mask is not None:  # multi-turn: the environment's tokens are context, not actions
+            actions = actions & layout.response_values(trained.action_mask).bool()
+        mask = actions & kept.unsqueeze(1)  # [N, T]
 
         ref_logprobs = self._reference_logprobs(layout)  # [N, T] or None
         self._model.train()
@@ -707,7 +737,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         kl_penalty = torch.zeros(n)
         if self.kl_in_reward:
             kl_penalty = kl_reward_penalty(
-                old_logprobs, ref_logprobs, layout.response_mask, self.kl_coef, self.kl_estimator
+                old_logprobs, ref_logprobs, actions, self.kl_coef, self.kl_estimator
             ).cpu()
             rewards = rewards - kl_penalty
         advantages = self._advantages(rewards).advantages.to(self._device)
@@ -797,6 +827,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 correctness=self._eval_reward,
                 threshold=self.eval_threshold,
                 batch_size=self.eval_batch_size,
+                multi_turn=self._multi_turn,
                 generator=generator,
             )
         self._model.train()

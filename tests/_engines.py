@@ -66,3 +66,42 @@ class ScriptedGenerator(GenerationEngine):
                 response_ids.append(body)
                 truncated.append(cut)
         return Rollout(prompt_ids=prompt_ids, response_ids=response_ids, truncated=torch.tensor(truncated))
+
+
+class ToolScriptGenerator(GenerationEngine):
+    """Multi-turn test engine: even rows of a group call the calculator once, then answer with its result;
+    odd rows answer "7" at once. Turns are text encoded with the model directory's ``tokenizer.json`` and
+    closed with ``<|im_end|>``; histories are read back as text (the engine sees each episode's history).
+
+    Args:
+        tokenizer_dir (str): a directory with ``tokenizer.json`` (tests/chat_templates.make_tokenizer_dir).
+    """
+
+    temperature = 1.0
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+        self.eot = self.tok.token_to_id("<|im_end|>")
+
+    def _turn(self, history: str, j: int) -> str:
+        if "<tool_response>" in history:
+            return "The answer is " + history.rsplit("<tool_response>\n", 1)[1].split("\n", 1)[0] + "."
+        if j % 2:
+            return "The answer is 7."
+        return '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+
+    def generate(self, model, prompts, *, group_size, max_new_tokens, pad_id, stop_tokens, generator=None,
+                 temperature=None) -> Rollout:
+        rows, truncated = [], []
+        for p in prompts:
+            history = self.tok.decode(list(p), skip_special_tokens=False)
+            for j in range(group_size):
+                ids = self.tok.encode(self._turn(history, j), add_special_tokens=False).ids + [self.eot]
+                rows.append(ids[:max_new_tokens])
+                truncated.append(len(ids) > max_new_tokens)
+        return Rollout(
+            prompt_ids=[list(p) for p in prompts for _ in range(group_size)], response_ids=rows,
+            truncated=torch.tensor(truncated),
+        )

@@ -18,6 +18,7 @@ __all__ = [
     "KL_PLACEMENTS",
     "KNOWN_KEYS",
     "LORA_KEYS",
+    "MULTI_TURN_KEYS",
     "NUMERIC_RULES",
     "REQUIRED_KEYS",
     "NumericRule",
@@ -36,6 +37,8 @@ KNOWN_KEYS: Set[str] = {
     "dynamic_sampling", "share_prompt_in_training", "fsdp_single_process",
     # generation engines with their own weights (vLLM): the check after each weight sync
     "weight_sync",
+    # multi-turn episodes (torchtune_grpo/multiturn/, docs/multi_turn.md)
+    "environment", "multi_turn",
     # held-out evaluation (torchtune_grpo/evaluation.py)
     "validation", "eval_every_n_steps", "eval_num_samples", "eval_pass_k", "eval_max_prompts",
     "eval_reward", "eval_threshold", "eval_batch_size",
@@ -53,6 +56,9 @@ REQUIRED_KEYS: Set[str] = {
 
 #: Where a KL penalty goes: GRPO's term in the loss, or RLHF-PPO's penalty of each sequence's reward.
 KL_PLACEMENTS = ("loss", "reward")
+
+#: Keys of the ``multi_turn:`` section (:class:`~torchtune_grpo.multiturn.MultiTurn`).
+MULTI_TURN_KEYS: Set[str] = {"max_turns", "env_timeout"}
 
 #: Keys of the ``dynamic_sampling:`` section (:class:`~torchtune_grpo.dynamic_sampling.DynamicSampling`).
 DYNAMIC_SAMPLING_KEYS: Set[str] = {"enabled", "max_rounds", "rtol"}
@@ -126,6 +132,8 @@ NUMERIC_RULES: Tuple[NumericRule, ...] = tuple(NumericRule(*row) for row in (
     ("loss.tis_cap",               float, ">",  0,     True,  "truncated importance sampling cap"),
     ("loss.entropy_coef",          float, ">=", 0,     False, "entropy bonus weight"),
     ("dynamic_sampling.max_rounds", int,  ">=", 1,     False, "generation rounds per step"),
+    ("multi_turn.max_turns",       int,   ">=", 1,     False, "model turns per episode"),
+    ("multi_turn.env_timeout",     float, ">",  0,     True,  "seconds per environment call (null: none)"),
     ("eval_every_n_steps",         int,   ">=", 1,     True,  "steps between held-out evaluations"),
     ("eval_num_samples",           int,   ">=", 0,     False, "samples per held-out prompt for pass@k"),
     ("eval_pass_k",                int,   ">=", 1,     True,  "the k of pass@k"),
@@ -174,6 +182,12 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
         raise ValueError(f"kl_estimator must be one of {list(KL_ESTIMATORS)}, got {cfg.kl_estimator!r}")
     if cfg.get("kl_placement", "loss") not in KL_PLACEMENTS:
         raise ValueError(f"kl_placement must be one of {list(KL_PLACEMENTS)}, got {cfg.kl_placement!r}")
+    unknown = sorted(set(cfg.get("multi_turn", None) or {}) - MULTI_TURN_KEYS)
+    if unknown:
+        raise ValueError(f"Unknown multi_turn key(s): {unknown}. Known: {sorted(MULTI_TURN_KEYS)}.")
+    if cfg.get("multi_turn", None) and cfg.get("environment", None) is None:
+        raise ValueError("multi_turn is set but environment is not: multi-turn episodes need an environment "
+                         "(e.g. environment: {_component_: torchtune_grpo.multiturn.ToolEnvironment, tools: [...]})")
     unknown = sorted(set(cfg.get("dynamic_sampling", None) or {}) - DYNAMIC_SAMPLING_KEYS)
     if unknown:
         raise ValueError(

@@ -123,6 +123,7 @@ def evaluate(
     generator: Optional[torch.Generator] = None,
     progress: Optional[Callable[[int], None]] = None,
     records: Optional[List[Dict[str, Any]]] = None,
+    multi_turn=None,
 ) -> EvalSums:
     """Evaluate ``model`` on ``prompts``: greedy accuracy and reward, and pass@k from sampled completions.
 
@@ -144,6 +145,8 @@ def evaluate(
             batch (e.g. ``tqdm.update``). Default is None.
         records (Optional[List[Dict[str, Any]]]): when given, one dict per prompt is appended (prompt,
             answer, greedy completion, correct, reward). Default is None.
+        multi_turn (Optional[MultiTurn]): evaluate multi-turn episodes with this environment, as trained.
+            Default is None.
 
     Returns:
         EvalSums: sums over ``prompts`` (see :meth:`EvalSums.metrics`).
@@ -164,7 +167,7 @@ def evaluate(
             batch = collate_prompts(items)
             greedy = sample_and_score(
                 model, tokenizer, engine, batch, rewards, group_size=1, max_new_tokens=max_new_tokens,
-                temperature=0.0, generator=generator,
+                temperature=0.0, generator=generator, multi_turn=multi_turn,
             )
             greedy_correct = (greedy.per_component[name] >= threshold).tolist()
             greedy_total = greedy.rewards.tolist()
@@ -175,7 +178,7 @@ def evaluate(
             if num_samples > 0:
                 sampled = sample_and_score(
                     model, tokenizer, engine, batch, rewards, group_size=num_samples,
-                    max_new_tokens=max_new_tokens, generator=generator,
+                    max_new_tokens=max_new_tokens, generator=generator, multi_turn=multi_turn,
                 )
                 correct = (sampled.per_component[name] >= threshold).tolist()
                 for i in range(len(items)):

@@ -57,6 +57,8 @@ class RolloutGroups:
             the prompt (the model's turns and the environment's replies). Default is None.
         episode_info (Optional[List[Dict[str, float]]]): multi-turn episodes: per row, ``turns``,
             ``env_error`` (0/1), ``injected_tokens`` and the environment's summed step infos. Default is None.
+        environment_seconds (float): multi-turn episodes: time spent waiting for the environment (part of
+            ``generation_seconds``). Default is 0.
     """
 
     group_size: int
@@ -75,6 +77,7 @@ class RolloutGroups:
     action_mask: Optional[List[List[int]]] = None
     conversations: Optional[List[List[Dict[str, Any]]]] = None
     episode_info: Optional[List[Dict[str, float]]] = None
+    environment_seconds: float = 0.0
 
     @property
     def num_groups(self) -> int:
@@ -100,6 +103,7 @@ class RolloutGroups:
             engine_logprobs=None if self.engine_logprobs is None else [self.engine_logprobs[i] for i in rows],
             generation_seconds=self.generation_seconds,
             reward_seconds=self.reward_seconds,
+            environment_seconds=self.environment_seconds,
             **{k: None if getattr(self, k) is None else [getattr(self, k)[i] for i in rows] for k in _EPISODE_ROWS},
         )
 
@@ -129,6 +133,7 @@ class RolloutGroups:
             engine_logprobs=[x for p in parts for x in p.engine_logprobs] if with_logprobs else None,
             generation_seconds=sum(p.generation_seconds for p in parts),
             reward_seconds=sum(p.reward_seconds for p in parts),
+            environment_seconds=sum(p.environment_seconds for p in parts),
             **{
                 k: [x for p in parts for x in getattr(p, k)] if all(getattr(p, k) is not None for p in parts) else None
                 for k in _EPISODE_ROWS
@@ -286,4 +291,5 @@ def _sample_and_score_episodes(
         action_mask=episodes.action_mask,
         conversations=episodes.messages,
         episode_info=info,
+        environment_seconds=episodes.env_seconds,
     )

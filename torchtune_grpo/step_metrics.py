@@ -20,11 +20,15 @@ from torchtune_grpo.dynamic_sampling import GroupSelection
 from torchtune_grpo.rollout import RolloutGroups
 
 __all__ = [
-    "LOSS_METRICS", "rollout_sums", "sample_records", "step_metrics", "step_sums", "train_step_metrics",
+    "EPISODE_METRICS", "LOSS_METRICS", "rollout_sums", "sample_records", "step_metrics", "step_sums", "train_step_metrics",
 ]
 
 #: Fields of :class:`torchtune_grpo.loss.LossOutput` logged under their own name (already global sums).
 LOSS_METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean", "entropy")
+
+#: Per-episode numbers of multi-turn rollouts logged as ``episode/<name>`` (per-episode means). A fixed list:
+#: every rank must all-reduce the same keys, whatever its episodes did (missing ones count 0).
+EPISODE_METRICS = ("turns", "tool_calls", "tool_errors", "env_error", "injected_tokens")
 
 
 def rollout_sums(
@@ -58,6 +62,8 @@ def rollout_sums(
         "ds_filled": float(selection.filled),
         "ds_surplus": float(selection.surplus),
     }
+    if generated.episode_info is not None:
+        sums.update({f"ep:{k}": float(sum(i.get(k, 0.0) for i in generated.episode_info)) for k in EPISODE_METRICS})
     sums.update({f"comp:{k}": v.double().sum().item() for k, v in generated.per_component.items()})
     sums.update({f"err:{k}": float(v) for k, v in generated.errors.items()})
     return sums
@@ -98,6 +104,9 @@ def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METR
             "dynamic_sampling/groups_surplus": reduced["ds_surplus"],
         }
     )
+    if "ep:turns" in reduced:  # multi-turn: per-episode means, and the model's share of the tokens
+        metrics.update({f"episode/{k}": _mean(reduced[f"ep:{k}"], n) for k in EPISODE_METRICS})
+        metrics["episode/generated_tokens"] = _mean(reduced["resp_len"] - reduced["ep:injected_tokens"], n)
     for key, value in reduced.items():
         if key.startswith("comp:"):
             metrics[f"reward/{key[5:]}/mean"] = _mean(value, n)
@@ -172,6 +181,7 @@ def train_step_metrics(
             "tokens_per_second": reduced["tokens"] / step_seconds,
             "time/generation": rollout.generation_seconds,
             "time/reward": rollout.reward_seconds,
+            **({"time/environment": rollout.environment_seconds} if rollout.episode_info is not None else {}),
             "time/train": step_seconds - rollout.generation_seconds - rollout.reward_seconds - sync_seconds,
             "time/step": step_seconds,
         }
@@ -210,6 +220,8 @@ def sample_records(
             "reward": trained.rewards[i].item(),
             "advantage": advantages[i].item(),
             **{f"reward/{k}": v[i].item() for k, v in trained.per_component.items()},
+            # multi-turn: the whole episode with roles (the model's turns and the environment's replies)
+            **({"conversation": trained.conversations[i]} if trained.conversations is not None else {}),
         }
         for i in range(min(limit, len(trained.response_ids)))
     ]

@@ -16,6 +16,7 @@ This first version re-sends each episode's whole history to the engine every tur
 prefix caching; the native engine recomputes the prompt part).
 """
 
+import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -42,6 +43,7 @@ class Episodes(NamedTuple):
         turns (List[int]): model turns per episode.
         env_errors (List[str]): ``""``, or why the environment ended the episode (exception or timeout).
         info (List[Dict[str, float]]): the environment's step infos, summed per episode (tool calls...).
+        env_seconds (float): wall-clock seconds spent waiting for the environment (all episodes).
     """
 
     prompt_ids: List[List[int]]
@@ -53,6 +55,7 @@ class Episodes(NamedTuple):
     turns: List[int]
     env_errors: List[str]
     info: List[Dict[str, float]]
+    env_seconds: float = 0.0
 
     def final_answers(self) -> List[str]:
         """The text of each episode's last model turn (what single-turn rewards score)."""
@@ -121,7 +124,10 @@ def run_episodes(
     if max_turns < 1 or max_new_tokens < 1:
         raise ValueError(f"max_turns and max_new_tokens must be >= 1, got {max_turns} and {max_new_tokens}")
     episodes = [_Episode(list(p), f, max_new_tokens) for p, f in zip(prompts, fields) for _ in range(group_size)]
-    for ep, outcome in zip(episodes, start_episodes(env, [ep.fields for ep in episodes], env_timeout)):
+    t0 = time.perf_counter()
+    started = start_episodes(env, [ep.fields for ep in episodes], env_timeout)
+    env_seconds = time.perf_counter() - t0
+    for ep, outcome in zip(episodes, started):
         ep.state, ep.error, ep.done = outcome.value, outcome.error, bool(outcome.error)
     eot = getattr(tokenizer, "eot_id", None)
     stops = set(tokenizer.stop_tokens)
@@ -159,7 +165,9 @@ def run_episodes(
             elif eot is not None and turn[-1] != eot:
                 ep.done = True  # end of text, not end of turn: the model ended the conversation
         live = [ep for ep in rows if not ep.done]
+        t0 = time.perf_counter()
         outcomes = step_episodes(env, [ep.state for ep in live], [ep.messages[-1] for ep in live], env_timeout)
+        env_seconds += time.perf_counter() - t0
         for ep, outcome in zip(live, outcomes):
             if outcome.error:
                 ep.error, ep.done = outcome.error, True
@@ -190,6 +198,7 @@ def run_episodes(
         turns=[ep.turns for ep in episodes],
         env_errors=[ep.error for ep in episodes],
         info=[ep.info for ep in episodes],
+        env_seconds=env_seconds,
     )
 
 
