@@ -1,19 +1,37 @@
 """Multi-turn GRPO through `tune run`: a scripted tool-calling engine, the calculator environment, the
-model directory's chat template listing the tools; episode metrics and whole episodes in the logs."""
+model directory's chat template listing the tools; episode metrics and whole episodes in the logs.
 
+The scripted engine (tests._engines.ToolScriptGenerator) makes every episode's text a function of its
+prompt and row, so one-process, two-process and resumed runs see the same episodes:
+
+- one process: 4 steps, checkpoints at steps 2 and 4 (the reference of the others);
+- two processes with half the batch each: the same per-step metrics (same global batch, same episodes);
+- killed right after the step-3 rollouts (mid multi-turn run) and resumed: the same weights and metrics as
+  the uninterrupted run;
+- the LoRA recipe: a short run with the same episodes.
+"""
+
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.chat_templates import make_tokenizer_dir
 from tests.recipe_utils import read_jsonl, run_tune, write_config
+from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
+from tests.test_lora_recipe import LORA_CONFIG, RECIPE as LORA_RECIPE
+
+# Saves at steps 2 and 4 (STEPS); keep_last_n_checkpoints=1 leaves only step_4 at the end.
+SCHEDULE = dict(max_steps=STEPS, save_every_n_steps=2, keep_last_n_checkpoints=1)
 
 
-def test_tool_episodes_train_and_log(tmp_path: Path):
+def multi_turn_config(tmp_path: Path, base=None, **overrides) -> Path:
+    """The tiny config with the calculator environment, a Hermes tool template and the scripted engine."""
     tok_dir = make_tokenizer_dir(tmp_path / "tok", "qwen2_5_tools")
-    config = write_config(
+    return write_config(
         tmp_path,
-        max_steps=2,
+        **({} if base is None else {"base": base}),
         tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": str(tok_dir)},
         **{"dataset.prompt_style": "chat"},
         generation={"_component_": "tests._engines.ToolScriptGenerator", "tokenizer_dir": str(tok_dir)},
@@ -24,11 +42,12 @@ def test_tool_episodes_train_and_log(tmp_path: Path):
         multi_turn={"max_turns": 3, "env_timeout": 10},
         max_response_length=200,
         max_prompt_length=700,  # the system message lists the tools (~560 byte-level tokens)
+        **overrides,
     )
-    output = run_tune(config, cwd=tmp_path)
-    assert "Multi-turn episodes: ToolEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
-    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+
+
+def assert_scripted_episodes(rows) -> None:
+    """The episode metrics the scripted engine fixes, whatever the prompts."""
     for r in rows:
         # half the episodes call the calculator once (2 turns), half answer at once (1 turn)
         assert r["episode/turns"] == 1.5 and r["episode/tool_calls"] == 0.5, r
@@ -37,8 +56,70 @@ def test_tool_episodes_train_and_log(tmp_path: Path):
         assert r["episode/injected_tokens"] > 0 and "time/environment" in r
         assert r["episode/generated_tokens"] + r["episode/injected_tokens"] == r["response_length/mean"]
         assert torch.isfinite(torch.tensor(r["loss"]))
-    record = next(c for c in read_jsonl(tmp_path / "out" / "completions.jsonl") if len(c["conversation"]) > 1)
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """A 4-step multi-turn run on one process: (output directory, its log)."""
+    tmp = tmp_path_factory.mktemp("multi_turn_1proc")
+    output = run_tune(multi_turn_config(tmp, **SCHEDULE), cwd=tmp)
+    return tmp / "out", output
+
+
+def test_tool_episodes_train_and_log(one_process_run):
+    out, output = one_process_run
+    assert "Multi-turn episodes: ToolEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert_scripted_episodes(rows)
+    record = next(c for c in read_jsonl(out / "completions.jsonl") if len(c["conversation"]) > 1)
     assert [m["role"] for m in record["conversation"]] == ["assistant", "tool", "assistant"]
     assert record["conversation"][1]["content"] == "42"
     assert record["conversation"][2]["content"] == "The answer is 42."
     assert "# Tools" in record["prompt"] and '"name": "calculator"' in record["prompt"]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, one_process_run):
+    # batch_size is per rank: 2 x 2 ranks is the one-process run's global batch of 4 prompts, and the
+    # sampler deals the same shuffled prompts out to the ranks. The engine ignores the weights, so both runs
+    # see the same episodes; losses and rewards are normalised over the global batch (process invariant).
+    out, _ = one_process_run
+    cfg = multi_turn_config(tmp_path, **SCHEDULE, batch_size=2)
+    log = run_tune(cfg, nproc=2, cwd=tmp_path)
+    assert "2 rank(s)" in log
+    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    reference = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert_scripted_episodes(rows)
+    for got, want in zip(rows, reference):
+        for key in ("episode/turns", "episode/tool_calls", "episode/injected_tokens", "episode/generated_tokens",
+                    "reward/mean", "reward/std", "response_length/mean", "loss", "policy_loss", "kl", "grad_norm"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-4, abs_tol=1e-6), (got["step"], key, got[key], want[key])
+
+
+@pytest.mark.slow
+def test_killed_mid_multi_turn_run_resumes_exactly(tmp_path, one_process_run):
+    # Killed right after the step-3 episodes were run and scored (nothing trained): step_2 is the checkpoint.
+    out, _ = one_process_run
+    cfg = multi_turn_config(tmp_path, **SCHEDULE)
+    run_killed(cfg, "rollout:3", nproc=1, cwd=tmp_path)
+    assert [m["step"] for m in read_jsonl(tmp_path / "out" / "metrics.jsonl")] == [1, 2]
+    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    assert f"Resuming from {tmp_path / 'out' / 'step_2'}" in log
+    assert_same_run(tmp_path / "out", out)  # weights, every metric but timings (episode/* included)
+
+
+@pytest.mark.slow
+def test_lora_recipe_runs_tool_episodes(tmp_path):
+    cfg = multi_turn_config(tmp_path, base=LORA_CONFIG, max_steps=2, save_every_n_steps=2)
+    output = run_tune(cfg, cwd=tmp_path, recipe=LORA_RECIPE)
+    assert "Multi-turn episodes: ToolEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_scripted_episodes(rows)
+    assert any(r["grad_norm"] > 0 for r in rows)
+    # The adapter trained on the model's turns: every B started at zero.
+    adapter = torch.load(tmp_path / "out" / "step_2" / "adapter_model.pt", weights_only=True)
+    lora_b = [v for k, v in adapter.items() if k.endswith("lora_b.weight")]
+    assert lora_b and all(v.abs().max() > 0 for v in lora_b)
