@@ -21,6 +21,9 @@ from tests.chat_templates import make_tokenizer_dir
 from tests.recipe_utils import read_jsonl, run_tune, write_config
 from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
 from tests.test_lora_recipe import LORA_CONFIG, RECIPE as LORA_RECIPE
+from tests.test_vllm_recipe import VLLM_CONFIG
+from torchtune_grpo.assets import asset_path
+from torchtune_grpo.multiturn import EnvReply
 
 # Saves at steps 2 and 4 (STEPS); keep_last_n_checkpoints=1 leaves only step_4 at the end.
 SCHEDULE = dict(max_steps=STEPS, save_every_n_steps=2, keep_last_n_checkpoints=1)
@@ -123,3 +126,43 @@ def test_lora_recipe_runs_tool_episodes(tmp_path):
     adapter = torch.load(tmp_path / "out" / "step_2" / "adapter_model.pt", weights_only=True)
     lora_b = [v for k, v in adapter.items() if k.endswith("lora_b.weight")]
     assert lora_b and all(v.abs().max() > 0 for v in lora_b)
+
+
+class NudgeEnvironment:
+    """Answers every model turn with ``Go on.`` (a user message), so episodes continue until ``max_turns``
+    or the token budget whatever the model writes: a random model then still has continuation turns."""
+
+    def start(self, fields):
+        return None
+
+    def step(self, state, message):
+        return EnvReply([{"role": "user", "content": "Go on."}], False, {"nudges": 1})
+
+
+@pytest.mark.slow
+def test_vllm_engine_runs_episodes_with_a_real_model(tmp_path):
+    # The tiny random model with the shipped ChatML template (tiny_qwen2's tokenizer_config.json), sampled by
+    # vLLM on CPU. Continuation turns re-send each history; vLLM's logprobs of the model's tokens in every
+    # turn must equal the trainer's (injected tokens carry 0.0 and are masked), and the sync check passes.
+    cfg = write_config(
+        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=None, lr_scheduler=None,
+        tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
+        **{"dataset.prompt_style": "chat"},
+        environment={"_component_": "tests.test_multiturn_recipe.NudgeEnvironment"},
+        multi_turn={"max_turns": 3, "env_timeout": 10},
+        max_response_length=64,
+    )
+    output = run_tune(cfg, cwd=tmp_path)
+    assert "Multi-turn episodes: NudgeEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
+    assert "Generation engine started, weights synced and checked" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert torch.isfinite(torch.tensor(r["loss"]))
+        assert r["generation/sync_logprob_diff"] < 1e-4, r
+        assert r["generation/logprob_mismatch"] < 1e-4, r  # over the model's tokens of every turn
+        assert r["episode/generated_tokens"] + r["episode/injected_tokens"] == r["response_length/mean"]
+    # Some episodes went past their first turn: the engine continued histories with injected replies.
+    assert max(r["episode/turns"] for r in rows) > 1 and max(r["episode/injected_tokens"] for r in rows) > 0
+    record = next(c for c in read_jsonl(tmp_path / "out" / "completions.jsonl") if len(c["conversation"]) > 1)
+    assert record["conversation"][1] == {"role": "user", "content": "Go on."}
