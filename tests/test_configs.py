@@ -22,6 +22,7 @@ from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 from tests.conftest import REPO
 from tests.real_hf_configs import HUB_CONFIGS, TORCHTUNE_BUILDERS
 from torchtune_grpo.cli import list_configs, main
+from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.rewards import _base as reward_base, build_reward_set
 
 # Keys of a reward entry that configure the reward set rather than the reward's constructor.
@@ -178,7 +179,8 @@ def test_real_config(name: str, tmp_path: Path):
     directory = Path(str(cfg.checkpointer.checkpoint_dir))
     assert str(directory) == f"/tmp/{directory.name}"  # `tune download <repo> --output-dir /tmp/<name>`
     if name.startswith("qwen3/"):
-        assert cfg.tokenizer.enable_thinking == ("nothink" not in name and "0.6B" not in name)
+        thinks = not any(tag in name for tag in ("nothink", "0.6B", "tools"))
+        assert cfg.tokenizer.enable_thinking == thinks
 
     # The model the config builds, from the model's real config.json, on the meta device.
     local = tmp_path / directory.name
@@ -207,6 +209,45 @@ def test_real_config(name: str, tmp_path: Path):
             hf_params.pop("lm_head.weight")
         assert sum(map(math.prod, ours.values())) == sum(map(math.prod, hf_params.values()))
         assert len(ours) == len(hf_params)
+
+
+MULTI_TURN_CONFIGS = [_name(p) for p in ALL_CONFIGS if "environment" in OmegaConf.load(p)]
+
+
+def test_multi_turn_configs_found():
+    assert {"tiny/multi_turn_cpu", "qwen3/1.7B_gsm8k_tools"} <= set(MULTI_TURN_CONFIGS)
+
+
+@pytest.mark.parametrize("name", MULTI_TURN_CONFIGS)
+def test_multi_turn_config(name: str):
+    # The environment and episode limits build as the recipe builds them (MultiTurn(environment, **multi_turn)).
+    cfg = _load(name)
+    multi_turn = MultiTurn(tt_config.instantiate(cfg.environment), **OmegaConf.to_container(cfg.multi_turn))
+    assert multi_turn.max_turns >= 2 and multi_turn.env_timeout is not None
+    names = [t["function"]["name"] for t in multi_turn.tools]
+    assert "calculator" in names
+    if name.startswith("qwen3/"):
+        assert names == ["python", "calculator"]
+        assert cfg.tokenizer.enable_thinking is False and cfg.dataset.prompt_style == "chat"
+
+
+def test_tiny_multi_turn_config_prompts_and_turns():
+    # The shipped tiny tokenizer's ChatML template has no tools section, so the config's system prompt shows
+    # the call format: that example must be a call the configured environment runs, and the prompts must fit.
+    cfg = _load("tiny/multi_turn_cpu")
+    OmegaConf.resolve(cfg)
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    multi_turn = MultiTurn(tt_config.instantiate(cfg.environment), **OmegaConf.to_container(cfg.multi_turn))
+    tokenizer.tools = multi_turn.tools  # as the recipe does before the datasets tokenize
+    assert type(multi_turn.turns_for(tokenizer)).__name__ == "ChatTurns"
+    reply = multi_turn.environment.step(
+        multi_turn.environment.start({}), {"role": "assistant", "content": cfg.dataset.system_prompt}
+    )
+    assert reply.messages == [{"role": "tool", "name": "calculator", "content": "5"}] and not reply.done
+    dataset = tt_config.instantiate(cfg.dataset, tokenizer)
+    assert len(dataset) == cfg.dataset.num_samples  # no prompt dropped by max_prompt_length
+    prompt = tokenizer.decode(dataset[0]["tokens"], skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\nYou can use a calculator.") and "<tool_call>" in prompt
 
 
 def _run_cli(argv: List[str], capsys) -> Tuple[int, str, str]:

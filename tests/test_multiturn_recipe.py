@@ -4,7 +4,8 @@ model directory's chat template listing the tools; episode metrics and whole epi
 The scripted engine (tests._engines.ToolScriptGenerator) makes every episode's text a function of its
 prompt and row, so one-process, two-process and resumed runs see the same episodes:
 
-- one process: 4 steps, checkpoints at steps 2 and 4 (the reference of the others);
+- one process (configs/tiny/multi_turn_cpu.yaml with a tool template and the scripted engine): 4 steps,
+  checkpoints at steps 2 and 4 (the reference of the others);
 - two processes with half the batch each: the same per-step metrics (same global batch, same episodes);
 - killed right after the step-3 rollouts (mid multi-turn run) and resumed: the same weights and metrics as
   the uninterrupted run;
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.chat_templates import make_tokenizer_dir
+from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, run_tune, write_config
 from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
 from tests.test_lora_recipe import LORA_CONFIG, RECIPE as LORA_RECIPE
@@ -25,24 +28,24 @@ from tests.test_vllm_recipe import VLLM_CONFIG
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.multiturn import EnvReply
 
+MULTI_TURN_CONFIG = REPO / "configs" / "tiny" / "multi_turn_cpu.yaml"
 # Saves at steps 2 and 4 (STEPS); keep_last_n_checkpoints=1 leaves only step_4 at the end.
 SCHEDULE = dict(max_steps=STEPS, save_every_n_steps=2, keep_last_n_checkpoints=1)
 
 
-def multi_turn_config(tmp_path: Path, base=None, **overrides) -> Path:
-    """The tiny config with the calculator environment, a Hermes tool template and the scripted engine."""
+def multi_turn_config(tmp_path: Path, base: Path = MULTI_TURN_CONFIG, **overrides) -> Path:
+    """configs/tiny/multi_turn_cpu.yaml (or ``base`` with its environment and multi_turn sections) with a
+    Hermes tool template, which lists the calculator in the system message, and the scripted engine."""
     tok_dir = make_tokenizer_dir(tmp_path / "tok", "qwen2_5_tools")
+    if base != MULTI_TURN_CONFIG:
+        shipped = OmegaConf.to_container(OmegaConf.load(MULTI_TURN_CONFIG))
+        overrides = {"environment": shipped["environment"], "multi_turn": shipped["multi_turn"], **overrides}
     return write_config(
         tmp_path,
-        **({} if base is None else {"base": base}),
+        base=base,
         tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": str(tok_dir)},
-        **{"dataset.prompt_style": "chat"},
+        **{"dataset.prompt_style": "chat", "dataset.system_prompt": "Use the calculator."},
         generation={"_component_": "tests._engines.ToolScriptGenerator", "tokenizer_dir": str(tok_dir)},
-        environment={
-            "_component_": "torchtune_grpo.multiturn.ToolEnvironment",
-            "tools": ["torchtune_grpo.multiturn.Calculator"],
-        },
-        multi_turn={"max_turns": 3, "env_timeout": 10},
         max_response_length=200,
         max_prompt_length=700,  # the system message lists the tools (~560 byte-level tokens)
         **overrides,
