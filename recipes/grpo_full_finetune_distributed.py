@@ -309,6 +309,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             dynamic_sampling=self._dynamic.enabled,
             max_rounds=self._dynamic.max_rounds,
             clip_grad_norm=None if self.clip_grad_norm is None else float(self.clip_grad_norm),
+            environment=None if self._multi_turn is None else (
+                f"{type(self._multi_turn.environment).__name__}, at most {self._multi_turn.max_turns} turns"
+            ),
         )
         if self._is_rank_zero:
             card = algorithm_card(spec)

@@ -180,6 +180,17 @@ def test_card_kl_clip_entropy_and_ratio():
     assert "truncated importance sampling" not in algorithm_card(_spec())
 
 
+def test_card_states_that_environment_tokens_are_masked():
+    card = algorithm_card(_spec(environment="ToolEnvironment, at most 4 turns"))
+    assert "answers prompt q with episode o_i of |o_i| action tokens (environment tokens excluded)" in card
+    assert "M = their action tokens (the model's own)" in card
+    assert "- Multi-turn episodes (ToolEnvironment, at most 4 turns): o_i is a whole episode" in card
+    assert "masked out of every loss term (policy, ratio, KL, entropy, the KL-in-reward sum)" in card
+    single = algorithm_card(_spec())
+    assert "Multi-turn" not in single and "M = their response tokens" in single
+    assert "answers prompt q with completion o_i of |o_i| tokens" in single
+
+
 # ------------------------------------------------------------------------------- config validation
 
 

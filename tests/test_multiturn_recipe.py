@@ -83,6 +83,8 @@ def test_tool_episodes_train_and_log(one_process_run):
     assert record["conversation"][1]["content"] == "42"
     assert record["conversation"][2]["content"] == "The answer is 42."
     assert "# Tools" in record["prompt"] and '"name": "calculator"' in record["prompt"]
+    card = (out / "algorithm_card.md").read_text()
+    assert "- Multi-turn episodes (ToolEnvironment, at most 3 turns): o_i is a whole episode" in card
 
 
 @pytest.mark.slow

@@ -71,6 +71,8 @@ class AlgorithmSpec:
         max_rounds (int): generation rounds per step at most. Default is 1.
         optimizer (str): optimizer description. Default is ``""``.
         clip_grad_norm (Optional[float]): gradient norm clipping. Default is None.
+        environment (Optional[str]): multi-turn episodes: the environment and its limits, e.g.
+            ``"ToolEnvironment, at most 4 turns"``. Default is None (one completion per sample).
     """
 
     world_size: int
@@ -99,6 +101,7 @@ class AlgorithmSpec:
     max_rounds: int = 1
     optimizer: str = ""
     clip_grad_norm: Optional[float] = None
+    environment: Optional[str] = None
 
     @classmethod
     def from_components(
@@ -235,12 +238,20 @@ def _objective(s: AlgorithmSpec) -> List[str]:
 
 def _notes(s: AlgorithmSpec) -> List[str]:
     seqs = "N = number of sequences" + (" not truncated" if s.mask_truncated_completions else "")
+    tokens = "their action tokens (the model's own)" if s.environment else "their response tokens"
     notes = [
-        f"- Sums run over the global batch: {seqs}, M = their response tokens, summed over all "
+        f"- Sums run over the global batch: {seqs}, M = {tokens}, summed over all "
         "micro-batches and processes before any division, so the update does not depend on "
         "micro_batch_size or on the number of processes.",
         "- pi_old is the policy that generated the rollouts (no gradient); pi_ref the initial policy.",
     ]
+    if s.environment:
+        notes.append(
+            f"- Multi-turn episodes ({s.environment}): o_i is a whole episode, the model's turns with the "
+            "environment's replies between them, and t runs over the model's own tokens only. The tokens the "
+            "environment injected (tool results, observations) are context: they are masked out of every loss "
+            "term (policy, ratio, KL, entropy, the KL-in-reward sum) and of every count (M, |o_i|)."
+        )
     if s.kl_coef == 0:
         notes.append("- No KL term: kl_coef = 0, so no reference model is loaded.")
     elif s.kl_placement == "loss":
@@ -292,9 +303,12 @@ def algorithm_card(spec: AlgorithmSpec) -> str:
         out += [f"Custom loss component `{spec.loss_name}`: see its documentation.", ""]
         out += ["```text", f"advantage  {spec.advantage}", "```"]
     else:
+        completion = (
+            "episode o_i of |o_i| action tokens (environment tokens excluded)" if spec.environment
+            else "completion o_i of |o_i| tokens"
+        )
         out += [
-            "Sequence i (of the N in the global batch) answers prompt q with completion o_i of |o_i| tokens; "
-            "A_i is its advantage.",
+            f"Sequence i (of the N in the global batch) answers prompt q with {completion}; A_i is its advantage.",
             "",
             "```text",
             *_objective(spec),
