@@ -12,14 +12,18 @@ from typing import Any, Dict, List, Optional
 from torch import nn
 
 from tests import _engines
-from torchtune_grpo.loss import GRPOLoss, LossOutput
+from torchtune_grpo import loss as losses
+from torchtune_grpo.loss import LossOutput
 
 
 class StepCyclingLoss(nn.Module):
-    """Step ``k`` uses ``GRPOLoss(**{recipe kwargs, **variants[(k - 1) % len]})``.
+    """Step ``k`` uses ``Loss(**{recipe kwargs, **variants[(k - 1) % len]})``.
+
+    ``Loss`` is the class of :mod:`torchtune_grpo.loss` named by the variant's ``_class`` (default
+    ``GRPOLoss``).
 
     Args:
-        variants (List[Dict[str, Any]]): GRPOLoss keyword arguments, one dict per step of the cycle.
+        variants (List[Dict[str, Any]]): loss keyword arguments, one dict per step of the cycle.
         kl_coef (float): from the recipe; a variant may override it. Default is 0.0.
         kl_estimator (str): from the recipe. Default is ``"k3"``.
         max_response_length (Optional[int]): from the recipe. Default is None.
@@ -34,7 +38,10 @@ class StepCyclingLoss(nn.Module):
     ) -> None:
         super().__init__()
         base = {"kl_coef": kl_coef, "kl_estimator": kl_estimator, "max_response_length": max_response_length}
-        self.losses = [GRPOLoss(**{**base, **dict(v)}) for v in variants]
+        self.losses = [
+            getattr(losses, v.get("_class", "GRPOLoss"))(**{**base, **{k: x for k, x in v.items() if k != "_class"}})
+            for v in variants
+        ]
         self.entropy_coef = max(loss.entropy_coef for loss in self.losses)
 
     def forward(self, *args: Any, **kwargs: Any) -> LossOutput:

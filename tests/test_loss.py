@@ -6,7 +6,17 @@ import math
 import pytest
 import torch
 
-from torchtune_grpo.loss import KL_ESTIMATORS, LOSS_AGG_MODES, GRPOLoss, LossOutput, kl_estimate, kl_reward_penalty
+from torchtune_grpo.loss import (
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    CISPOLoss,
+    GMPOLoss,
+    GRPOLoss,
+    LossOutput,
+    SAPOLoss,
+    kl_estimate,
+    kl_reward_penalty,
+)
 
 LN2 = math.log(2.0)
 
@@ -188,10 +198,24 @@ SPLIT_VARIANTS = [{"loss_agg_mode": m} for m in LOSS_AGG_MODES] + [
     {"loss_agg_mode": "token-mean", "ratio_level": "sequence", "epsilon": 0.02},
     {"loss_agg_mode": "seq-mean-token-sum-norm", "dual_clip": 1.1, "entropy_coef": 0.01},
 ] + [{"loss_agg_mode": "seq-mean-token-mean", "kl_estimator": k} for k in KL_ESTIMATORS]
+# CISPO, GMPO and SAPO in every aggregation mode (on top of the k3 KL term), then with TIS, rollout-correction
+# weights (``_weights``), the other KL estimators and an entropy bonus. ``_class`` picks the loss.
+SPLIT_VARIANTS += [
+    {"_class": cls, "loss_agg_mode": m, **extra}
+    for cls, extra in ((CISPOLoss, {"epsilon_low": 0.2}), (GMPOLoss, {"epsilon": 0.2}), (SAPOLoss, {}))
+    for m in LOSS_AGG_MODES
+] + [
+    {"_class": CISPOLoss, "loss_agg_mode": "token-mean", "tis_cap": 1.1, "_weights": True, "kl_estimator": "k2"},
+    {"_class": GMPOLoss, "loss_agg_mode": "seq-mean-token-mean", "epsilon": 0.1, "tis_cap": 1.1, "_weights": True,
+     "kl_estimator": "k3+", "entropy_coef": 0.01},
+    {"_class": SAPOLoss, "loss_agg_mode": "seq-mean-token-sum-norm", "tis_cap": 1.1, "_weights": True,
+     "kl_estimator": "k1", "tau_neg": 3.0},
+    {"loss_agg_mode": "token-mean", "tis_cap": 1.1, "_weights": True},
+]
 
 
 def _split_id(v):
-    return "-".join(f"{k}={x}" for k, x in v.items())
+    return "-".join(f"{k}={getattr(x, '__name__', x)}" for k, x in v.items())
 
 
 @pytest.mark.parametrize("variant", SPLIT_VARIANTS, ids=_split_id)
@@ -203,9 +227,16 @@ def test_micro_batches_and_processes_sum_to_full_batch(variant, counts_as_tensor
     # gradient. A process split is a split of rows like a micro-batch split: simulated here as 2 "ranks"
     # of 4 rows with 2 micro-batches each, whose results are summed.
     logprobs, old, ref, adv, mask = _random_batch()
-    entropy = torch.rand(logprobs.shape, generator=torch.Generator().manual_seed(3)) * 5
-    kwargs = {"epsilon": 0.2, "epsilon_high": 0.28, "kl_coef": 0.05, "max_response_length": 6, **variant}
-    loss_fn = GRPOLoss(**kwargs)
+    g = torch.Generator().manual_seed(3)
+    entropy = torch.rand(logprobs.shape, generator=g) * 5
+    # the engine's logprobs (TIS) and rollout-correction weights, both constants per token
+    sampler = old + (torch.rand(logprobs.shape, generator=g) - 0.5) * 0.4
+    weights = torch.rand(logprobs.shape, generator=g) * 2
+    variant = dict(variant)
+    cls = variant.pop("_class", GRPOLoss)
+    with_weights = variant.pop("_weights", False)
+    clip = {"epsilon": 0.2, "epsilon_high": 0.28} if cls is GRPOLoss else {}
+    loss_fn = cls(**{**clip, "kl_coef": 0.05, "max_response_length": 6, **variant})
     num_tokens, num_seqs = int(mask.sum()), mask.shape[0]  # 27 tokens, 8 sequences
     if counts_as_tensors:
         num_tokens, num_seqs = torch.tensor(num_tokens), torch.tensor(num_seqs)
@@ -218,14 +249,16 @@ def test_micro_batches_and_processes_sum_to_full_batch(variant, counts_as_tensor
             for sl in rank_rows:
                 out = loss_fn(
                     lp[sl], old[sl], adv[sl], mask[sl], ref_logprobs=ref[sl], entropy=ent[sl],
-                    num_tokens=num_tokens, num_seqs=num_seqs,
+                    num_tokens=num_tokens, num_seqs=num_seqs, sampler_logprobs=sampler[sl],
+                    importance_weights=weights[sl] if with_weights else None,
                 )
                 out.loss.backward()
                 totals = [a + v.detach() for a, v in zip(totals, out)]
         return totals, lp.grad, ent.grad
 
     full, full_grad, full_ent_grad = run([[slice(0, 8)]])
-    assert 0 < full[LossOutput._fields.index("clip_fraction")].item() < 1  # both branches exercised
+    if cls is not SAPOLoss:  # SAPO has no hard clip
+        assert 0 < full[LossOutput._fields.index("clip_fraction")].item() < 1  # both branches exercised
     for splits in (
         [[slice(s, s + 2) for s in range(0, 8, 2)]],  # 1 process, 4 micro-batches
         [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]],  # 2 processes, 2 micro-batches each

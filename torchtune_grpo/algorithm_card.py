@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
 
+from torchtune_grpo.loss.grpo import ppo_formula_lines
+
 __all__ = ["AlgorithmSpec", "algorithm_card"]
 
 _AGGREGATION = {
@@ -58,6 +60,8 @@ class AlgorithmSpec:
         tis_cap (Optional[float]): truncated importance sampling cap against the engine's sampling
             logprobs. Default is None (off).
         ratio_level (str): ``"token"`` or ``"sequence"``. Default is ``"token"``.
+        policy_lines (Optional[List[str]]): the ratio and policy-term lines of the loss component's
+            ``formula_lines()``; None renders GRPOLoss's PPO clip from the clip fields above. Default is None.
         entropy_coef (float): entropy bonus weight. Default is 0.0.
         kl_coef (float): KL weight. Default is 0.0.
         kl_estimator (str): KL estimator. Default is ``"k3"``.
@@ -90,6 +94,7 @@ class AlgorithmSpec:
     dual_clip: Optional[float] = None
     tis_cap: Optional[float] = None
     ratio_level: str = "token"
+    policy_lines: Optional[List[str]] = None
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -109,7 +114,8 @@ class AlgorithmSpec:
     ) -> "AlgorithmSpec":
         """A spec from the run's instantiated components (read, never called) and plain ``values``.
 
-        A loss without ``loss_agg_mode`` (not a :class:`~torchtune_grpo.loss.GRPOLoss`) is reported by name.
+        A loss without ``loss_agg_mode`` (not a :class:`~torchtune_grpo.loss.base.PolicyGradientLoss`) is
+        reported by name.
 
         Args:
             loss (Any): the loss component; its ``loss_agg_mode``, clip ranges, ``ratio_level`` and
@@ -135,6 +141,7 @@ class AlgorithmSpec:
             dual_clip=getattr(loss, "dual_clip", None),
             tis_cap=getattr(loss, "tis_cap", None),
             ratio_level=getattr(loss, "ratio_level", "token"),
+            policy_lines=loss.formula_lines() if hasattr(loss, "formula_lines") else None,
             entropy_coef=getattr(loss, "entropy_coef", 0.0),
             optimizer=described + (f", schedule {lr_schedule}" if lr_schedule else ""),
             **values,
@@ -194,20 +201,7 @@ def _batch_table(s: AlgorithmSpec) -> List[str]:
 
 
 def _objective(s: AlgorithmSpec) -> List[str]:
-    lines = []
-    if s.ratio_level == "sequence":
-        lines.append(
-            "ratio      s_i = exp((1 / |o_i|) * sum_t (log pi_theta(o_i,t) - log pi_old(o_i,t)))   "
-            "[sequence level, GSPO]; rho_i,t = s_i"
-        )
-    else:
-        lines.append("ratio      rho_i,t = pi_theta(o_i,t | q, o_i,<t) / pi_old(o_i,t | q, o_i,<t)   [token level]")
-    lines.append(
-        f"policy     p_i,t = -min(rho_i,t * A_i, clip(rho_i,t, 1 - {_g(s.epsilon_low)}, "
-        f"1 + {_g(s.epsilon_high)}) * A_i)"
-    )
-    if s.dual_clip is not None:
-        lines.append(f"           and p_i,t = min(p_i,t, -{_g(s.dual_clip)} * A_i) where A_i < 0   [dual clip]")
+    lines = list(s.policy_lines or ppo_formula_lines(s.epsilon_low, s.epsilon_high, s.dual_clip, s.ratio_level))
     if s.tis_cap is not None:
         lines.append(
             f"           times min(pi_old(o_i,t) / mu(o_i,t), {_g(s.tis_cap)}), mu = the generation engine's "

@@ -18,7 +18,7 @@ import torch
 
 __all__ = ["logprob_mismatch_sum", "off_policy_note", "tis_weights"]
 
-# |log ratio| is clamped before exp, as in loss.py: exp(20) is far above any useful cap.
+# |log ratio| is clamped before exp, as in loss/base.py: exp(20) is far above any useful cap.
 _MAX_LOG_RATIO = 20.0
 
 
