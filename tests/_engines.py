@@ -27,13 +27,20 @@ class ScriptedGenerator(GenerationEngine):
             completions (a zero-variance group). Default is 0 (never).
         low (int): smallest token id used. Default is 60.
         high (int): one past the largest token id used. Default is 300.
+        logprob_center (Optional[float]): when set, the engine reports "sampling logprobs" (as vLLM does)
+            ``center + 0.6 * ((37 * token) % 11 / 10 - 0.5)`` per response token, a fixed function of the
+            token, so rollout-correction weights differ from 1 but agree across ranks and runs. Default is
+            None (no logprobs, as the native engine).
     """
 
     temperature = 1.0
 
-    def __init__(self, flat_every: int = 0, low: int = 60, high: int = 300) -> None:
+    def __init__(
+        self, flat_every: int = 0, low: int = 60, high: int = 300, logprob_center: Optional[float] = None
+    ) -> None:
         self.flat_every = flat_every
         self.low, self.high = low, high
+        self.logprob_center = logprob_center
 
     def generate(
         self,
@@ -65,7 +72,13 @@ class ScriptedGenerator(GenerationEngine):
                 prompt_ids.append(list(p))
                 response_ids.append(body)
                 truncated.append(cut)
-        return Rollout(prompt_ids=prompt_ids, response_ids=response_ids, truncated=torch.tensor(truncated))
+        logprobs = None
+        if self.logprob_center is not None:
+            c = self.logprob_center
+            logprobs = [[c + 0.6 * ((37 * t) % 11 / 10 - 0.5) for t in row] for row in response_ids]
+        return Rollout(
+            prompt_ids=prompt_ids, response_ids=response_ids, truncated=torch.tensor(truncated), logprobs=logprobs
+        )
 
 
 class ToolScriptGenerator(GenerationEngine):

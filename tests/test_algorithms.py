@@ -201,6 +201,7 @@ def test_card_states_that_environment_tokens_are_masked():
         ({"kl_placement": "advantage"}, "kl_placement must be one of"),
         ({"loss.kl_estimator": "k2"}, "Set kl_estimator at the top level"),
         ({"dynamic_sampling": {"enabled": True, "max_round": 3}}, "Unknown dynamic_sampling key"),
+        ({"rollout_correction": {"mode": "mask"}, "loss.tis_cap": 2.0}, "either loss.tis_cap or rollout_correction"),
     ],
 )
 def test_validation_of_algorithm_keys(overrides, message):

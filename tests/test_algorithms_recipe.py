@@ -47,7 +47,11 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int) -> Path
         shuffle=False,
         batch_size=batch_size,
         micro_batch_size=micro_batch_size,
-        generation={"_component_": "tests._engines.ScriptedGenerator"},
+        # the engine reports scripted sampling logprobs, so the rollout correction (vLLM's) acts: token
+        # masks (two-sided) and off-policy sequence masks, decided before the update, shrink the global counts
+        generation={"_component_": "tests._engines.ScriptedGenerator", "logprob_center": -6.2},
+        rollout_correction={"level": "token", "mode": "mask", "upper": 1.3, "lower": 0.75,
+                            "offpolicy_threshold": 0.05},
         reward_functions=[{"_component_": "tests._rewards.EvenTokenReward"}],
         advantage={"_component_": "torchtune_grpo.advantages.BatchStdAdvantage"},  # needs global stats
         loss={"_component_": "tests._losses.StepCyclingLoss", "variants": VARIANTS},
@@ -80,6 +84,8 @@ def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path):
     assert any(0 < m["truncated_fraction"] < 1 for m in metrics)  # the mask really removes sequences
     assert any(m["clip_fraction"] > 0 for m in metrics)
     assert metrics[-1]["kl"] > 0 and metrics[-1]["entropy"] > 0
+    assert all(0 < m["rollout_correction/masked_fraction"] < 1 for m in metrics)
+    assert any(m["rollout_correction/seq_masked_fraction"] > 0 for m in metrics)
     before = weights(Path(asset_path("tiny_qwen2")))
     for k, variant in enumerate(VARIANTS):
         prev = before if k == 0 else results["A"][k - 1]
@@ -94,7 +100,8 @@ def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path):
     # Logged losses are global too (sums of micro-batch and rank contributions).
     for other in ("B", "C"):
         for ma, mo in zip(metrics, results[other + "_metrics"]):
-            for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "reward/mean"):
+            for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "reward/mean",
+                        "rollout_correction/masked_fraction", "rollout_correction/kl"):
                 assert mo[key] == pytest.approx(ma[key], abs=1e-5), (other, ma["step"], key)
 
 

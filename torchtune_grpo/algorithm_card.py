@@ -60,6 +60,8 @@ class AlgorithmSpec:
         tis_cap (Optional[float]): truncated importance sampling cap against the engine's sampling
             logprobs. Default is None (off).
         ratio_level (str): ``"token"`` or ``"sequence"``. Default is ``"token"``.
+        rollout_correction (Optional[List[str]]): the rollout correction's ``formula_lines()``. Default is
+            None (none).
         policy_lines (Optional[List[str]]): the ratio and policy-term lines of the loss component's
             ``formula_lines()``; None renders GRPOLoss's PPO clip from the clip fields above. Default is None.
         entropy_coef (float): entropy bonus weight. Default is 0.0.
@@ -95,6 +97,7 @@ class AlgorithmSpec:
     tis_cap: Optional[float] = None
     ratio_level: str = "token"
     policy_lines: Optional[List[str]] = None
+    rollout_correction: Optional[List[str]] = None
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -207,6 +210,7 @@ def _objective(s: AlgorithmSpec) -> List[str]:
             f"           times min(pi_old(o_i,t) / mu(o_i,t), {_g(s.tis_cap)}), mu = the generation engine's "
             "sampling probability   [truncated importance sampling]"
         )
+    lines += s.rollout_correction or []
     per_token = "p_i,t"
     if s.kl_coef > 0 and s.kl_placement == "loss":
         per_token += f" + {_g(s.kl_coef)} * {s.kl_estimator}_i,t"
@@ -254,6 +258,11 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         notes.append(
             "- KL placement: reward. The penalty uses the sampling policy's log-probabilities, is summed over "
             "each sequence and subtracted from R_i before the advantage; it has no gradient of its own."
+        )
+    if s.rollout_correction:
+        notes.append(
+            "- Rollout correction: weights and masks come from pi_old and mu only, decided before the update; "
+            "tokens and sequences it masks leave M and N (counted after masking, over all processes)."
         )
     if s.mask_truncated_completions:
         notes.append(

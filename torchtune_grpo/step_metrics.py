@@ -4,8 +4,8 @@ Two kinds of metric, documented in docs/algorithms.md:
 
 - rollout metrics (``reward/*``, ``response_length/*``, ``truncated_fraction``, ``zero_std_fraction``) describe
   every completion *generated* in the step, all dynamic-sampling rounds included: they measure the policy;
-- loss metrics (``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_fraction``, ``ratio_mean``) and
-  ``reward/kl_penalty`` describe the batch *trained on*.
+- loss metrics (``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_fraction``, ``ratio_mean``),
+  ``reward/kl_penalty`` and ``rollout_correction/*`` describe the batch *trained on*.
 
 Every value of :func:`step_sums` is a sum, so summing the dicts of all ranks gives the global sums;
 :func:`train_step_metrics` turns them (and the step's timings) into the logged metrics, and
@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional
 import torch
 
 from torchtune_grpo.dynamic_sampling import GroupSelection
+from torchtune_grpo.offpolicy import correction_metrics
 from torchtune_grpo.rollout import RolloutGroups
 
 __all__ = [
@@ -79,7 +80,8 @@ def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METR
     Args:
         reduced (Dict[str, float]): :func:`rollout_sums` summed over ranks, plus the loss metrics (already
             global contributions, see :class:`~torchtune_grpo.loss.LossOutput`) and ``kl_penalty`` /
-            ``n_trained`` (sum of per-sequence KL penalties and trained sequences).
+            ``n_trained`` (sum of per-sequence KL penalties and trained sequences), and the rollout
+            correction's sums (:class:`~torchtune_grpo.offpolicy.CorrectionOutput`) when there is one.
         loss_keys (Iterable[str]): loss metrics to copy as they are. Default is :data:`LOSS_METRICS`.
 
     Returns:
@@ -107,6 +109,7 @@ def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METR
     if "ep:turns" in reduced:  # multi-turn: per-episode means, and the model's share of the tokens
         metrics.update({f"episode/{k}": _mean(reduced[f"ep:{k}"], n) for k in EPISODE_METRICS})
         metrics["episode/generated_tokens"] = _mean(reduced["resp_len"] - reduced["ep:injected_tokens"], n)
+    metrics.update(correction_metrics(reduced))  # rollout_correction/*, when the run has one
     for key, value in reduced.items():
         if key.startswith("comp:"):
             metrics[f"reward/{key[5:]}/mean"] = _mean(value, n)
