@@ -15,7 +15,7 @@ as ``batch_stats=``, so the result does not depend on how the batch is split ove
 """
 
 import math
-from typing import NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -23,9 +23,11 @@ __all__ = [
     "AdvantageEstimator",
     "AdvantageOutput",
     "BatchStdAdvantage",
+    "ComponentNormalization",
     "GroupRelativeAdvantage",
     "RLOOAdvantage",
     "RewardStats",
+    "normalize_components",
     "zero_variance_groups",
 ]
 
@@ -114,6 +116,78 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int, rtol: float = Z
     return spread <= rtol * r.mean(dim=1).abs().clamp(min=1.0)
 
 
+class ComponentNormalization(NamedTuple):
+    """Reward components normalised within their groups, then weighted and summed (GDPO).
+
+    Attributes:
+        rewards (torch.Tensor): ``[N]`` float32, ``sum_k w_k z_k``: the signal the estimator then takes as
+            its rewards.
+        per_component (Dict[str, torch.Tensor]): ``w_k z_k`` of each component, ``[N]`` float32.
+        zero_std (Dict[str, torch.Tensor]): per component, ``[N // G]`` bool, groups where it is constant.
+    """
+
+    rewards: torch.Tensor
+    per_component: Dict[str, torch.Tensor]
+    zero_std: Dict[str, torch.Tensor]
+
+    def sums(self) -> Dict[str, float]:
+        """Metric sums (``adv:``/``adv_sq:``/``adv_zero:`` per component, ``adv_groups``) for all-reducing."""
+        out: Dict[str, float] = {}
+        for name, a in self.per_component.items():
+            a = a.double()
+            out[f"adv:{name}"] = a.sum().item()
+            out[f"adv_sq:{name}"] = (a * a).sum().item()
+            out[f"adv_zero:{name}"] = float(self.zero_std[name].sum().item())
+            out["adv_groups"] = float(self.zero_std[name].numel())
+        return out
+
+
+def normalize_components(
+    per_component: Dict[str, torch.Tensor],
+    weights: Sequence[float],
+    group_size: int,
+    eps: float = 1e-6,
+) -> ComponentNormalization:
+    """``sum_k w_k (r_k - mean_g(r_k)) / (std_g(r_k) + eps)``: each component normalised within its group.
+
+    GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward
+    RL Optimization", arXiv:2601.05242): normalising the weighted *sum* lets a high-variance component drown
+    the others and maps different component combinations to the same advantage; normalising each component
+    first keeps them apart. ``std_g`` is the sample std, as in :class:`GroupRelativeAdvantage`; a group in
+    which a component is constant gets 0 from it (no ``1 / eps`` blow-up). GDPO then normalises the sum
+    over the batch: :class:`BatchStdAdvantage` on this output does exactly that (the sum has group mean 0).
+
+    Args:
+        per_component (Dict[str, torch.Tensor]): unweighted scores of each component, each ``[N]``
+            (``RolloutGroups.per_component``), in the order of ``weights``.
+        weights (Sequence[float]): ``w_k``, one per component (``RewardSet.weights``).
+        group_size (int): ``G``.
+        eps (float): added to each group std. Default is 1e-6.
+
+    Returns:
+        ComponentNormalization: the combined signal and each component's share.
+
+    Raises:
+        ValueError: on a count of weights other than of components, or bad rewards (see
+            :class:`AdvantageEstimator`).
+    """
+    if len(weights) != len(per_component):
+        raise ValueError(f"{len(weights)} weights for {len(per_component)} reward components {list(per_component)}")
+    parts: Dict[str, torch.Tensor] = {}
+    zero: Dict[str, torch.Tensor] = {}
+    total = None
+    for (name, r), w in zip(per_component.items(), weights):
+        zero[name] = zero_variance_groups(r, group_size)  # validates r
+        g = r.detach().to(torch.float64).view(-1, int(group_size))  # [num_groups, G]
+        z = (g - g.mean(dim=1, keepdim=True)) / (g.std(dim=1, keepdim=True, correction=1) + eps)
+        z = torch.where(zero[name].unsqueeze(1), torch.zeros_like(z), z).reshape(-1) * float(w)  # [N]
+        parts[name] = z.to(torch.float32)
+        total = z if total is None else total + z
+    if total is None:
+        raise ValueError("normalize_components needs at least one reward component")
+    return ComponentNormalization(rewards=total.to(torch.float32), per_component=parts, zero_std=zero)
+
+
 class AdvantageEstimator:
     """Base class: validation, zero-variance groups, optional clipping; subclasses give the formula.
 
@@ -121,18 +195,24 @@ class AdvantageEstimator:
     :func:`zero_variance_groups`) gets exactly 0 advantage, so float noise is never amplified (by ``1 /
     eps`` when dividing by a zero std).
 
+    With ``normalize_components`` the recipe gives the estimator, instead of the weighted reward sum, the
+    sum of the components each normalised within its group (:func:`normalize_components`, GDPO).
+
     Args:
         clip (Optional[float]): clamp advantages to ``[-clip, clip]`` after estimation (bounds the update
             from an outlier reward). Default is None (off).
+        normalize_components (bool): normalise each reward component within its group before the weighted
+            sum (GDPO). Default is False.
     """
 
     #: True when :meth:`__call__` wants ``batch_stats`` over the global batch.
     uses_batch_stats: bool = False
 
-    def __init__(self, clip: Optional[float] = None) -> None:
+    def __init__(self, clip: Optional[float] = None, normalize_components: bool = False) -> None:
         if clip is not None and clip <= 0:
             raise ValueError(f"clip must be > 0 (or null), got {clip}")
         self.clip = None if clip is None else float(clip)
+        self.normalize_components = bool(normalize_components)
 
     def _estimate(self, r: torch.Tensor, batch_stats: Optional[RewardStats]) -> torch.Tensor:
         """``r [num_groups, G]`` float64 -> advantages of the same shape."""
@@ -145,7 +225,13 @@ class AdvantageEstimator:
     def formula(self) -> str:
         """The estimator as a one-line formula (for the algorithm card)."""
         text = self._formula()
-        return text if self.clip is None else f"clip({text}, -{self.clip:g}, {self.clip:g})"
+        text = text if self.clip is None else f"clip({text}, -{self.clip:g}, {self.clip:g})"
+        if self.normalize_components:
+            text += (
+                ";  here R_i = sum_k w_k * (R_k,i - mean(R_k, group)) / (std(R_k, group) + 1e-6), each reward "
+                "component normalised within its group (0 where constant) before the weighted sum [GDPO]"
+            )
+        return text
 
     def __call__(
         self, rewards: torch.Tensor, group_size: int, *, batch_stats: Optional[RewardStats] = None
@@ -195,10 +281,14 @@ class GroupRelativeAdvantage(AdvantageEstimator):
         scale_by_std (bool): divide by the group's standard deviation. Default is True.
         eps (float): added to the std to bound the scale of low-variance groups. Default is 1e-6.
         clip (Optional[float]): see :class:`AdvantageEstimator`. Default is None.
+        normalize_components (bool): see :class:`AdvantageEstimator`. Default is False.
     """
 
-    def __init__(self, scale_by_std: bool = True, eps: float = 1e-6, clip: Optional[float] = None) -> None:
-        super().__init__(clip=clip)
+    def __init__(
+        self, scale_by_std: bool = True, eps: float = 1e-6, clip: Optional[float] = None,
+        normalize_components: bool = False,
+    ) -> None:
+        super().__init__(clip=clip, normalize_components=normalize_components)
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         self.scale_by_std = scale_by_std
@@ -227,6 +317,7 @@ class RLOOAdvantage(AdvantageEstimator):
 
     Args:
         clip (Optional[float]): see :class:`AdvantageEstimator`. Default is None.
+        normalize_components (bool): see :class:`AdvantageEstimator`. Default is False.
     """
 
     def _estimate(self, r: torch.Tensor, batch_stats: Optional[RewardStats]) -> torch.Tensor:
@@ -253,12 +344,13 @@ class BatchStdAdvantage(AdvantageEstimator):
     Args:
         eps (float): added to the std. Default is 1e-6.
         clip (Optional[float]): see :class:`AdvantageEstimator`. Default is None.
+        normalize_components (bool): see :class:`AdvantageEstimator`. Default is False.
     """
 
     uses_batch_stats = True
 
-    def __init__(self, eps: float = 1e-6, clip: Optional[float] = None) -> None:
-        super().__init__(clip=clip)
+    def __init__(self, eps: float = 1e-6, clip: Optional[float] = None, normalize_components: bool = False) -> None:
+        super().__init__(clip=clip, normalize_components=normalize_components)
         if eps < 0:
             raise ValueError(f"eps must be >= 0, got {eps}")
         self.eps = eps

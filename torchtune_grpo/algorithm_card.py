@@ -62,6 +62,7 @@ class AlgorithmSpec:
         ratio_level (str): ``"token"`` or ``"sequence"``. Default is ``"token"``.
         rollout_correction (Optional[List[str]]): the rollout correction's ``formula_lines()``. Default is
             None (none).
+        token_selection (Optional[str]): the token selection's ``formula_line()``. Default is None (none).
         policy_lines (Optional[List[str]]): the ratio and policy-term lines of the loss component's
             ``formula_lines()``; None renders GRPOLoss's PPO clip from the clip fields above. Default is None.
         entropy_coef (float): entropy bonus weight. Default is 0.0.
@@ -98,6 +99,7 @@ class AlgorithmSpec:
     ratio_level: str = "token"
     policy_lines: Optional[List[str]] = None
     rollout_correction: Optional[List[str]] = None
+    token_selection: Optional[str] = None
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
@@ -211,6 +213,8 @@ def _objective(s: AlgorithmSpec) -> List[str]:
             "sampling probability   [truncated importance sampling]"
         )
     lines += s.rollout_correction or []
+    if s.token_selection:
+        lines.append(s.token_selection)
     per_token = "p_i,t"
     if s.kl_coef > 0 and s.kl_placement == "loss":
         per_token += f" + {_g(s.kl_coef)} * {s.kl_estimator}_i,t"

@@ -115,6 +115,13 @@ def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METR
             metrics[f"reward/{key[5:]}/mean"] = _mean(value, n)
         elif key.startswith("err:"):
             metrics[f"reward/{key[4:]}/errors"] = value
+        elif key.startswith("adv:"):
+            # each reward component's share w_k z_k of the advantage signal (normalize_components, GDPO)
+            name, n_seq = key[4:], reduced["n_trained"]
+            mean = _mean(value, n_seq)
+            metrics[f"advantage/{name}/mean"] = mean
+            metrics[f"advantage/{name}/std"] = max(_mean(reduced[f"adv_sq:{name}"], n_seq) - mean**2, 0.0) ** 0.5
+            metrics[f"advantage/{name}/zero_std_fraction"] = _mean(reduced[f"adv_zero:{name}"], reduced["adv_groups"])
     return metrics
 
 
