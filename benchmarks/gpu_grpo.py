@@ -399,7 +399,6 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
         layout = TrainingBatch(rollout.prompt_ids, rollout.response_ids, pad_id, share_prompt=True, device=device)
         mask = layout.response_mask
         n = len(layout)
-        num_tokens = int(mask.sum().item())
         sync(device)
         t2 = time.perf_counter()
         ref_lp = batch_logprobs(ref, layout, micro_batch_size=mbs, chunk_size=chunk)
@@ -408,8 +407,8 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
         policy.train()
         stats = update(
             Experience(
-                batch=layout, mask=mask, advantages=adv, old_logprobs=None, ref_logprobs=ref_lp,
-                engine_logprobs=None, num_tokens=num_tokens, num_seqs=n,
+                batch=layout, mask=mask, kept=torch.ones(n, dtype=torch.bool, device=device), advantages=adv,
+                old_logprobs=None, ref_logprobs=ref_lp, engine_logprobs=None,
             )
         )
         loss_sum, grad_norm = stats.losses["loss"], stats.grad_norm

@@ -45,7 +45,7 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
-from torchtune_grpo.advantages import RewardStats
+from torchtune_grpo.advantages import advantage_signal, RewardStats
 from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
 from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpointing import (
@@ -63,17 +63,19 @@ from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSyncCheck
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.logprobs import sequence_logprobs, TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
+from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
-from torchtune_grpo.offpolicy import off_policy_note
+from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length, TrainingBatch
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
 from torchtune_grpo.setup_checks import check_output_dir, check_state_dict_shapes, require_resume_checkpoint
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
-from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
+from torchtune_grpo.token_selection import HighEntropyTokens
+from torchtune_grpo.update import batch_logprobs, batch_token_logprobs, Experience, PolicyUpdate
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs
@@ -130,6 +132,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.batch_size = int(cfg.batch_size)
         self.max_response_length = int(cfg.max_response_length)
         self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
+        # optimizer steps per pass over a step's rollouts, each on a disjoint mini-batch of whole groups
+        self.ppo_mini_batches = int(cfg.get("ppo_mini_batches", 1))
+        self.ppo_mini_batch_shuffle = bool(cfg.get("ppo_mini_batch_shuffle", True))
         self.micro_batch_size = int(cfg.get("micro_batch_size", self.batch_size * self.group_size))
         self.kl_coef = float(cfg.get("kl_coef", 0.0))
         self.kl_estimator = str(cfg.get("kl_estimator", "k3"))
@@ -193,10 +198,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             kl_estimator=self.kl_estimator,
             max_response_length=self.max_response_length,
         )
+        # Masks and weights decided from pi_old before the update (torchtune_grpo/loss_masks.py).
+        rc_cfg, ts_cfg = cfg.get("rollout_correction", None), cfg.get("token_selection", None)
+        self._loss_masks = LossMasks(
+            RolloutCorrection(**rc_cfg) if rc_cfg is not None else None,
+            HighEntropyTokens(**ts_cfg) if ts_cfg is not None else None,
+        )
         note = off_policy_note(
             getattr(self._loss_fn, "tis_cap", None), type(self._engine).__name__, self._engine.holds_weights
         )
-        if note:
+        if note and rc_cfg is None:  # rollout_correction is the other answer to the mismatch
             utils.log_rank_zero(log, note)
         base_checkpointer = config.instantiate(cfg.checkpointer)
         recipe_state = None
@@ -238,7 +249,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._lr_scheduler = config.instantiate(
                 cfg.lr_scheduler,
                 self._optimizer,
-                num_training_steps=self.total_steps * self.ppo_epochs,
+                # the schedule counts optimizer steps: ppo_epochs x ppo_mini_batches per training step
+                num_training_steps=self.total_steps * self.ppo_epochs * self.ppo_mini_batches,
                 last_epoch=-1,
             )
         # The update core (torchtune_grpo/update.py): micro-batched loss with global normalisation,
@@ -249,9 +261,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._loss_fn,
             lr_scheduler=self._lr_scheduler,
             ppo_epochs=self.ppo_epochs,
+            ppo_mini_batches=self.ppo_mini_batches,
+            group_size=self.group_size,
+            seed=self.seed,
+            shuffle=self.ppo_mini_batch_shuffle,
             micro_batch_size=self.micro_batch_size,
             clip_grad_norm=self.clip_grad_norm,
             world_size=self.world_size,
+            all_reduce=self._all_reduce_sum,  # each mini-batch's global token/sequence counts
             temperature=self._logprob_temperature,
             chunk_size=self.logprob_chunk_size,
         )
@@ -312,6 +329,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             environment=None if self._multi_turn is None else (
                 f"{type(self._multi_turn.environment).__name__}, at most {self._multi_turn.max_turns} turns"
             ),
+            **self._loss_masks.formula_lines(),
         )
         if self._is_rank_zero:
             card = algorithm_card(spec)
@@ -576,7 +594,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         trained = generated.select(selection.indices)
         # Layout, reference/old logprobs, advantages: everything the update takes.
         exp, kl_penalty = self._experience(trained)
-        stats = self._update(exp)
+        stats = self._update(exp, step=self.global_step)
         crash_point("update", self.global_step + 1)
         # The engine (vLLM) samples the next step from the weights just updated.
         sync = self._sync_engine_weights(step=self.global_step + 1) if self._engine.holds_weights else None
@@ -584,7 +602,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
         # Metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py).
         zero_std = self._dynamic.informative(generated).logical_not()
-        local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp))
+        local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
         reduced = dict(zip(local, self._all_reduce_sum([float(v) for v in local.values()])))
         metrics = train_step_metrics(
             reduced,
@@ -698,6 +716,22 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             chunk_size=self.logprob_chunk_size,
         )
 
+    def _old_logprobs(self, layout: TrainingBatch, has_engine_logprobs: bool):
+        """``pi_old``'s logprobs (and, for token selection, entropy) ``[N, T]``; None fields when not needed.
+
+        With a single optimizer step the old policy *is* the current one (ratio 1): no extra forward,
+        unless the KL penalty in the reward or a loss mask needs ``pi_old`` before the update.
+        """
+        if not (
+            self._update.needs_old_logprobs or self.kl_in_reward
+            or self._loss_masks.needs_old_logprobs(has_engine_logprobs)
+        ):
+            return TokenLogprobs(None, None)
+        return batch_token_logprobs(
+            self._model, layout, micro_batch_size=self.micro_batch_size, temperature=self._logprob_temperature,
+            chunk_size=self.logprob_chunk_size, with_entropy=self._loss_masks.needs_entropy,
+        )
+
     @property
     def _logprob_temperature(self) -> float:
         # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio. It is
@@ -705,7 +739,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         return float(self._engine.temperature)
 
     def _experience(self, trained: RolloutGroups) -> "tuple[Experience, torch.Tensor]":
-        """The trained groups laid out for the update, with their logprobs, advantages and global counts.
+        """The trained groups laid out for the update: logprobs, advantages, loss masks and weights.
 
         Returns the :class:`Experience` and the per-sequence KL penalty ``[N]`` taken off the rewards
         (zeros unless ``kl_placement: reward``).
@@ -728,31 +762,33 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         mask = actions & kept.unsqueeze(1)  # [N, T]
 
         ref_logprobs = self._reference_logprobs(layout)  # [N, T] or None
-        self._model.train()
-        # With one pass the old policy *is* the current one (ratio 1): no extra forward needed, unless
-        # the KL penalty in the reward needs the sampling policy's logprobs before the advantages.
-        old_logprobs = (
-            self._batched_logprobs(self._model, layout)
-            if self.ppo_epochs > 1 or self.kl_in_reward
-            else None
-        )
-        rewards = trained.rewards
-        kl_penalty = torch.zeros(n)
-        if self.kl_in_reward:
-            kl_penalty = kl_reward_penalty(
-                old_logprobs, ref_logprobs, actions, self.kl_coef, self.kl_estimator
-            ).cpu()
-            rewards = rewards - kl_penalty
-        advantages = self._advantages(rewards).advantages.to(self._device)
-        num_tokens, num_seqs = self._all_reduce_sum([mask.sum().item(), kept.sum().item()])
-        # [N, T] the engine's sampling logprobs (vLLM; for TIS and generation/logprob_mismatch) or None
+        # [N, T] the engine's sampling logprobs (vLLM; TIS, rollout correction, logprob_mismatch) or None
         engine_logprobs = None
         if trained.engine_logprobs is not None:
             engine_logprobs = layout.response_values(trained.engine_logprobs)
+        self._model.train()
+        old = self._old_logprobs(layout, engine_logprobs is not None)  # pi_old [N, T] (+ entropy) or Nones
+        rewards, components = advantage_signal(  # the weighted sum, or GDPO's normalised components
+            self._advantage, trained.rewards, trained.per_component, self._rewards.weights, self.group_size
+        )
+        kl_penalty = torch.zeros(n)
+        if self.kl_in_reward:
+            kl_penalty = kl_reward_penalty(
+                old.logprobs, ref_logprobs, actions, self.kl_coef, self.kl_estimator
+            ).cpu()
+            rewards = rewards - kl_penalty
+        advantages = self._advantages(rewards).advantages.to(self._device)
+        # Rollout correction and token selection, decided before the update: the update's global
+        # token/sequence counts (per mini-batch, torchtune_grpo/update.py) include them.
+        masks = self._loss_masks(
+            mask, kept, advantages, old_logprobs=old.logprobs, old_entropy=old.entropy,
+            engine_logprobs=engine_logprobs, gather=self._all_gather_cat,
+        )
         exp = Experience(
-            batch=layout, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs, num_tokens=num_tokens,
-            num_seqs=num_seqs,
+            batch=layout, mask=masks.mask, kept=masks.kept, advantages=advantages,
+            old_logprobs=old.logprobs, ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
+            importance_weights=masks.weights,
+            metric_sums={**masks.sums, **(components.sums() if components is not None else {})},
         )
         return exp, kl_penalty
 
@@ -808,6 +844,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         t = torch.tensor(values, dtype=torch.float64, device=self._device)
         dist.all_reduce(t)
         return t.tolist()
+
+    def _all_gather_cat(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D CPU tensor, concatenated in rank order (token selection's global threshold)."""
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, values)
+        return torch.cat(gathered)
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:

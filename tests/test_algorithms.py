@@ -202,6 +202,10 @@ def test_card_states_that_environment_tokens_are_masked():
         ({"loss.kl_estimator": "k2"}, "Set kl_estimator at the top level"),
         ({"dynamic_sampling": {"enabled": True, "max_round": 3}}, "Unknown dynamic_sampling key"),
         ({"rollout_correction": {"mode": "mask"}, "loss.tis_cap": 2.0}, "either loss.tis_cap or rollout_correction"),
+        # the tiny config has batch_size 4: 3 mini-batches cannot take equal whole groups
+        ({"ppo_mini_batches": 3}, r"batch_size = 4 \(groups per rank\) is not divisible by ppo_mini_batches = 3"),
+        ({"ppo_mini_batches": 0}, "ppo_mini_batches must be >= 1, got 0"),
+        ({"ppo_epochs": 0}, "ppo_epochs must be >= 1, got 0"),
     ],
 )
 def test_validation_of_algorithm_keys(overrides, message):

@@ -15,7 +15,7 @@ as ``batch_stats=``, so the result does not depend on how the batch is split ove
 """
 
 import math
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,6 +27,7 @@ __all__ = [
     "GroupRelativeAdvantage",
     "RLOOAdvantage",
     "RewardStats",
+    "advantage_signal",
     "normalize_components",
     "zero_variance_groups",
 ]
@@ -186,6 +187,32 @@ def normalize_components(
     if total is None:
         raise ValueError("normalize_components needs at least one reward component")
     return ComponentNormalization(rewards=total.to(torch.float32), per_component=parts, zero_std=zero)
+
+
+def advantage_signal(
+    estimator: "AdvantageEstimator",
+    rewards: torch.Tensor,
+    per_component: Dict[str, torch.Tensor],
+    weights: Sequence[float],
+    group_size: int,
+) -> Tuple[torch.Tensor, Optional[ComponentNormalization]]:
+    """The rewards ``[N]`` the estimator takes: the weighted sum, or (GDPO) the normalised components' sum.
+
+    Args:
+        estimator (AdvantageEstimator): decides with its ``normalize_components`` flag.
+        rewards (torch.Tensor): ``[N]`` the weighted reward sums.
+        per_component (Dict[str, torch.Tensor]): each component's unweighted scores, ``[N]``.
+        weights (Sequence[float]): the components' weights, in order.
+        group_size (int): ``G``.
+
+    Returns:
+        Tuple[torch.Tensor, Optional[ComponentNormalization]]: the signal ``[N]`` and, with GDPO, the
+        per-component shares (their metric sums); ``(rewards, None)`` otherwise.
+    """
+    if not getattr(estimator, "normalize_components", False):
+        return rewards, None
+    components = normalize_components(per_component, weights, group_size)
+    return components.rewards, components
 
 
 class AdvantageEstimator:

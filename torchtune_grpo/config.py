@@ -35,6 +35,10 @@ KNOWN_KEYS: Set[str] = {
     "logprob_chunk_size", "save_every_n_steps", "keep_last_n_checkpoints", "metric_logger", "log_every_n_steps",
     "log_completions", "profiler", "kl_estimator", "kl_placement", "mask_truncated_completions",
     "dynamic_sampling", "share_prompt_in_training", "fsdp_single_process",
+    # several optimizer steps per step on disjoint mini-batches of whole groups (torchtune_grpo/update.py)
+    "ppo_mini_batches", "ppo_mini_batch_shuffle",
+    # masks and weights decided before the update (torchtune_grpo/loss_masks.py)
+    "rollout_correction", "token_selection",
     # generation engines with their own weights (vLLM): the check after each weight sync
     "weight_sync",
     # multi-turn episodes (torchtune_grpo/multiturn/, docs/multi_turn.md)
@@ -107,7 +111,9 @@ NUMERIC_RULES: Tuple[NumericRule, ...] = tuple(NumericRule(*row) for row in (
     ("group_size",                 int,   ">=", 2,     False, "completions per prompt: a group-relative "
                                                              "advantage needs at least 2 to compare"),
     ("micro_batch_size",           int,   ">=", 1,     False, "sequences per forward/backward"),
-    ("ppo_epochs",                 int,   ">=", 1,     False, "optimizer steps per batch of rollouts"),
+    ("ppo_epochs",                 int,   ">=", 1,     False, "passes over each batch of rollouts"),
+    ("ppo_mini_batches",           int,   ">=", 1,     False, "optimizer steps per pass, on disjoint "
+                                                             "mini-batches of whole groups"),
     ("max_response_length",        int,   ">=", 1,     False, "tokens sampled per completion"),
     ("max_prompt_length",          int,   ">=", 1,     True,  "longest prompt kept, in tokens"),
     ("epochs",                     int,   ">=", 1,     False, "passes over the prompts"),
@@ -188,6 +194,13 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
     if cfg.get("multi_turn", None) and cfg.get("environment", None) is None:
         raise ValueError("multi_turn is set but environment is not: multi-turn episodes need an environment "
                          "(e.g. environment: {_component_: torchtune_grpo.multiturn.ToolEnvironment, tools: [...]})")
+    if cfg.get("rollout_correction", None) is not None and cfg.loss.get("tis_cap", None) is not None:
+        raise ValueError("Set either loss.tis_cap or rollout_correction (it generalises TIS), not both.")
+    if int(cfg.batch_size) % int(cfg.get("ppo_mini_batches", 1)):
+        raise ValueError(
+            f"batch_size = {cfg.batch_size} (groups per rank) is not divisible by ppo_mini_batches = "
+            f"{cfg.ppo_mini_batches}: every mini-batch takes the same number of whole groups on every rank."
+        )
     unknown = sorted(set(cfg.get("dynamic_sampling", None) or {}) - DYNAMIC_SAMPLING_KEYS)
     if unknown:
         raise ValueError(

@@ -29,6 +29,7 @@ positions that are not response tokens hold 0. Masks, advantages, reference/old 
 aggregation therefore do not depend on the layout.
 """
 
+import copy
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -377,6 +378,23 @@ class TrainingBatch:
         E.g. the engine's sampling logprobs, next to the trainer's (see :func:`response_values`).
         """
         return response_values(self.prompt_ids, values, self.start, self.width).to(self.device)
+
+    def select(self, rows: List[int]) -> "TrainingBatch":
+        """The batch of ``rows`` (indices, in that order), in the same ``[*, T]`` result layout.
+
+        ``start`` (and so ``T``) stays this batch's, so values of the selection line up with the rest;
+        layouts are rebuilt for the new rows.
+        """
+        batch = copy.copy(self)
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+        batch.tokens = self.tokens.index_select(0, index)
+        if self.response_mask is not None:
+            batch.response_mask = self.response_mask.index_select(0, index)
+        if self.prompt_ids is not None:
+            batch.prompt_ids = [self.prompt_ids[i] for i in rows]
+            batch.response_ids = [self.response_ids[i] for i in rows]
+        batch._layouts = {}
+        return batch
 
     def layout(self, rows: slice) -> SharedPromptLayout:
         """The shared-prompt layout of ``rows`` (built once, reused by every pass over the same rows)."""

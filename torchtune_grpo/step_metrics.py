@@ -132,6 +132,7 @@ def step_sums(
     losses: Mapping[str, Any],
     kl_penalty: torch.Tensor,
     n_trained: int,
+    pre_update: Optional[Mapping[str, float]] = None,
 ) -> Dict[str, float]:
     """One rank's sums of a training step: :func:`rollout_sums`, the loss terms and the KL penalty.
 
@@ -142,6 +143,8 @@ def step_sums(
         losses (Mapping[str, Any]): the update's loss statistics (global-sum contributions).
         kl_penalty (torch.Tensor): ``[n_trained]`` per-sequence KL penalties subtracted from the rewards.
         n_trained (int): sequences trained on.
+        pre_update (Optional[Mapping[str, float]]): sums of what was decided before the update
+            (``Experience.metric_sums``: rollout correction, per-component advantages). Default is None.
 
     Returns:
         Dict[str, float]: sums, keyed for :func:`train_step_metrics`.
@@ -151,6 +154,7 @@ def step_sums(
         **{k: float(v) for k, v in losses.items()},
         "kl_penalty": kl_penalty.double().sum().item(),
         "n_trained": float(n_trained),
+        **{k: float(v) for k, v in (pre_update or {}).items()},
     }
 
 

@@ -2,33 +2,41 @@
 
 :class:`Experience` is everything the update needs of the rows a step trains on, already in the
 training layout ``[N, T]`` (column ``j`` predicts token ``start + j + 1``, see
-:class:`~torchtune_grpo.packing.TrainingBatch`): the loss mask, advantages, the old/reference/engine
-logprobs and the *global* token and sequence counts (all ranks).
+:class:`~torchtune_grpo.packing.TrainingBatch`): the loss mask and kept sequences, advantages, the
+old/reference/engine logprobs and any importance weights.
 
-:class:`PolicyUpdate` runs ``ppo_epochs`` optimizer steps on it. Each step accumulates gradients over
-micro-batches; every loss term is a sum over the micro-batch divided by the global counts, so the summed
-gradient does not depend on the micro-batch size or the number of processes. FSDP2 averages gradients
-over ranks, so the loss is multiplied by the world size before ``backward``, and it reduce-scatters
-gradients only after a step's last micro-batch. Then: gradient clipping, the optimizer and learning-rate
-scheduler steps.
+:class:`PolicyUpdate` runs ``ppo_epochs`` passes over it; each pass splits the rows into
+``ppo_mini_batches`` disjoint mini-batches of whole groups and takes one optimizer step per mini-batch
+(``ppo_epochs x ppo_mini_batches`` optimizer steps per step). Each optimizer step accumulates gradients over
+micro-batches; every loss term is a sum over the micro-batch divided by the mini-batch's *global* token and
+sequence counts (all ranks; one all-reduce, through the callable the recipe passes, gives the counts of
+every mini-batch before the first update), so the summed gradient does not depend on the micro-batch size
+or the number of processes. FSDP2 averages gradients over ranks, so the loss is multiplied by the world
+size before ``backward``, and it reduce-scatters gradients only after an optimizer step's last
+micro-batch. Then: gradient clipping, the optimizer and learning-rate scheduler steps.
 
-An optimizer step takes a *mini-batch*: today every row of the experience (:meth:`PolicyUpdate.mini_batches`
-gives one); several optimizer steps per epoch on disjoint mini-batches plug in there. New loss inputs are
-added to :class:`Experience` and passed in :meth:`PolicyUpdate.loss_inputs`.
+With more than one mini-batch the groups are shuffled before every pass: a permutation of this rank's
+groups seeded by ``(seed, step, epoch)``. Every rank holds the same number of whole groups
+(``batch_size``; dynamic sampling always selects exactly that many), so every rank runs the same number of
+optimizer steps and micro-batches, whatever its permutation; a group's rows never leave their rank.
+New loss inputs are added to :class:`Experience` and passed in :meth:`PolicyUpdate.loss_inputs`.
 """
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, NamedTuple, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from torchtune_grpo.logprobs import TokenLogprobs
 from torchtune_grpo.offpolicy import logprob_mismatch_sum
 from torchtune_grpo.packing import TrainingBatch
 from torchtune_grpo.step_metrics import LOSS_METRICS
 
-__all__ = ["Experience", "PolicyUpdate", "UpdateStats", "micro_batches", "batch_logprobs"]
+__all__ = [
+    "Experience", "PolicyUpdate", "UpdateStats", "batch_logprobs", "batch_token_logprobs", "micro_batches",
+]
 
 
 @dataclass
@@ -37,28 +45,42 @@ class Experience:
 
     Attributes:
         batch (TrainingBatch): the ``N`` sequences in the training layout.
-        mask (torch.Tensor): ``[N, T]`` bool, the tokens the loss sees (response tokens of kept rows).
+        mask (torch.Tensor): ``[N, T]`` bool, the tokens the loss sees (response tokens of kept rows, minus
+            what the rollout correction or the token selection removed).
+        kept (torch.Tensor): ``[N]`` bool, the sequences that count in the loss's sequence count.
         advantages (torch.Tensor): ``[N]`` per-sequence advantages, on the training device.
         old_logprobs (Optional[torch.Tensor]): ``[N, T]`` logprobs under the sampling policy, or None when
-            the update makes one pass (the current policy *is* the old one: ratio 1).
+            the update takes one optimizer step (the current policy *is* the old one: ratio 1).
         ref_logprobs (Optional[torch.Tensor]): ``[N, T]`` reference-policy logprobs, or None (no KL term).
         engine_logprobs (Optional[torch.Tensor]): ``[N, T]`` the generation engine's sampling logprobs (an
             engine with its own weights; truncated importance sampling and the mismatch metric), or None.
-        num_tokens (float): loss tokens over all ranks (``mask`` summed globally).
-        num_seqs (float): kept sequences over all ranks.
+        importance_weights (Optional[torch.Tensor]): ``[N, T]`` constants multiplying each token's policy
+            term (the rollout correction's), or None. Default is None.
+        metric_sums (Dict[str, float]): this rank's sums of what was decided before the update (rollout
+            correction, per-component advantages), all-reduced with the step's metrics. Default is empty.
     """
 
     batch: TrainingBatch
     mask: torch.Tensor
+    kept: torch.Tensor
     advantages: torch.Tensor
     old_logprobs: Optional[torch.Tensor]
     ref_logprobs: Optional[torch.Tensor]
     engine_logprobs: Optional[torch.Tensor]
-    num_tokens: float
-    num_seqs: float
+    importance_weights: Optional[torch.Tensor] = None
+    metric_sums: Dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.batch)
+
+    def select(self, rows: torch.Tensor) -> "Experience":
+        """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in out.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = value[rows.to(value.device)]
+        out["batch"] = self.batch.select(rows.tolist())
+        return replace(self, **out)
 
 
 class UpdateStats(NamedTuple):
@@ -66,7 +88,7 @@ class UpdateStats(NamedTuple):
 
     Attributes:
         losses (Dict[str, Any]): :data:`~torchtune_grpo.step_metrics.LOSS_METRICS` (this rank's
-            contributions to the global sums, averaged over epochs; tensors or floats), plus
+            contributions to the global sums, averaged over optimizer steps; tensors or floats), plus
             ``generation/logprob_mismatch`` when the experience has engine logprobs.
         grad_norm (Optional[torch.Tensor]): the last optimizer step's total gradient norm (before
             clipping); None without clipping.
@@ -82,32 +104,56 @@ def micro_batches(n: int, size: int, start: int = 0) -> List[slice]:
 
 
 @torch.no_grad()
+def batch_token_logprobs(
+    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
+    chunk_size: int = 512, with_entropy: bool = False,
+) -> TokenLogprobs:
+    """Logprobs ``[N, T]`` (and entropy ``[N, T]``) of every row of ``batch`` under ``model``, no grad."""
+    outs = [
+        batch.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                       entropy_grad=False)
+        for mb in micro_batches(len(batch), micro_batch_size)
+    ]
+    entropy = torch.cat([o.entropy for o in outs]) if with_entropy else None
+    return TokenLogprobs(torch.cat([o.logprobs for o in outs]), entropy)
+
+
 def batch_logprobs(
     model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
     chunk_size: int = 512,
 ) -> torch.Tensor:
     """Logprobs ``[N, T]`` of every row of ``batch`` under ``model``, micro-batch by micro-batch, no grad."""
-    return torch.cat(
-        [
-            batch.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size).logprobs
-            for mb in micro_batches(len(batch), micro_batch_size)
-        ]
-    )
+    return batch_token_logprobs(
+        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size
+    ).logprobs
+
+
+def _local_sum(values: List[float]) -> List[float]:
+    return values  # one process: the local counts are the global ones
 
 
 class PolicyUpdate:
-    """``ppo_epochs`` optimizer steps on an :class:`Experience` (see the module docstring).
+    """``ppo_epochs x ppo_mini_batches`` optimizer steps on an :class:`Experience` (see the module docstring).
 
     Args:
         model (nn.Module): the policy (plain or FSDP2-sharded), in train mode.
         optimizer (torch.optim.Optimizer): its optimizer.
         loss_fn: a GRPO-family loss (:mod:`torchtune_grpo.loss`): ``loss_fn(logprobs, old_logprobs,
-            advantages, mask, ref_logprobs=, entropy=, num_tokens=, num_seqs=[, sampler_logprobs=])``.
+            advantages, mask, ref_logprobs=, entropy=, num_tokens=, num_seqs=[, sampler_logprobs=]
+            [, importance_weights=])``.
         lr_scheduler (Optional[Any]): stepped after every optimizer step. Default is None.
         ppo_epochs (int): passes over the experience. Default is 1.
+        ppo_mini_batches (int): disjoint mini-batches of whole groups per pass, one optimizer step each.
+            Default is 1.
+        group_size (int): ``G``, consecutive rows of one prompt (kept together in a mini-batch). Default is 1.
+        seed (int): seeds the per-step shuffle of groups across mini-batches. Default is 0.
+        shuffle (bool): shuffle the groups across mini-batches before every pass (with more than one
+            mini-batch); False keeps the rollout order. Default is True.
         micro_batch_size (int): rows per forward/backward.
         clip_grad_norm (Optional[float]): clip the total gradient norm to this. Default is None.
         world_size (int): processes sharing the global batch (FSDP2 averages their gradients). Default is 1.
+        all_reduce (Callable[[List[float]], List[float]]): sums a list of floats over all ranks (the recipe's
+            all-reduce); called once per update, on every rank. Default is the identity (one process).
         temperature (float): the sampling temperature the logprobs are computed at. Default is 1.0.
         chunk_size (int): positions per chunk of the logprob computation. Default is 512.
     """
@@ -120,20 +166,32 @@ class PolicyUpdate:
         *,
         lr_scheduler: Optional[Any] = None,
         ppo_epochs: int = 1,
+        ppo_mini_batches: int = 1,
+        group_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
         micro_batch_size: int,
         clip_grad_norm: Optional[float] = None,
         world_size: int = 1,
+        all_reduce: Callable[[List[float]], List[float]] = _local_sum,
         temperature: float = 1.0,
         chunk_size: int = 512,
     ) -> None:
+        if int(ppo_epochs) < 1 or int(ppo_mini_batches) < 1:
+            raise ValueError(f"ppo_epochs and ppo_mini_batches must be >= 1, got {ppo_epochs}, {ppo_mini_batches}")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.lr_scheduler = lr_scheduler
         self.ppo_epochs = int(ppo_epochs)
+        self.ppo_mini_batches = int(ppo_mini_batches)
+        self.group_size = int(group_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
         self.micro_batch_size = int(micro_batch_size)
         self.clip_grad_norm = clip_grad_norm
         self.world_size = int(world_size)
+        self.all_reduce = all_reduce
         self.temperature = temperature
         self.chunk_size = int(chunk_size)
         # Only a loss with truncated importance sampling takes the engine's logprobs (custom losses need not).
@@ -142,31 +200,77 @@ class PolicyUpdate:
         # when the loss has an entropy bonus.
         self._entropy_grad = getattr(loss_fn, "entropy_coef", 0.0) > 0
 
-    def mini_batches(self, exp: Experience) -> List[slice]:
-        """The rows of each optimizer step of an epoch: today one mini-batch, every row."""
-        return [slice(0, len(exp))]
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per update: ``ppo_epochs x ppo_mini_batches``."""
+        return self.ppo_epochs * self.ppo_mini_batches
 
-    def __call__(self, exp: Experience) -> UpdateStats:
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the experience must carry ``pi_old``: every optimizer step after the first is off-policy."""
+        return self.optimizer_steps > 1
+
+    def mini_batches(self, exp: Experience) -> List[slice]:
+        """The rows of each optimizer step of a pass: ``ppo_mini_batches`` equal slices of whole groups."""
+        n, k = len(exp), self.ppo_mini_batches
+        if n % (k * self.group_size):
+            raise ValueError(
+                f"{n} rows = {n // self.group_size} groups of {self.group_size} do not split into "
+                f"ppo_mini_batches = {k} mini-batches of whole groups"
+            )
+        size = n // k
+        return [slice(i * size, (i + 1) * size) for i in range(k)]
+
+    def epoch_order(self, exp: Experience, step: int, epoch: int) -> Experience:
+        """The experience of pass ``epoch``: groups in a permutation seeded by ``(seed, step, epoch)``.
+
+        With one mini-batch the order cannot matter (every row is in the one optimizer step), so the rows
+        stay as they are (as they do with ``shuffle=False``).
+        """
+        if self.ppo_mini_batches == 1 or not self.shuffle:
+            return exp
+        num_groups = len(exp) // self.group_size
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + epoch)
+        groups = torch.randperm(num_groups, generator=gen)  # [num_groups]
+        rows = (groups.unsqueeze(1) * self.group_size + torch.arange(self.group_size)).reshape(-1)  # [N]
+        return exp.select(rows)
+
+    def __call__(self, exp: Experience, step: int = 0) -> UpdateStats:
         """Run the update.
 
         Args:
             exp (Experience): the step's rows.
+            step (int): the training step (seeds the shuffle). Default is 0.
 
         Returns:
             UpdateStats: loss statistics (global-sum contributions, summed on device) and the grad norm.
         """
+        passes = [self.epoch_order(exp, step, e) for e in range(self.ppo_epochs)]
+        slices = self.mini_batches(exp)
+        # Every mini-batch's global token and sequence counts, with one all-reduce before the first update.
+        local = [
+            float(v)
+            for ex in passes
+            for rows in slices
+            for v in (ex.mask[rows].sum().item(), ex.kept[rows].sum().item())
+        ]
+        counts = self.all_reduce(local)
         stats: Dict[str, Any] = dict.fromkeys(LOSS_METRICS, 0.0)
         mismatch = 0.0
         grad_norm = None
-        for epoch in range(self.ppo_epochs):
-            for rows in self.mini_batches(exp):
-                mismatch = mismatch + self._accumulate(exp, rows, stats, first_epoch=epoch == 0)
+        total_tokens = sum(counts[0 : 2 * len(slices) : 2])  # the first pass covers every row once
+        for e, ex in enumerate(passes):
+            for m, rows in enumerate(slices):
+                i = 2 * (e * len(slices) + m)
+                out = self._accumulate(ex, rows, counts[i], counts[i + 1], stats)
+                if e == 0 and ex.engine_logprobs is not None:
+                    mismatch = mismatch + out / max(total_tokens, 1)
                 grad_norm = self._optimizer_step()
         if exp.engine_logprobs is not None:
             stats["generation/logprob_mismatch"] = mismatch
         return UpdateStats(stats, grad_norm)
 
-    def _accumulate(self, exp: Experience, rows: slice, stats: Dict[str, Any], first_epoch: bool):
+    def _accumulate(self, exp: Experience, rows: slice, num_tokens: float, num_seqs: float, stats: Dict[str, Any]):
         """Forward/backward over the micro-batches of ``rows``; adds to ``stats``, returns the mismatch sum."""
         mbs = micro_batches(rows.stop, self.micro_batch_size, rows.start)
         mismatch = 0.0
@@ -183,28 +287,30 @@ class PolicyUpdate:
                 entropy_grad=self._entropy_grad,
             )
             old = exp.old_logprobs[mb] if exp.old_logprobs is not None else out_lp.logprobs.detach()
-            if exp.engine_logprobs is not None and first_epoch:
+            if exp.engine_logprobs is not None:
                 # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
-                mismatch += logprob_mismatch_sum(old, exp.engine_logprobs[mb], exp.mask[mb]) / max(
-                    exp.num_tokens, 1
-                )
-            out = self.loss_fn(out_lp.logprobs, old, exp.advantages[mb], exp.mask[mb], **self.loss_inputs(exp, mb, out_lp))
+                mismatch += logprob_mismatch_sum(old, exp.engine_logprobs[mb], exp.mask[mb])
+            inputs = self.loss_inputs(exp, mb, out_lp)
+            out = self.loss_fn(
+                out_lp.logprobs, old, exp.advantages[mb], exp.mask[mb], num_tokens=num_tokens, num_seqs=num_seqs,
+                **inputs,
+            )
             # FSDP averages gradients over ranks; the loss is already a global sum.
             (out.loss * self.world_size).backward()
             for key in LOSS_METRICS:
-                stats[key] = stats[key] + getattr(out, key).detach() / self.ppo_epochs
+                stats[key] = stats[key] + getattr(out, key).detach() / self.optimizer_steps
         return mismatch
 
-    def loss_inputs(self, exp: Experience, mb: slice, out_lp) -> Dict[str, Any]:
-        """The loss's keyword inputs for micro-batch ``mb`` (``out_lp``: its logprobs and entropy)."""
+    def loss_inputs(self, exp: Experience, mb: slice, out_lp: TokenLogprobs) -> Dict[str, Any]:
+        """The loss's keyword inputs for micro-batch ``mb`` (``out_lp``: its logprobs and entropy), counts aside."""
         inputs: Dict[str, Any] = {
             "ref_logprobs": exp.ref_logprobs[mb] if exp.ref_logprobs is not None else None,
             "entropy": out_lp.entropy,
-            "num_tokens": exp.num_tokens,
-            "num_seqs": exp.num_seqs,
         }
         if exp.engine_logprobs is not None and self._takes_engine_logprobs:
             inputs["sampler_logprobs"] = exp.engine_logprobs[mb]
+        if exp.importance_weights is not None:
+            inputs["importance_weights"] = exp.importance_weights[mb]
         return inputs
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
