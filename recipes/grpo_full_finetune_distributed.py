@@ -316,6 +316,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             group_size=self.group_size,
             micro_batch_size=self.micro_batch_size,
             ppo_epochs=self.ppo_epochs,
+            ppo_mini_batches=self.ppo_mini_batches,
+            ppo_mini_batch_shuffle=self.ppo_mini_batch_shuffle,
             max_response_length=self.max_response_length,
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,

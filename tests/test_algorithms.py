@@ -142,6 +142,18 @@ def test_card_batch_arithmetic():
     assert "reward     R_i = 1 * correctness + 0.5 * format" in card
     dyn = algorithm_card(_spec(dynamic_sampling=True, max_rounds=3))
     assert "| prompts consumed per step | 8 to 24 (4 x 2 per round, 1 to 3 rounds) |" in dyn
+    # 2 passes x 4 mini-batches: 8 prompts x 8 samples per round, so 2 prompts = 16 sequences per optimizer
+    # step, 16 local rows / micro_batch_size 5 -> ceil(8 / 5) = 2 micro-batches; updates 2..8 are 1..7 behind.
+    mini = algorithm_card(_spec(ppo_epochs=2, ppo_mini_batches=4, micro_batch_size=5))
+    assert (
+        "| prompts per optimizer step | 2 | batch_size 4 x 2 process(es) / ppo_mini_batches 4 (whole groups, "
+        "reshuffled before every pass) |"
+    ) in mini
+    assert "| sequences per optimizer step (effective global batch) | 16 |" in mini
+    assert "| micro-batches per process per optimizer step | 2 | ceil(8 / micro_batch_size 5)" in mini
+    assert "| optimizer steps per generation round | 8 | ppo_epochs 2 x ppo_mini_batches 4; update 1 is on-policy" in mini
+    assert "up to 7 update(s) stale (each pass splits the rollouts into 4 disjoint mini-batches" in mini
+    assert "| prompts consumed per step | 8 | one generation round per step |" in mini
 
 
 @pytest.mark.parametrize(

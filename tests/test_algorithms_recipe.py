@@ -58,7 +58,14 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int) -> Path
         kl_coef=0.05,
         kl_estimator="k3+",
         mask_truncated_completions=True,  # global token/sequence counts change with the mask
-        ppo_epochs=2,  # the second update is off-policy: ratios, clipping and dual clip act
+        ppo_epochs=2,  # 2 passes x 2 mini-batches: updates 2-4 are off-policy (ratios, clipping, dual clip act)
+        # Each mini-batch is normalised by its own global counts. In rollout order (no shuffle) mini-batch m of
+        # a step holds the first or second half of each rank's groups: with 1 process x 4 groups, groups {0, 1}
+        # then {2, 3}; with 2 processes x 2 (rank r's group j is global group r + 2j), {0, 1} then {2, 3}: the
+        # same mini-batches. (The seeded shuffle is per rank, so it differs between 1 and 2 processes:
+        # tests/test_update.py checks it.)
+        ppo_mini_batches=2,
+        ppo_mini_batch_shuffle=False,
         optimizer={"_component_": "torch.optim.SGD", "lr": 0.05},
         lr_scheduler=None,
         clip_grad_norm=None,  # the update is the raw gradient
@@ -126,7 +133,8 @@ def test_tiny_preset_runs_two_steps(preset, tmp_path):
         "grpo": ["[seq-mean-token-mean", "0.04 * k3_i,t", "/ (std(R_group)", "| reference model | loaded"],
         "dr_grpo": ["[seq-mean-token-sum-norm", "(1 / (N * 24))", "A_i = R_i - mean(R_group)", "| not loaded"],
         "dapo": ["[token-mean", "1 + 0.28", "Dynamic sampling", "soft_overlong", "masked out of the loss"],
-        "gspo": ["[sequence level, GSPO]", "1 - 0.0003", "1 + 0.0004", "| 2 | ppo_epochs"],
+        "gspo": ["[sequence level, GSPO]", "1 - 0.0003", "1 + 0.0004", "| 4 | ppo_epochs 1 x ppo_mini_batches 4",
+                 "| prompts per optimizer step | 1 | batch_size 4 x 1 process(es) / ppo_mini_batches 4"],
     }[preset]
     for text in expected:
         assert text in card, f"{text!r} not in the card:\n{card}"
@@ -192,7 +200,7 @@ def test_policy_preset_runs_two_steps_in_process(preset, tmp_path, clean_env, on
 
     cfg = OmegaConf.load(REPO / "configs" / "algorithms" / f"{preset}_tiny.yaml")
     big = OmegaConf.load(REPO / "configs" / "qwen2_5" / f"1.5B_{preset}.yaml")
-    for key in ("loss", "advantage", "kl_coef", "ppo_epochs"):
+    for key in ("loss", "advantage", "kl_coef", "ppo_epochs", "ppo_mini_batches"):
         assert big[key] == cfg[key], f"1.5B_{preset}.yaml and {preset}_tiny.yaml differ in {key}"
     cfg.output_dir = str(tmp_path / "out")
     cfg.max_steps, cfg.save_every_n_steps = 2, None
@@ -213,5 +221,5 @@ def test_policy_preset_runs_two_steps_in_process(preset, tmp_path, clean_env, on
         assert REQUIRED_METRICS <= m.keys(), REQUIRED_METRICS - m.keys()
         assert math.isfinite(m["loss"]) and m["entropy"] > 0
     card = (tmp_path / "out" / "algorithm_card.md").read_text()
-    for text in POLICY_PRESETS[preset] + ["| 2 | ppo_epochs", "| not loaded"]:
+    for text in POLICY_PRESETS[preset] + ["| 2 | ppo_epochs 1 x ppo_mini_batches 2", "| not loaded"]:
         assert text in card, f"{text!r} not in the card:\n{card}"

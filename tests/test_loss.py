@@ -270,6 +270,50 @@ def test_micro_batches_and_processes_sum_to_full_batch(variant, counts_as_tensor
         torch.testing.assert_close(ent_grad, full_ent_grad, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS, ids=_split_id)
+def test_mini_batches_use_their_own_global_counts(variant):
+    # ppo_mini_batches: 2 on 2 processes. Rows are groups of 2 ({0,1}, {2,3}, ...); rank 0 holds rows 0-3 and
+    # rank 1 rows 4-7, and mini-batch m takes group m of each rank: mini-batch 0 = rows {0, 1, 4, 5}. Its loss
+    # is divided by *its* global counts (rows 0, 1, 4, 5 have 5 + 1 + 6 + 2 = 14 tokens, 4 sequences), and
+    # each rank's micro-batches (one row each here) with those counts sum to the loss of the mini-batch as one
+    # batch, in value and gradient.
+    logprobs, old, ref, adv, mask = _random_batch()
+    g = torch.Generator().manual_seed(4)
+    entropy = torch.rand(logprobs.shape, generator=g) * 5
+    sampler = old + (torch.rand(logprobs.shape, generator=g) - 0.5) * 0.4
+    weights = torch.rand(logprobs.shape, generator=g) * 2
+    variant = dict(variant)
+    cls = variant.pop("_class", GRPOLoss)
+    with_weights = variant.pop("_weights", False)
+    clip = {"epsilon": 0.2, "epsilon_high": 0.28} if cls is GRPOLoss else {}
+    loss_fn = cls(**{**clip, "kl_coef": 0.05, "max_response_length": 6, **variant})
+    for rows in ([0, 1, 4, 5], [2, 3, 6, 7]):
+        idx = torch.tensor(rows)
+        num_tokens, num_seqs = int(mask[idx].sum()), len(rows)
+        if rows[0] == 0:
+            assert num_tokens == 14
+        lp = logprobs.clone().requires_grad_(True)
+
+        def loss(sub, lp=lp, num_tokens=num_tokens, num_seqs=num_seqs):
+            return loss_fn(
+                lp[sub], old[sub], adv[sub], mask[sub], ref_logprobs=ref[sub], entropy=entropy[sub],
+                num_tokens=num_tokens, num_seqs=num_seqs, sampler_logprobs=sampler[sub],
+                importance_weights=weights[sub] if with_weights else None,
+            )
+
+        whole = loss(idx)
+        (whole_grad,) = torch.autograd.grad(whole.loss, lp)
+        parts = [loss(torch.tensor([r])) for r in rows]  # 2 ranks x 2 micro-batches of one row
+        total = sum(p.loss for p in parts)
+        (grad,) = torch.autograd.grad(total, lp)
+        torch.testing.assert_close(total, whole.loss, atol=1e-6, rtol=0, msg=str(variant))
+        torch.testing.assert_close(grad, whole_grad, atol=1e-6, rtol=0)
+        for name in ("kl", "clip_fraction", "ratio_mean", "entropy"):
+            torch.testing.assert_close(sum(getattr(p, name) for p in parts), getattr(whole, name), atol=1e-6, rtol=0)
+        other = [r for r in range(8) if r not in rows]
+        assert whole_grad[other].abs().max() == 0  # the other mini-batch's rows are not in this step
+
+
 def test_seq_mean_token_mean_matches_explicit_formula():
     # GRPO's original objective written out: (1/num_seqs) sum_i (1/|o_i|) sum_t loss_it, empty rows adding 0.
     logprobs, old, ref, adv, mask = _random_batch(seed=1)

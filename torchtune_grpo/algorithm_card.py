@@ -47,7 +47,7 @@ class AlgorithmSpec:
         batch_size (int): prompts per process per optimizer step.
         group_size (int): completions per prompt, ``G``.
         micro_batch_size (int): sequences per forward/backward.
-        ppo_epochs (int): optimizer steps per generation round.
+        ppo_epochs (int): passes over each step's rollouts.
         max_response_length (int): generation budget in tokens.
         advantage (str): the advantage estimator's formula.
         rewards (List[Tuple[str, float]]): reward components as ``(name, weight)``.
@@ -80,6 +80,9 @@ class AlgorithmSpec:
         clip_grad_norm (Optional[float]): gradient norm clipping. Default is None.
         environment (Optional[str]): multi-turn episodes: the environment and its limits, e.g.
             ``"ToolEnvironment, at most 4 turns"``. Default is None (one completion per sample).
+        ppo_mini_batches (int): disjoint mini-batches per pass, one optimizer step each. Default is 1.
+        ppo_mini_batch_shuffle (bool): groups reshuffled across mini-batches before every pass. Default is
+            True.
     """
 
     world_size: int
@@ -112,6 +115,8 @@ class AlgorithmSpec:
     optimizer: str = ""
     clip_grad_norm: Optional[float] = None
     environment: Optional[str] = None
+    ppo_mini_batches: int = 1
+    ppo_mini_batch_shuffle: bool = True
 
     @classmethod
     def from_components(
@@ -157,34 +162,49 @@ def _g(x: float) -> str:
     return f"{x:g}"
 
 
+def _off_policy(epochs: int, k: int) -> str:
+    """How stale each optimizer step of a generation round is (all ratios are against pi_old)."""
+    steps = epochs * k
+    if steps == 1:
+        return "on-policy: every update uses rollouts of the current weights (ratio = 1)"
+    what = []
+    if k > 1:
+        what.append(f"each pass splits the rollouts into {k} disjoint mini-batches, one update each")
+    if epochs > 1:
+        what.append(f"{epochs} passes reuse the same rollouts")
+    return (
+        f"update 1 is on-policy; update j runs j - 1 updates after the weights that sampled, up to {steps - 1} "
+        f"update(s) stale ({'; '.join(what)}; ratios are against the sampling policy pi_old, clipping acts there)"
+    )
+
+
 def _batch_table(s: AlgorithmSpec) -> List[str]:
-    prompts = s.batch_size * s.world_size
+    k = s.ppo_mini_batches
+    round_prompts = s.batch_size * s.world_size  # per generation round
+    prompts = round_prompts // k  # per optimizer step
     seqs = prompts * s.group_size
-    local = s.batch_size * s.group_size
+    local = s.batch_size * s.group_size // k
     micro = math.ceil(local / max(1, min(s.micro_batch_size, local)))
-    if s.ppo_epochs == 1:
-        off_policy = "on-policy: every update uses rollouts of the current weights (ratio = 1)"
-    else:
-        later = "update 2 reuses" if s.ppo_epochs == 2 else f"updates 2..{s.ppo_epochs} reuse"
-        off_policy = (
-            f"update 1 is on-policy; {later} the same rollouts, up to {s.ppo_epochs - 1} update(s) "
-            "stale (the ratio and its clipping act there)"
-        )
+    off_policy = _off_policy(s.ppo_epochs, k)
+    per_step = f"batch_size {s.batch_size} x {s.world_size} process(es)"
+    if k > 1:
+        order = "reshuffled before every pass" if s.ppo_mini_batch_shuffle else "in rollout order"
+        per_step += f" / ppo_mini_batches {k} (whole groups, {order})"
     if s.dynamic_sampling:
         consumed = (
-            f"{prompts} to {prompts * s.max_rounds} ({s.batch_size} x {s.world_size} per round, 1 to "
+            f"{round_prompts} to {round_prompts * s.max_rounds} ({s.batch_size} x {s.world_size} per round, 1 to "
             f"{s.max_rounds} rounds)"
         )
         consumed_note = "dynamic sampling: extra rounds on new prompts until every process has informative groups"
     else:
-        consumed, consumed_note = str(prompts), "one generation round per step"
+        consumed, consumed_note = str(round_prompts), "one generation round per step"
     if s.reference_model:
         ref = (s.reference_description, f"kl_coef = {_g(s.kl_coef)} > 0")
     else:
         ref = ("not loaded", "kl_coef = 0")
     rows = [
         ("processes", str(s.world_size), "world size"),
-        ("prompts per optimizer step", str(prompts), f"batch_size {s.batch_size} x {s.world_size} process(es)"),
+        ("prompts per optimizer step", str(prompts), per_step),
         ("samples per prompt (G)", str(s.group_size), "group_size"),
         (
             "sequences per optimizer step (effective global batch)",
@@ -196,7 +216,11 @@ def _batch_table(s: AlgorithmSpec) -> List[str]:
             str(micro),
             f"ceil({local} / micro_batch_size {s.micro_batch_size}): gradient accumulation, same update",
         ),
-        ("optimizer steps per generation round", str(s.ppo_epochs), f"ppo_epochs; {off_policy}"),
+        (
+            "optimizer steps per generation round",
+            str(s.ppo_epochs * k),
+            ("ppo_epochs" if k == 1 else f"ppo_epochs {s.ppo_epochs} x ppo_mini_batches {k}") + f"; {off_policy}",
+        ),
         ("prompts consumed per step", consumed, consumed_note),
         ("reference model", ref[0], ref[1]),
     ]
