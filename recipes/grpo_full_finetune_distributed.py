@@ -69,6 +69,7 @@ from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length, TrainingBatch
+from torchtune_grpo.precision import Precision, shard_model
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
@@ -122,7 +123,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"({type(self._engine).__name__}'s): greedy groups hold G copies of one completion."
             )
         self._device = utils.get_device(device=cfg.device)
-        self._dtype = training.get_dtype(cfg.dtype, device=self._device)
+        # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/precision.py)
+        self._precision = Precision.from_name(cfg.dtype)
+        self._dtype = self._precision.compute_dtype  # frozen models (the reference; LoRA's models)
         _init_distributed(self._device.type)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
@@ -318,6 +321,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ppo_epochs=self.ppo_epochs,
             ppo_mini_batches=self.ppo_mini_batches,
             ppo_mini_batch_shuffle=self.ppo_mini_batch_shuffle,
+            precision=self._precision.describe(),
             max_response_length=self.max_response_length,
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
@@ -376,7 +380,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self, cfg: DictConfig, state_dict: Dict[str, Any], trainable: bool, source: str
     ) -> torch.nn.Module:
         """The model of ``cfg.model`` with ``state_dict`` (read from the directory ``source``) loaded."""
-        with training.set_default_dtype(self._dtype), torch.device("meta"):
+        # The trained policy keeps its weights in the precision's param dtype (fp32 master weights with bf16).
+        mixed = trainable and self._precision.mixed
+        param_dtype = self._precision.param_dtype if trainable else self._dtype
+        with training.set_default_dtype(param_dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
         self._check_max_seq_len(cfg, model)
         check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), state_dict, source)
@@ -387,14 +394,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
         # One process trains the plain module unless fsdp_single_process (or fsdp_cpu_offload) asks for FSDP2:
         # there it has nothing to shard and only copies weights and gradients (docs/configs.md).
-        shard = self.world_size > 1 or cpu_offload or bool(cfg.get("fsdp_single_process", False))
+        # Mixed precision is FSDP2's MixedPrecisionPolicy, on one process too (the same casts as on N).
+        shard = self.world_size > 1 or cpu_offload or bool(cfg.get("fsdp_single_process", False)) or mixed
         if trainable and self.world_size == 1:
             why = "fsdp_cpu_offload: true" if cpu_offload else "fsdp_single_process: true"
+            why = f"dtype: {self._precision.name}, mixed precision" if mixed else why
             plain = "the plain model (fsdp_single_process: false)"
             mode = f"the FSDP2-wrapped model ({why})" if shard else plain
             utils.log_rank_zero(log, f"One process: training {mode}")
         if shard:
-            self._shard(model, cpu_offload=cpu_offload)
+            self._shard(model, cpu_offload=cpu_offload, mixed_precision=mixed)
         else:
             model.to_empty(device=self._device)
         self._init_rope(model)
@@ -461,18 +470,22 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         if unused:
             utils.log_rank_zero(log, f"No held-out evaluation (validation is not set): {unused} are not used.")
 
-    def _shard(self, model: torch.nn.Module, *, cpu_offload: bool) -> None:
-        """FSDP2 per transformer layer, then the root (a hook: LoRA keeps NF4 weights out)."""
-        training.shard_model(
+    def _shard(self, model: torch.nn.Module, *, cpu_offload: bool, mixed_precision: bool = False) -> None:
+        """FSDP2 per transformer layer, then the root (a hook: LoRA keeps NF4 weights out).
+
+        ``mixed_precision``: layers compute in bf16 from the fp32 master weights (torchtune_grpo/precision.py).
+        """
+        shard_model(
             model,
             shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
             cpu_offload=cpu_offload,
             reshard_after_forward=self._reshard_after_forward,
+            precision=self._precision if mixed_precision else None,
         )
 
     def _init_rope(self, model: torch.nn.Module) -> None:
-        """Fill the RoPE caches: buffers that meta-device init left empty."""
-        with training.set_default_dtype(self._dtype), self._device:
+        """Fill the RoPE caches: buffers that meta-device init left empty (in the weights' dtype)."""
+        with training.set_default_dtype(next(model.parameters()).dtype), self._device:
             for m in model.modules():
                 if hasattr(m, "rope_init"):
                     m.rope_init()

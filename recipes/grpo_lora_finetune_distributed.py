@@ -53,6 +53,7 @@ from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, ru
 from torchtune_grpo.checkpointing import begin_step_dir, prune_step_dirs, publish_step_dir
 from torchtune_grpo.config import LORA_KEYS
 from torchtune_grpo.generation import GenerationEngine
+from torchtune_grpo.precision import Precision
 from torchtune_grpo.lora import (
     ADAPTER_TORCHTUNE_FILE,
     load_nf4_base_weights,
@@ -84,6 +85,9 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
         self._save_adapter_weights_only = bool(cfg.get("save_adapter_weights_only", False))
+        # Every weight stays in the compute dtype (frozen base; adapters train at LoRA's larger rates), so
+        # dtype: bf16 is bf16_pure here (torchtune_grpo/precision.py).
+        self._precision = Precision.from_name("bf16_pure" if cfg.dtype == "bf16" else cfg.dtype)
 
     # ------------------------------------------------------------------------------------------ setup
 

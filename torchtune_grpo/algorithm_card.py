@@ -83,6 +83,7 @@ class AlgorithmSpec:
         ppo_mini_batches (int): disjoint mini-batches per pass, one optimizer step each. Default is 1.
         ppo_mini_batch_shuffle (bool): groups reshuffled across mini-batches before every pass. Default is
             True.
+        precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
     """
 
     world_size: int
@@ -117,6 +118,7 @@ class AlgorithmSpec:
     environment: Optional[str] = None
     ppo_mini_batches: int = 1
     ppo_mini_batch_shuffle: bool = True
+    precision: Optional[str] = None
 
     @classmethod
     def from_components(
@@ -306,6 +308,8 @@ def _notes(s: AlgorithmSpec) -> List[str]:
     if s.optimizer:
         clip = f", gradient norm clipped to {_g(s.clip_grad_norm)}" if s.clip_grad_norm is not None else ""
         notes.append(f"- Optimizer: {s.optimizer}{clip}.")
+    if s.precision:
+        notes.append(f"- Precision: {s.precision}.")
     return notes
 
 

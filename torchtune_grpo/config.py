@@ -12,6 +12,7 @@ from typing import Any, Callable, NamedTuple, Optional, Set, Tuple
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from torchtune_grpo.loss import KL_ESTIMATORS
+from torchtune_grpo.precision import Precision
 
 __all__ = [
     "DYNAMIC_SAMPLING_KEYS",
@@ -196,6 +197,7 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
                          "(e.g. environment: {_component_: torchtune_grpo.multiturn.ToolEnvironment, tools: [...]})")
     if cfg.get("rollout_correction", None) is not None and cfg.loss.get("tis_cap", None) is not None:
         raise ValueError("Set either loss.tis_cap or rollout_correction (it generalises TIS), not both.")
+    Precision.from_name(cfg.dtype)  # "dtype must be one of ..."
     if int(cfg.batch_size) % int(cfg.get("ppo_mini_batches", 1)):
         raise ValueError(
             f"batch_size = {cfg.batch_size} (groups per rank) is not divisible by ppo_mini_batches = "

@@ -126,7 +126,7 @@ def prefix_decode_step(
     input_pos = (lengths + step).unsqueeze(1)
     if not (direct and lean):
         return _run_decoder(model, token, mask, input_pos, direct)
-    h = model.tok_embeddings.forward(token.unsqueeze(1))
+    h = _layer_input(model, model.tok_embeddings.forward(token.unsqueeze(1)))
     for layer in model.layers:
         h = lean_decode_layer(layer, h, mask, input_pos)
     return model.unembed(h)
@@ -138,10 +138,16 @@ def _run_decoder(
     if not direct:
         return model(token.unsqueeze(1), mask=mask, input_pos=input_pos)
     # TransformerDecoder.forward without hooks: embeddings, layers, (replaced) unembed.
-    h = model.tok_embeddings(token.unsqueeze(1))
+    h = _layer_input(model, model.tok_embeddings(token.unsqueeze(1)))
     for layer in model.layers:
         h = layer.forward(h, mask=mask, input_pos=input_pos)
     return model.unembed(h)
+
+
+def _layer_input(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    # The layers' forward is called without FSDP2's hooks, so nothing casts their input: under mixed
+    # precision (fp32 embeddings, bf16 layers; torchtune_grpo/precision.py) do it here.
+    return h.to(next(model.layers[0].parameters()).dtype)
 
 
 class SharedPrefixRollout:

@@ -171,7 +171,9 @@ class NativeGenerator(GenerationEngine):
         pad_id: int,
     ) -> Union[SharedPrefixRollout, PerRowRollout]:
         """Left-pad the prompts and set up this rollout's cache layout (see ``_layouts.py``)."""
-        param = next(model.parameters())
+        # The caches hold what the attention layers compute in: their weights' dtype (bf16 under mixed
+        # precision, whose fp32 master weights stay in the root module).
+        param = next(attns[0].parameters()) if attns else next(model.parameters())
         device, dtype = param.device, param.dtype
         prompt_len = max(len(p) for p in prompts)
         # [B] left padding per prompt, [B, P] left-padded prompts.

@@ -25,7 +25,8 @@ from torchtune_grpo.generation._weight_sync import TuneToHFNames
 
 __all__ = ["VLLMGenerator"]
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# bf16 (fp32 master weights) and bf16_pure both sample in bf16.
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16"}
 
 
 def _vllm_device() -> str:
