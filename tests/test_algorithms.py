@@ -216,8 +216,8 @@ def test_card_states_that_environment_tokens_are_masked():
         ({"rollout_correction": {"mode": "mask"}, "loss.tis_cap": 2.0}, "either loss.tis_cap or rollout_correction"),
         # the tiny config has batch_size 4: 3 mini-batches cannot take equal whole groups
         ({"ppo_mini_batches": 3}, r"batch_size = 4 \(groups per rank\) is not divisible by ppo_mini_batches = 3"),
-        ({"ppo_mini_batches": 0}, "ppo_mini_batches must be >= 1, got 0"),
-        ({"ppo_epochs": 0}, "ppo_epochs must be >= 1, got 0"),
+        ({"ppo_mini_batches": 0}, r"ppo_mini_batches must be >= 1 \(optimizer steps per pass.*got 0"),
+        ({"dtype": "fp16"}, r"dtype must be one of \['bf16', 'bf16_pure', 'fp32'\], got 'fp16'"),
     ],
 )
 def test_validation_of_algorithm_keys(overrides, message):
