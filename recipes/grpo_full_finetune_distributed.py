@@ -356,7 +356,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
             )
         policy_state = self._checkpointer.load_checkpoint()[training.MODEL_KEY]
-        source = str(resume_dir) if resume_dir is not None else _checkpoint_source(cfg)
+        source = str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)
         self._model = self._setup_model(cfg, policy_state, trainable=True, source=source)
         # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
         # used: don't spend its memory.
@@ -367,7 +367,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 else base_checkpointer.load_checkpoint()[training.MODEL_KEY]
             )
             self._ref_model = self._setup_model(
-                cfg, ref_state, trainable=False, source=_checkpoint_source(cfg)
+                cfg, ref_state, trainable=False, source=checkpoint_source(cfg)
             )
             del ref_state
         del policy_state
@@ -982,7 +982,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             dist.destroy_process_group()
 
 
-def _checkpoint_source(cfg: DictConfig) -> str:
+def checkpoint_source(cfg: DictConfig) -> str:
     """Where the initial weights come from, for error messages: the checkpoint directory, or the
     checkpointer's component when it reads no directory (a benchmark's random weights)."""
     return str(cfg.checkpointer.get("checkpoint_dir", None) or cfg.checkpointer._component_)

@@ -49,7 +49,7 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
-from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, _checkpoint_source, run_recipe
+from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, checkpoint_source, run_recipe
 from torchtune_grpo.checkpointing import begin_step_dir, prune_step_dirs, publish_step_dir
 from torchtune_grpo.config import LORA_KEYS
 from torchtune_grpo.generation import GenerationEngine
@@ -130,7 +130,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         self._lora = lora_hyperparams(model)  # raises for a model without LoRA layers
         self._check_max_seq_len(cfg, model)
         check_state_dict_shapes(
-            chain(model.named_parameters(), model.named_buffers()), base_state, _checkpoint_source(cfg)
+            chain(model.named_parameters(), model.named_buffers()), base_state, checkpoint_source(cfg)
         )
         adapter_names = set(get_adapter_params(model))
         set_trainable_params(model, adapter_names)
