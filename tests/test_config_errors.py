@@ -71,7 +71,7 @@ _SHAPE_ERROR = (
 
 CASES = {
     # ---- numbers (torchtune_grpo/config.py NUMERIC_RULES)
-    "ppo_epochs": Case("config", {"ppo_epochs": 0}, r"ppo_epochs must be >= 1 \(optimizer steps .*\), got 0"),
+    "ppo_epochs": Case("config", {"ppo_epochs": 0}, r"ppo_epochs must be >= 1 \(passes over each batch of rollouts\), got 0"),
     "ppo_epochs_text": Case("config", {"ppo_epochs": "two"}, r"ppo_epochs must be a whole number >= 1 .*got 'two'"),
     "ppo_epochs_fraction": Case("config", {"ppo_epochs": 1.5}, r"ppo_epochs must be a whole number >= 1 .*got 1.5"),
     "micro_batch_size": Case("config", {"micro_batch_size": 0}, r"micro_batch_size must be >= 1 .*got 0"),
