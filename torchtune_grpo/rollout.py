@@ -280,7 +280,7 @@ def _sample_and_score_episodes(
         fields=list(batch.fields),
         prompt_ids=episodes.prompt_ids,
         response_ids=episodes.response_ids,
-        completions=[tokenizer.decode(ids) for ids in episodes.response_ids],
+        completions=decode_responses(tokenizer, episodes.response_ids),
         truncated=episodes.truncated,
         rewards=total,
         per_component=scored.per_component,

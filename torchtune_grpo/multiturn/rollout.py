@@ -22,6 +22,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
+from torchtune_grpo.generation import decode_responses
 from torchtune_grpo.multiturn.environment import Environment, start_episodes, step_episodes
 from torchtune_grpo.multiturn.turns import ChatTurns, PlainTurns
 
@@ -158,7 +159,8 @@ def run_episodes(
             lps = rollout.logprobs[k][: len(turn)] if rollout.logprobs is not None else None
             ep.add(turn, action=True, logprobs=lps)
             ep.turns += 1
-            text = tokenizer.decode([t for t in turn if t not in stops])
+            # decode_responses: an id the tokenizer cannot decode (a diverging policy) drops out of the text
+            text = decode_responses(tokenizer, [[t for t in turn if t not in stops]])[0]
             ep.messages.append({"role": "assistant", "content": text})
             if not turn or turn[-1] not in stops:
                 ep.truncated = ep.done = True  # out of tokens mid-turn
