@@ -46,6 +46,7 @@ __all__ = [
     "publish_step_dir",
     "recover_interrupted_saves",
     "step_dir",
+    "step_dirs",
 ]
 
 RECIPE_STATE_FILE = "recipe_state.pt"
@@ -154,17 +155,22 @@ def recover_interrupted_saves(output_dir: str) -> List[str]:
     return done
 
 
-def complete_step_dirs(output_dir: str) -> Dict[int, Path]:
-    """Every complete ``step_N`` directory, by N."""
+def step_dirs(output_dir: str) -> Dict[int, Path]:
+    """Every ``step_N`` directory, complete or not, by N."""
     root = Path(output_dir)
     if not root.is_dir():
         return {}
     found = {}
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and _is_complete(child):
+        if match and child.is_dir():
             found[int(match.group(1))] = child
     return found
+
+
+def complete_step_dirs(output_dir: str) -> Dict[int, Path]:
+    """Every complete ``step_N`` directory, by N."""
+    return {n: d for n, d in step_dirs(output_dir).items() if _is_complete(d)}
 
 
 def find_latest_checkpoint(output_dir: str) -> Optional[Path]:

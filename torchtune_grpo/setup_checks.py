@@ -5,18 +5,16 @@ directory that can be written, a checkpoint to resume from, and checkpoint tenso
 Each raises naming the key, the value and what it found, before any weights are loaded into a model.
 """
 
-import re
 import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, Tuple
 
 import torch
 
-from torchtune_grpo.checkpointing import find_latest_checkpoint, RECIPE_STATE_FILE
+from torchtune_grpo.checkpointing import find_latest_checkpoint, RECIPE_STATE_FILE, step_dirs
 
 __all__ = ["check_output_dir", "check_state_dict_shapes", "require_resume_checkpoint"]
 
-_STEP_NAME = re.compile(r"^step_\d+$")  # the names checkpointing.step_dir gives
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -45,11 +43,8 @@ def require_resume_checkpoint(output_dir: str) -> Path:
     found = find_latest_checkpoint(output_dir)
     if found is not None:
         return found
-    root = Path(output_dir)
-    steps = sorted(
-        (p for p in root.iterdir() if p.is_dir() and _STEP_NAME.match(p.name)) if root.is_dir() else [],
-        key=lambda p: int(p.name.split("_")[1]),
-    )
+    found = step_dirs(output_dir)
+    steps = [found[n] for n in sorted(found)]
     if steps:
         what = f"{', '.join(p.name for p in steps)} without {RECIPE_STATE_FILE} (interrupted saves)"
     else:
