@@ -1,6 +1,6 @@
 """Generation engines: sample ``group_size`` completions per prompt."""
 
-from torchtune_grpo.generation._engine import check_engine, GenerationEngine
+from torchtune_grpo.generation._engine import check_engine, GenerationEngine, GenerationSession
 from torchtune_grpo.generation._native import NativeGenerator
 from torchtune_grpo.generation._rollout import Rollout, decode_responses
 from torchtune_grpo.generation._sampling import sample_tokens
@@ -9,6 +9,7 @@ from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncChec
 
 __all__ = [
     "GenerationEngine",
+    "GenerationSession",
     "NativeGenerator",
     "Rollout",
     "TuneToHFNames",

@@ -28,6 +28,7 @@ __all__ = [
     "SlotKVCache",
     "attention_modules",
     "attached_caches",
+    "write_slots",
 ]
 
 
@@ -35,13 +36,30 @@ class CacheState:
     """What the next forward writes and reads, shared by every layer's cache.
 
     Attributes:
-        slots (torch.Tensor): long ``[s]``: cache slots the ``s`` new tokens of the next forward go to.
+        slots (torch.Tensor): long ``[s]``: cache slots the ``s`` new tokens of the next forward go to, the
+            same for every row; or ``[b, s]``: each row's own slots (a multi-turn session, whose rows hold
+            histories of different lengths: :mod:`~torchtune_grpo.generation._session`).
         window (int): attention reads slots ``[0, window)``.
     """
 
     def __init__(self, slots: torch.Tensor, window: int) -> None:
         self.slots = slots
         self.window = window
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (``[b, h_kv, s, d]``) into ``cache`` (``[b, h_kv, S, d]``) at ``slots``.
+
+    Args:
+        cache (torch.Tensor): the storage, written in place.
+        slots (torch.Tensor): long ``[s]`` (every row's tokens go to the same slots) or ``[b, s]`` (per row).
+        values (torch.Tensor): the keys or values of the ``s`` new tokens.
+    """
+    if slots.dim() == 1:
+        cache.index_copy_(2, slots, values)
+        return
+    b, h, s, d = values.shape
+    cache.scatter_(2, slots.view(b, 1, s, 1).expand(b, h, s, d), values)
 
 
 class SlotKVCache(EngineKVCache):
@@ -63,9 +81,8 @@ class SlotKVCache(EngineKVCache):
 
     def update(self, k_val: torch.Tensor, v_val: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write ``k_val``/``v_val`` (``[b, h_kv, s, d]``) at the current slots; return the window."""
-        slots = self.state.slots
-        self.k_cache.index_copy_(2, slots, k_val)
-        self.v_cache.index_copy_(2, slots, v_val)
+        write_slots(self.k_cache, self.state.slots, k_val)
+        write_slots(self.v_cache, self.state.slots, v_val)
         window = self.state.window
         return self.k_cache[:, :, :window], self.v_cache[:, :, :window]
 

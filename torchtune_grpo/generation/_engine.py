@@ -6,8 +6,14 @@ after every optimizer step (``load_weights``) and checks that it samples from th
 sequence (``prompt_logprobs``, token ids below ``vocab_size``). An engine without its own weights samples
 with the trainer's model, which the recipe passes to ``generate``.
 
+Multi-turn rollouts may ask an engine for a ``session`` (optional): an object that keeps each row's state,
+such as its KV cache, from one turn to the next, so that a turn prefills only what was appended since the
+last one. The native engine has one (:class:`~torchtune_grpo.generation.NativeGenerator`); the default is
+None, and callers then re-send every history to ``generate`` (vLLM reuses it through prefix caching).
+
 Engines subclass :class:`GenerationEngine` (the protocol, with the defaults: no weights of its own, nothing
-to close); :func:`check_engine` says, naming the member, when an object does not keep the contract.
+to close, no sessions); :func:`check_engine` says, naming the member, when an object does not keep the
+contract.
 """
 
 from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
@@ -17,7 +23,32 @@ from torch import nn
 
 from torchtune_grpo.generation._rollout import Rollout
 
-__all__ = ["GenerationEngine", "check_engine"]
+__all__ = ["GenerationEngine", "GenerationSession", "check_engine"]
+
+
+class GenerationSession(Protocol):
+    """Turns of ``N = num_prompts x group_size`` rows that keep their state between calls (multi-turn).
+
+    Opened by :meth:`GenerationEngine.session`; closed with ``close`` (or used as a context manager).
+    """
+
+    def generate(
+        self,
+        rows: Sequence[int],
+        responses: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        generator: Optional[torch.Generator] = None,
+        temperature: Optional[float] = None,
+    ) -> Rollout:
+        """The next turn of ``rows`` (indices in ``[0, N)``), whose tokens after the prompt are now
+        ``responses``; the first call samples every row from its prompt (all rows, empty responses). A
+        later response extends what the session returned for its row (that turn, then appended tokens).
+        One result row per entry of ``rows``, in order."""
+        ...
+
+    def close(self) -> None:
+        """Release what the session holds."""
 
 
 class GenerationEngine(Protocol):
@@ -49,6 +80,21 @@ class GenerationEngine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds (called once, at the end of a run). Default: nothing."""
+
+    def session(
+        self,
+        model: nn.Module,
+        prompts: List[List[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+    ) -> Optional[GenerationSession]:
+        """Optional: a multi-turn session over ``group_size`` rows per prompt, each with a budget of
+        ``max_new_tokens`` after its prompt over all turns. Default: None (no sessions; callers re-send
+        each row's history to :meth:`generate`)."""
+        return None
 
     def check_available(self) -> None:
         """Raise, saying what to install, when the engine cannot run here (called when a recipe starts,

@@ -5,6 +5,12 @@
 (half precision, attention modules with their own forward, ``share_prefill: false``): one
 ``[prompt | completion]`` cache per row, decoded by :func:`decode_step`. Both steps have fixed shapes when
 compiled (CUDA graphs) and never read a value back to the host.
+
+A multi-turn session (:mod:`~torchtune_grpo.generation._session`) keeps a rollout's cache after its first
+turn and continues rows whose histories now differ in length: ``extend`` writes each row's appended tokens
+right after its own cached tokens (per-row write slots, ``c [N, s]`` completion indices) and ``decode_rows``
+decodes with a per-row slot, mask and position. Completion index ``c`` holds the row's response token ``c``
+in both layouts, so a row's tokens stay contiguous whatever the other rows hold.
 """
 
 from typing import Callable, List, NamedTuple, Optional, Tuple
@@ -33,12 +39,15 @@ class RolloutResources(NamedTuple):
         compile_step (Callable[[Callable], Callable]): a decode step function -> the function to call (the
             compiled step, or the step itself when decoding runs eagerly).
         share_prefill (bool): prefill each prompt once and share its cache with its group.
+        row_write_slot (torch.Tensor): ``[N, 1]`` long, each row's write position in a multi-turn session's
+            later turns (likewise one buffer per device and row count).
     """
 
     cache: KVCachePool
     write_slot: torch.Tensor
     compile_step: Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]
     share_prefill: bool
+    row_write_slot: torch.Tensor
 
 
 def _additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -64,7 +73,8 @@ def decode_step(
     Args:
         model (nn.Module): the torchtune decoder.
         token (torch.Tensor): ``[N]`` the tokens just sampled.
-        pos (torch.Tensor): 0-d long: the cache slot ``token`` goes to.
+        pos (torch.Tensor): 0-d long: the cache slot ``token`` goes to; or ``[N]``: each row's (a session's
+            later turns, with ``write_slot`` ``[N, 1]``).
         pad (torch.Tensor): ``[N]`` long: left-padding slots of each row.
         valid (torch.Tensor): ``[N, W]`` bool: slots that hold a real (non-pad) token, over the window.
         slot_ids (torch.Tensor): ``[W]`` ``arange(W)``.
@@ -80,11 +90,11 @@ def decode_step(
     Returns:
         torch.Tensor: ``[N, V]`` float32 next-token logits.
     """
-    write_slot.copy_(pos.view(1))
-    mask = (valid & (slot_ids <= pos)).unsqueeze(1)  # [N, 1, W]: real tokens up to and including pos
+    write_slot.copy_(pos.view(write_slot.shape))
+    mask = (valid & (slot_ids <= pos.view(-1, 1))).unsqueeze(1)  # [N, 1, W]: real tokens up to and incl. pos
     if mask_dtype is not None:
         mask = _additive_mask(mask, mask_dtype)
-    input_pos = (pos - pad).unsqueeze(1)  # [N, 1]: position ids skip the padding
+    input_pos = (pos - pad).view(-1, 1)  # [N, 1]: position ids skip the padding
     return _run_decoder(model, token, mask, input_pos, direct)
 
 
@@ -104,7 +114,8 @@ def prefix_decode_step(
     Args:
         model (nn.Module): the torchtune decoder.
         token (torch.Tensor): ``[N]`` the tokens just sampled.
-        step (torch.Tensor): 0-d long: the completion slot ``token`` goes to (0 for the first token).
+        step (torch.Tensor): 0-d long: the completion slot ``token`` goes to (0 for the first token); or
+            ``[N]``: each row's (a session's later turns, with ``write_slot`` ``[N, 1]``).
         lengths (torch.Tensor): ``[N]`` long: each row's prompt length (its position ids continue there).
         prefix_mask (torch.Tensor): ``[B, 1, 1, Pw]`` additive mask of the prompt slots.
         write_slot (torch.Tensor): ``[1]`` long: the caches' write position (a static buffer, set here).
@@ -118,12 +129,13 @@ def prefix_decode_step(
     Returns:
         torch.Tensor: ``[N, V]`` float32 next-token logits.
     """
-    write_slot.copy_(step.view(1))
+    write_slot.copy_(step.view(write_slot.shape))
     completion = None
-    if completion_slots is not None:
-        completion = _additive_mask(completion_slots <= step, prefix_mask.dtype).view(1, 1, 1, -1)
+    if completion_slots is not None:  # [1 or N, 1, 1, Wc]
+        seen = completion_slots <= step.view(-1, 1)
+        completion = _additive_mask(seen, prefix_mask.dtype).view(-1, 1, 1, completion_slots.size(0))
     mask = PrefixDecodeMask(prefix_mask, completion)
-    input_pos = (lengths + step).unsqueeze(1)
+    input_pos = (lengths + step).view(-1, 1)
     if not (direct and lean):
         return _run_decoder(model, token, mask, input_pos, direct)
     h = _layer_input(model, model.tok_embeddings.forward(token.unsqueeze(1)))
@@ -223,9 +235,18 @@ class SharedPrefixRollout:
         self.completion_slots = torch.arange(c_window, device=device) if self.compiled else None
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.lean: Optional[bool] = None  # decided at the first decode step (needs `direct`)
+        # A session's later turns: per-row write slots over the same storage.
+        self.storage, self.p_window, self.c_window = (pk, pv, ck, cv), p_window, c_window
+        self.all_completion_slots = torch.arange(c_window, device=device)
+        self.row_write_slot = resources.row_write_slot
+        self.row_state = CacheState(slots=self.row_write_slot, window=c_window)
+        self.row_decode_caches = self._caches(self.row_state)
         if self.compiled:
-            for t in (*pk, *pv, *ck, *cv, self.write_slot):
+            for t in (*pk, *pv, *ck, *cv, self.write_slot, self.row_write_slot):
                 torch._dynamo.mark_static_address(t)
+
+    def _caches(self, state: CacheState) -> List[SharedPrefixKVCache]:
+        return [SharedPrefixKVCache(*parts, state, self.p_window) for parts in zip(*self.storage)]
 
     def prefill(self, model: nn.Module) -> torch.Tensor:
         logits = model(self.prompt, mask=self.prefill_mask, input_pos=self.prefill_pos)  # [B, V]
@@ -247,6 +268,37 @@ class SharedPrefixRollout:
             self.completion_slots, direct, self.lean,
         )
         return logits.clone()  # a CUDA graph's output is overwritten by the next replay
+
+    def extend_caches(self, c: torch.Tensor) -> List[SharedPrefixKVCache]:
+        """Caches that write an :meth:`extend` forward's tokens at completion indices ``c`` (``[N, s]``)."""
+        return self._caches(CacheState(slots=c, window=self.c_window))
+
+    def extend(self, model: nn.Module, tokens: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (``[N, s]``) at completion indices ``c`` (``[N, s]``); ``[N, V]`` logits of the
+        last column. Token ``j`` of row ``i`` sees the prompt and completion slots ``<= c[i, j]``."""
+        seen = self.all_completion_slots <= c.unsqueeze(-1)  # [N, s, Wc]
+        mask = PrefixDecodeMask(self.prefix_mask, _additive_mask(seen, self.prefix_mask.dtype).unsqueeze(1))
+        return model(tokens, mask=mask, input_pos=self.lengths[:, None] + c)
+
+    def decode_rows(
+        self, model: nn.Module, token: torch.Tensor, c: torch.Tensor, window: int, direct: bool
+    ) -> torch.Tensor:
+        """A decode step writing row ``i``'s token at completion index ``c[i]`` (``[N]``); the
+        ``row_decode_caches`` must be attached. ``window``: completion slots read when eager (``> max c``)."""
+        if self.lean is None:
+            self.lean = direct and lean_decode_eligible(model.layers)
+        if not self.compiled:
+            self.row_state.window = window
+            return prefix_decode_step(
+                model, token, c, self.lengths, self.prefix_mask, self.row_write_slot,
+                self.all_completion_slots[:window], direct, self.lean,
+            )
+        torch.compiler.cudagraph_mark_step_begin()
+        logits = self.decode_fn(
+            model, token, c, self.lengths, self.prefix_mask, self.row_write_slot, self.all_completion_slots,
+            direct, self.lean,
+        )
+        return logits.clone()
 
 
 class PerRowRollout:
@@ -317,6 +369,14 @@ class PerRowRollout:
         # Additive float masks when every attention runs the engine's cached forward; other attention
         # modules keep the boolean mask torchtune documents.
         self.mask_dtype = dtype if all_cached else None
+        # A session's later turns: completion index c is slot prompt_len + c of the row.
+        self.window = window
+        self.row_write_slot = resources.row_write_slot
+        self.row_decode_caches = [
+            SlotKVCache(k, v, CacheState(slots=self.row_write_slot, window=window)) for k, v in zip(ks, vs)
+        ]
+        if self.compiled:
+            torch._dynamo.mark_static_address(self.row_write_slot)
 
     def prefill(self, model: nn.Module) -> torch.Tensor:
         logits = model(self.prompt, mask=self.prefill_mask, input_pos=self.prefill_pos)  # [rows, V]
@@ -337,3 +397,28 @@ class PerRowRollout:
             model, token, self.pos, self.pad, self.valid, self.slot_ids, self.write_slot, direct, self.mask_dtype
         )
         return logits.clone() if self.compiled else logits  # a CUDA graph's output is overwritten next replay
+
+    def extend_caches(self, c: torch.Tensor) -> List[SlotKVCache]:
+        """Caches that write an :meth:`extend` forward's tokens at completion indices ``c`` (``[N, s]``)."""
+        state = CacheState(slots=self.prompt_len + c, window=self.window)
+        return [SlotKVCache(k, v, state) for k, v in zip(self.ks, self.vs)]
+
+    def extend(self, model: nn.Module, tokens: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens`` (``[N, s]``) at completion indices ``c`` (``[N, s]``); ``[N, V]`` logits of the
+        last column. Token ``j`` of row ``i`` sees the row's real prompt slots and slots ``<= c[i, j]``."""
+        slots = self.prompt_len + c  # [N, s]
+        mask = self.valid[:, None, :] & (self.slot_ids <= slots.unsqueeze(-1))  # [N, s, W]
+        return model(tokens, mask=mask, input_pos=slots - self.pad[:, None])
+
+    def decode_rows(
+        self, model: nn.Module, token: torch.Tensor, c: torch.Tensor, window: int, direct: bool
+    ) -> torch.Tensor:
+        """A decode step writing row ``i``'s token at completion index ``c[i]`` (``[N]``); the
+        ``row_decode_caches`` must be attached. ``window`` is unused: this layout reads its fixed window."""
+        if self.compiled:
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = self.decode_fn(
+            model, token, self.prompt_len + c, self.pad, self.valid, self.slot_ids, self.row_write_slot, direct,
+            self.mask_dtype,
+        )
+        return logits.clone() if self.compiled else logits

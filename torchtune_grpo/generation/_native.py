@@ -150,11 +150,12 @@ class NativeGenerator(GenerationEngine):
             self._compiled[key] = torch.compile(step, mode=mode, backend=self.compile_backend, dynamic=False)
         return self._compiled[key]
 
-    def _write_slot(self, device: torch.device) -> torch.Tensor:
-        # One per device for the engine's lifetime: a CUDA graph records its address.
-        slot = self._write_slots.get(str(device))
+    def _write_slot(self, device: torch.device, *shape: int) -> torch.Tensor:
+        # One per device and shape for the engine's lifetime: a CUDA graph records its address.
+        key = f"{device}:{shape}"
+        slot = self._write_slots.get(key)
         if slot is None:
-            slot = self._write_slots[str(device)] = torch.zeros(1, dtype=torch.long, device=device)
+            slot = self._write_slots[key] = torch.zeros(*shape, dtype=torch.long, device=device)
         return slot
 
     def release_cache(self) -> None:
@@ -189,9 +190,10 @@ class NativeGenerator(GenerationEngine):
         layout_cls = SharedPrefixRollout if shared else PerRowRollout
         resources = RolloutResources(
             cache=self.cache,
-            write_slot=self._write_slot(device),
+            write_slot=self._write_slot(device, 1),
             compile_step=lambda step: self._decode_fn(device, step),
             share_prefill=self.share_prefill,
+            row_write_slot=self._write_slot(device, len(prompts) * group_size, 1),
         )
         return layout_cls(
             resources, layout, prompt.to(device), pad_b.to(device), group_size, max_new_tokens, dtype, device,
@@ -228,53 +230,126 @@ class NativeGenerator(GenerationEngine):
             Rollout: ``B x G`` rows; row ``i`` belongs to prompt ``i // G``.
         """
         temperature = self.temperature if temperature is None else temperature
-        n = len(prompts) * group_size
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
         # rollout is built after it, and a functional op there turns its tensors into normal ones.
         with torch.inference_mode(), replace_unembed(model, self._unembed_for(model)):
             attns = attention_modules(model)
             run = self._new_rollout(model, attns, prompts, group_size, max_new_tokens, pad_id)
-            device = run.prompt.device
-            stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=device)
-            out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=device)
-            done = torch.zeros(n, dtype=torch.bool, device=device)
-            steps = 0
+            stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.prompt.device)
             try:
-                with attached_caches(attns, run.prefill_caches):
-                    logits = run.prefill(model)  # [N, V]
-                # The prefill ran through the model's own forward (FSDP's root hooks included); decode
-                # steps may skip per-layer hooks once every parameter is gathered.
-                direct = can_skip_module_hooks(model)
-                with attached_caches(attns, run.decode_caches):
-                    for t in range(max_new_tokens):
-                        token = sample_tokens(
-                            logits, temperature=temperature, top_k=self.top_k, top_p=self.top_p,
-                            generator=generator,
-                        )
-                        token = token.masked_fill(done, pad_id)
-                        out[:, t] = token
-                        done |= torch.isin(token, stop)
-                        steps = t + 1
-                        if steps == max_new_tokens:
-                            break
-                        if steps % self.stop_check_interval == 0 and bool(done.all()):
-                            break
-                        logits = run.decode(model, token, t, direct)
+                out, done = self._first_turn(model, attns, run, max_new_tokens, pad_id, stop, temperature, generator)
             finally:
                 if not self.reuse_cache:
                     self.cache.release()
-        return _to_rollout(prompts, group_size, out[:, :steps], done, stop)
+        return _to_rollout([list(p) for p in prompts for _ in range(group_size)], out, done, stop)
+
+    def session(
+        self,
+        model: nn.Module,
+        prompts: List[List[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+    ) -> "NativeSession":
+        """A multi-turn session that keeps each row's KV cache between turns (:class:`NativeSession`).
+
+        Args:
+            model (nn.Module): the torchtune decoder (with FSDP2: unsharded for the session's whole length).
+            prompts (List[List[int]]): B prompts.
+            group_size (int): rows per prompt, G.
+            max_new_tokens (int): each row's token budget after its prompt, over all turns (the cache is
+                sized from it once).
+            pad_id (int): padding id.
+            stop_tokens (Sequence[int]): ids that end a turn.
+
+        Returns:
+            NativeSession: call its ``generate`` once per turn; close it (or use it as a context manager).
+        """
+        from torchtune_grpo.generation._session import NativeSession  # it builds on this module
+
+        return NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
+
+    def _first_turn(
+        self,
+        model: nn.Module,
+        attns: List[nn.Module],
+        run: Union[SharedPrefixRollout, PerRowRollout],
+        max_new_tokens: int,
+        pad_id: int,
+        stop: torch.Tensor,
+        temperature: float,
+        generator: Optional[torch.Generator],
+    ) -> "tuple[torch.Tensor, torch.Tensor]":
+        """Prefill the prompts and decode every row: ``out [N, steps]`` and whether each row stopped ``[N]``."""
+        with attached_caches(attns, run.prefill_caches):
+            logits = run.prefill(model)  # [N, V]
+        # The prefill ran through the model's own forward (FSDP's root hooks included); decode steps may
+        # skip per-layer hooks once every parameter is gathered.
+        direct = can_skip_module_hooks(model)
+        with attached_caches(attns, run.decode_caches):
+            return self._decode_loop(
+                logits, lambda token, t: run.decode(model, token, t, direct), max_new_tokens, pad_id, stop,
+                temperature, generator,
+            )
+
+    def _decode_loop(
+        self,
+        logits: torch.Tensor,
+        feed: Callable[[torch.Tensor, int], torch.Tensor],
+        max_new_tokens: int,
+        pad_id: int,
+        stop: torch.Tensor,
+        temperature: float,
+        generator: Optional[torch.Generator],
+        rows: Optional[torch.Tensor] = None,
+        room: Optional[torch.Tensor] = None,
+    ) -> "tuple[torch.Tensor, torch.Tensor]":
+        """Sample, feed the tokens back (``feed(token [N], t) -> logits [N, V]``), until every row is done.
+
+        Args:
+            logits (torch.Tensor): ``[N, V]`` the first token's logits.
+            rows (Optional[torch.Tensor]): ``[n]`` the rows to sample (the others are fed ``pad_id``);
+                None: all. Default is None.
+            room (Optional[torch.Tensor]): ``[n]`` tokens each sampled row may still take; None: no limit
+                but ``max_new_tokens``. Default is None.
+
+        Returns:
+            tuple[torch.Tensor, torch.Tensor]: ``out [n, steps]`` and ``stopped [n]`` (a stop token came).
+        """
+        n = logits.size(0) if rows is None else rows.numel()
+        out = torch.full((n, max_new_tokens), pad_id, dtype=torch.long, device=logits.device)
+        stopped = torch.zeros(n, dtype=torch.bool, device=logits.device)
+        done = stopped.clone()
+        padded = None if rows is None else torch.full((logits.size(0),), pad_id, dtype=torch.long, device=logits.device)
+        steps = 0
+        for t in range(max_new_tokens):
+            token = sample_tokens(
+                logits if rows is None else logits.index_select(0, rows), temperature=temperature,
+                top_k=self.top_k, top_p=self.top_p, generator=generator,
+            )
+            token = token.masked_fill(done, pad_id)
+            out[:, t] = token
+            stopped |= torch.isin(token, stop) & ~done  # a pad that is also a stop token stops nothing
+            done = stopped if room is None else stopped | (room <= t + 1)
+            steps = t + 1
+            if steps == max_new_tokens:
+                break
+            if steps % self.stop_check_interval == 0 and bool(done.all()):
+                break
+            logits = feed(token if rows is None else padded.index_copy(0, rows, token), t)
+        return out[:, :steps], stopped
 
 
 def _to_rollout(
-    prompts: List[List[int]],
-    group_size: int,
+    prompt_ids: List[List[int]],
     out: torch.Tensor,
     done: torch.Tensor,
     stop: torch.Tensor,
 ) -> Rollout:
-    """Cut each row after its first stop token. ``out`` is ``[N, steps]``."""
+    """Cut each row after its first stop token. ``out`` is ``[N, steps]``, ``done [N]`` whether it stopped."""
     n, steps = out.shape
     is_stop = torch.isin(out, stop)
     # Length = index of the first stop token + 1, or every step when none came.
@@ -284,5 +359,4 @@ def _to_rollout(
     rows = out.cpu().tolist()
     lengths = first_stop.cpu().tolist()
     response_ids = [row[:length] for row, length in zip(rows, lengths)]
-    prompt_ids = [list(p) for p in prompts for _ in range(group_size)]
     return Rollout(prompt_ids=prompt_ids, response_ids=response_ids, truncated=~done.cpu())

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.attention import EngineKVCache
-from torchtune_grpo.generation._cache import CacheState
+from torchtune_grpo.generation._cache import CacheState, write_slots
 
 __all__ = ["PrefixDecodeMask", "SharedPrefixKVCache", "lean_decode_eligible", "lean_decode_layer"]
 
@@ -33,8 +33,9 @@ class PrefixDecodeMask(NamedTuple):
     Attributes:
         prefix (torch.Tensor): ``[B, 1, 1, Pw]`` additive (0 where a prompt slot is a real token, ``-inf``
             for left padding and unused slots), the cache's dtype.
-        completion (Optional[torch.Tensor]): ``[1, 1, 1, Wc]`` additive mask of the completion window
-            (slots not written yet), or None when the window is exactly the written slots.
+        completion (Optional[torch.Tensor]): ``[1 or N, 1, s, Wc]`` additive mask of the completion window
+            (slots not written yet; per row and query in a multi-turn session), or None when the window is
+            exactly the written slots.
     """
 
     prefix: torch.Tensor
@@ -79,43 +80,45 @@ class SharedPrefixKVCache(EngineKVCache):
     def attend(
         self, q: torch.Tensor, k_val: torch.Tensor, v_val: torch.Tensor, mask: PrefixDecodeMask
     ) -> torch.Tensor:
-        """Write one token's keys/values, then attend over the prompt and the completion so far.
+        """Write ``s`` tokens' keys/values, then attend over the prompt and the completion so far.
 
         The same result as ``scaled_dot_product_attention(q, K, V, mask, enable_gqa=True)`` over each row's
-        full ``[prompt | completion]`` keys (up to floating-point summation order).
+        full ``[prompt | completion]`` keys (up to floating-point summation order). ``s`` is 1 in a decode
+        step; a multi-turn session also appends several tokens per row (an environment's reply) in one
+        forward, each query masked by its own row of ``mask.completion``.
 
         Args:
-            q (torch.Tensor): ``[N, h, 1, d]`` queries of the decoded token.
-            k_val (torch.Tensor): ``[N, h_kv, 1, d]`` its keys.
-            v_val (torch.Tensor): ``[N, h_kv, 1, d]`` its values.
+            q (torch.Tensor): ``[N, h, s, d]`` queries of the new tokens.
+            k_val (torch.Tensor): ``[N, h_kv, s, d]`` their keys.
+            v_val (torch.Tensor): ``[N, h_kv, s, d]`` their values.
             mask (PrefixDecodeMask): the prompt and completion masks.
 
         Returns:
-            torch.Tensor: ``[N, h, 1, d]`` attention output.
+            torch.Tensor: ``[N, h, s, d]`` attention output.
         """
-        slots = self.state.slots
-        self.k_cache.index_copy_(2, slots, k_val)
-        self.v_cache.index_copy_(2, slots, v_val)
+        write_slots(self.k_cache, self.state.slots, k_val)
+        write_slots(self.v_cache, self.state.slots, v_val)
         w, pw = self.state.window, self.prefix_window
         kc, vc = self.k_cache[:, :, :w], self.v_cache[:, :, :w]  # [N, h_kv, Wc, d]
         kp, vp = self.prefix_k[:, :, :pw], self.prefix_v[:, :, :pw]  # [B, h_kv, Pw, d]
-        n, h, _, d = q.shape
+        n, h, s, d = q.shape
         b, h_kv = kp.shape[:2]
         g, r = n // b, h // h_kv  # rows per prompt, query heads per key/value head
-        q = q.reshape(n, h_kv, r, d) * d**-0.5  # SDPA's default scale; head j reads kv head j // r
-        # A group's G r queries per kv head against its prompt: the prompt's keys are read once per group.
-        qp = q.view(b, g, h_kv, r, d).transpose(1, 2).reshape(b, h_kv, g * r, d)
-        sp = torch.matmul(qp, kp.transpose(-1, -2)) + mask.prefix  # [B, h_kv, G r, Pw]
-        sp = sp.view(b, h_kv, g, r, pw).transpose(1, 2).reshape(n, h_kv, r, pw)
-        sc = torch.matmul(q, kc.transpose(-1, -2))  # [N, h_kv, r, Wc]
-        if mask.completion is not None:
-            sc = sc + mask.completion
+        rs = r * s  # query rows per kv head: head j reads kv head j // r
+        q = q.reshape(n, h_kv, rs, d) * d**-0.5  # SDPA's default scale
+        # A group's G r s queries per kv head against its prompt: the prompt's keys are read once per group.
+        qp = q.view(b, g, h_kv, rs, d).transpose(1, 2).reshape(b, h_kv, g * rs, d)
+        sp = torch.matmul(qp, kp.transpose(-1, -2)) + mask.prefix  # [B, h_kv, G r s, Pw]
+        sp = sp.view(b, h_kv, g, rs, pw).transpose(1, 2).reshape(n, h_kv, rs, pw)
+        sc = torch.matmul(q, kc.transpose(-1, -2))  # [N, h_kv, r s, Wc]
+        if mask.completion is not None:  # [1 or N, 1, s, Wc]: broadcast over the r heads of a kv head
+            sc = (sc.view(n, h_kv, r, s, w) + mask.completion.unsqueeze(1)).view(n, h_kv, rs, w)
         probs = torch.softmax(torch.cat([sp, sc], dim=-1), dim=-1)  # one softmax over prompt + completion
         pp, pc = probs.split([pw, w], dim=-1)
-        pp = pp.reshape(b, g, h_kv, r, pw).transpose(1, 2).reshape(b, h_kv, g * r, pw)
-        out = torch.matmul(pp, vp).view(b, h_kv, g, r, d).transpose(1, 2).reshape(n, h_kv, r, d)
+        pp = pp.reshape(b, g, h_kv, rs, pw).transpose(1, 2).reshape(b, h_kv, g * rs, pw)
+        out = torch.matmul(pp, vp).view(b, h_kv, g, rs, d).transpose(1, 2).reshape(n, h_kv, rs, d)
         out = out + torch.matmul(pc, vc)
-        return out.view(n, h, 1, d)
+        return out.view(n, h, s, d)
 
 
 def lean_decode_eligible(layers: nn.ModuleList) -> bool:

@@ -12,12 +12,14 @@ The result is one token sequence per episode after its prompt, with an *action m
 model sampled (its turns, stop tokens included), 0 on the environment's. Only actions get a loss, KL,
 entropy or ratio term and count in any normalisation (docs/multi_turn.md).
 
-This first version re-sends each episode's whole history to the engine every turn (vLLM reuses it through
-prefix caching; the native engine recomputes the prompt part).
+An engine that offers a ``session`` (the native engine: :class:`~torchtune_grpo.generation.GenerationSession`)
+keeps each episode's KV cache between turns: a later turn prefills only the model's last sampled token and
+the environment's reply, then decodes; the history is not recomputed. Other engines get each live
+episode's whole history again every turn (vLLM reuses it through prefix caching).
 """
 
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -130,27 +132,63 @@ def run_episodes(
     env_seconds = time.perf_counter() - t0
     for ep, outcome in zip(episodes, started):
         ep.state, ep.error, ep.done = outcome.value, outcome.error, bool(outcome.error)
+    kwargs = {} if temperature is None else {"temperature": temperature}
+    open_session = getattr(engine, "session", None)  # optional (GenerationEngine.session)
+    session = None if open_session is None else open_session(
+        model, [list(p) for p in prompts], group_size=group_size, max_new_tokens=max_new_tokens,
+        pad_id=tokenizer.pad_id, stop_tokens=tokenizer.stop_tokens,
+    )
+    try:
+        seconds, engine_logprobs = _run_turns(
+            engine, session, model, prompts, episodes, env, turns, tokenizer, group_size, max_turns, env_timeout,
+            dict(generator=generator, **kwargs),
+        )
+    finally:
+        if session is not None:
+            session.close()
+    env_seconds += seconds
+    return Episodes(
+        prompt_ids=[ep.prompt for ep in episodes],
+        response_ids=[ep.ids for ep in episodes],
+        action_mask=[ep.mask for ep in episodes],
+        truncated=torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool),
+        logprobs=[ep.logprobs for ep in episodes] if engine_logprobs else None,
+        messages=[ep.messages for ep in episodes],
+        turns=[ep.turns for ep in episodes],
+        env_errors=[ep.error for ep in episodes],
+        info=[ep.info for ep in episodes],
+        env_seconds=env_seconds,
+    )
+
+
+def _run_turns(
+    engine, session, model, prompts, episodes, env, turns, tokenizer, group_size, max_turns, env_timeout, sampling
+) -> Tuple[float, bool]:
+    """Sample, step the environment, append its replies, until no episode is live (``episodes`` grow in
+    place). Returns the seconds spent in the environment and whether the engine gave logprobs."""
     eot = getattr(tokenizer, "eot_id", None)
     stops = set(tokenizer.stop_tokens)
-    kwargs = {} if temperature is None else {"temperature": temperature}
-
-    first, engine_logprobs = True, False
+    first, env_seconds, engine_logprobs = True, 0.0, False
     while True:
-        live = [ep for ep in episodes if not ep.done]
+        live = [i for i, ep in enumerate(episodes) if not ep.done]
         if not live:
-            break
+            return env_seconds, engine_logprobs
         # The first turn samples the groups from their shared prompts; later turns continue each history.
-        rollout = engine.generate(
-            model,
-            [list(p) for p in prompts] if first else [ep.prompt + ep.ids for ep in live],
-            group_size=group_size if first else 1,
-            max_new_tokens=max(ep.left for ep in live),
-            pad_id=tokenizer.pad_id,
-            stop_tokens=tokenizer.stop_tokens,
-            generator=generator,
-            **kwargs,
-        )
-        rows = episodes if first else live
+        rows = list(range(len(episodes))) if first else live
+        budget = max(episodes[i].left for i in live)
+        if session is not None:
+            rollout = session.generate(rows, [episodes[i].ids for i in rows], max_new_tokens=budget, **sampling)
+        else:
+            rollout = engine.generate(
+                model,
+                [list(p) for p in prompts] if first else [episodes[i].prompt + episodes[i].ids for i in live],
+                group_size=group_size if first else 1,
+                max_new_tokens=budget,
+                pad_id=tokenizer.pad_id,
+                stop_tokens=tokenizer.stop_tokens,
+                **sampling,
+            )
+        rows = [episodes[i] for i in rows]
         first, engine_logprobs = False, rollout.logprobs is not None
         for k, ep in enumerate(rows):
             if ep.done:  # an episode whose start failed still took part in the grouped first call
@@ -190,18 +228,6 @@ def run_episodes(
                 continue
             ep.add(ids, action=False)
             ep.messages += list(reply.messages)
-    return Episodes(
-        prompt_ids=[ep.prompt for ep in episodes],
-        response_ids=[ep.ids for ep in episodes],
-        action_mask=[ep.mask for ep in episodes],
-        truncated=torch.tensor([ep.truncated for ep in episodes], dtype=torch.bool),
-        logprobs=[ep.logprobs for ep in episodes] if engine_logprobs else None,
-        messages=[ep.messages for ep in episodes],
-        turns=[ep.turns for ep in episodes],
-        env_errors=[ep.error for ep in episodes],
-        info=[ep.info for ep in episodes],
-        env_seconds=env_seconds,
-    )
 
 
 class MultiTurn:

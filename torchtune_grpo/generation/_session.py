@@ -1,0 +1,212 @@
+"""Multi-turn sessions of the native engine: each row's KV cache kept from one turn to the next.
+
+A multi-turn episode grows by a model turn, then an environment reply, then another model turn. Re-sending
+the whole history every turn recomputes the prompt and every earlier turn. A :class:`NativeSession` keeps
+the rollout's static cache (either layout of ``_layouts.py``) for the session's length and, per row, which
+of its response tokens already have keys and values there. A later turn prefills only what a row does not
+have yet: the last token the model sampled (sampled, never fed back) and the environment's reply; then it
+decodes from there.
+
+Rows hold histories of different lengths, so every row keeps its own write position: completion index
+``c`` of a row always holds its response token ``c`` (the turn-one decode writes token ``t`` of every row
+at ``c = t``; later turns write at ``c = len(history) + t``), its position id is its prompt length plus
+``c``, and its query at ``c`` sees its prompt and its completion slots ``<= c``. A row's tokens therefore
+sit right after its own real tokens, never after another row's padding; slots a row wrote past its end in
+an earlier turn (the pads decoded after its stop token) are overwritten before it reads them.
+
+The appended tokens of a turn form one ``[N, M]`` forward (``M``: the longest append), each row's tokens
+right-aligned so the last column is every appending row's last token (its logits start the turn). The
+columns left of a shorter append, and every slot a row writes beyond its budget, go to one scratch slot,
+completion index ``max_new_tokens - 1``: no real token ever lands there (a row's history leaves room for
+one sampled token, and the last sampled token is never fed), and no real query sees it.
+
+Rows that ended stay in the batch, fed padding, and are not sampled from (so a seeded generator draws the
+same noise as a batch of the live rows alone). Dropping their cache rows instead would change the batch
+size every turn: the shared-prefix layout reads each prompt once for its whole group of ``G`` rows, and a
+compiled decode step is specialised on the batch size (a new graph for every live count). The price is the
+ended rows' share of each decode step, as in a single-turn rollout whose rows stopped early.
+"""
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torchtune_grpo.generation._cache import attached_caches, attention_modules
+from torchtune_grpo.generation._native import _to_rollout, can_skip_module_hooks, NativeGenerator
+from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.logprobs import replace_unembed
+
+__all__ = ["NativeSession"]
+
+
+class NativeSession:
+    """A native engine's multi-turn session over ``N = B x G`` rows (:meth:`NativeGenerator.session`).
+
+    Args:
+        engine (NativeGenerator): the engine (its sampling settings, cache pool and compiled steps).
+        model (nn.Module): the torchtune decoder; with FSDP2 unsharded for the whole session.
+        prompts (List[List[int]]): B prompts.
+        group_size (int): rows per prompt, G.
+        max_new_tokens (int): each row's budget after its prompt over all turns; the cache holds
+            ``max_new_tokens`` completion slots per row.
+        pad_id (int): padding id.
+        stop_tokens (Sequence[int]): ids that end a turn.
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1 or a prompt is empty.
+    """
+
+    def __init__(
+        self,
+        engine: NativeGenerator,
+        model: nn.Module,
+        prompts: List[List[int]],
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"a session's max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} is empty")
+        self.engine, self.model = engine, model
+        self.prompts = [list(p) for p in prompts for _ in range(group_size)]  # per row
+        self.prompt_groups, self.group_size = [list(p) for p in prompts], group_size
+        self.budget, self.pad_id, self.stop_tokens = max_new_tokens, pad_id, list(stop_tokens)
+        self.n = len(self.prompts)
+        self.history: List[List[int]] = [[] for _ in range(self.n)]  # each row's response tokens so far
+        self.cached = [0] * self.n  # how many leading history tokens have keys/values in the cache
+        self.prefilled: List[int] = []  # tokens each forward that was not a decode step ran on (tests, metrics)
+        self._run = None
+        self._closed = False
+
+    def __enter__(self) -> "NativeSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session (the engine frees the cache here unless it ``reuse_cache``)."""
+        self._closed = True
+        self._run = None
+        if not self.engine.reuse_cache:
+            self.engine.cache.release()
+
+    def generate(
+        self,
+        rows: Sequence[int],
+        responses: Sequence[Sequence[int]],
+        *,
+        max_new_tokens: int,
+        generator: Optional[torch.Generator] = None,
+        temperature: Optional[float] = None,
+    ) -> Rollout:
+        """Sample the next turn of ``rows``, whose tokens after the prompt are now ``responses``.
+
+        The first call samples every row from its prompt (``rows`` all of ``0 .. N-1``, every response
+        empty), as :meth:`NativeGenerator.generate` with ``group_size``. A later call continues any rows:
+        each response must extend what the session returned for that row (the row's history and the tokens
+        appended since); the longest prefix already in the cache is reused and only the rest is prefilled.
+
+        Args:
+            rows (Sequence[int]): the rows to sample (distinct, in ``[0, N)``).
+            responses (Sequence[Sequence[int]]): each row's tokens after its prompt.
+            max_new_tokens (int): tokens to sample at most this turn (each row also stops at the session's
+                budget: ``len(response) +`` its new tokens ``<= max_new_tokens`` of the session).
+            generator (Optional[torch.Generator]): sampling RNG. Default is None.
+            temperature (Optional[float]): overrides the engine's temperature. Default is None.
+
+        Returns:
+            Rollout: one row per entry of ``rows``, in that order; ``prompt_ids`` are prompt + response.
+
+        Raises:
+            ValueError: naming the row, when a row is out of range or repeated, a response is empty (after the
+                first turn) or leaves no room in the budget, or the first call is not over every row.
+            RuntimeError: after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("this generation session is closed")
+        rows, responses = [int(i) for i in rows], [list(r) for r in responses]
+        if len(rows) != len(responses) or len(set(rows)) != len(rows) or not all(0 <= i < self.n for i in rows):
+            raise ValueError(f"rows must be distinct indices in [0, {self.n}) with one response each, got {rows}")
+        engine = self.engine
+        temperature = engine.temperature if temperature is None else temperature
+        with torch.inference_mode(), replace_unembed(self.model, engine._unembed_for(self.model)):
+            if self._run is None:
+                return self._first_turn(rows, responses, max_new_tokens, generator, temperature)
+            return self._next_turn(rows, responses, max_new_tokens, generator, temperature)
+
+    def _first_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
+        if rows != list(range(self.n)) or any(responses):
+            raise ValueError(
+                "the first turn of a session samples every row from its prompt: rows must be 0 .. "
+                f"{self.n - 1} in order, with empty responses"
+            )
+        engine, model = self.engine, self.model
+        attns = attention_modules(model)
+        # Sized once from the whole budget: later turns never outgrow it.
+        run = engine._new_rollout(model, attns, self.prompt_groups, self.group_size, self.budget, self.pad_id)
+        self._run, self._attns = run, attns
+        self.prefilled.append(run.prompt.numel())
+        stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.prompt.device)
+        out, stopped = engine._first_turn(
+            model, attns, run, min(max_new_tokens, self.budget), self.pad_id, stop, temperature, generator
+        )
+        rollout = _to_rollout([list(p) for p in self.prompts], out, stopped, stop)
+        for i, ids in enumerate(rollout.response_ids):
+            # Token t of every row was fed at completion index t; the last one sampled never was.
+            self.history[i], self.cached[i] = list(ids), max(len(ids) - 1, 0)
+        return rollout
+
+    def _next_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
+        run, model, engine = self._run, self.model, self.engine
+        device = run.prompt.device
+        scratch = self.budget - 1  # see the module docstring
+        appends = []
+        for i, resp in zip(rows, responses):
+            if not resp:
+                raise ValueError(f"row {i}: an empty response cannot be continued (the first turn samples it)")
+            if len(resp) >= self.budget:
+                raise ValueError(f"row {i}: {len(resp)} tokens leave no room in the session's budget of {self.budget}")
+            known, reuse = self.history[i], 0
+            limit = min(self.cached[i], len(resp) - 1)  # at least one token is fed: its logits start the turn
+            while reuse < limit and resp[reuse] == known[reuse]:
+                reuse += 1
+            appends.append((reuse, resp[reuse:]))
+        width = max(len(new) for _, new in appends)
+        tokens = torch.full((self.n, width), self.pad_id, dtype=torch.long)  # [N, M]
+        c = torch.full((self.n, width), scratch, dtype=torch.long)  # [N, M] completion indices
+        for i, (reuse, new) in zip(rows, appends):
+            tokens[i, width - len(new):] = torch.tensor(new, dtype=torch.long)
+            c[i, width - len(new):] = torch.arange(reuse, reuse + len(new))
+        tokens, c = tokens.to(device), c.to(device)
+        self.prefilled.append(tokens.numel())
+        with attached_caches(self._attns, run.extend_caches(c)):
+            logits = run.extend(model, tokens, c)  # [N, V]
+
+        lengths = [len(r) for r in responses]
+        start = torch.full((self.n,), scratch, dtype=torch.long)  # rows not sampled write only to scratch
+        start[rows] = torch.tensor(lengths, dtype=torch.long)
+        start = start.to(device)
+        room = torch.tensor([self.budget - n for n in lengths], dtype=torch.long, device=device)
+        longest = max(lengths)
+        direct = can_skip_module_hooks(model)
+
+        def feed(token: torch.Tensor, t: int) -> torch.Tensor:
+            window = min(longest + t, scratch) + 1  # completion slots written so far (eager reads)
+            return run.decode_rows(model, token, (start + t).clamp_(max=scratch), window, direct)
+
+        stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=device)
+        with attached_caches(self._attns, run.row_decode_caches):
+            out, stopped = engine._decode_loop(
+                logits, feed, max_new_tokens, self.pad_id, stop, temperature, generator,
+                rows=torch.tensor(rows, dtype=torch.long, device=device), room=room,
+            )
+        rollout = _to_rollout([self.prompts[i] + r for i, r in zip(rows, responses)], out, stopped, stop)
+        new_ids = [ids[: self.budget - n] for ids, n in zip(rollout.response_ids, lengths)]  # the budget's cut
+        for i, resp, ids in zip(rows, responses, new_ids):
+            self.history[i], self.cached[i] = resp + ids, len(resp) + len(ids) - 1
+        return rollout._replace(response_ids=new_ids)
