@@ -159,6 +159,19 @@ engine = NativeGenerator(temperature=0.0, compile_decode=True, compile_backend="
 assert engine.generate(model, prompts, **kw).response_ids == ref
 assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
 assert counters["stats"]["unique_graphs"] == 1
+# Multi-turn sessions (tests/test_multiturn_continuation.py) on the same unsharded FSDP model: prefills
+# through FSDP's root hooks, decode steps through the layers; the plain model's episodes.
+import tests.test_multiturn_continuation as mt
+plain = mt.episodes(NativeGenerator(temperature=0.0), mt.make_tiny_decoder(scale=8.0))
+sharded = mt.make_tiny_decoder(scale=8.0)
+for layer in sharded.layers:
+    fully_shard(layer)
+fully_shard(sharded)
+for m in [m for m in sharded.modules() if isinstance(m, FSDPModule)]:
+    m.unshard()
+    m.set_reshard_after_forward(False, recurse=False)
+got = mt.episodes(NativeGenerator(temperature=0.0), sharded)
+assert got.response_ids == plain.response_ids and max(got.turns) == 3
 for m in fsdp:
     m.reshard()
 assert not can_skip_module_hooks(model)
@@ -167,7 +180,8 @@ assert not can_skip_module_hooks(model)
 
 def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(tmp_path):
     # FSDP2 on one gloo process, as the recipe runs: once every parameter is gathered, decode steps call
-    # the layers directly, so the compiled step is one graph (not one per layer) and tokens are exact.
+    # the layers directly, so the compiled step is one graph (not one per layer) and tokens are exact;
+    # multi-turn sessions continue episodes on it exactly.
     # Judged by the script's own success marker (gloo may abort at exit, see DESIGN.md).
     from tests.recipe_utils import run_in_one_process_group
 

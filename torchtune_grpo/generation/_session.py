@@ -78,7 +78,6 @@ class NativeSession:
         self.n = len(self.prompts)
         self.history: List[List[int]] = [[] for _ in range(self.n)]  # each row's response tokens so far
         self.cached = [0] * self.n  # how many leading history tokens have keys/values in the cache
-        self.prefilled: List[int] = []  # tokens each forward that was not a decode step ran on (tests, metrics)
         self._run = None
         self._closed = False
 
@@ -150,7 +149,6 @@ class NativeSession:
         # Sized once from the whole budget: later turns never outgrow it.
         run = engine._new_rollout(model, attns, self.prompt_groups, self.group_size, self.budget, self.pad_id)
         self._run, self._attns = run, attns
-        self.prefilled.append(run.prompt.numel())
         stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.prompt.device)
         out, stopped = engine._first_turn(
             model, attns, run, min(max_new_tokens, self.budget), self.pad_id, stop, temperature, generator
@@ -183,7 +181,6 @@ class NativeSession:
             tokens[i, width - len(new):] = torch.tensor(new, dtype=torch.long)
             c[i, width - len(new):] = torch.arange(reuse, reuse + len(new))
         tokens, c = tokens.to(device), c.to(device)
-        self.prefilled.append(tokens.numel())
         with attached_caches(self._attns, run.extend_caches(c)):
             logits = run.extend(model, tokens, c)  # [N, V]
 
