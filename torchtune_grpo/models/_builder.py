@@ -12,6 +12,7 @@ scale does not commute with the rotation). Here the norm is part of the projecti
 that calls ``q_proj`` (torchtune's attention, this package's cached and shared-prompt forwards) computes Qwen3.
 """
 
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -27,6 +28,7 @@ from torchtune.modules import (
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
+from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LoRALinear
 
 from torchtune_grpo.models._spec import HFModelSpec
@@ -213,7 +215,9 @@ def lora_hf_model(
         lora_alpha (float): alpha (updates scaled by alpha / r). Default is 16.
         lora_dropout (float): dropout on the adapter input. Default is 0.0.
         quantize_base (bool): QLoRA (Dettmers et al. 2023, arXiv:2305.14314): NF4 base weights in the adapted
-            layers; layers without an adapter keep the training dtype. Default is False.
+            layers; layers without an adapter keep the training dtype. ``state_dict()`` returns them
+            dequantised (torchtune's QLoRA builders do the same). NF4 quantises blocks of 64 values in groups
+            of 256 blocks, so each adapted weight's size must be a multiple of 16,384. Default is False.
         max_seq_len (Optional[int]): as in :func:`hf_model`. Default is None.
 
     Returns:
@@ -228,4 +232,12 @@ def lora_hf_model(
     targets = list(lora_attn_modules) + (["w1", "w2", "w3"] if apply_lora_to_mlp else [])
     targets += ["output"] if apply_lora_to_output else []
     lora = _LoRASettings(targets, int(lora_rank), float(lora_alpha), float(lora_dropout), bool(quantize_base))
-    return build_decoder(HFModelSpec.from_directory(path, max_seq_len=max_seq_len), lora)
+    model = build_decoder(HFModelSpec.from_directory(path, max_seq_len=max_seq_len), lora)
+    if lora.quantize_base:
+        # As torchtune's QLoRA builders do: state_dict() gives the NF4 weights dequantised to the model's
+        # dtype (on CPU, so a save does not hold a second copy on the accelerator), so checkpointing, merging
+        # and state-dict loading see plain tensors.
+        model.register_state_dict_post_hook(partial(
+            reparametrize_as_dtype_state_dict_post_hook, dtype=model.tok_embeddings.weight.dtype, offload_to_cpu=True,
+        ))
+    return model
