@@ -104,6 +104,17 @@ def test_qlora_state_dict_is_dequantised(tmp_path):
     assert isinstance(q_proj.weight, NF4Tensor)  # the model itself keeps its NF4 weights
 
 
+def test_qlora_sizes_nf4_cannot_quantise_are_named(saved):
+    from torchtune_grpo.models import lora_hf_model
+
+    # The tiny Qwen3: 4 heads x head_dim 32 on hidden 64, 2 KV heads. q_proj is 128 x 64 = 8,192 values and
+    # v_proj 64 x 64 = 4,096: not multiples of NF4's 64 x 256 = 16,384 (torchao itself only asserts on counts).
+    with pytest.raises(ValueError, match=r"multiple of 16,384 values; .*q_proj \(128 x 64 = 8,192 values\), "
+                                         r"v_proj \(64 x 64 = 4,096 values\)\. Leave those layers out"):
+        lora_hf_model(str(saved["qwen3"]), ["q_proj", "v_proj"], quantize_base=True)
+    lora_hf_model(str(saved["qwen3"]), ["q_proj", "v_proj"])  # without NF4 any size is fine
+
+
 def _saved_with(directory: Path, arch: str, **changes) -> Path:
     """A random ``arch`` model saved to ``directory``, its config.json then edited."""
     make_hf_model(directory, arch)

@@ -11,13 +11,14 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, NamedTuple, Optional
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
+from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, weights, write_config
 from tests.test_models_recipe import TWO_STEPS, _check_trained_directory
 
@@ -27,12 +28,15 @@ def _config(tmp_path: Path, arch: str) -> Path:
     return src, write_config(tmp_path, **hf_components(src), **TWO_STEPS)
 
 
-def _run_in_process(path: Path) -> None:
+def _run_in_process(path: Path, lora: bool = False) -> None:
     """The recipe's own code path, as `tune run` drives it (setup, train, cleanup), in this process."""
-    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
+    if lora:
+        from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed as Recipe
+    else:
+        from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed as Recipe
 
     cfg = OmegaConf.load(path)
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
+    recipe = Recipe(cfg)
     recipe.setup(cfg)
     try:
         recipe.train()
@@ -56,14 +60,23 @@ def test_two_grpo_steps_in_process(arch, tmp_path, clean_env, one_thread):
 # same completions on any rank (each rank's sampler has its own RNG stream, so the native engine's rollouts
 # would differ). SGD without clipping or schedule: the update is the raw global gradient (AdamW's first step,
 # lr * g / |g|, would amplify rounding in near-zero gradients). micro_batch_size 8: two micro-batches on one
-# process, one on each of two.
-def _split_config(run_dir: Path, src: Path, batch_size: int) -> Path:
+# process, one on each of two. 8 prompts: the two steps' worth.
+def _split_config(run_dir: Path, src: Path, batch_size: int, **overrides) -> Path:
     run_dir.mkdir(parents=True)
-    return write_config(
-        run_dir, **hf_components(src), max_steps=2, save_every_n_steps=2, shuffle=False, batch_size=batch_size,
-        micro_batch_size=8, generation={"_component_": "tests._engines.ScriptedGenerator"},
-        optimizer={"_component_": "torch.optim.SGD", "lr": 0.05}, lr_scheduler=None, clip_grad_norm=None,
+    settings = dict(
+        max_steps=2, save_every_n_steps=2, shuffle=False, batch_size=batch_size, micro_batch_size=8,
+        generation={"_component_": "tests._engines.ScriptedGenerator"}, lr_scheduler=None, clip_grad_norm=None,
+        optimizer={"_component_": "torch.optim.SGD", "lr": 0.05}, **{"dataset.num_samples": 8},
     )
+    return write_config(run_dir, **{**hf_components(src), **settings, **overrides})
+
+
+class _Run(NamedTuple):
+    """A two-process run and, when it has one, its one-process reference (config paths)."""
+
+    two_processes: str
+    one_process: Optional[str] = None
+    lora: bool = False
 
 
 def _free_ports(n: int) -> List[int]:
@@ -77,21 +90,21 @@ def _free_ports(n: int) -> List[int]:
             s.close()
 
 
-def _rank_main(rank: int, runs: List[Tuple[str, str]], ports: List[int]) -> None:
+def _rank_main(rank: int, runs: List[_Run], ports: List[int]) -> None:
     """One of the two spawned processes: first its share of the one-process references (the two ranks run
-    them side by side, each in its own one-process group), then every architecture's two-process run."""
+    them side by side, each in its own one-process group), then every two-process run."""
     torch.set_num_threads(1)
 
-    def run(path: str, port: int, rank: int, world_size: int) -> None:
+    def run(path: str, lora: bool, port: int, rank: int, world_size: int) -> None:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-        _run_in_process(Path(path))
+        _run_in_process(Path(path), lora)
 
-    for i, (one_process, _) in enumerate(runs):
-        if i % 2 == rank:
-            run(one_process, ports[2 * i], rank=0, world_size=1)
-    for i, (_, two_processes) in enumerate(runs):
-        run(two_processes, ports[2 * i + 1], rank=rank, world_size=2)
+    for i, r in enumerate(runs):
+        if r.one_process is not None and i % 2 == rank:
+            run(r.one_process, r.lora, ports[2 * i], rank=0, world_size=1)
+    for i, r in enumerate(runs):
+        run(r.two_processes, r.lora, ports[2 * i + 1], rank=rank, world_size=2)
     # All output is written and every process group destroyed: leave before interpreter teardown, where gloo
     # occasionally aborts (DESIGN.md). An exception above never gets here and fails the spawn with its traceback.
     sys.stdout.flush()
@@ -99,18 +112,33 @@ def _rank_main(rank: int, runs: List[Tuple[str, str]], ports: List[int]) -> None
     os._exit(0)
 
 
+LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
+QLORA_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4, head_dim=32)  # NF4 blocks
+
+
 @pytest.mark.slow
 def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread):
+    # Replaces one `tune run --nproc_per_node 2` per architecture (Llama 3.2 ~65 s, Qwen3 ~40 s on a loaded
+    # machine): one launch of two processes for all architectures, plus QLoRA on Qwen3 (lora_hf_model).
     import torch.multiprocessing as mp
 
     archs = sorted(ARCHITECTURES)
     runs = []
     for arch in archs:
         src = make_model_dir(tmp_path / arch / "model", arch)
-        runs.append(tuple(str(_split_config(tmp_path / arch / name, src, batch_size))
-                          for name, batch_size in (("one", 4), ("two", 2))))
-    # One launch for all architectures: the spawned processes are judged by their exit codes (0 only after the
-    # last run; mp.spawn raises with the traceback of a rank that failed and stops the other).
+        one, two = (_split_config(tmp_path / arch / name, src, size) for name, size in (("one", 4), ("two", 2)))
+        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+    # QLoRA, two processes only: each rank initialises its own shard of the adapters' A matrices from its own
+    # RNG stream, so the run cannot equal a one-process one; its merged model must still be the trained one.
+    qlora_src = make_model_dir(tmp_path / "qlora" / "model", "qwen3", **QLORA_SHAPES)
+    qlora = _split_config(tmp_path / "qlora" / "two", qlora_src, 2, model={
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+        "lora_rank": 4, "lora_alpha": 8, "quantize_base": True,
+    }, base=LORA_CONFIG)
+    runs.append(_Run(two_processes=str(qlora), lora=True))
+    # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
+    # raises with the traceback of a rank that failed and stops the other).
     mp.spawn(_rank_main, args=(runs, _free_ports(2 * len(runs))), nprocs=2, join=True)
 
     for arch in archs:
@@ -127,3 +155,9 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
                 assert m2[key] == pytest.approx(m1[key], abs=1e-5), (arch, m1["step"], key)
         # What rank 0 saved from the two-process run is a Hugging Face model with our model's logits.
         _check_trained_directory(src, two / "out" / "step_2", tmp_path / arch)
+
+    step = tmp_path / "qlora" / "two" / "out" / "step_2"
+    assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]
+    adapter = torch.load(step / "adapter_model.pt", weights_only=True)
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))  # B started at 0
+    _check_trained_directory(qlora_src, step / "merged", tmp_path / "qlora")

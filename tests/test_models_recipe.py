@@ -1,6 +1,7 @@
 """The recipes with a model directory read by torchtune_grpo.models (a tiny random Qwen3 with its own
-tokenizer and chat template), through `tune run`: full fine-tuning on 1 and 2 processes, the vLLM engine,
-and LoRA; every output directory loads in transformers (and PEFT) with the logits of our own model."""
+tokenizer and chat template): full fine-tuning, the vLLM engine and LoRA through `tune run`, QLoRA in process;
+every output directory loads in transformers (and PEFT) with the logits of our own model. Two processes, for
+every architecture: tests/test_models_architectures.py."""
 
 from pathlib import Path
 
@@ -53,15 +54,6 @@ def test_qwen3_full_one_process(tmp_path: Path):
     prompt = read_jsonl(tmp_path / "out" / "completions.jsonl")[0]["prompt"]
     assert prompt.startswith("<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\n")
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
-
-
-@pytest.mark.slow
-def test_qwen3_full_two_processes(tmp_path: Path):
-    src = make_model_dir(tmp_path / "Qwen3-tiny")
-    config = write_config(tmp_path, **hf_components(src), **TWO_STEPS)
-    run_tune(config, nproc=2, cwd=tmp_path)
-    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
-    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
 
 
 @pytest.mark.slow
