@@ -79,32 +79,32 @@ class _Run(NamedTuple):
     lora: bool = False
 
 
-def _free_ports(n: int) -> List[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _rank_main(rank: int, runs: List[_Run], ports: List[int]) -> None:
+def _rank_main(rank: int, runs: List[_Run], store_port: int) -> None:
     """One of the two spawned processes: first its share of the one-process references (the two ranks run
     them side by side, each in its own one-process group), then every two-process run."""
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
-
-    def run(path: str, lora: bool, port: int, rank: int, world_size: int) -> None:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                          WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-        _run_in_process(Path(path), lora)
-
+    # The parent's store hands rank 1 the port rank 0 picked just before each two-process run (ports picked
+    # ahead of time could be taken by then on a busy machine).
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
     for i, r in enumerate(runs):
         if r.one_process is not None and i % 2 == rank:
-            run(r.one_process, r.lora, ports[2 * i], rank=0, world_size=1)
+            os.environ.pop("MASTER_PORT", None)  # the recipe picks a free one for its one-process group
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+            _run_in_process(Path(r.one_process), r.lora)
     for i, r in enumerate(runs):
-        run(r.two_processes, r.lora, ports[2 * i + 1], rank=rank, world_size=2)
+        if rank == 0:
+            store.set(f"port/{i}", str(_free_port()))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=store.get(f"port/{i}").decode(), RANK=str(rank),
+                          LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+        _run_in_process(Path(r.two_processes), r.lora)
     # All output is written and every process group destroyed: leave before interpreter teardown, where gloo
     # occasionally aborts (DESIGN.md). An exception above never gets here and fails the spawn with its traceback.
     sys.stdout.flush()
@@ -120,6 +120,7 @@ QLORA_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=
 def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread):
     # Replaces one `tune run --nproc_per_node 2` per architecture (Llama 3.2 ~65 s, Qwen3 ~40 s on a loaded
     # machine): one launch of two processes for all architectures, plus QLoRA on Qwen3 (lora_hf_model).
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     archs = sorted(ARCHITECTURES)
@@ -128,8 +129,8 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         src = make_model_dir(tmp_path / arch / "model", arch)
         one, two = (_split_config(tmp_path / arch / name, src, size) for name, size in (("one", 4), ("two", 2)))
         runs.append(_Run(two_processes=str(two), one_process=str(one)))
-    # QLoRA, two processes only: each rank initialises its own shard of the adapters' A matrices from its own
-    # RNG stream, so the run cannot equal a one-process one; its merged model must still be the trained one.
+    # QLoRA, two processes only: each rank initialises its shard of the adapters' A matrices from its own RNG
+    # stream (seed + rank; DTensor's synchronised RNG is CUDA-only), so the run cannot equal a one-process one.
     qlora_src = make_model_dir(tmp_path / "qlora" / "model", "qwen3", **QLORA_SHAPES)
     qlora = _split_config(tmp_path / "qlora" / "two", qlora_src, 2, model={
         "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
@@ -139,7 +140,8 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     runs.append(_Run(two_processes=str(qlora), lora=True))
     # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
     # raises with the traceback of a rank that failed and stops the other).
-    mp.spawn(_rank_main, args=(runs, _free_ports(2 * len(runs))), nprocs=2, join=True)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
+    mp.spawn(_rank_main, args=(runs, store.port), nprocs=2, join=True)
 
     for arch in archs:
         src, one, two = (tmp_path / arch / name for name in ("model", "one", "two"))
@@ -150,7 +152,9 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{arch}, {key}: {m}")
         # The logged global metrics agree too (sums over micro-batches and ranks).
-        for m1, m2 in zip(read_jsonl(one / "out" / "metrics.jsonl"), read_jsonl(two / "out" / "metrics.jsonl")):
+        rows = [read_jsonl(run / "out" / "metrics.jsonl") for run in (one, two)]
+        assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [1, 2], arch
+        for m1, m2 in zip(*rows):
             for key in ("loss", "kl", "reward/mean", "response_length/mean"):
                 assert m2[key] == pytest.approx(m1[key], abs=1e-5), (arch, m1["step"], key)
         # What rank 0 saved from the two-process run is a Hugging Face model with our model's logits.
