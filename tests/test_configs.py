@@ -191,7 +191,9 @@ def test_real_config(name: str, tmp_path: Path):
         model = tt_config.instantiate(cfg.model)
     assert next(model.parameters()).is_meta
     assert cfg.max_prompt_length + cfg.max_response_length <= model.max_seq_len
-    ours = {k: tuple(v.shape) for k, v in model.state_dict().items() if "lora" not in k}
+    # Parameters, not state_dict(): a QLoRA model's state_dict() dequantises its NF4 weights (as torchtune's
+    # QLoRA builders do), which cannot be done on the meta device.
+    ours = {k: tuple(v.shape) for k, v in model.named_parameters() if "lora" not in k}
     if directory.name in TORCHTUNE_BUILDERS:
         # torchtune has this model: the directory builder gives exactly torchtune's (names and shapes).
         with torch.device("meta"):

@@ -86,6 +86,35 @@ def test_tied_model_has_no_output_weight(saved):
     assert untied.layers[0].attn.q_proj.norm.scale.shape == (32,)
 
 
+def test_qlora_state_dict_is_dequantised(tmp_path):
+    # As torchtune's QLoRA builders: the adapted layers hold NF4 weights, and state_dict() (what the recipe
+    # loads, gathers, merges and saves) gives them back as plain tensors of the model's dtype. Sizes NF4 can
+    # quantise: q_proj 128 x 128 = 16,384 values = 64 x 256.
+    from torchao.dtypes.nf4tensor import NF4Tensor
+    from torchtune_grpo.models import lora_hf_model
+
+    make_hf_model(tmp_path, "qwen3", hidden_size=128, intermediate_size=256, num_key_value_heads=4, head_dim=32)
+    model = lora_hf_model(str(tmp_path), ["q_proj", "v_proj"], quantize_base=True)
+    q_proj = model.layers[0].attn.q_proj
+    assert isinstance(q_proj.weight, NF4Tensor) and not isinstance(model.layers[0].attn.k_proj.weight, NF4Tensor)
+    state = model.state_dict()
+    assert not any(isinstance(v, NF4Tensor) for v in state.values())
+    weight = state["layers.0.attn.q_proj.weight"]
+    assert weight.dtype == torch.float32 and torch.equal(weight, q_proj.weight.get_original_weight())
+    assert isinstance(q_proj.weight, NF4Tensor)  # the model itself keeps its NF4 weights
+
+
+def test_qlora_sizes_nf4_cannot_quantise_are_named(saved):
+    from torchtune_grpo.models import lora_hf_model
+
+    # The tiny Qwen3: 4 heads x head_dim 32 on hidden 64, 2 KV heads. q_proj is 128 x 64 = 8,192 values and
+    # v_proj 64 x 64 = 4,096: not multiples of NF4's 64 x 256 = 16,384 (torchao itself only asserts on counts).
+    with pytest.raises(ValueError, match=r"multiple of 16,384 values; .*q_proj \(128 x 64 = 8,192 values\), "
+                                         r"v_proj \(64 x 64 = 4,096 values\)\. Leave those layers out"):
+        lora_hf_model(str(saved["qwen3"]), ["q_proj", "v_proj"], quantize_base=True)
+    lora_hf_model(str(saved["qwen3"]), ["q_proj", "v_proj"])  # without NF4 any size is fine
+
+
 def _saved_with(directory: Path, arch: str, **changes) -> Path:
     """A random ``arch`` model saved to ``directory``, its config.json then edited."""
     make_hf_model(directory, arch)

@@ -1,6 +1,7 @@
 """The recipes with a model directory read by torchtune_grpo.models (a tiny random Qwen3 with its own
-tokenizer and chat template), through `tune run`: full fine-tuning on 1 and 2 processes, the vLLM engine,
-and LoRA; every output directory loads in transformers (and PEFT) with the logits of our own model."""
+tokenizer and chat template): full fine-tuning, the vLLM engine and LoRA through `tune run`, QLoRA in process;
+every output directory loads in transformers (and PEFT) with the logits of our own model. Two processes, for
+every architecture: tests/test_models_architectures.py."""
 
 from pathlib import Path
 
@@ -56,15 +57,6 @@ def test_qwen3_full_one_process(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_qwen3_full_two_processes(tmp_path: Path):
-    src = make_model_dir(tmp_path / "Qwen3-tiny")
-    config = write_config(tmp_path, **hf_components(src), **TWO_STEPS)
-    run_tune(config, nproc=2, cwd=tmp_path)
-    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
-    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
-
-
-@pytest.mark.slow
 def test_qwen3_vllm_engine_sync_check(tmp_path: Path):
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **TWO_STEPS)
@@ -102,6 +94,66 @@ def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path):
     with torch.no_grad():
         torch.testing.assert_close(peft(_tokens()).logits, hf_logits(merged, _tokens()), atol=1e-4, rtol=0)
         assert (peft(_tokens()).logits - hf_logits(src, _tokens())).abs().max() > 1e-4  # the adapter is not zero
+
+
+def test_qwen3_qlora_in_process_adapter_and_merged_model_load(tmp_path: Path, clean_env, one_thread):
+    # QLoRA through the LoRA recipe (in process) with the directory builder on a tiny Qwen3 whose sizes NF4
+    # can quantise: every adapted weight a multiple of 64 x 256 values (q/k/v/o 128 x 128, MLP 128 x 256,
+    # output 512 x 128). The reference is our trained model, NF4 base weights and all.
+    from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
+    from omegaconf import OmegaConf
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from torchtune_grpo.lora import nf4_parameters
+    from torchtune_grpo.models import tune_to_hf_param
+
+    src = make_model_dir(tmp_path / "Qwen3-tiny", hidden_size=128, intermediate_size=256, num_key_value_heads=4,
+                         head_dim=32)
+    components = hf_components(src)
+    components["model"] = {
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+        "apply_lora_to_output": True, "lora_rank": 4, "lora_alpha": 8, "quantize_base": True,
+    }
+    config = write_config(tmp_path, base=REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", **components,
+                          max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2, max_response_length=8)
+    cfg = OmegaConf.load(config)
+    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg)
+    recipe.setup(cfg)
+    try:
+        recipe.train()
+        with torch.no_grad():
+            ours = recipe._model.eval()(_tokens())  # NF4 base (dequantised per matmul) + adapters
+        nf4 = {name: w.get_original_weight() for name, w in nf4_parameters(recipe._model)}
+    finally:
+        recipe.cleanup()
+    assert len(nf4) == 2 * 7 + 1  # q, k, v, o, w1, w2, w3 in each of 2 layers, and the output projection
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    step = tmp_path / "out" / "step_2"
+    adapter = torch.load(step / "adapter_model.pt", weights_only=True)
+    lora_b = [v for k, v in adapter.items() if k.endswith("lora_b.weight")]
+    assert len(lora_b) == len(nf4) and all(v.abs().max() > 0 for v in lora_b)  # every B started at zero
+
+    # Tolerance 1e-4 on fp32 logits (as every logits comparison here): both sides compute the same function,
+    # dequantised NF4 base + scale * B @ A, so they differ only by fp32 rounding (measured ~6e-6 for the merged
+    # model, 0 for PEFT). NF4's own error is far larger (base weights move by up to ~0.05, the logits of the
+    # adapter on the original base by ~2), which is why the reference is the NF4 model, not the source weights.
+    torch.testing.assert_close(hf_logits(step / "merged", _tokens()), ours, atol=1e-4, rtol=0)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (step / "merged" / name).read_bytes() == (src / name).read_bytes(), name
+    # The PEFT adapter on the base model the trainer saw: transformers' model with the dequantised NF4
+    # weights in place of the adapted layers' base weights (each one a PEFT LoRA layer: targets mapped).
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), step).eval()
+    quantisation_error = 0.0
+    with torch.no_grad():
+        for name, weight in nf4.items():
+            hf_name, hf_weight = tune_to_hf_param(name, weight, rope_layout="half", head_dim=32)
+            layer = peft.get_base_model().get_submodule(hf_name[: -len(".weight")])
+            quantisation_error = max(quantisation_error, (layer.base_layer.weight - hf_weight).abs().max().item())
+            layer.base_layer.weight.copy_(hf_weight)
+        torch.testing.assert_close(peft(_tokens()).logits, ours, atol=1e-4, rtol=0)
+    assert quantisation_error > 1e-3  # the base really was quantised (so the check above is not the plain one)
 
 
 def test_eval_command_with_a_model_directory(tmp_path: Path, one_thread):

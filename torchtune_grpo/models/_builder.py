@@ -12,6 +12,7 @@ scale does not commute with the rotation). Here the norm is part of the projecti
 that calls ``q_proj`` (torchtune's attention, this package's cached and shared-prompt forwards) computes Qwen3.
 """
 
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -27,6 +28,7 @@ from torchtune.modules import (
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
+from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LoRALinear
 
 from torchtune_grpo.models._spec import HFModelSpec
@@ -169,6 +171,29 @@ def build_decoder(spec: HFModelSpec, lora: Optional[_LoRASettings] = None) -> Tr
     )
 
 
+# NF4 (torchao's defaults, which torchtune's LoRALinear uses): blocks of 64 values, their scales in groups of 256.
+NF4_MULTIPLE = 64 * 256
+
+
+def _check_nf4_sizes(spec: HFModelSpec, targets: List[str], path: str) -> None:
+    """Raise a ValueError naming every adapted weight NF4 cannot quantise (torchao only asserts on counts)."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes = {"q_proj": (q, spec.dim), "k_proj": (kv, spec.dim), "v_proj": (kv, spec.dim),
+              "output_proj": (spec.dim, q), "w1": (spec.intermediate_dim, spec.dim),
+              "w2": (spec.dim, spec.intermediate_dim), "w3": (spec.intermediate_dim, spec.dim),
+              "output": (spec.vocab_size, spec.dim)}
+    if spec.tie_word_embeddings:
+        del shapes["output"]  # no output layer of its own (build_decoder refuses to adapt it)
+    bad = [f"{name} ({rows} x {cols} = {rows * cols:,} values)" for name in targets if name in shapes
+           for rows, cols in [shapes[name]] if (rows * cols) % NF4_MULTIPLE]
+    if bad:
+        raise ValueError(
+            f"quantize_base: NF4 stores weights in blocks of 64 values with scales in groups of 256, so each "
+            f"adapted weight must hold a multiple of {NF4_MULTIPLE:,} values; not so in the model of "
+            f"{path}/config.json: {', '.join(bad)}. Leave those layers out of LoRA, or set quantize_base: False."
+        )
+
+
 def hf_model(path: str, max_seq_len: Optional[int] = None) -> TransformerDecoder:
     """The torchtune decoder of a Hugging Face model directory (Llama 3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
 
@@ -213,14 +238,17 @@ def lora_hf_model(
         lora_alpha (float): alpha (updates scaled by alpha / r). Default is 16.
         lora_dropout (float): dropout on the adapter input. Default is 0.0.
         quantize_base (bool): QLoRA (Dettmers et al. 2023, arXiv:2305.14314): NF4 base weights in the adapted
-            layers; layers without an adapter keep the training dtype. Default is False.
+            layers; layers without an adapter keep the training dtype. ``state_dict()`` returns them
+            dequantised (torchtune's QLoRA builders do the same). NF4 quantises blocks of 64 values in groups
+            of 256 blocks, so each adapted weight's size must be a multiple of 16,384. Default is False.
         max_seq_len (Optional[int]): as in :func:`hf_model`. Default is None.
 
     Returns:
         TransformerDecoder: the model with ``LoRALinear`` layers.
 
     Raises:
-        ValueError: for an unknown module name, or as :func:`hf_model`.
+        ValueError: for an unknown module name, an adapted weight NF4 cannot quantise (with
+            ``quantize_base``; the message names it), or as :func:`hf_model`.
     """
     unknown = sorted(set(lora_attn_modules) - set(LORA_ATTN_TARGETS))
     if unknown:
@@ -228,4 +256,15 @@ def lora_hf_model(
     targets = list(lora_attn_modules) + (["w1", "w2", "w3"] if apply_lora_to_mlp else [])
     targets += ["output"] if apply_lora_to_output else []
     lora = _LoRASettings(targets, int(lora_rank), float(lora_alpha), float(lora_dropout), bool(quantize_base))
-    return build_decoder(HFModelSpec.from_directory(path, max_seq_len=max_seq_len), lora)
+    spec = HFModelSpec.from_directory(path, max_seq_len=max_seq_len)
+    if lora.quantize_base:
+        _check_nf4_sizes(spec, targets, path)
+    model = build_decoder(spec, lora)
+    if lora.quantize_base:
+        # As torchtune's QLoRA builders do: state_dict() gives the NF4 weights dequantised to the model's
+        # dtype (on CPU, so a save does not hold a second copy on the accelerator), so checkpointing, merging
+        # and state-dict loading see plain tensors.
+        model.register_state_dict_post_hook(partial(
+            reparametrize_as_dtype_state_dict_post_hook, dtype=model.tok_embeddings.weight.dtype, offload_to_cpu=True,
+        ))
+    return model
