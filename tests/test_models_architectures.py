@@ -15,11 +15,10 @@ from typing import List, NamedTuple, Optional
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, weights, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from tests.test_models_recipe import TWO_STEPS, _check_trained_directory
 
 
@@ -29,19 +28,7 @@ def _config(tmp_path: Path, arch: str) -> Path:
 
 
 def _run_in_process(path: Path, lora: bool = False) -> None:
-    """The recipe's own code path, as `tune run` drives it (setup, train, cleanup), in this process."""
-    if lora:
-        from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed as Recipe
-    else:
-        from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed as Recipe
-
-    cfg = OmegaConf.load(path)
-    recipe = Recipe(cfg)
-    recipe.setup(cfg)
-    try:
-        recipe.train()
-    finally:
-        recipe.cleanup()
+    run_in_process(path, lora=lora)
 
 
 @pytest.mark.parametrize("arch", sorted(a for a in ARCHITECTURES if a != "qwen3"))
