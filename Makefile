@@ -3,7 +3,8 @@
 #   make demo   # set up .venv if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh)
 #   make test   # set up .venv if needed, then the whole test suite
 #
-# PYTEST_ARGS passes options to pytest (make test PYTEST_ARGS="-x tests/test_loss.py"). GPU users install
+# PYTEST_ARGS passes options to pytest (make test PYTEST_ARGS="-x tests/test_loss.py"; "-n 0" for one
+# process). GPU users install
 # by hand instead (README.md, "Install").
 
 VENV ?= .venv
@@ -18,5 +19,7 @@ setup:
 demo: setup
 	$(RUN) bash scripts/demo.sh
 
+# -n auto: one pytest worker per core; --dist loadfile keeps each test file on one worker, so module-scoped
+# fixtures (a vLLM engine, a converted model) are built once (tests/conftest.py starts the longest files first).
 test: setup
-	$(RUN) python -m pytest -q $(PYTEST_ARGS)
+	$(RUN) python -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)

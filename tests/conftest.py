@@ -63,3 +63,21 @@ def clean_env():
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+# Files run first under pytest-xdist (`make test`: -n auto --dist loadfile hands out whole files in collection
+# order). The learning test is the longest single test (about 6 of the suite's minutes on 2 cores): started
+# last, it would run alone on one core at the end. After it, the files with multi-process (`slow`) tests.
+LONGEST_FIRST = ("test_learning.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order files longest first (a stable sort: tests keep their order within a file)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item) -> int:
+        if item.path.name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(item.path.name)
+        return len(LONGEST_FIRST) + (0 if item.path in slow_files else 1)
+
+    items.sort(key=rank)
