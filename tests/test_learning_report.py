@@ -1,0 +1,70 @@
+"""The pure aggregation of benchmarks/learning_vs_trl.py (benchmarks/learning_report.py): no model, no TRL."""
+
+import importlib.util
+
+import pytest
+
+from tests.conftest import REPO
+
+_spec = importlib.util.spec_from_file_location("learning_report", REPO / "benchmarks" / "learning_report.py")
+report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(report)
+
+
+def _run(side, seed, evals, entropies):
+    steps = [
+        {"step": i + 1, "reward": 0.5, "entropy": e, "response_length": 10.0, "grad_norm": 1.0, "seconds": 10.0,
+         "elapsed": 10.0 * (i + 1)}
+        for i, e in enumerate(entropies)
+    ]
+    return {"side": side, "seed": seed, "steps": steps,
+            "evals": [{"step": s, "accuracy": a, "elapsed": t} for s, a, t in evals]}
+
+
+RUNS = [
+    _run("ours", 0, [(0, 0.3, 0.0), (3, 0.5, 30.0)], [1.0, 0.8, 0.6]),
+    _run("ours", 1, [(0, 0.3, 0.0), (3, 0.7, 40.0)], [1.0, 0.6, 0.2]),
+    _run("trl", 0, [(0, 0.3, 0.0), (3, 0.4, 60.0)], [1.0, 1.0, 1.0]),
+]
+
+
+def test_accuracy_by_step_is_mean_and_sample_spread_over_seeds():
+    ours = report.accuracy_by_step(RUNS, "ours")
+    # step 3: accuracies 0.5 and 0.7 -> mean 0.6, sample std sqrt(((-.1)^2 + .1^2) / 1) = 0.1414
+    assert ours[3]["mean"] == pytest.approx(0.6)
+    assert ours[3]["std"] == pytest.approx(0.02**0.5)
+    assert (ours[3]["min"], ours[3]["max"], ours[3]["n"]) == (0.5, 0.7, 2)
+    assert ours[3]["elapsed"] == pytest.approx(35.0)  # (30 + 40) / 2
+    trl = report.accuracy_by_step(RUNS, "trl")
+    assert trl[3]["std"] == 0.0 and trl[3]["n"] == 1
+
+
+def test_accuracy_at_a_wall_clock_budget_is_the_last_checkpoint_evaluated_within_it():
+    seed1 = RUNS[1]
+    assert report.accuracy_at_seconds(seed1, 39.9) == 0.3  # step 3 was written at 40 s
+    assert report.accuracy_at_seconds(seed1, 40.0) == 0.7
+    assert report.accuracy_at_seconds(seed1, 1e9) == 0.7  # a finished run keeps its final accuracy
+    assert report.seconds_grid(RUNS, points=4) == [0, 20, 40, 60]  # longest evaluation: TRL at 60 s
+    by_time = report.accuracy_by_seconds(RUNS, "ours", [20, 40])
+    assert by_time[20]["mean"] == pytest.approx(0.3)
+    assert by_time[40]["mean"] == pytest.approx(0.6)
+    assert report.accuracy_by_seconds(RUNS, "trl", [40])[40]["mean"] == pytest.approx(0.3)
+
+
+def test_training_metric_window_averages_each_run_then_seeds():
+    # steps 2-3: seed 0 entropy (0.8 + 0.6) / 2 = 0.7, seed 1 (0.6 + 0.2) / 2 = 0.4 -> mean 0.55
+    w = report.train_metric_window(RUNS, "ours", "entropy", 2, 3)
+    assert w["mean"] == pytest.approx(0.55)
+    assert (w["min"], w["max"]) == (pytest.approx(0.4), pytest.approx(0.7))
+
+
+def test_markdown_report_rows():
+    text = report.markdown_report(RUNS, note="note line")
+    assert text.startswith("note line")
+    assert "Seeds: ours [0, 1]; TRL [0]." in text
+    assert "| 3 | 0.60 ± 0.14 [0.50, 0.70] (35 s) | 0.40 (60 s) |" in text
+    # wall-clock budgets: 6 points up to the longest evaluation (60 s): 0, 12, 24, 36, 48, 60
+    assert "| 36 | 0.40 ± 0.14 [0.30, 0.50] | 0.30 |" in text  # at 36 s seed 0 has 0.5, seed 1 still 0.3
+    assert "| 48 | 0.60 ± 0.14 [0.50, 0.70] | 0.30 |" in text
+    # steps 1-3: entropy seed 0 (1 + .8 + .6) / 3 = 0.8, seed 1 (1 + .6 + .2) / 3 = 0.6 -> 0.700 ± 0.141
+    assert "| 1-3 | ours | 0.500 ± 0.000 [0.500, 0.500] | 0.700 ± 0.141 [0.600, 0.800] |" in text
