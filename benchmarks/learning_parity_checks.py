@@ -197,7 +197,8 @@ def run_trl(model_dir: Path, rollouts_path: Path, result_path: Path) -> None:
         "advantages": inputs["advantages"].tolist(),
         "entropy": float(trainer._metrics["train"]["entropy"][-1]),
         "loss": float(loss.detach()), "grad_norm": float(norm),
-        "adam": {k: v for k, v in opt.defaults.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
+        "adam": {**{k: v for k, v in opt.defaults.items() if k in ("lr", "betas", "eps", "amsgrad")},
+                 "weight_decay (per param group)": sorted({g["weight_decay"] for g in opt.param_groups})},
         "config_defaults": config_defaults,
         "generation_config": {k: getattr(gc, k, None) for k in ("do_sample", "temperature", "top_k", "top_p", "min_p",
                                                                  "repetition_penalty", "eos_token_id", "pad_token_id")},
@@ -246,10 +247,94 @@ def compare_update(ours: Dict[str, Any], trl: Dict[str, Any], tol: float) -> Lis
         lines.append(f"{verdict(ok)} {what}: {len(errs)} tensors, worst relative L2 error {errs[worst]:.2e} ({worst}); "
                      f"tied embedding {emb:.2e}; median {sorted(errs.values())[len(errs) // 2]:.2e}"
                      + (f"; names on one side only: {missing[:4]}" if missing else ""))
-    cos = float(torch.nn.functional.cosine_similarity(
-        torch.cat([ours["grads"][k].flatten() for k in sorted(trl["grads"])]),
-        torch.cat([trl["grads"][k].flatten() for k in sorted(trl["grads"])]), dim=0))
+    a = torch.cat([ours["grads"][k].double().flatten() for k in sorted(trl["grads"])])
+    b = torch.cat([trl["grads"][k].double().flatten() for k in sorted(trl["grads"])])
+    cos = float(torch.dot(a, b) / (a.norm() * b.norm()))
     lines.append(f"{verdict(cos > 1 - tol)} cosine of the full gradients: {cos:.8f}")
+    return lines
+
+
+
+def rollouts_from(data: Dict[str, Any], tokenizer):
+    """The saved rollouts as our ``RolloutGroups``."""
+    import torch
+
+    from torchtune_grpo.generation import decode_responses
+    from torchtune_grpo.rollout import RolloutGroups
+
+    return RolloutGroups(
+        group_size=G, prompts=list(data["prompts"]), fields=[{"answer": a} for a in data["answers"]],
+        prompt_ids=[list(p) for p in data["prompt_ids"]], response_ids=[list(r) for r in data["response_ids"]],
+        completions=decode_responses(tokenizer, data["response_ids"]), truncated=torch.tensor(data["truncated"]),
+        rewards=torch.tensor(data["rewards"], dtype=torch.float32),
+    )
+
+
+def run_trl_child(python: str, model_dir: Path, out: Path) -> None:
+    # Not the process-group variables our recipe set in this process: TRL would join that group.
+    dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([python, __file__, "_trl", str(model_dir), str(out / "rollouts.pt"),
+                           str(out / "trl_result.pt")], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise RuntimeError("TRL side failed")
+
+
+def reference_update(model_dir: Path, data: Dict[str, Any], advantages: List[float]) -> Dict[str, Any]:
+    """The exact on-policy GRPO gradient and per-token entropies in float64, one unpadded row at a time.
+
+    At ratio 1 the clipped objective's gradient is ``-(1/M) sum_i A_i sum_t grad log pi(o_i,t)`` (M: all
+    completion tokens, stop token included); transformers' model in float64 gives it without padding,
+    packing or chunking, a referee for the two implementations.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
+    total = sum(len(r) for r in data["response_ids"])
+    entropies = []
+    for prompt, resp, adv in zip([p for p in data["prompt_ids"]], data["response_ids"], advantages):
+        ids = torch.tensor([list(prompt) + list(resp)])
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]  # [C, V]: position t predicts completion token t
+        logp = torch.log_softmax(logits, dim=-1)
+        chosen = logp.gather(-1, torch.tensor(resp).unsqueeze(-1)).squeeze(-1)  # [C]
+        (-(adv / total) * chosen.sum()).backward()
+        entropies.append((-(logp.exp() * logp).sum(-1)).tolist())
+    grads = {k: p.grad.float() for k, p in model.named_parameters()}
+    flat = [e for row in entropies for e in row]
+    return {"grads": grads, "entropies": entropies, "entropy": sum(flat) / len(flat)}
+
+
+def compare_reference(ours: Dict[str, Any], trl: Dict[str, Any], ref: Dict[str, Any]) -> List[str]:
+    """Both sides against the float64 referee: entropies and gradients (the tied embedding apart)."""
+    import torch
+
+    lines = []
+    for name, side in (("ours", ours), ("TRL", trl)):
+        ent = max(abs(x - y) for a, b in zip(side["entropies"], ref["entropies"]) for x, y in zip(a, b))
+        errs = {k: rel(side["grads"][k], ref["grads"][k]) for k in ref["grads"]}
+        worst = max(errs, key=errs.get)
+        flat = torch.cat([side["grads"][k].double().flatten() for k in sorted(ref["grads"])])
+        flat_ref = torch.cat([ref["grads"][k].double().flatten() for k in sorted(ref["grads"])])
+        cos = float(torch.dot(flat, flat_ref) / (flat.norm() * flat_ref.norm()))
+        lines.append(
+            f"{verdict(ent < 1e-3)} {name} vs float64 reference: per-token entropy max error {ent:.2e} "
+            f"(mean entropy {side['entropy']:.5f} vs {ref['entropy']:.5f})")
+        lines.append(
+            f"{verdict(errs[worst] < 1e-3)} {name} vs float64 reference: gradient worst relative error "
+            f"{errs[worst]:.2e} ({worst}), tied embedding {errs['model.embed_tokens.weight']:.2e}, median "
+            f"{sorted(errs.values())[len(errs) // 2]:.2e}, cosine {cos:.8f}")
+    emb = {n: s["grads"]["model.embed_tokens.weight"] - ref["grads"]["model.embed_tokens.weight"] for n, s in
+           (("ours", ours), ("TRL", trl))}
+    for name, d in emb.items():
+        rows = d.norm(dim=-1)
+        top = torch.topk(rows, 5)
+        lines.append(f"     {name}: embedding rows with the largest error {top.indices.tolist()} "
+                     f"(norms {[f'{v:.2e}' for v in top.values.tolist()]}; reference row norms "
+                     f"{[f'{v:.2e}' for v in ref['grads']['model.embed_tokens.weight'][top.indices].norm(dim=-1).tolist()]})")
     return lines
 
 
@@ -259,7 +344,13 @@ def compare_update(ours: Dict[str, Any], trl: Dict[str, Any], tol: float) -> Lis
 def sampling_check(recipe, prompt: List[int], samples: int, seed: int) -> List[str]:
     """Our engine's first three tokens vs exact softmax sampling (TV, chi-square), multinomial as control."""
     import torch
-    from scipy.stats import chisquare
+
+    def chisquare_p(obs: torch.Tensor, exp: torch.Tensor) -> float:
+        """Pearson's chi-square p-value, ``len(obs) - 1`` degrees of freedom (upper regularised gamma)."""
+        exp = exp * (obs.sum() / exp.sum())
+        stat = ((obs - exp) ** 2 / exp).sum()
+        dof = torch.tensor(float(obs.numel() - 1), dtype=torch.float64)
+        return float(torch.special.gammaincc(dof / 2, stat / 2))
 
     model, tok = recipe._model, recipe._tokenizer
     model.eval()
@@ -288,8 +379,7 @@ def sampling_check(recipe, prompt: List[int], samples: int, seed: int) -> List[s
         obs = torch.cat([counts[big], counts[~big].sum().unsqueeze(0)])
         exp = torch.cat([expected[big], expected[~big].sum().unsqueeze(0)])
         obs_c = torch.cat([control[big], control[~big].sum().unsqueeze(0)])
-        pval = float(chisquare(obs.numpy(), exp.numpy() * float(obs.sum() / exp.sum())).pvalue)
-        pval_c = float(chisquare(obs_c.numpy(), exp.numpy() * float(obs_c.sum() / exp.sum())).pvalue)
+        pval, pval_c = chisquare_p(obs, exp), chisquare_p(obs_c, exp)
         top = int(p.argmax())
         ok = pval > 1e-3 and tv < 2 * tv_control + 0.02
         lines.append(
@@ -315,6 +405,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--checks", nargs="+", default=["update", "sampling", "defaults"],
                         choices=["update", "sampling", "defaults"])
     parser.add_argument("--tol", type=float, default=1e-3, help="relative tolerance of tensor comparisons")
+    parser.add_argument("--reuse", action="store_true", help="reuse --out's rollouts.pt and trl_result.pt")
     args = parser.parse_args(argv)
 
     import torch
@@ -330,40 +421,42 @@ def main(argv: Optional[List[str]] = None) -> None:
     report: List[str] = []
 
     if "defaults" in args.checks or "update" in args.checks:
-        batch = recipe._next_batch()
-        rollouts = recipe._generate_and_score(batch)  # our engine, our rewards; then rewards fixed below
-        rollouts.rewards = torch.tensor(FIXED_REWARDS[: len(rollouts.response_ids)])
-        data = {"prompts": [bench.read_jsonl(out / "train_order.jsonl")[i]["prompt"] for i in range(GROUPS)],
-                "answers": [f["answer"] for f in rollouts.fields], "prompt_ids": rollouts.prompt_ids,
-                "response_ids": rollouts.response_ids, "rewards": FIXED_REWARDS[: len(rollouts.response_ids)],
-                "truncated": rollouts.truncated.tolist()}
-        torch.save(data, out / "rollouts.pt")
+        if args.reuse and (out / "trl_result.pt").exists():
+            data = torch.load(out / "rollouts.pt")
+            rollouts = rollouts_from(data, recipe._tokenizer)
+            t0 = time.perf_counter()
+        else:
+            batch = recipe._next_batch()
+            rollouts = recipe._generate_and_score(batch)  # our engine, our rewards; then rewards fixed below
+            rollouts.rewards = torch.tensor(FIXED_REWARDS[: len(rollouts.response_ids)])
+            data = {"prompts": [bench.read_jsonl(out / "train_order.jsonl")[i]["prompt"] for i in range(GROUPS)],
+                    "answers": [f["answer"] for f in rollouts.fields], "prompt_ids": rollouts.prompt_ids,
+                    "response_ids": rollouts.response_ids, "rewards": FIXED_REWARDS[: len(rollouts.response_ids)],
+                    "truncated": rollouts.truncated.tolist()}
+            torch.save(data, out / "rollouts.pt")
+            t0 = time.perf_counter()
+            run_trl_child(args.trl_python, model_dir, out)
         eos = recipe._tokenizer.stop_tokens
         ended = [r[-1] in eos for r in rollouts.response_ids]
         report.append(f"     rollouts: lengths {[len(r) for r in rollouts.response_ids]}, ending with a stop token "
                       f"{ended} (stop tokens {eos}), completions {[c[:40] for c in rollouts.completions]}")
-        # Not the process-group variables our recipe set in this process: TRL would join that group.
-        dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                     "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-        env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-        t0 = time.perf_counter()
-        proc = subprocess.run([args.trl_python, __file__, "_trl", str(model_dir), str(out / "rollouts.pt"),
-                               str(out / "trl_result.pt")], env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-            raise RuntimeError("TRL side failed")
         trl = torch.load(out / "trl_result.pt")
         ours = run_ours(recipe, rollouts, model_dir)
+        ref = reference_update(model_dir, data, ours["advantages"])
         report.append(f"     TRL {trl['trl_version']} side took {time.perf_counter() - t0:.0f} s")
         report += compare_update(ours, trl, args.tol)
+        report += compare_reference(ours, trl, ref)
         s = recipe._engine
         report.append(f"     defaults: ours NativeGenerator temperature={s.temperature} top_k={getattr(s, 'top_k', None)} "
                       f"top_p={getattr(s, 'top_p', None)}; TRL GRPOConfig defaults {trl['config_defaults']}; "
                       f"TRL generation config used {trl['generation_config']}; TRL AdamW {trl['adam']}; "
-                      f"ours AdamW {({k: v for k, v in recipe._optimizer.defaults.items() if k in trl['adam']})}")
-        del recipe, ours, trl
-        recipe = build_recipe(model_dir, task_dir, out)  # fresh weights for the sampling check
+                      f"ours AdamW {({k: v for k, v in recipe._optimizer.defaults.items() if k in ('lr', 'betas', 'eps', 'amsgrad')})}, "
+                      f"weight decay per group {sorted({g['weight_decay'] for g in recipe._optimizer.param_groups})}")
+        for line in report:
+            print(line, flush=True)
+        del ours, trl, ref
+        recipe.cleanup()  # ends its process group; a fresh recipe (base weights) samples below
+        recipe = build_recipe(model_dir, task_dir, out)
     if "sampling" in args.checks:
         prompt = bench.read_jsonl(task_dir / "heldout.jsonl")[0]["tokens"]
         report += sampling_check(recipe, prompt, args.samples, seed=1)

@@ -98,6 +98,16 @@ def test_shared_prefill_equals_prefilling_every_row():
     assert len({tuple(r) for r in a.response_ids[:4]}) > 1
 
 
+def test_one_prompt_with_grouped_query_attention_decodes_like_torchtune():
+    # batch_size 1 (one prompt per call) with GQA (4 query / 2 key-value heads) crashed at the first decode
+    # step ("view size is not compatible"): the group's attention output was a strided view. Every row of
+    # the group must give torchtune's own greedy tokens for that prompt.
+    model = make_tiny_decoder()
+    for prompt in PROMPTS:
+        rows = _greedy(NativeGenerator(temperature=0.0), model, [prompt], group_size=3)
+        assert rows == [_simple_path(model, prompt, 10)] * 3
+
+
 def test_stop_checks_only_every_k_tokens_do_not_change_results():
     model = make_tiny_decoder()
     greedy = NativeGenerator(temperature=0.0).generate(

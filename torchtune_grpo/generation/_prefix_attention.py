@@ -118,7 +118,9 @@ class SharedPrefixKVCache(EngineKVCache):
         pp = pp.reshape(b, g, h_kv, rs, pw).transpose(1, 2).reshape(b, h_kv, g * rs, pw)
         out = torch.matmul(pp, vp).view(b, h_kv, g, rs, d).transpose(1, 2).reshape(n, h_kv, rs, d)
         out = out + torch.matmul(pc, vc)
-        return out.view(n, h, s, d)
+        # reshape, not view: with one prompt (B = 1) the prompt part above stays a strided view and the sum
+        # keeps its layout, in which h_kv and r cannot be merged without a copy.
+        return out.reshape(n, h, s, d)
 
 
 def lean_decode_eligible(layers: nn.ModuleList) -> bool:
