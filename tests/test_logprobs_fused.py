@@ -100,3 +100,33 @@ def test_a_single_chunk_keeps_its_logits_and_gives_the_same_gradients(with_entro
         grads.append(first)
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("single_chunk", [True, False])
+def test_entropy_is_exact_when_logits_are_large(fused, single_chunk):
+    # Real models' logits sit far from 0 (SmolLM2-135M: ~20-50). Entropy is shift-invariant, but
+    # lse - sum_v p_v z_v in fp32 sums terms of the size of the logits: with every logit shifted by +100 it
+    # was off by 1e-4-1e-3 nats (benchmarks/learning_parity_checks.py found 7.6e-3 against a float64
+    # reference on SmolLM2). Reference: float64 -sum p log p of the same logits.
+    torch.manual_seed(0)
+    d, v, t = 16, 8192, 24
+    lin = torch.nn.Linear(d, v, bias=False)
+    with torch.no_grad():
+        lin.weight.normal_(0.0, 0.5)
+        lin.weight[:, 0] = 100.0  # hidden unit 0 is 1 below: +100 on every logit
+    hidden = torch.randn(1, t, d)
+    hidden[..., 0] = 1.0
+    hidden.requires_grad_(True)
+    targets = torch.randint(0, v, (1, t))
+    out = chunked_logprobs(hidden, targets, lin, chunk_size=t if single_chunk else 5, with_entropy=True,
+                           entropy_grad=False, fused=fused)
+    # The same fp32 logits, then float64: what is measured is the entropy's arithmetic, not the logits' rounding.
+    with torch.no_grad():
+        logits = lin(hidden)[0].double()  # [t, V]
+    log_p = torch.log_softmax(logits, dim=-1)
+    ref = -(log_p.exp() * log_p).sum(-1)
+    assert float(ref.min()) > 1.0  # not degenerate: over a nat of spread at every position
+    torch.testing.assert_close(out.entropy[0].double(), ref, rtol=0, atol=1e-5)
+    # (logprobs carry the fp32 rounding of logits ~100 themselves: ulp 8e-6)
+    torch.testing.assert_close(out.logprobs[0].double(), log_p.gather(-1, targets[0, :, None])[:, 0], rtol=0, atol=1e-4)
