@@ -288,12 +288,16 @@ def reference_update(model_dir: Path, data: Dict[str, Any], advantages: List[flo
 
     At ratio 1 the clipped objective's gradient is ``-(1/M) sum_i A_i sum_t grad log pi(o_i,t)`` (M: all
     completion tokens, stop token included); transformers' model in float64 gives it without padding,
-    packing or chunking, a referee for the two implementations.
+    packing or chunking, a referee for the two implementations (with the embedding's ``padding_idx`` off:
+    the exact gradient, see docs/algorithms.md).
     """
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64)
+    # transformers' embedding drops the gradient of the pad token's row where it is an input (padding_idx);
+    # SmolLM2's pad token is <|im_end|>, a real token of every prompt. The referee takes the exact gradient.
+    model.get_input_embeddings().padding_idx = None
     total = sum(len(r) for r in data["response_ids"])
     entropies = []
     for prompt, resp, adv in zip([p for p in data["prompt_ids"]], data["response_ids"], advantages):
