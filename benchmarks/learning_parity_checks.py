@@ -447,7 +447,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         trl = torch.load(out / "trl_result.pt")
         ours = run_ours(recipe, rollouts, model_dir)
         ref = reference_update(model_dir, data, ours["advantages"])
-        report.append(f"     TRL {trl['trl_version']} side took {time.perf_counter() - t0:.0f} s")
+        report.append(f"     TRL {trl['trl_version']}; both updates and the float64 referee took "
+                      f"{time.perf_counter() - t0:.0f} s")
         report += compare_update(ours, trl, args.tol)
         report += compare_reference(ours, trl, ref)
         s = recipe._engine
