@@ -1,13 +1,17 @@
 """The recipe through its real launch path: `tune run grpo_full_finetune_distributed --config ...`.
 
-Each test writes a copy of the shipped tiny config (tests/_rewards.py explains the extra reward), runs
+Each launcher test writes a copy of the shipped tiny config (tests/_rewards.py explains the extra reward), runs
 `tune` in a subprocess from a directory outside the repository (the recipe is an installed module), and
-checks what a user gets: metrics, completions, a Hugging Face checkpoint, resumption.
+checks what a user gets: metrics, completions, a Hugging Face checkpoint, resumption. One run on 1 process
+and one on 2 go through the launcher; what needs no launcher (a resumed run, a setup error, a short run's
+log) runs in process (tests.recipe_utils.run_in_process).
 """
 
 import json
+import logging
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ import torch
 from tests.recipe_utils import (
     REQUIRED_METRICS,
     read_jsonl,
+    run_in_process,
     run_tune,
     tiny_model_from,
     weights,
@@ -24,8 +29,9 @@ from tests.recipe_utils import (
 from torchtune_grpo.assets import asset_path
 
 
-def test_single_process_run(tmp_path):
-    cfg = write_config(tmp_path, max_steps=4, save_every_n_steps=2)
+def test_single_process_run_and_resume(tmp_path, caplog, clean_env, one_thread):
+    # seed: null draws a random seed; the resumed run must take the checkpoint's (it fixes data order).
+    cfg = write_config(tmp_path, max_steps=4, save_every_n_steps=2, seed=None)
     run_tune(cfg, cwd=tmp_path)
     out = tmp_path / "out"
 
@@ -47,9 +53,9 @@ def test_single_process_run(tmp_path):
         assert (out / f"step_{step}" / "recipe_state.pt").is_file()
     final = out / "step_4"
     base = weights(Path(asset_path("tiny_qwen2")))
-    trained = weights(final)
-    assert base.keys() == trained.keys()
-    changed = [k for k in base if not torch.equal(base[k], trained[k])]
+    uninterrupted = weights(final)
+    assert base.keys() == uninterrupted.keys()
+    changed = [k for k in base if not torch.equal(base[k], uninterrupted[k])]
     assert len(changed) > len(base) // 2, f"only {changed} changed"
 
     # The checkpoint is a Hugging Face model directory with the same logits as torchtune's model.
@@ -62,33 +68,19 @@ def test_single_process_run(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(hf_model(ids).logits, tt_model(ids), atol=1e-4, rtol=1e-4)
 
-
-def test_resume_matches_uninterrupted_run(tmp_path):
-    # seed: null draws a random seed; the resumed run must take the checkpoint's (it fixes data order).
-    cfg = write_config(tmp_path, max_steps=4, save_every_n_steps=2, seed=None)
-    run_tune(cfg, cwd=tmp_path)
-    out = tmp_path / "out"
-    uninterrupted = weights(out / "step_4")
-
-    # Simulate a crash right after the step-2 checkpoint: drop everything written later.
-    shutil.rmtree(out / "step_4")
-    metrics = read_jsonl(out / "metrics.jsonl")[:2]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-
-    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
-    assert "Resuming from" in log and "step_2" in log
-    steps = [m["step"] for m in read_jsonl(out / "metrics.jsonl")]
-    assert steps == [1, 2, 3, 4]
-    resumed = weights(out / "step_4")
+    # Simulate a crash right after the step-2 checkpoint: drop everything written later. The resumed run goes
+    # in process (tests/test_distributed_runs.py resumes through `tune run` after kills at named points).
+    shutil.rmtree(final)
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics[:2]))
+    resume = write_config(tmp_path, max_steps=4, save_every_n_steps=2, seed=None, resume_from_checkpoint=True)
+    with caplog.at_level(logging.INFO):
+        run_in_process(resume)
+    assert "Resuming from" in caplog.text and "step_2" in caplog.text
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    resumed = weights(final)
     # Same data order (mid-epoch), same RNG streams, same optimizer and LR state: same weights.
     for key in uninterrupted:
         torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)
-
-
-def test_resume_without_checkpoint_is_an_error(tmp_path):
-    cfg = write_config(tmp_path, max_steps=1)
-    with pytest.raises(AssertionError, match="holds no complete checkpoint: no step_N directories"):
-        run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
 
 
 @pytest.mark.slow
@@ -113,16 +105,31 @@ def test_two_processes(tmp_path):
         torch.testing.assert_close(hf_model(ids).logits, tiny_model_from(out / "step_2", tmp_path)(ids), atol=1e-4, rtol=1e-4)
 
 
-def test_unknown_key_is_named(tmp_path):
+def test_unknown_key_on_the_command_line_is_named(tmp_path, monkeypatch, clean_env):
+    # The override as `tune run` hands it over (torchtune's parser), then the recipe's constructor: the typo
+    # is named before anything is built (tests/test_config_errors.py holds the validator's other cases).
+    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
+    from torchtune import config as tt_config
+
+    parsed = {}
+
+    @tt_config.parse
+    def main(cfg):
+        parsed["cfg"] = cfg
+
     cfg = write_config(tmp_path, max_steps=1)
-    with pytest.raises(AssertionError, match="Unknown config key\\(s\\): 'lerning_rate'"):
-        run_tune(cfg, "lerning_rate=0.1", cwd=tmp_path)
+    monkeypatch.setattr(sys, "argv", ["recipe", "--config", str(cfg), "lerning_rate=0.1"])
+    with pytest.raises(SystemExit):
+        main()
+    with pytest.raises(ValueError, match="Unknown config key\\(s\\): 'lerning_rate'"):
+        GRPOFullFinetuneRecipeDistributed(parsed["cfg"])
 
 
-def test_ppo_epochs_without_reference_model(tmp_path):
+def test_ppo_epochs_without_reference_model(tmp_path, caplog, clean_env, one_thread):
     cfg = write_config(tmp_path, max_steps=2, ppo_epochs=2, micro_batch_size=4, kl_coef=0.0)
-    log = run_tune(cfg, cwd=tmp_path)
-    assert "Reference model: none (kl_coef = 0)" in log
+    with caplog.at_level(logging.INFO):
+        run_in_process(cfg)
+    assert "Reference model: none (kl_coef = 0)" in caplog.text
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert all(m["kl"] == 0.0 for m in metrics)
     # The second optimizer step on the same rollouts is off-policy: ratios move away from 1.
