@@ -261,17 +261,17 @@ def test_eval_command_needs_validation(tmp_path, capsys):
     assert "validation" in capsys.readouterr().err
 
 
-def test_rejection_sample_command(tmp_path):
+def test_rejection_sample_command(tmp_path, capsys, one_thread):
+    # In process through the same entry point as the `tune-grpo` script (test_eval_command_on_a_checkpoint
+    # runs the installed script itself).
     config = _tiny_eval_config(tmp_path)
     out = tmp_path / "rs.jsonl"
     # threshold 0 keeps every finished completion of the random model: the file format is what is tested
-    proc = subprocess.run(
-        [TUNE_GRPO, "rejection-sample", "--config", str(config), f"output={out}", "num_samples=3",
-         "max_per_prompt=2", "threshold=0", "max_response_length=12", "generation.temperature=1.0"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "kept" in proc.stdout and out.is_file()
+    code = cli_main(["rejection-sample", "--config", str(config), f"output={out}", "num_samples=3",
+                     "max_per_prompt=2", "threshold=0", "max_response_length=12", "generation.temperature=1.0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert "kept" in captured.out and out.is_file()
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     per_prompt = {}
     for r in rows:
@@ -283,20 +283,20 @@ def test_rejection_sample_command(tmp_path):
 # ------------------------------------------------------------------------------ in the recipe
 
 
-def test_recipe_logs_held_out_eval_at_start_every_n_and_end(tmp_path):
-    from tests.recipe_utils import read_jsonl, run_tune, write_config
+_VALIDATION = {"_component_": "torchtune_grpo.data.arithmetic_dataset", "split": "validation", "num_samples": 8,
+               "max_value": 20}
+_EVAL = dict(eval_num_samples=2, eval_max_prompts=5, validation=_VALIDATION)
 
-    config = write_config(
-        tmp_path,
-        max_steps=3,
-        eval_every_n_steps=2,
-        eval_num_samples=2,
-        eval_max_prompts=5,
-        validation={"_component_": "torchtune_grpo.data.arithmetic_dataset", "split": "validation",
-                    "num_samples": 8, "max_value": 20},
-    )
-    run_tune(config, cwd=tmp_path)
-    rows = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+
+@pytest.mark.slow
+def test_recipe_logs_held_out_eval_and_shards_prompts_over_two_ranks(tmp_path, clean_env, one_thread):
+    from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_config
+
+    # One process, in process: eval rows at step 0, every eval_every_n_steps and at the end.
+    one = tmp_path / "n1"
+    one.mkdir()
+    run_in_process(write_config(one, max_steps=3, eval_every_n_steps=2, **_EVAL))
+    rows = read_jsonl(one / "out" / "metrics.jsonl")
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2, 3]
     for r in evals:
@@ -304,42 +304,17 @@ def test_recipe_logs_held_out_eval_at_start_every_n_and_end(tmp_path):
         assert math.isfinite(r["eval/reward/mean"]) and r["eval/num_prompts"] == 5
     assert len([r for r in rows if "loss" in r]) == 3  # training rows unchanged
 
-
-@pytest.mark.slow
-def test_recipe_eval_shards_prompts_over_two_ranks(tmp_path):
-    # 5 held-out prompts over 2 ranks (3 + 2): the all-reduced count is 5 and the step-0 greedy accuracy and
-    # reward equal the 1-process run's (same initial weights, greedy decoding).
-    from tests.recipe_utils import read_jsonl, run_tune, write_config
-
-    validation = {"_component_": "torchtune_grpo.data.arithmetic_dataset", "split": "validation",
-                  "num_samples": 8, "max_value": 20}
-    results = []
-    for nproc in (1, 2):
-        run_dir = tmp_path / f"n{nproc}"
-        run_dir.mkdir()
-        config = write_config(run_dir, max_steps=1, eval_max_prompts=5, validation=validation)
-        run_tune(config, nproc=nproc, cwd=run_dir)
-        rows = [r for r in read_jsonl(run_dir / "out" / "metrics.jsonl") if "eval/accuracy" in r]
-        assert [r["step"] for r in rows] == [0, 1] and rows[0]["eval/num_prompts"] == 5
-        results.append(rows[0])
+    # Two processes (`tune run`): 5 held-out prompts over 2 ranks (3 + 2). The all-reduced count is 5 and the
+    # step-0 greedy accuracy and reward equal the one-process run's (same initial weights, greedy decoding).
+    two = tmp_path / "n2"
+    two.mkdir()
+    run_tune(write_config(two, max_steps=1, **_EVAL), nproc=2, cwd=two)
+    two_evals = [r for r in read_jsonl(two / "out" / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [r["step"] for r in two_evals] == [0, 1] and two_evals[0]["eval/num_prompts"] == 5
     # (response lengths are not compared: padding differs with the batch split, and the random model's
     # near-tied logits may then pick another token)
     for key in ("eval/accuracy", "eval/reward/mean"):
-        assert results[0][key] == pytest.approx(results[1][key]), key
-
-
-def test_recipe_rejects_validation_without_correctness(tmp_path):
-    from tests.recipe_utils import TUNE, write_config
-
-    config = write_config(
-        tmp_path, eval_reward="nope",
-        validation={"_component_": "torchtune_grpo.data.arithmetic_dataset", "split": "validation",
-                    "num_samples": 4, "max_value": 20},
-    )
-    proc = subprocess.run([TUNE, "run", "grpo_full_finetune_distributed", "--config", str(config)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-    assert proc.returncode != 0 and "eval_reward='nope' names no reward component" in proc.stdout + proc.stderr
+        assert two_evals[0][key] == pytest.approx(evals[0][key]), key
 
 
 # ----------------------------------------------------------------------------- the demo configs
