@@ -1,11 +1,14 @@
-"""The GRPO algorithm family through `tune run`: split independence of every loss variant, the presets,
+"""The GRPO algorithm family through the recipe: split independence of every loss variant, the presets,
 dynamic sampling with resumption, and the algorithm card.
 
-Cost (2 CPU cores): about 8 s per single-process `tune run` and 15 s per two-process one; checks are
-batched so that each run covers several variants (see tests/_losses.py).
+One-process runs go in process (tests.recipe_utils.run_in_process: no `tune run` start-up, 10-20 s each on
+2 loaded cores); two-process runs through `tune run --nproc_per_node 2`. Checks are batched so that each run
+covers several variants (see tests/_losses.py).
 """
 
+import logging
 import math
+import os
 import shutil
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_tune, weights, write_config
+from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_in_process, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo"]
@@ -73,15 +76,23 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int) -> Path
 
 
 @pytest.mark.slow
-def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path):
-    # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches;
-    # C = 2 processes of 8 sequences, 1 micro-batch each. Weights after every step must agree.
+def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path, caplog, clean_env, one_thread):
+    # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches (both in process);
+    # C = 2 processes of 8 sequences, 1 micro-batch each (`tune run`). Weights after every step must agree.
     runs = {"A": (1, 4, 16), "B": (1, 4, 4), "C": (2, 2, 8)}
     results = {}
     for name, (nproc, batch_size, mbs) in runs.items():
         run_dir = tmp_path / name
         run_dir.mkdir()
-        log = run_tune(_split_config(run_dir, batch_size, mbs), nproc=nproc, cwd=run_dir)
+        config = _split_config(run_dir, batch_size, mbs)
+        if nproc == 1:
+            caplog.clear()
+            os.environ.pop("MASTER_PORT", None)  # each one-process group picks a free port
+            with caplog.at_level(logging.INFO):
+                run_in_process(config)
+            log = caplog.text
+        else:
+            log = run_tune(config, nproc=nproc, cwd=run_dir)
         assert f"{nproc} rank(s)" in log
         out = run_dir / "out"
         results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
@@ -112,16 +123,7 @@ def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path):
                 assert mo[key] == pytest.approx(ma[key], abs=1e-5), (other, ma["step"], key)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", PRESETS)
-def test_tiny_preset_runs_two_steps(preset, tmp_path):
-    config = REPO / "configs" / "algorithms" / f"{preset}_tiny.yaml"
-    nproc = 2 if preset == "dapo" else 1  # dynamic sampling's cross-rank round agreement needs 2 ranks
-    log = run_tune(
-        config, f"output_dir={tmp_path / 'out'}", "max_steps=2", "save_every_n_steps=null",
-        nproc=nproc, cwd=tmp_path,
-    )
-    out = tmp_path / "out"
+def _check_tiny_preset(preset: str, out: Path, log: str) -> None:
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -138,14 +140,37 @@ def test_tiny_preset_runs_two_steps(preset, tmp_path):
     }[preset]
     for text in expected:
         assert text in card, f"{text!r} not in the card:\n{card}"
-    if preset == "dapo":
-        assert "2 rank(s)" in log
-        assert all(1 <= m["dynamic_sampling/rounds"] <= 3 for m in metrics)
     assert (out / "step_2" / "recipe_state.pt").is_file()
 
 
 @pytest.mark.slow
-def test_dynamic_sampling_and_kl_reward_resume_exactly(tmp_path):
+@pytest.mark.parametrize("preset", [p for p in PRESETS if p != "dapo"])
+def test_tiny_preset_runs_two_steps_in_process(preset, tmp_path, caplog, clean_env, one_thread):
+    config = REPO / "configs" / "algorithms" / f"{preset}_tiny.yaml"
+    cfg = OmegaConf.load(config)
+    cfg.output_dir = str(tmp_path / "out")
+    cfg.max_steps, cfg.save_every_n_steps = 2, None
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(cfg, path)
+    with caplog.at_level(logging.INFO):
+        run_in_process(path)
+    _check_tiny_preset(preset, tmp_path / "out", caplog.text)
+
+
+@pytest.mark.slow
+def test_dapo_preset_runs_two_steps_on_two_processes(tmp_path):
+    # Dynamic sampling's cross-rank round agreement needs 2 ranks: through `tune run --nproc_per_node 2`.
+    config = REPO / "configs" / "algorithms" / "dapo_tiny.yaml"
+    log = run_tune(
+        config, f"output_dir={tmp_path / 'out'}", "max_steps=2", "save_every_n_steps=null", nproc=2, cwd=tmp_path,
+    )
+    _check_tiny_preset("dapo", tmp_path / "out", log)
+    assert "2 rank(s)" in log
+    assert all(1 <= m["dynamic_sampling/rounds"] <= 3 for m in read_jsonl(tmp_path / "out" / "metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_kl_reward_resume_exactly(tmp_path, caplog, clean_env, one_thread):
     # Half of the prompts get a zero-variance reward (tests/_rewards.py), so dynamic sampling drops groups and
     # runs extra rounds; 24 prompts / batch 4 = 6 batches per epoch, so the extra rounds roll over epochs.
     # The KL sits in the reward. Resuming from step 2 must reproduce steps 3-4 exactly.
@@ -161,8 +186,9 @@ def test_dynamic_sampling_and_kl_reward_resume_exactly(tmp_path):
         kl_placement="reward",
         kl_estimator="k1",
     )
-    log = run_tune(cfg, cwd=tmp_path)
-    assert "KL in the reward" in log
+    with caplog.at_level(logging.INFO):
+        run_in_process(cfg)
+    assert "KL in the reward" in caplog.text
     out = tmp_path / "out"
     metrics = read_jsonl(out / "metrics.jsonl")
     assert sum(m["dynamic_sampling/rounds"] for m in metrics) > len(metrics)  # extra rounds ran
@@ -172,8 +198,14 @@ def test_dynamic_sampling_and_kl_reward_resume_exactly(tmp_path):
 
     shutil.rmtree(out / "step_4")
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:2]))
-    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
-    assert "Resuming from" in log
+    resume = OmegaConf.load(cfg)
+    resume.resume_from_checkpoint = True
+    OmegaConf.save(resume, tmp_path / "resume.yaml")
+    caplog.clear()
+    os.environ.pop("MASTER_PORT", None)  # the resumed run's one-process group picks a free port
+    with caplog.at_level(logging.INFO):
+        run_in_process(tmp_path / "resume.yaml")
+    assert "Resuming from" in caplog.text
     resumed_metrics = read_jsonl(out / "metrics.jsonl")
     for before, after in zip(metrics[2:], resumed_metrics[2:]):
         for key in ("dynamic_sampling/rounds", "dynamic_sampling/groups_dropped", "reward/mean", "loss"):
