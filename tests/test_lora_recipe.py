@@ -1,13 +1,15 @@
 """The LoRA/QLoRA recipe: `tune run grpo_lora_finetune_distributed --config ...`, plus its pieces in process.
 
-Through the real launch path (as tests/test_recipe.py does for the full recipe): metrics, the adapter in
-PEFT format, the merged Hugging Face model, resumption, 2 processes, QLoRA. In process: the reference
+In process (tests.recipe_utils.run_in_process): metrics, the adapter in PEFT format, the merged Hugging Face
+model and resumption, for LoRA and QLoRA; through `tune run`: 2 processes. Also in process: the reference
 logprobs are the base model's, only adapter parameters get gradients, base weights never move, and the
 PEFT export (torchtune_grpo.lora) gives PEFT the same model as torchtune's, for Qwen2 and Llama layouts.
 """
 
 import json
+import logging
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Dict
@@ -21,7 +23,7 @@ from torchtune import config as tt_config, training
 from torchtune.modules.peft import get_adapter_params
 
 from tests.conftest import REPO
-from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_tune, weights, write_config
+from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_in_process, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.lora import (
     load_nf4_base_weights,
@@ -71,15 +73,40 @@ def adapter_delta(adapter: Dict[str, torch.Tensor], key: str, scale: float) -> t
     return scale * adapter[f"{prefix}.lora_b.weight"] @ adapter[f"{prefix}.lora_a.weight"]
 
 
-def test_lora_run_outputs_load_and_agree(tmp_path):
-    cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=4, save_every_n_steps=2)
-    log = run_lora(cfg, cwd=tmp_path)
-    assert "Reference model: the base model (adapters disabled)" in log
+def _crash_after_step_2(out: Path, final: str) -> None:
+    """What a crash right after the step-2 checkpoint leaves: ``final`` and metrics rows 3+ gone."""
+    shutil.rmtree(out / final)
+    rows = read_jsonl(out / "metrics.jsonl")[:2]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rows))
+
+
+def _resume_in_process(cfg: Path, caplog, **overrides) -> None:
+    """The run of ``cfg`` again with ``resume_from_checkpoint=True`` (and ``overrides``), in this process."""
+    resume = OmegaConf.load(cfg)
+    resume.resume_from_checkpoint = True
+    for key, value in overrides.items():
+        OmegaConf.update(resume, key, value, force_add=True, merge=False)
+    path = cfg.parent / "resume.yaml"
+    OmegaConf.save(resume, path)
+    caplog.clear()
+    os.environ.pop("MASTER_PORT", None)  # the resumed run's one-process group picks a free port
+    with caplog.at_level(logging.INFO):
+        run_in_process(path, lora=True)
+    assert "Resuming from" in caplog.text and "step_2" in caplog.text
+
+
+def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one_thread):
+    # In process (test_two_processes runs this recipe through `tune run`). seed: null draws a random seed; the
+    # resumed run must take the checkpoint's.
+    cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=3, save_every_n_steps=2, seed=None)
+    with caplog.at_level(logging.INFO):
+        run_in_process(cfg, lora=True)
+    assert "Reference model: the base model (adapters disabled)" in caplog.text
     out = tmp_path / "out"
     assert "policy with its adapters disabled (no second copy)" in (out / "algorithm_card.md").read_text()
 
     metrics = read_jsonl(out / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert REQUIRED_METRICS <= m.keys(), REQUIRED_METRICS - m.keys()
         assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
@@ -87,7 +114,7 @@ def test_lora_run_outputs_load_and_agree(tmp_path):
     # The reference is the base model = the initial policy (B = 0): KL 0 at first, then positive.
     assert metrics[0]["kl"] < 1e-6 and metrics[-1]["kl"] > 0
 
-    final = out / "step_4"
+    final = out / "step_3"
     assert (out / "step_2" / "recipe_state.pt").is_file() and (final / "recipe_state.pt").is_file()
     assert not list(out.glob(".step_*")) and not list(out.glob("epoch_*"))  # staging dirs are gone
     peft_config = json.loads((final / "adapter_config.json").read_text())
@@ -124,45 +151,38 @@ def test_lora_run_outputs_load_and_agree(tmp_path):
     torch.testing.assert_close(peft_logits, tt_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(hf_merged.logits, tt_logits, atol=1e-4, rtol=1e-4)
 
-
-@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
-def test_resume_matches_uninterrupted_run(tmp_path, quantize_base):
-    # LoRA with adapter-only checkpoints: resuming needs the adapter, the optimizer and the rest, never the
-    # merged model (base weights come from checkpointer.checkpoint_dir again, re-quantized for QLoRA).
-    cfg = write_config(
-        tmp_path, base=LORA_CONFIG, max_steps=4, save_every_n_steps=2, seed=None,
-        save_adapter_weights_only=not quantize_base, **{"model.quantize_base": quantize_base},
-    )
-    run_lora(cfg, cwd=tmp_path)
-    out = tmp_path / "out"
-    assert (out / "step_4" / "merged").exists() == quantize_base
-    uninterrupted = torch.load(out / "step_4" / "adapter_model.pt", weights_only=True)
-    uninterrupted_peft = weights(out / "step_4")
-
-    shutil.rmtree(out / "step_4")
-    metrics = read_jsonl(out / "metrics.jsonl")[:2]
-    (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-
-    log = run_lora(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
-    assert "Resuming from" in log and "step_2" in log
-    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
-    resumed = torch.load(out / "step_4" / "adapter_model.pt", weights_only=True)
-    assert resumed.keys() == uninterrupted.keys()
-    for key in uninterrupted:
-        torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)
-    resumed_peft = weights(out / "step_4")
+    # Resume from step 2 without its merged model (as save_adapter_weights_only writes it): resuming needs the
+    # adapter, the optimizer and the rest, never the merged model (base weights come from
+    # checkpointer.checkpoint_dir again). The resumed run writes adapter-only checkpoints.
+    uninterrupted_peft = weights(final)
+    _crash_after_step_2(out, "step_3")
+    shutil.rmtree(out / "step_2" / "merged")
+    _resume_in_process(cfg, caplog, save_adapter_weights_only=True)
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert not (final / "merged").exists()
+    resumed = torch.load(final / "adapter_model.pt", weights_only=True)
+    assert resumed.keys() == adapter.keys()
+    for key in adapter:
+        torch.testing.assert_close(resumed[key], adapter[key], atol=1e-6, rtol=1e-5)
+    resumed_peft = weights(final)
+    assert resumed_peft.keys() == uninterrupted_peft.keys()
     for key in uninterrupted_peft:
         torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=1e-6, rtol=1e-5)
 
 
-def test_qlora_runs_and_merged_model_matches(tmp_path):
-    cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=2, **{"model.quantize_base": True})
-    log = run_lora(cfg, cwd=tmp_path)
-    assert "with NF4 base weights (QLoRA)" in log
-    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [1, 2]
+def test_qlora_runs_merged_model_matches_and_resumes(tmp_path, caplog, clean_env, one_thread):
+    # In process; QLoRA on two processes: tests/test_models_architectures.py (lora_hf_model, quantize_base).
+    cfg = write_config(
+        tmp_path, base=LORA_CONFIG, max_steps=3, save_every_n_steps=2, seed=None, **{"model.quantize_base": True}
+    )
+    with caplog.at_level(logging.INFO):
+        run_in_process(cfg, lora=True)
+    assert "with NF4 base weights (QLoRA)" in caplog.text
+    out = tmp_path / "out"
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
-    final = tmp_path / "out" / "step_2"
+    final = out / "step_3"
     adapter = torch.load(final / "adapter_model.pt", weights_only=True)
     # The merged model is the trained model: dequantized NF4 base + adapter.
     from transformers import AutoModelForCausalLM
@@ -173,26 +193,34 @@ def test_qlora_runs_and_merged_model_matches(tmp_path):
         qlora = tiny_lora_model(adapter, tmp_path / "scratch", quantize_base=True)
         torch.testing.assert_close(hf_merged(ids).logits, qlora(ids), atol=1e-4, rtol=1e-4)
 
+    # Resume from step 2: base weights from checkpointer.checkpoint_dir again, re-quantized.
+    uninterrupted_peft = weights(final)
+    _crash_after_step_2(out, "step_3")
+    _resume_in_process(cfg, caplog)
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert (final / "merged").is_dir()
+    resumed = torch.load(final / "adapter_model.pt", weights_only=True)
+    assert resumed.keys() == adapter.keys()
+    for key in adapter:
+        torch.testing.assert_close(resumed[key], adapter[key], atol=1e-6, rtol=1e-5)
+    resumed_peft = weights(final)
+    for key in uninterrupted_peft:
+        torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=1e-6, rtol=1e-5)
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
-def test_two_processes(tmp_path, quantize_base):
-    # As in tests/test_recipe.py: the recipe leaves with os._exit(0) after a torchrun launch; the exit code
-    # is judged as is. LoRA runs without KL (no reference forward at all), QLoRA with it.
-    kl_coef = 0.04 if quantize_base else 0.0
-    cfg = write_config(
-        tmp_path, base=LORA_CONFIG, max_steps=2, batch_size=2, kl_coef=kl_coef,
-        **{"model.quantize_base": quantize_base},
-    )
+def test_two_processes(tmp_path):
+    # This recipe through `tune run` (the other tests here run it in process). As in tests/test_recipe.py: the
+    # recipe leaves with os._exit(0) after a torchrun launch; the exit code is judged as is. Without KL: no
+    # reference forward at all. (QLoRA on two processes, with KL: tests/test_models_architectures.py.)
+    cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=2, batch_size=2, kl_coef=0.0)
     log = run_lora(cfg, nproc=2, cwd=tmp_path)
     assert "2 rank(s)" in log
-    if not quantize_base:
-        assert "Reference model: none (kl_coef = 0)" in log
+    assert "Reference model: none (kl_coef = 0)" in log
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(REQUIRED_METRICS <= m.keys() and math.isfinite(m["loss"]) for m in metrics)
-    if not quantize_base:
-        assert all(m["kl"] == 0.0 for m in metrics)
+    assert all(m["kl"] == 0.0 for m in metrics)
     final = tmp_path / "out" / "step_2"
     adapter = torch.load(final / "adapter_model.pt", weights_only=True)
     assert any(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
