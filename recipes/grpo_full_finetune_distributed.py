@@ -891,7 +891,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 generator=generator,
             )
         self._model.train()
-        reduced = EvalSums.from_list(self._all_reduce_sum(sums.as_list()), k=sums.k)
+        reduced = EvalSums.from_list(self._all_reduce_sum(sums.as_list()), k=sums.k, multi_turn=sums.multi_turn)
         metrics = reduced.metrics()
         metrics["time/eval"] = time.perf_counter() - t0
         return metrics

@@ -10,6 +10,9 @@ Metrics (the keys the recipe logs, each prefixed ``eval/``):
 - ``accuracy``: fraction of prompts whose **greedy** completion (engine temperature 0) is correct, i.e. its
   ``correctness`` reward component is ``>= threshold``;
 - ``reward/mean``: mean total (weighted) reward of the greedy completions;
+- ``tool_use_rate`` (multi-turn evaluation only): fraction of prompts whose greedy episode called a tool at
+  least once (the environment's ``tool_calls`` info, which :class:`~torchtune_grpo.multiturn.ToolEnvironment`
+  reports);
 - ``pass@k``: with ``n = num_samples`` completions sampled per prompt at the engine's temperature and ``c``
   of them correct, the unbiased estimator of Chen et al. 2021 (arXiv:2107.03374, "Evaluating Large
   Language Models Trained on Code"), ``1 - C(n - c, k) / C(n, k)``, averaged over prompts. The default
@@ -74,7 +77,9 @@ class EvalSums:
         reward (float): summed total reward of the greedy completions.
         response_length (float): summed greedy completion length in tokens.
         pass_at_k (float): summed per-prompt pass@k (0 when ``k == 0``).
+        tool_use (float): prompts whose greedy episode called a tool (0 for single-turn evaluation).
         k (int): the k of pass@k; 0 when no samples were drawn. Not summed.
+        multi_turn (bool): the completions were multi-turn episodes (``tool_use`` is a metric). Not summed.
     """
 
     prompts: float = 0.0
@@ -82,18 +87,21 @@ class EvalSums:
     reward: float = 0.0
     response_length: float = 0.0
     pass_at_k: float = 0.0
+    tool_use: float = 0.0
     k: int = 0
+    multi_turn: bool = False
 
     def as_list(self) -> List[float]:
-        return [self.prompts, self.correct, self.reward, self.response_length, self.pass_at_k]
+        return [self.prompts, self.correct, self.reward, self.response_length, self.pass_at_k, self.tool_use]
 
     @classmethod
-    def from_list(cls, values: Sequence[float], k: int) -> "EvalSums":
-        return cls(*[float(v) for v in values], k=k)
+    def from_list(cls, values: Sequence[float], k: int, multi_turn: bool = False) -> "EvalSums":
+        return cls(*[float(v) for v in values], k=k, multi_turn=multi_turn)
 
     def metrics(self, prefix: str = "eval/") -> Dict[str, float]:
         """``{prefix}accuracy``, ``{prefix}reward/mean``, ``{prefix}response_length/mean``,
-        ``{prefix}pass@k`` (when ``k > 0``) and ``{prefix}num_prompts``."""
+        ``{prefix}pass@k`` (when ``k > 0``), ``{prefix}tool_use_rate`` (multi-turn) and
+        ``{prefix}num_prompts``."""
         n = max(self.prompts, 1.0)
         out = {
             f"{prefix}accuracy": self.correct / n,
@@ -103,6 +111,8 @@ class EvalSums:
         }
         if self.k > 0:
             out[f"{prefix}pass@{self.k}"] = self.pass_at_k / n
+        if self.multi_turn:
+            out[f"{prefix}tool_use_rate"] = self.tool_use / n
         return out
 
 
@@ -160,7 +170,7 @@ def evaluate(
         raise ValueError(f"pass@k needs 1 <= k <= num_samples, got k={k}, num_samples={num_samples}")
     was_training = model.training
     model.eval()
-    sums = EvalSums(k=k)
+    sums = EvalSums(k=k, multi_turn=multi_turn is not None)
     try:
         for start in range(0, len(prompts), batch_size):
             items = [prompts[i] for i in range(start, min(start + batch_size, len(prompts)))]
@@ -175,6 +185,8 @@ def evaluate(
             sums.correct += sum(greedy_correct)
             sums.reward += sum(greedy_total)
             sums.response_length += sum(len(r) for r in greedy.response_ids)
+            if greedy.episode_info is not None:
+                sums.tool_use += sum(info.get("tool_calls", 0.0) > 0 for info in greedy.episode_info)
             if num_samples > 0:
                 sampled = sample_and_score(
                     model, tokenizer, engine, batch, rewards, group_size=num_samples,

@@ -21,6 +21,7 @@ from torchtune_grpo.data._templates import (
     R1Prompt,
     tokenize_chat_prompt,
 )
+from torchtune_grpo.data._tool_traces import careless_calculator_traces, tool_sft_dataset, ToolTraceDataset
 from torchtune_grpo.data._verifiable import load_rows, require_columns, verifiable_dataset
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "addition_worked_solution",
     "arithmetic_dataset",
     "arithmetic_problems",
+    "careless_calculator_traces",
     "ChatPrompt",
     "CODE_SYSTEM_PROMPT",
     "code_dataset",
@@ -50,6 +52,8 @@ __all__ = [
     "require_columns",
     "sft_dataset",
     "tokenize_chat_prompt",
+    "tool_sft_dataset",
+    "ToolTraceDataset",
     "verifiable_dataset",
     "WarmStartDataset",
 ]

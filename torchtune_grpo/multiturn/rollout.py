@@ -26,7 +26,7 @@ from torch import nn
 
 from torchtune_grpo.generation import decode_responses
 from torchtune_grpo.multiturn.environment import Environment, start_episodes, step_episodes
-from torchtune_grpo.multiturn.turns import ChatTurns, PlainTurns
+from torchtune_grpo.multiturn.turns import episode_turns
 
 __all__ = ["Episodes", "MultiTurn", "run_episodes"]
 
@@ -261,8 +261,7 @@ class MultiTurn:
         """:class:`ChatTurns` for a tokenizer with a chat template and end-of-turn token, else :class:`PlainTurns`."""
         key = id(tokenizer)
         if key not in self._turns:
-            chat = getattr(tokenizer, "chat_template", None) is not None and getattr(tokenizer, "eot_id", None) is not None
-            self._turns[key] = ChatTurns(tokenizer, self.tools) if chat else PlainTurns(tokenizer)
+            self._turns[key] = episode_turns(tokenizer, self.tools)
         return self._turns[key]
 
     def run(self, engine, model: nn.Module, tokenizer, prompts: List[List[int]], fields: List[Dict[str, Any]], *,

@@ -15,7 +15,7 @@ use :class:`PlainTurns`.
 
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["ChatTurns", "PlainTurns"]
+__all__ = ["ChatTurns", "PlainTurns", "episode_turns"]
 
 _PROBE = "\u2063probe-assistant-turn\u2063"  # invisible separators: never part of a real template's text
 
@@ -92,3 +92,15 @@ class PlainTurns:
             content = str(m.get("content", ""))
             parts.append(f"<tool_response>\n{content}\n</tool_response>\n" if m["role"] == "tool" else content + "\n")
         return self.tokenizer.encode("\n" + "".join(parts), add_bos=False, add_eos=False)
+
+
+def episode_turns(tokenizer, tools: Optional[List[Dict[str, Any]]] = None):
+    """:class:`ChatTurns` for a tokenizer with a chat template and an end-of-turn token, else
+    :class:`PlainTurns`: how the rollout (and SFT on tool traces) joins replies to the model's turns.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        tools (Optional[List[Dict[str, Any]]]): the tool schemas the prompts are rendered with. Default is None.
+    """
+    chat = getattr(tokenizer, "chat_template", None) is not None and getattr(tokenizer, "eot_id", None) is not None
+    return ChatTurns(tokenizer, tools) if chat else PlainTurns(tokenizer)
