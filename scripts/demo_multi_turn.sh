@@ -15,8 +15,9 @@
 # The last line is `held-out accuracy: <SFT> -> <GRPO>, tool use: <SFT> -> <GRPO>` (greedy, fractions of the
 # held-out problems). Environment knobs (the learning test uses them):
 #   DEMO_DIR (/tmp/torchtune_grpo/demo_multi_turn), DEMO_SEED (0), DEMO_PROBLEMS (2000 traces),
-#   DEMO_TOOL_RATE (0.35), DEMO_SFT_EPOCHS (1), DEMO_GRPO_STEPS (10); anything else goes through the YAML
-#   files (configs/tiny/demo_multi_turn_*.yaml).
+#   DEMO_TOOL_RATE (0.35), DEMO_SFT_EPOCHS (1), DEMO_GRPO_STEPS (10); DEMO_SFT_ARGS and DEMO_GRPO_ARGS add
+#   key=value overrides to the two `tune run` commands (e.g. DEMO_GRPO_ARGS="optimizer.lr=5e-4"); defaults are
+#   in the YAML files (configs/tiny/demo_multi_turn_*.yaml).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -58,7 +59,7 @@ ASSET_DIR="$(python -c 'from torchtune_grpo.assets import asset_path; print(asse
 step "1/2 SFT warm start: tune run full_finetune_single_device (torchtune's recipe), $SFT_EPOCHS epoch(s)"
 tune run full_finetune_single_device --config "$REPO/configs/tiny/demo_multi_turn_sft.yaml" \
   asset_dir="$ASSET_DIR" dataset.data_files="$WORK/traces.jsonl" dataset.cache_dir="$WORK/hf_cache" \
-  output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed="$SEED" > "$WORK/sft.log" 2>&1 \
+  output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed="$SEED" ${DEMO_SFT_ARGS:-} > "$WORK/sft.log" 2>&1 \
   || { tail -n 40 "$WORK/sft.log"; exit 1; }
 SFT_CKPT="$WORK/sft/epoch_$((SFT_EPOCHS - 1))"
 echo "SFT checkpoint: $SFT_CKPT (log: $WORK/sft.log)"
@@ -66,7 +67,7 @@ echo "SFT checkpoint: $SFT_CKPT (log: $WORK/sft.log)"
 step "2/2 GRPO with the calculator: tune run grpo_full_finetune_distributed, $GRPO_STEPS steps"
 tune run grpo_full_finetune_distributed --config "$REPO/configs/tiny/demo_multi_turn_grpo.yaml" \
   checkpointer.checkpoint_dir="$SFT_CKPT" output_dir="$WORK/grpo" max_steps="$GRPO_STEPS" \
-  dataset.num_samples="$PROBLEMS" dataset.seed="$SEED" seed="$SEED" > "$WORK/grpo.log" 2>&1 \
+  dataset.num_samples="$PROBLEMS" dataset.seed="$SEED" seed="$SEED" ${DEMO_GRPO_ARGS:-} > "$WORK/grpo.log" 2>&1 \
   || { tail -n 40 "$WORK/grpo.log"; exit 1; }
 grep -a "Held-out evaluation at" "$WORK/grpo.log" | sed 's/.*Held-out/Held-out/' || true
 echo "GRPO checkpoint: $WORK/grpo/step_$GRPO_STEPS (log: $WORK/grpo.log, metrics: $WORK/grpo/metrics.jsonl," \

@@ -1,5 +1,5 @@
-"""The multi-turn demo's data: the careless calculator teacher's traces, and SFT items on them whose tokens are
-exactly the episode the multi-turn rollout builds (labels = its action mask)."""
+"""The multi-turn demo's pieces: the careless calculator teacher's traces, SFT items on them whose tokens are
+exactly the episode the multi-turn rollout builds (labels = its action mask), and the held-out tool-use rate."""
 
 import json
 
@@ -11,9 +11,11 @@ from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
     arithmetic_problems, careless_calculator_traces, tool_sft_dataset, ToolTraceDataset,
 )
+from torchtune_grpo.evaluation import evaluate, EvalSums
 from torchtune_grpo.generation import GenerationEngine, Rollout
 from torchtune_grpo.models import hf_tokenizer
-from torchtune_grpo.multiturn import Calculator, run_episodes, ToolEnvironment
+from torchtune_grpo.multiturn import Calculator, MultiTurn, run_episodes, ToolEnvironment
+from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn.turns import episode_turns
 
 IGNORE = -100
@@ -143,3 +145,65 @@ def test_max_seq_len_drops_the_long_traces():
     assert len(data) == counts["guesses"] and data.num_dropped == counts["tool_calls"]
     with pytest.raises(ValueError, match="no tool traces left: all 8 are longer than max_seq_len=3"):
         ToolTraceDataset(rows, tok, system_prompt="", max_seq_len=3)
+
+
+def test_evaluate_reports_the_greedy_tool_use_rate():
+    # 5 held-out prompts replayed from the teacher's traces: those with a call are right (the calculator's result
+    # copied), the guesses wrong, so accuracy = tool-use rate = calls / 5.
+    tok = hf_tokenizer(asset_path("tiny_qwen2"))
+    rows, counts = careless_calculator_traces(5, tool_rate=0.5, seed=4)
+    assert 0 < counts["tool_calls"] < 5
+    prompts = [{"tokens": tok.tokenize_messages([{"role": "user", "content": r["question"]},
+                                                 {"role": "assistant", "content": ""}])[0],
+                "prompt": r["question"], "answer": r["answer"]} for r in rows]
+    rewards = build_reward_set([{"_component_": "torchtune_grpo.rewards.MathAnswerReward", "name": "correctness",
+                                 "extract": "last_number"}])
+    multi_turn = MultiTurn(ToolEnvironment([Calculator()]), max_turns=2)
+    sums = evaluate(torch.nn.Linear(1, 1), tok, ReplayTeacher(tok, rows), prompts, rewards, max_new_tokens=200,
+                    batch_size=2, multi_turn=multi_turn)
+    metrics = sums.metrics()
+    assert metrics["eval/tool_use_rate"] == pytest.approx(counts["tool_calls"] / 5)
+    assert metrics["eval/accuracy"] == pytest.approx(counts["tool_calls"] / 5)
+    # Additive across ranks (the recipe all-reduces as_list), and absent from single-turn evaluation.
+    merged = EvalSums.from_list([2 * v for v in sums.as_list()], k=sums.k, multi_turn=True)
+    assert merged.metrics()["eval/tool_use_rate"] == pytest.approx(counts["tool_calls"] / 5)
+    assert "eval/tool_use_rate" not in EvalSums.from_list(sums.as_list(), k=0).metrics()
+
+
+def test_demo_configs_give_sft_and_grpo_the_same_prompts(tmp_path):
+    # configs/tiny/demo_multi_turn_sft.yaml is for torchtune's full_finetune_single_device: every key that
+    # recipe reads is there, and its dataset (the traces scripts/demo_multi_turn.sh writes) starts each item
+    # with exactly the prompt tokens of configs/tiny/demo_multi_turn_grpo.yaml's dataset for the same problem.
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+
+    from tests.conftest import REPO
+    from torchtune_grpo.assets import register_resolvers
+
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / "demo_multi_turn_sft.yaml")
+    needed = {"output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle", "batch_size",
+              "epochs", "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd",
+              "loss", "device", "dtype", "compile", "enable_activation_checkpointing",
+              "enable_activation_offloading", "metric_logger", "resume_from_checkpoint"}
+    assert needed <= set(cfg.keys())
+    cfg.asset_dir = asset_path("tiny_qwen2")
+    rows, _ = careless_calculator_traces(20, seed=0)
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg.dataset.data_files, cfg.dataset.cache_dir = str(path), str(tmp_path / "hf")
+    sft_tok = tt_config.instantiate(cfg.tokenizer)
+    sft = tt_config.instantiate(cfg.dataset, sft_tok)
+
+    register_resolvers()
+    grpo = OmegaConf.load(REPO / "configs" / "tiny" / "demo_multi_turn_grpo.yaml")
+    grpo.dataset.num_samples = 20
+    OmegaConf.resolve(grpo)
+    grpo_tok = tt_config.instantiate(grpo.tokenizer)
+    grpo_tok.tools = [Calculator().schema()]  # the recipe sets the environment's tools before tokenizing
+    prompts = tt_config.instantiate(grpo.dataset, grpo_tok)
+    assert [p["question"] for p in prompts] == [r["question"] for r in rows]
+    for item, prompt in zip(sft, prompts):
+        n = len(prompt["tokens"])
+        assert item["tokens"][:n] == prompt["tokens"] and set(item["labels"][:n]) == {IGNORE}
+        assert item["labels"][n] != IGNORE  # the model's first turn starts right after the prompt
+    assert max(len(i["tokens"]) - len(p["tokens"]) for i, p in zip(sft, prompts)) <= grpo.max_response_length
