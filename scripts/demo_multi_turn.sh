@@ -14,8 +14,8 @@
 #
 # The last line is `held-out accuracy: <SFT> -> <GRPO>, tool use: <SFT> -> <GRPO>` (greedy, fractions of the
 # held-out problems). Environment knobs (the learning test uses them):
-#   DEMO_DIR (/tmp/torchtune_grpo/demo_multi_turn), DEMO_SEED (0), DEMO_PROBLEMS (2000 traces),
-#   DEMO_TOOL_RATE (0.35), DEMO_SFT_EPOCHS (1), DEMO_GRPO_STEPS (10); DEMO_SFT_ARGS and DEMO_GRPO_ARGS add
+#   DEMO_DIR (/tmp/torchtune_grpo/demo_multi_turn), DEMO_SEED (0), DEMO_PROBLEMS (3200 traces),
+#   DEMO_TOOL_RATE (0.35), DEMO_SFT_EPOCHS (3), DEMO_GRPO_STEPS (10); DEMO_SFT_ARGS and DEMO_GRPO_ARGS add
 #   key=value overrides to the two `tune run` commands (e.g. DEMO_GRPO_ARGS="optimizer.lr=5e-4"); defaults are
 #   in the YAML files (configs/tiny/demo_multi_turn_*.yaml).
 set -euo pipefail
@@ -23,9 +23,9 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo_multi_turn}"
 SEED="${DEMO_SEED:-0}"
-PROBLEMS="${DEMO_PROBLEMS:-2000}"
+PROBLEMS="${DEMO_PROBLEMS:-3200}"
 TOOL_RATE="${DEMO_TOOL_RATE:-0.35}"
-SFT_EPOCHS="${DEMO_SFT_EPOCHS:-1}"
+SFT_EPOCHS="${DEMO_SFT_EPOCHS:-3}"
 GRPO_STEPS="${DEMO_GRPO_STEPS:-10}"
 # One thread per process (see scripts/demo.sh): results do not depend on the core count.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
