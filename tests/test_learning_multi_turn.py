@@ -5,10 +5,12 @@ It runs the real demo script (torchtune's SFT recipe with tool_sft_dataset, then
 ToolEnvironment) with its default sizes, and reads the recipe's own held-out evaluations (greedy, step 0 = the
 SFT checkpoint, and the last step) from metrics.jsonl; the script's last line must print the same numbers.
 
-MEASURED_BY_SEED holds the demo's numbers (docs/multi_turn.md, "Worked example"). After SFT the greedy model
-never calls the tool (the teacher called it for ~35% of the problems, so the first token of the greedy answer
-is a guess) and guesses are wrong, so both rates start near 0. GRPO only rewards the right number; the
-margins below are the smallest rise seen over the seeds, minus a safety gap.
+Measured with the defaults (docs/multi_turn.md, "Worked example", 2 loaded cores): seed 0 goes from 0.00 to
+0.985 held-out accuracy and from 0.00 to 1.00 tool use; the SFT model never calls the tool when greedy (the
+teacher called it for ~35% of the problems, so the greedy first token is a guess) and guesses are wrong, so
+both start at 0. The margins (+0.5 tool use, +0.3 accuracy) are far below seed 0's rise and far above what a
+run that did not learn shows (seeds 1 and 2: no rise at all). Only seed 0 is known to pass: the demo is not
+robust across seeds yet, and the run takes ~225 s of CPU, above the suite's budget (docs, "Still to do").
 """
 
 import json
