@@ -5,7 +5,7 @@
 #
 #   1. SFT warm start: torchtune's own recipe (full_finetune_single_device) on the tiny Qwen2-shaped model from
 #      its random init, with our tool_sft_dataset over traces of a careless teacher on two-digit products
-#      ("What is 56 * 65?"): for ~35% of the problems it calls the calculator (<tool_call> JSON), reads the
+#      ("What is 56 * 65?"): for ~30% of the problems it calls the calculator (<tool_call> JSON), reads the
 #      result and answers "The answer is 3640."; for the others it answers a wrong guess at once. The loss
 #      covers the model's turns only (the tool's reply is context).
 #   2. GRPO (our recipe, multi-turn: the calculator as the environment, at most a call and an answer per
@@ -15,7 +15,7 @@
 # The last line is `held-out accuracy: <SFT> -> <GRPO>, tool use: <SFT> -> <GRPO>` (greedy, fractions of the
 # held-out problems). Environment knobs (the learning test uses them):
 #   DEMO_DIR (/tmp/torchtune_grpo/demo_multi_turn), DEMO_SEED (0), DEMO_PROBLEMS (3200 traces),
-#   DEMO_TOOL_RATE (0.35), DEMO_SFT_EPOCHS (3), DEMO_GRPO_STEPS (10); DEMO_SFT_ARGS and DEMO_GRPO_ARGS add
+#   DEMO_TOOL_RATE (0.3), DEMO_SFT_EPOCHS (4), DEMO_GRPO_STEPS (10); DEMO_SFT_ARGS and DEMO_GRPO_ARGS add
 #   key=value overrides to the two `tune run` commands (e.g. DEMO_GRPO_ARGS="optimizer.lr=5e-4"); defaults are
 #   in the YAML files (configs/tiny/demo_multi_turn_*.yaml).
 set -euo pipefail
@@ -24,8 +24,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo_multi_turn}"
 SEED="${DEMO_SEED:-0}"
 PROBLEMS="${DEMO_PROBLEMS:-3200}"
-TOOL_RATE="${DEMO_TOOL_RATE:-0.35}"
-SFT_EPOCHS="${DEMO_SFT_EPOCHS:-3}"
+TOOL_RATE="${DEMO_TOOL_RATE:-0.3}"
+SFT_EPOCHS="${DEMO_SFT_EPOCHS:-4}"
 GRPO_STEPS="${DEMO_GRPO_STEPS:-10}"
 # One thread per process (see scripts/demo.sh): results do not depend on the core count.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
