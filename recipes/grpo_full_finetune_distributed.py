@@ -496,15 +496,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             return None
         options = OmegaConf.to_container(cfg.get("multi_turn", None) or OmegaConf.create({}), resolve=True)
         multi_turn = MultiTurn(config.instantiate(cfg.environment), **options)
-        if multi_turn.tools and not hasattr(self._tokenizer, "tools"):
-            utils.log_rank_zero(
-                log,
-                f"{type(self._tokenizer).__name__} cannot render tool schemas: prompts do not list the environment's "
-                "tools (use torchtune_grpo.models.hf_tokenizer for a model directory's chat template)",
-            )
-        elif multi_turn.tools:
-            self._tokenizer.tools = multi_turn.tools
-        turns = multi_turn.turns_for(self._tokenizer)  # fails now if the chat template cannot be continued
+        note = multi_turn.attach(self._tokenizer)  # fails now if the chat template cannot be continued
+        if note:
+            utils.log_rank_zero(log, note)
+        turns = multi_turn.turns_for(self._tokenizer)
         utils.log_rank_zero(
             log,
             f"Multi-turn episodes: {type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns, "

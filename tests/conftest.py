@@ -67,9 +67,8 @@ def clean_env():
 
 # Files run first under pytest-xdist (`make test`: -n auto --dist loadfile hands out whole files in collection
 # order). The learning test is the longest single test (about 6 of the suite's minutes on 2 cores): started
-# last, it would run alone on one core at the end; the multi-turn learning test (scripts/demo_multi_turn.sh)
-# is as long. After them, the files with multi-process (`slow`) tests.
-LONGEST_FIRST = ("test_learning.py", "test_learning_multi_turn.py")
+# last, it would run alone on one core at the end. After it, the files with multi-process (`slow`) tests.
+LONGEST_FIRST = ("test_learning.py",)
 
 
 def pytest_collection_modifyitems(config, items):

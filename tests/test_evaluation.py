@@ -357,3 +357,23 @@ def test_demo_sft_config_builds_with_torchtunes_keys(tokenizer, tmp_path):
     # and the longest worked answer (a carry in both columns) fits GRPO's response budget, stop token included
     longest = len(ds[len(rows) - 1]["tokens"]) - n
     assert longest <= grpo.max_response_length, (longest, grpo.max_response_length)
+
+
+def test_eval_command_runs_multi_turn_episodes(tmp_path, capsys, one_thread):
+    # A multi-turn config (an `environment`) is evaluated on whole episodes, as the recipe's held-out
+    # evaluation does (tool_use_rate is reported only for multi-turn evaluation). Weights: the shipped random tiny model (what it answers does not matter here).
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / "demo_multi_turn_grpo.yaml")
+    cfg.output_dir = str(tmp_path / "out")
+    cfg.checkpointer.checkpoint_dir = asset_path("tiny_qwen2")
+    cfg.checkpointer.checkpoint_files = ["model.safetensors"]
+    cfg.validation.num_samples = 3
+    cfg.max_response_length = 24
+    config = tmp_path / "eval.yaml"
+    OmegaConf.save(cfg, config)
+    out = tmp_path / "eval.json"
+    code = cli_main(["eval", "--config", str(config), f"json={out}"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert "tool_use_rate: " in captured.out, captured.out
+    result = json.loads(out.read_text())
+    assert result["num_prompts"] == 3 and 0.0 <= result["tool_use_rate"] <= 1.0

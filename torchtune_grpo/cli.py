@@ -156,6 +156,24 @@ def _build_policy(cfg, checkpoint_dir: Optional[str]):
     return model, tokenizer, engine, rewards, generator
 
 
+def _multi_turn(cfg, tokenizer):
+    """The config's multi-turn episodes (``environment``, ``multi_turn``: docs/multi_turn.md), as the recipe
+    evaluates them, or None for single turns."""
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+
+    from torchtune_grpo.multiturn import MultiTurn
+
+    if cfg.get("environment", None) is None:
+        return None
+    options = OmegaConf.to_container(cfg.get("multi_turn", None) or OmegaConf.create({}), resolve=True)
+    multi_turn = MultiTurn(tt_config.instantiate(cfg.environment), **options)
+    note = multi_turn.attach(tokenizer)
+    if note:
+        print(note, file=sys.stderr)
+    return multi_turn
+
+
 def _limit(dataset, max_prompts: Optional[int]) -> List[Dict[str, Any]]:
     n = len(dataset) if max_prompts is None else min(len(dataset), int(max_prompts))
     return [dataset[i] for i in range(n)]
@@ -171,6 +189,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if cfg.get("validation", None) is None:
         raise ValueError(f"{args.config} has no `validation` dataset to evaluate on")
     model, tokenizer, engine, rewards, generator = _build_policy(cfg, opts.get("checkpoint_dir"))
+    multi_turn = _multi_turn(cfg, tokenizer)  # before the prompts are tokenized: tools go into them
     prompts = _limit(tt_config.instantiate(cfg.validation, tokenizer), cfg.get("eval_max_prompts", None))
     records: List[Dict[str, Any]] = []
     with tqdm(total=len(prompts), desc="eval", unit="prompt", file=sys.stderr) as bar:
@@ -185,6 +204,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             generator=generator,
             progress=bar.update,
             records=records,
+            multi_turn=multi_turn,
         )
     metrics = sums.metrics()
     result = {
@@ -226,6 +246,7 @@ def _cmd_rejection_sample(args: argparse.Namespace) -> int:
     if cfg.get(split, None) is None:
         raise ValueError(f"{args.config} has no `{split}` dataset to sample prompts from")
     model, tokenizer, engine, rewards, generator = _build_policy(cfg, opts.get("checkpoint_dir"))
+    multi_turn = _multi_turn(cfg, tokenizer)  # before the prompts are tokenized: tools go into them
     prompts = _limit(tt_config.instantiate(cfg[split], tokenizer), opts.get("max_prompts"))
     max_per_prompt = opts.get("max_per_prompt")
     with tqdm(total=len(prompts), desc="rejection sampling", unit="prompt", file=sys.stderr) as bar:

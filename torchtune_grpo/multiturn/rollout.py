@@ -257,6 +257,23 @@ class MultiTurn:
         """The environment's tool schemas (its ``tools`` attribute), for rendering into prompts; None."""
         return getattr(self.environment, "tools", None)
 
+    def attach(self, tokenizer) -> Optional[str]:
+        """Prepare ``tokenizer`` for these episodes, before any dataset tokenizes its prompts: the environment's
+        tool schemas go into its ``tools`` (rendered by its chat template into every prompt), and the way
+        replies are rendered is chosen now, so a chat template that cannot be continued fails at setup.
+
+        Returns:
+            Optional[str]: a note to log when the environment has tools the tokenizer cannot render, else None.
+        """
+        note = None
+        if self.tools and not hasattr(tokenizer, "tools"):
+            note = (f"{type(tokenizer).__name__} cannot render tool schemas: prompts do not list the environment's "
+                    "tools (use torchtune_grpo.models.hf_tokenizer for a model directory's chat template)")
+        elif self.tools:
+            tokenizer.tools = self.tools
+        self.turns_for(tokenizer)
+        return note
+
     def turns_for(self, tokenizer) -> Any:
         """:class:`ChatTurns` for a tokenizer with a chat template and end-of-turn token, else :class:`PlainTurns`."""
         key = id(tokenizer)
