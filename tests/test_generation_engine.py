@@ -145,57 +145,54 @@ def test_compiled_decode_step_is_one_graph_without_breaks_and_exact():
     torch._dynamo.reset()
 
 
-_FSDP_SCRIPT = r"""
-from torch._dynamo.utils import counters
-from torch.distributed.fsdp import fully_shard, FSDPModule
-from tests.conftest import make_tiny_decoder
-from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.generation._native import can_skip_module_hooks
-prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43]]
-kw = dict(group_size=2, max_new_tokens=10, pad_id=0, stop_tokens=[96])
-ref = NativeGenerator(temperature=0.0).generate(make_tiny_decoder(), prompts, **kw).response_ids
-model = make_tiny_decoder()
-for layer in model.layers:
-    fully_shard(layer)
-fully_shard(model)
-assert not can_skip_module_hooks(model)  # sharded parameters: FSDP's hooks must gather them
-fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
-for m in fsdp:  # what the recipe's _unsharded_for_generation does
-    m.unshard()
-    m.set_reshard_after_forward(False, recurse=False)
-assert can_skip_module_hooks(model)
-assert NativeGenerator(temperature=0.0).generate(model, prompts, **kw).response_ids == ref
-engine = NativeGenerator(temperature=0.0, compile_decode=True, compile_backend="aot_eager")
-assert engine.generate(model, prompts, **kw).response_ids == ref
-assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
-assert counters["stats"]["unique_graphs"] == 1
-# Multi-turn sessions (tests/test_multiturn_continuation.py) on the same unsharded FSDP model: prefills
-# through FSDP's root hooks, decode steps through the layers; the plain model's episodes.
-import tests.test_multiturn_continuation as mt
-plain = mt.episodes(NativeGenerator(temperature=0.0), mt.make_tiny_decoder(scale=8.0))
-sharded = mt.make_tiny_decoder(scale=8.0)
-for layer in sharded.layers:
-    fully_shard(layer)
-fully_shard(sharded)
-for m in [m for m in sharded.modules() if isinstance(m, FSDPModule)]:
-    m.unshard()
-    m.set_reshard_after_forward(False, recurse=False)
-got = mt.episodes(NativeGenerator(temperature=0.0), sharded)
-assert got.response_ids == plain.response_ids and max(got.turns) == 3
-for m in fsdp:
-    m.reshard()
-assert not can_skip_module_hooks(model)
-"""
+def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(clean_env, one_thread):
+    # FSDP2 on a one-process gloo group (in this process; the ``clean_env`` fixture destroys the group), as the
+    # recipe runs: once every parameter is gathered, decode steps call the layers directly, so the compiled
+    # step is one graph (not one per layer) and tokens are exact; multi-turn sessions continue episodes on it
+    # exactly.
+    from torch.distributed.fsdp import fully_shard, FSDPModule
 
+    import tests.test_multiturn_continuation as mt
+    from tests.recipe_utils2 import init_one_process_group
+    from torchtune_grpo.generation._native import can_skip_module_hooks
 
-def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(tmp_path):
-    # FSDP2 on one gloo process, as the recipe runs: once every parameter is gathered, decode steps call
-    # the layers directly, so the compiled step is one graph (not one per layer) and tokens are exact;
-    # multi-turn sessions continue episodes on it exactly.
-    # Judged by the script's own success marker (gloo may abort at exit, see DESIGN.md).
-    from tests.recipe_utils import run_in_one_process_group
+    init_one_process_group()
 
-    run_in_one_process_group(_FSDP_SCRIPT, "FSDP-GENERATION-OK", tmp_path)
+    def gathered(model):
+        """Sharded as the recipe shards, then every parameter gathered as its _unsharded_for_generation does."""
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        assert not can_skip_module_hooks(model)  # sharded parameters: FSDP's hooks must gather them
+        for m in fsdp:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        return model, fsdp
+
+    kw = dict(group_size=2, max_new_tokens=10, pad_id=0, stop_tokens=[96])
+    ref = NativeGenerator(temperature=0.0).generate(make_tiny_decoder(), PROMPTS, **kw).response_ids
+    model, fsdp = gathered(make_tiny_decoder())
+    assert can_skip_module_hooks(model)
+    assert NativeGenerator(temperature=0.0).generate(model, PROMPTS, **kw).response_ids == ref
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        engine = NativeGenerator(temperature=0.0, compile_decode=True, compile_backend="aot_eager")
+        assert engine.generate(model, PROMPTS, **kw).response_ids == ref
+        assert dict(counters["graph_break"]) == {}, dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        torch._dynamo.reset()
+    # Multi-turn sessions (tests/test_multiturn_continuation.py) on the same unsharded FSDP model: prefills
+    # through FSDP's root hooks, decode steps through the layers; the plain model's episodes.
+    plain = mt.episodes(NativeGenerator(temperature=0.0), mt.make_tiny_decoder(scale=8.0))
+    sharded, _ = gathered(mt.make_tiny_decoder(scale=8.0))
+    got = mt.episodes(NativeGenerator(temperature=0.0), sharded)
+    assert got.response_ids == plain.response_ids and max(got.turns) == 3
+    for m in fsdp:
+        m.reshard()
+    assert not can_skip_module_hooks(model)
 
 
 def test_shared_prefix_attention_equals_sdpa_over_each_rows_full_cache():
