@@ -7,8 +7,8 @@ every part runs (on CPU, with the tiny model) so the script is ready when a GPU 
 import importlib.util
 import json
 import math
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -84,15 +84,23 @@ def test_synthetic_components():
 
 
 @pytest.mark.slow
-def test_tiny_end_to_end_on_cpu(tmp_path):
-    """Every CPU-runnable part, tiny model: decode (eager), the GRPO step, and the real recipe class."""
+def test_tiny_end_to_end_on_cpu(tmp_path, clean_env, one_thread, monkeypatch):
+    """Every CPU-runnable part, tiny model: decode (eager), the GRPO step, and the real recipe class.
+
+    In process, through the script's ``main`` (what its command line runs): its process-wide settings are
+    restored afterwards (dynamo's recompile limits by hand: ``monkeypatch`` cannot undo a dynamo config
+    alias; the recipe's temporary directory by ``monkeypatch``).
+    """
+    limits = {name: getattr(torch._dynamo.config, name)
+              for name in ("recompile_limit", "cache_size_limit") if hasattr(torch._dynamo.config, name)}
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--models", "tiny",
-         "--parts", "decode", "grpo", "recipe", "--decode-compile", "off", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        gg.main(["--device", "cpu", "--tiny", "--models", "tiny", "--parts", "decode", "grpo", "recipe",
+                 "--decode-compile", "off", "--json", str(out)])
+    finally:
+        for name, value in limits.items():
+            setattr(torch._dynamo.config, name, value)
     r = json.loads(out.read_text())
     assert r["errors"] == []
     assert [d["rows"] for d in r["decode"]] == [1, 8] and all(d["decode_tokens_per_s"] > 0 for d in r["decode"])
