@@ -3,12 +3,12 @@ torchtune's own full_finetune_single_device recipe."""
 
 import csv
 import json
-import os
-import subprocess
-import sys
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
+import torchtune
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchtune import config as tt_config
@@ -251,8 +251,10 @@ def test_sft_collate_and_loss(tokenizer, tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_dataset_in_torchtune_full_finetune_recipe(tmp_path):
+def test_sft_dataset_in_torchtune_full_finetune_recipe(tmp_path, one_thread):
     # torchtune's own recipe, unchanged, trains 2 steps on sft_dataset (the warm-start path of docs/datasets.md).
+    # In process: the installed recipe file that `tune run full_finetune_single_device` executes, its class
+    # driven as its recipe_main does (setup, train, cleanup), without the launcher's start-up.
     rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
             for a in range(4) for b in range(4)]
     data = _jsonl(tmp_path / "train.jsonl", rows)
@@ -282,12 +284,13 @@ def test_sft_dataset_in_torchtune_full_finetune_recipe(tmp_path):
                           "log_dir": str(tmp_path / "out" / "logs")},
         "log_every_n_steps": 1, "log_peak_memory_stats": False,
     }
-    config = tmp_path / "sft.yaml"
-    config.write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
-    tune = os.path.join(os.path.dirname(sys.executable), "tune")
-    proc = subprocess.run([tune, "run", "full_finetune_single_device", "--config", str(config)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    recipe_file = Path(torchtune.__file__).parent.parent / "recipes" / "full_finetune_single_device.py"
+    recipe_class = runpy.run_path(str(recipe_file), run_name="sft_recipe")["FullFinetuneRecipeSingleDevice"]
+    cfg = OmegaConf.create(cfg)
+    recipe = recipe_class(cfg=cfg)
+    recipe.setup(cfg=cfg)
+    recipe.train()
+    recipe.cleanup()
     logs = "".join(p.read_text() for p in (tmp_path / "out" / "logs").glob("*.txt"))
     losses = [float(line.split("loss:")[1].split()[0]) for line in logs.splitlines() if "loss:" in line]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
