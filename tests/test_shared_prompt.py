@@ -17,7 +17,6 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tests.conftest import make_tiny_decoder
-from tests.recipe_utils import run_in_one_process_group
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.packing import (
     install_shared_prompt_attention,
@@ -154,56 +153,53 @@ def test_unsupported_models_train_unshared():
     assert torch.equal(out.logprobs, ref.logprobs)
 
 
-_FSDP_SCRIPT = r"""
-from torch.distributed.fsdp import fully_shard
-from tests.conftest import make_tiny_decoder
-from tests.test_shared_prompt import _groups, _logprobs_and_grads
-from torchtune_grpo.packing import TrainingBatch
-prompts, responses = _groups(4, 97, num_prompts=3, group_size=4)
-mbs = [slice(0, 6), slice(6, 12)]
-results = []
-for share in (False, True):
-    model = make_tiny_decoder(scale=1.0).train()
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.set_requires_gradient_sync(True)
-    lp, ent, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0, share_prompt=share), mbs)
-    results.append((lp, ent, {k: v.full_tensor() for k, v in grads.items()}))
-(a, ea, ga), (b, eb, gb) = results
-torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-6)
-torch.testing.assert_close(eb, ea, atol=1e-5, rtol=1e-6)
-for k in ga:
-    torch.testing.assert_close(gb[k], ga[k], atol=1e-5, rtol=1e-5)
-"""
+def test_fsdp2_shared_matches_unshared(clean_env, one_thread):
+    # FSDP2 on a one-process gloo group (in this process; ``clean_env`` destroys the group), as the recipe runs.
+    from torch.distributed.fsdp import fully_shard
 
+    from tests.recipe_utils2 import init_one_process_group
 
-def test_fsdp2_shared_matches_unshared(tmp_path):
-    # FSDP2 on one gloo process, as the recipe runs. Judged by the script's own success marker (gloo may
-    # abort at exit, see DESIGN.md).
-    run_in_one_process_group(_FSDP_SCRIPT, "FSDP-SHARED-OK", tmp_path)
+    init_one_process_group()
+    prompts, responses = _groups(4, 97, num_prompts=3, group_size=4)
+    mbs = [slice(0, 6), slice(6, 12)]
+    results = []
+    for share in (False, True):
+        model = make_tiny_decoder(scale=1.0).train()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.set_requires_gradient_sync(True)
+        lp, ent, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0, share_prompt=share), mbs)
+        results.append((lp, ent, {k: v.full_tensor() for k, v in grads.items()}))
+    (a, ea, ga), (b, eb, gb) = results
+    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(eb, ea, atol=1e-5, rtol=1e-6)
+    for k in ga:
+        torch.testing.assert_close(gb[k], ga[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.slow
-def test_recipe_weights_match_unshared_training(tmp_path):
+def test_recipe_weights_match_unshared_training(tmp_path, clean_env, one_thread):
     # The split-independence workload of tests/test_algorithms_recipe.py (every loss aggregation mode, KL,
     # entropy bonus, truncation masking, ppo_epochs 2), trained three ways: one row per sequence in one
     # micro-batch; shared prompts with micro-batches of 3 sequences (groups of 4 split across micro-batches);
     # both under FSDP2 (fsdp_single_process: true); and shared prompts on the plain module
-    # (fsdp_single_process: false, the default: no FSDP2 on one process).
-    from tests.recipe_utils import read_jsonl, run_tune, weights
+    # (fsdp_single_process: false, the default: no FSDP2 on one process). In process: the recipe's own
+    # setup/train/cleanup, no launcher (the launcher and 2 processes: tests/test_algorithms_recipe.py).
+    from tests.recipe_utils import read_jsonl, weights
+    from tests.recipe_utils2 import run_in_process_isolated, with_overrides
     from tests.test_algorithms_recipe import _split_config, VARIANTS
 
     runs = {
-        "unshared": ("share_prompt_in_training=False", "fsdp_single_process=True"),
-        "shared": ("share_prompt_in_training=True", "fsdp_single_process=True"),
-        "plain": ("share_prompt_in_training=True", "fsdp_single_process=False"),
+        "unshared": dict(share_prompt_in_training=False, fsdp_single_process=True),
+        "shared": dict(share_prompt_in_training=True, fsdp_single_process=True),
+        "plain": dict(share_prompt_in_training=True, fsdp_single_process=False),
     }
     results = {}
     for name, overrides in runs.items():
         run_dir = tmp_path / name
         run_dir.mkdir()
-        run_tune(_split_config(run_dir, 4, 3 if name == "shared" else 16), *overrides, cwd=run_dir)
+        run_in_process_isolated(with_overrides(_split_config(run_dir, 4, 3 if name == "shared" else 16), **overrides))
         out = run_dir / "out"
         results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
         results[name + "_metrics"] = read_jsonl(out / "metrics.jsonl")
@@ -220,23 +216,26 @@ def test_recipe_weights_match_unshared_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_plain_module_on_one_process_resumes_exactly(tmp_path):
+def test_plain_module_on_one_process_resumes_exactly(tmp_path, clean_env, one_thread, caplog):
     # fsdp_single_process: false (the default) keeps the plain module: checkpoint, optimizer state and resume
-    # still work.
+    # still work. In process (resuming through `tune run`: tests/test_recipe.py, tests/test_distributed_runs.py).
     import json
+    import logging
     import shutil
 
-    from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
+    from tests.recipe_utils import read_jsonl, weights, write_config
+    from tests.recipe_utils2 import run_in_process_isolated, with_overrides
 
     cfg = write_config(tmp_path, max_steps=2, save_every_n_steps=1, fsdp_single_process=False)
-    log = run_tune(cfg, cwd=tmp_path)
+    run_in_process_isolated(cfg)
     out = tmp_path / "out"
     uninterrupted = weights(out / "step_2")
     shutil.rmtree(out / "step_2")
     metrics = read_jsonl(out / "metrics.jsonl")[:1]
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
-    assert "Resuming from" in log and "step_1" in log
+    with caplog.at_level(logging.INFO):
+        run_in_process_isolated(with_overrides(cfg, resume_from_checkpoint=True))
+    assert f"Resuming from {out / 'step_1'}" in caplog.text
     resumed = weights(out / "step_2")
     for key in uninterrupted:
         torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)
