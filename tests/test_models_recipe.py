@@ -1,19 +1,18 @@
 """The recipes with a model directory read by torchtune_grpo.models (a tiny random Qwen3 with its own
-tokenizer and chat template): full fine-tuning, the vLLM engine and LoRA through `tune run`, QLoRA in process;
-every output directory loads in transformers (and PEFT) with the logits of our own model. Two processes, for
-every architecture: tests/test_models_architectures.py."""
+tokenizer and chat template): full fine-tuning, LoRA and QLoRA in process; every output directory loads in
+transformers (and PEFT) with the logits of our own model. The vLLM engine with such a directory, through
+`tune run`: tests/test_vllm_recipe.py::test_recipe_trains_with_vllm_and_every_sync_checks_out. Two processes,
+for every architecture: tests/test_models_architectures.py."""
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.hf_models import hf_components, hf_logits, make_model_dir
-from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from tests.conftest import REPO
 from torchtune_grpo.models import HFCheckpointer, hf_model
 
-VLLM_CONFIG = REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"
 TWO_STEPS = dict(max_steps=2, save_every_n_steps=2, lr_scheduler=None, **{"optimizer.lr": 1e-3})
 
 
@@ -28,7 +27,7 @@ def _our_logits(directory: Path, tmp_path: Path) -> torch.Tensor:
         return model.eval()(_tokens())
 
 
-def _check_trained_directory(src: Path, step_dir: Path, tmp_path: Path) -> None:
+def check_trained_directory(src: Path, step_dir: Path, tmp_path: Path) -> None:
     """The step directory is a Hugging Face model: our model and transformers agree on it, the weights moved,
     and the source's config and tokenizer files came along."""
     start, end = weights(src), weights(step_dir)
@@ -43,34 +42,22 @@ def _rows(tmp_path: Path):
     return [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
 
 
-def test_qwen3_full_one_process(tmp_path: Path):
+def test_qwen3_full_one_process(tmp_path: Path, clean_env, one_thread):
+    # In process (the recipe's setup/train/cleanup; `tune run` with a model directory:
+    # tests/test_vllm_recipe.py::test_recipe_trains_with_vllm_and_every_sync_checks_out).
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(tmp_path, **hf_components(src), **TWO_STEPS)
-    run_tune(config, cwd=tmp_path)
+    run_in_process(config)
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
+    check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
     # Completions were rendered with the model's own chat template (Qwen3's, thinking on).
     prompt = read_jsonl(tmp_path / "out" / "completions.jsonl")[0]["prompt"]
     assert prompt.startswith("<|im_start|>system\nAnswer.<|im_end|>\n<|im_start|>user\n")
     assert prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
-@pytest.mark.slow
-def test_qwen3_vllm_engine_sync_check(tmp_path: Path):
-    src = make_model_dir(tmp_path / "Qwen3-tiny")
-    config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **TWO_STEPS)
-    output = run_tune(config, cwd=tmp_path)
-    assert "Generation engine started, weights synced and checked" in output
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # fp32: the engine got exactly the trainer's weights, q/k norms included
-        assert r["generation/sync_logprob_diff"] < 1e-4, r
-        assert r["generation/logprob_mismatch"] < 1e-4, r
-    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
-
-
-def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path):
+def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path, clean_env, one_thread):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -83,11 +70,11 @@ def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path):
     }
     base = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
     config = write_config(tmp_path, base=base, **components, **TWO_STEPS)
-    run_tune(config, cwd=tmp_path, recipe="grpo_lora_finetune_distributed")
+    run_in_process(config, lora=True)  # grpo_lora_finetune_distributed, without the launcher
     step = tmp_path / "out" / "step_2"
     merged = step / "merged"
     # The merged model: a Hugging Face directory our model and transformers agree on, weights moved.
-    _check_trained_directory(src, merged, tmp_path)
+    check_trained_directory(src, merged, tmp_path)
     # The PEFT adapter on the base model gives the merged model's logits (q/k adapters in Qwen3's layout,
     # applied before the q/k norms as in the merge).
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), step).eval()
