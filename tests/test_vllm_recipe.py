@@ -1,27 +1,36 @@
 """The recipe with the vLLM engine on CPU, through `tune run`: real training steps, real weight syncs.
 
-- A run trains the tiny model for a few steps; after every optimizer step the weights go to vLLM and the
-  sync check passes (``generation/sync_logprob_diff`` stays at fp32 rounding), the engine's sampling
-  logprobs match the trainer's (``generation/logprob_mismatch``), and the weights really changed (so a
+- A run trains a tiny Qwen3 model directory for a few steps; after every optimizer step the weights go
+  to vLLM and the sync check passes (``generation/sync_logprob_diff`` stays at fp32 rounding), the
+  engine's sampling logprobs match the trainer's (``generation/logprob_mismatch``), and the weights really changed (so a
   passing check is not trivially passing).
-- The same run with an engine that silently drops every sync after the first (the failure mode the check
-  exists for) stops with ``WeightSyncError`` after step 1, naming the problem.
-- Two processes: one engine per rank, each synced from the FSDP2 shards.
+- A run whose engine silently drops every sync after the first (the failure mode the check exists for)
+  stops with ``WeightSyncError`` after step 1, naming the problem. The check is the recipe's, the same for
+  any engine holding its own weights: that run uses a native engine with its own copy, in process.
+- Two processes: one engine per rank, each synced from the FSDP2 shards, sampling multi-turn episodes.
+
+Each vLLM run starts one engine per process (the largest fixed cost): the model-directory (Qwen3) and
+multi-turn checks ride on the two runs here instead of starting engines of their own.
 """
 
 import importlib.util
-import os
-import subprocess
+import logging
 from pathlib import Path
-from typing import Iterable, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from torchtune import config as tt_config
 
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, run_tune, TUNE, weights, write_config
+from tests.hf_models import hf_components, make_model_dir
+from tests.recipe_utils import read_jsonl, run_in_process, run_tune, weights, write_config
+from tests.test_models_recipe import check_trained_directory
 from torchtune_grpo.assets import asset_path
-from torchtune_grpo.generation import VLLMGenerator
+from torchtune_grpo.generation import NativeGenerator, WeightSyncError
+from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.multiturn import EnvReply
 
 VLLM_CONFIG = REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"
 # No warm-up: the first optimizer step already moves the weights (lr 0 at a warm-up's first step would
@@ -29,18 +38,43 @@ VLLM_CONFIG = REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"
 TRAIN = dict(max_steps=3, save_every_n_steps=None, lr_scheduler=None)
 
 
-class StaleVLLMGenerator(VLLMGenerator):
-    """A broken sync: the weights reach the engine once, before training, and never again.
+class StaleCopyGenerator(NativeGenerator):
+    """An engine that, like vLLM, samples from its own copy of the weights (``holds_weights``), synced by the
+    recipe, but whose sync is broken: the weights reach it once, before training, and never again.
 
-    Later calls consume the weights (every rank must: they are gathered collectively from the FSDP
-    shards) and drop them, as a sync into the wrong object, or one that was skipped, would.
+    Later calls consume the weights (every rank must: they are gathered collectively from the FSDP shards)
+    and drop them, as a sync into the wrong object, or one that was skipped, would. The copy is built from
+    the run's ``model`` config (random until the first sync) and scored as the sync check asks.
+
+    Args:
+        model (Dict[str, Any]): the run's model component (``${model}``).
+        **kwargs: :class:`~torchtune_grpo.generation.NativeGenerator`'s.
     """
 
+    holds_weights = True
+
+    def __init__(self, model: Dict[str, Any], **kwargs):
+        super().__init__(**kwargs)
+        self._copy = tt_config.instantiate(OmegaConf.create(model)).eval()
+        self._synced_once = False
+
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
-        if getattr(self, "_synced_once", False):
-            return sum(1 for _ in weights)
-        self._synced_once = True
-        return super().load_weights(weights)
+        state = dict(weights)
+        if not self._synced_once:
+            self._copy.load_state_dict(state)
+            self._synced_once = True
+        return len(state)
+
+    def prompt_logprobs(self, tokens: List[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_logprobs(self._copy, torch.tensor([tokens])).logprobs[0]  # [len(tokens) - 1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._copy.tok_embeddings.num_embeddings
+
+    def generate(self, model, prompts, **kwargs):
+        return super().generate(self._copy, prompts, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +87,12 @@ def _needs_vllm():
 
 
 def test_recipe_trains_with_vllm_and_every_sync_checks_out(tmp_path: Path):
-    config = write_config(tmp_path, base=VLLM_CONFIG, **TRAIN)
+    # The model is a tiny random Qwen3 directory read by torchtune_grpo.models (its own tokenizer and chat
+    # template; q/k norms): the engine must get exactly the trainer's weights, norms included. (The shipped
+    # torchtune Qwen2 config with vLLM: test_two_processes_one_engine_per_rank and, on one process, the
+    # start-up check of test_a_sync_that_does_not_reach_the_engine_stops_the_run.)
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3})
     output = run_tune(config, cwd=tmp_path)
     assert "Generation engine started, weights synced and checked" in output
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
@@ -67,38 +106,75 @@ def test_recipe_trains_with_vllm_and_every_sync_checks_out(tmp_path: Path):
         assert r["time/weight_sync"] > 0
     assert any(r["loss"] != 0 for r in rows)  # the vowel reward gives a learning signal
     # The weights really moved (so the check had something to catch): compare with the starting files.
-    start, end = weights(Path(asset_path("tiny_qwen2"))), weights(tmp_path / "out" / "step_3")
+    start, end = weights(src), weights(tmp_path / "out" / "step_3")
     moved = max((end[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-3
+    # The step directory is a Hugging Face model: our model and transformers agree on it, and the source's
+    # config and tokenizer files came along.
+    check_trained_directory(src, tmp_path / "out" / "step_3", tmp_path)
 
 
-def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path):
+def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path, clean_env, one_thread, caplog):
+    # The recipe's sync check is the same for any engine holding its own weights: here a native engine with a
+    # broken sync (StaleCopyGenerator), in process, so no vLLM engine starts for a run that is meant to stop.
+    # (vLLM's own weights going stale and being caught: tests/test_vllm_engine.py::
+    # test_weight_sync_reaches_the_engine_and_the_check_sees_stale_weights.)
+    vllm_cfg = OmegaConf.load(VLLM_CONFIG)
     config = write_config(
-        tmp_path, base=VLLM_CONFIG, **TRAIN,
-        **{"generation._component_": "tests.test_vllm_recipe.StaleVLLMGenerator"},
+        tmp_path, **TRAIN, weight_sync=OmegaConf.to_container(vllm_cfg.weight_sync),
+        generation={"_component_": "tests.test_vllm_recipe.StaleCopyGenerator", "model": "${model}"},
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [TUNE, "run", "grpo_full_finetune_distributed", "--config", str(config)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0, output[-3000:]
+    with caplog.at_level(logging.INFO), pytest.raises(WeightSyncError) as error:
+        run_in_process(config)
     # The initial sync did reach the engine (checked at start-up); the first training step's did not.
-    assert "Generation engine started, weights synced and checked" in output
-    assert "WeightSyncError: Weight sync check failed after step 1" in output, output[-3000:]
-    assert "stale" in output and "weight_sync.tolerance" in output
+    assert "Generation engine started, weights synced and checked" in caplog.text
+    message = str(error.value)
+    assert message.startswith("Weight sync check failed after step 1"), message
+    assert "stale" in message and "weight_sync.tolerance" in message
     # It stopped right there: no step was logged with stale weights.
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "out" / "metrics.jsonl")
 
 
+class NudgeEnvironment:
+    """Answers every model turn with ``Go on.`` (a user message), so episodes continue until ``max_turns``
+    or the token budget whatever the model writes: a random model then still has continuation turns."""
+
+    def start(self, fields):
+        return None
+
+    def step(self, state, message):
+        return EnvReply([{"role": "user", "content": "Go on."}], False, {"nudges": 1})
+
+
 @pytest.mark.slow
-def test_two_processes_one_engine_per_rank(tmp_path: Path):
-    config = write_config(tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=None, lr_scheduler=None)
-    run_tune(config, nproc=2, cwd=tmp_path)
+def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path: Path):
+    # Two processes, one engine per rank, each synced from the FSDP2 shards; the rollouts are multi-turn
+    # episodes (docs/multi_turn.md): the tiny model with the shipped ChatML template (tiny_qwen2's
+    # tokenizer_config.json). Continuation turns re-send each history; vLLM's logprobs of the model's tokens
+    # in every turn must equal the trainer's (injected tokens carry 0.0 and are masked), and the sync check
+    # passes. (Multi-turn through the recipe with a scripted engine, 1 and 2 processes and resumed:
+    # tests/test_multiturn_recipe.py.)
+    config = write_config(
+        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=None, lr_scheduler=None,
+        tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
+        **{"dataset.prompt_style": "chat"},
+        environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
+        multi_turn={"max_turns": 3, "env_timeout": 10},
+        max_response_length=64,
+    )
+    output = run_tune(config, nproc=2, cwd=tmp_path)
+    assert "2 rank(s)" in output
+    assert "Multi-turn episodes: NudgeEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
+    assert "Generation engine started, weights synced and checked" in output
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
+        assert torch.isfinite(torch.tensor(r["loss"]))
         # The largest difference over both ranks' engines.
         assert r["generation/sync_logprob_diff"] < 1e-4, r
-        assert r["generation/logprob_mismatch"] < 1e-4, r
+        assert r["generation/logprob_mismatch"] < 1e-4, r  # over the model's tokens of every turn
+        assert r["episode/generated_tokens"] + r["episode/injected_tokens"] == r["response_length/mean"]
+    # Some episodes went past their first turn: the engine continued histories with injected replies.
+    assert max(r["episode/turns"] for r in rows) > 1 and max(r["episode/injected_tokens"] for r in rows) > 0
+    record = next(c for c in read_jsonl(tmp_path / "out" / "completions.jsonl") if len(c["conversation"]) > 1)
+    assert record["conversation"][1] == {"role": "user", "content": "Go on."}
