@@ -10,8 +10,13 @@ prompt and row, so one-process, two-process and resumed runs see the same episod
 - killed right after the step-3 rollouts (mid multi-turn run) and resumed: the same weights and metrics as
   the uninterrupted run;
 - the LoRA recipe: a short run with the same episodes.
+
+The one-process reference and the LoRA run are in process. The vLLM engine with multi-turn episodes (a real
+model's continuation turns): tests/test_vllm_recipe.py::
+test_two_processes_one_engine_per_rank_running_multi_turn_episodes.
 """
 
+import logging
 import math
 from pathlib import Path
 
@@ -21,12 +26,10 @@ from omegaconf import OmegaConf
 
 from tests.chat_templates import make_tokenizer_dir
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, run_tune, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_config
+from tests.recipe_utils2 import run_in_process_logged
 from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
-from tests.test_lora_recipe import LORA_CONFIG, RECIPE as LORA_RECIPE
-from tests.test_vllm_recipe import VLLM_CONFIG
-from torchtune_grpo.assets import asset_path
-from torchtune_grpo.multiturn import EnvReply
+from tests.test_lora_recipe import LORA_CONFIG
 
 MULTI_TURN_CONFIG = REPO / "configs" / "tiny" / "multi_turn_cpu.yaml"
 # Saves at steps 2 and 4 (STEPS); keep_last_n_checkpoints=1 leaves only step_4 at the end.
@@ -68,7 +71,9 @@ def assert_scripted_episodes(rows) -> None:
 def one_process_run(tmp_path_factory):
     """A 4-step multi-turn run on one process: (output directory, its log)."""
     tmp = tmp_path_factory.mktemp("multi_turn_1proc")
-    output = run_tune(multi_turn_config(tmp, **SCHEDULE), cwd=tmp)
+    # In process: the recipe's setup/train/cleanup without the launcher (the runs compared with it below
+    # go through `tune run`).
+    output = run_in_process_logged(multi_turn_config(tmp, **SCHEDULE))
     return tmp / "out", output
 
 
@@ -118,11 +123,12 @@ def test_killed_mid_multi_turn_run_resumes_exactly(tmp_path, one_process_run):
     assert_same_run(tmp_path / "out", out)  # weights, every metric but timings (episode/* included)
 
 
-@pytest.mark.slow
-def test_lora_recipe_runs_tool_episodes(tmp_path):
+def test_lora_recipe_runs_tool_episodes(tmp_path, clean_env, one_thread, caplog):
+    # In process (the LoRA recipe through `tune run`: tests/test_lora_recipe.py).
     cfg = multi_turn_config(tmp_path, base=LORA_CONFIG, max_steps=2, save_every_n_steps=2)
-    output = run_tune(cfg, cwd=tmp_path, recipe=LORA_RECIPE)
-    assert "Multi-turn episodes: ToolEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
+    with caplog.at_level(logging.INFO):
+        run_in_process(cfg, lora=True)
+    assert "Multi-turn episodes: ToolEnvironment, at most 3 turns, replies rendered by ChatTurns" in caplog.text
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
     assert_scripted_episodes(rows)
@@ -131,43 +137,3 @@ def test_lora_recipe_runs_tool_episodes(tmp_path):
     adapter = torch.load(tmp_path / "out" / "step_2" / "adapter_model.pt", weights_only=True)
     lora_b = [v for k, v in adapter.items() if k.endswith("lora_b.weight")]
     assert lora_b and all(v.abs().max() > 0 for v in lora_b)
-
-
-class NudgeEnvironment:
-    """Answers every model turn with ``Go on.`` (a user message), so episodes continue until ``max_turns``
-    or the token budget whatever the model writes: a random model then still has continuation turns."""
-
-    def start(self, fields):
-        return None
-
-    def step(self, state, message):
-        return EnvReply([{"role": "user", "content": "Go on."}], False, {"nudges": 1})
-
-
-@pytest.mark.slow
-def test_vllm_engine_runs_episodes_with_a_real_model(tmp_path):
-    # The tiny random model with the shipped ChatML template (tiny_qwen2's tokenizer_config.json), sampled by
-    # vLLM on CPU. Continuation turns re-send each history; vLLM's logprobs of the model's tokens in every
-    # turn must equal the trainer's (injected tokens carry 0.0 and are masked), and the sync check passes.
-    cfg = write_config(
-        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=None, lr_scheduler=None,
-        tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
-        **{"dataset.prompt_style": "chat"},
-        environment={"_component_": "tests.test_multiturn_recipe.NudgeEnvironment"},
-        multi_turn={"max_turns": 3, "env_timeout": 10},
-        max_response_length=64,
-    )
-    output = run_tune(cfg, cwd=tmp_path)
-    assert "Multi-turn episodes: NudgeEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
-    assert "Generation engine started, weights synced and checked" in output
-    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert torch.isfinite(torch.tensor(r["loss"]))
-        assert r["generation/sync_logprob_diff"] < 1e-4, r
-        assert r["generation/logprob_mismatch"] < 1e-4, r  # over the model's tokens of every turn
-        assert r["episode/generated_tokens"] + r["episode/injected_tokens"] == r["response_length/mean"]
-    # Some episodes went past their first turn: the engine continued histories with injected replies.
-    assert max(r["episode/turns"] for r in rows) > 1 and max(r["episode/injected_tokens"] for r in rows) > 0
-    record = next(c for c in read_jsonl(tmp_path / "out" / "completions.jsonl") if len(c["conversation"]) > 1)
-    assert record["conversation"][1] == {"role": "user", "content": "Go on."}
