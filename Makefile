@@ -24,6 +24,8 @@ demo-multi-turn: setup
 	$(RUN) bash scripts/demo_multi_turn.sh
 
 # -n auto: one pytest worker per core; --dist loadfile keeps each test file on one worker, so module-scoped
-# fixtures (a vLLM engine, a converted model) are built once (tests/conftest.py starts the longest files first).
+# fixtures (a vLLM engine, a converted model) are built once; --no-loadscope-reorder hands files out in the order
+# tests/conftest.py gives them, longest first (xdist's default order, most tests first, started the
+# one-test learning file last).
 test: setup
-	$(RUN) python -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
+	$(RUN) python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
