@@ -65,10 +65,10 @@ def clean_env():
         os.environ.update(saved)
 
 
-# Files run first under pytest-xdist (`make test`: -n auto --dist loadfile --no-loadscope-reorder hands out whole
-# files in collection
-# order: the Makefile). The learning test is the longest single test (about 6 of the suite's minutes on 2 cores): started
-# last, it would run alone on one core at the end. After it, the files with multi-process (`slow`) tests.
+# Files run first under pytest-xdist (`make test`: -n auto --dist loadfile --no-loadscope-reorder hands out
+# whole files in collection order). The learning test is the longest single test (minutes on 2 cores):
+# started last, it would run alone on one core at the end. After it, the files with multi-process (`slow`)
+# tests.
 LONGEST_FIRST = ("test_learning.py",)
 
 
