@@ -127,6 +127,8 @@ def test_entropy_is_exact_when_logits_are_large(fused, single_chunk):
     log_p = torch.log_softmax(logits, dim=-1)
     ref = -(log_p.exp() * log_p).sum(-1)
     assert float(ref.min()) > 1.0  # not degenerate: over a nat of spread at every position
-    torch.testing.assert_close(out.entropy[0].double(), ref, rtol=0, atol=2e-6)
+    # 1.5e-5: the fixed paths measured up to 4.4e-6 (generic path; the summation order, hence the last bits,
+    # depends on the thread count), the old code 5e-5 and more.
+    torch.testing.assert_close(out.entropy[0].double(), ref, rtol=0, atol=1.5e-5)
     # (logprobs carry the fp32 rounding of logits ~100 themselves: ulp 8e-6)
     torch.testing.assert_close(out.logprobs[0].double(), log_p.gather(-1, targets[0, :, None])[:, 0], rtol=0, atol=1e-4)
