@@ -19,7 +19,7 @@ import torch
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
 from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
-from tests.test_models_recipe import TWO_STEPS, _check_trained_directory
+from tests.test_models_recipe import TWO_STEPS, check_trained_directory
 
 
 def _config(tmp_path: Path, arch: str) -> Path:
@@ -37,7 +37,7 @@ def test_two_grpo_steps_in_process(arch, tmp_path, clean_env, one_thread):
     _run_in_process(path)
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
-    _check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
+    check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
 
 
 # ------------------------------------------------------------------------------- 1 vs 2 processes
@@ -145,10 +145,10 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
             for key in ("loss", "kl", "reward/mean", "response_length/mean"):
                 assert m2[key] == pytest.approx(m1[key], abs=1e-5), (arch, m1["step"], key)
         # What rank 0 saved from the two-process run is a Hugging Face model with our model's logits.
-        _check_trained_directory(src, two / "out" / "step_2", tmp_path / arch)
+        check_trained_directory(src, two / "out" / "step_2", tmp_path / arch)
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]
     adapter = torch.load(step / "adapter_model.pt", weights_only=True)
     assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))  # B started at 0
-    _check_trained_directory(qlora_src, step / "merged", tmp_path / "qlora")
+    check_trained_directory(qlora_src, step / "merged", tmp_path / "qlora")
