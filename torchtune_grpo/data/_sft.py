@@ -10,7 +10,7 @@ and ``torchtune.data.padded_collate_sft`` expect.
 
 import logging
 import re
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from torch.utils.data import Dataset
 
@@ -33,7 +33,45 @@ _CALCULATOR = re.compile(r"<<[^<>]*>>")
 CROSS_ENTROPY_IGNORE_IDX = -100
 
 
-class WarmStartDataset(Dataset):
+class LabelledItems(Dataset):
+    """In-memory SFT items ``{"tokens", "labels"}``, those longer than ``max_seq_len`` dropped (with a warning).
+
+    Args:
+        examples (Iterable[Tuple[List[int], List[int]]]): ``(tokens, labels)`` per example, equal lengths.
+        total (int): how many examples ``examples`` yields (for the messages).
+        max_seq_len (Optional[int]): longer examples are dropped, not truncated.
+        what (str): what the examples are, plural (``"SFT examples"``), for the messages.
+
+    Raises:
+        ValueError: if every example was dropped or there are none.
+    """
+
+    def __init__(self, examples: Iterable[Tuple[List[int], List[int]]], total: int, max_seq_len: Optional[int],
+                 what: str) -> None:
+        self._items: List[Dict[str, List[int]]] = []
+        dropped = 0
+        for tokens, labels in examples:
+            if max_seq_len is not None and len(tokens) > max_seq_len:
+                dropped += 1
+                continue
+            self._items.append({"tokens": tokens, "labels": list(labels)})
+        self.num_dropped = dropped
+        if dropped:
+            log.warning(f"dropped {dropped} of {total} {what} longer than max_seq_len={max_seq_len}")
+        if not self._items:
+            raise ValueError(
+                f"no {what} left: all {total} are longer than max_seq_len={max_seq_len}" if total else f"no {what}"
+            )
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, index: int) -> Dict[str, List[int]]:
+        item = self._items[index]
+        return {"tokens": list(item["tokens"]), "labels": list(item["labels"])}
+
+
+class WarmStartDataset(LabelledItems):
     """Tokenized prompt + response pairs for SFT.
 
     Each item is ``{"tokens": prompt + response + [stop], "labels": same length}``; labels are
@@ -66,33 +104,15 @@ class WarmStartDataset(Dataset):
         # (Llama 3's <|eot_id|>; Qwen's eos is already <|im_end|>), else the eos token.
         stop = getattr(tokenizer, "eot_id", None) if prompt_style == "chat" else None
         stop = tokenizer.eos_id if stop is None else stop
-        self._items: List[Dict[str, List[int]]] = []
-        dropped = 0
-        for pair in pairs:
-            prompt, _ = formatter(tokenizer, str(pair["question"]))
-            response = list(tokenizer.encode(str(pair["response"]), add_bos=False, add_eos=False)) + [stop]
-            tokens = list(prompt) + response
-            if max_seq_len is not None and len(tokens) > max_seq_len:
-                dropped += 1
-                continue
-            labels = tokens if train_on_input else [CROSS_ENTROPY_IGNORE_IDX] * len(prompt) + response
-            self._items.append({"tokens": tokens, "labels": list(labels)})
-        self.num_dropped = dropped
-        if dropped:
-            log.warning(f"dropped {dropped} of {len(pairs)} SFT examples longer than max_seq_len={max_seq_len}")
-        if not self._items:
-            raise ValueError(
-                f"no SFT examples left: all {len(pairs)} are longer than max_seq_len={max_seq_len}"
-                if pairs
-                else "no SFT examples"
-            )
 
-    def __len__(self) -> int:
-        return len(self._items)
+        def examples():
+            for pair in pairs:
+                prompt, _ = formatter(tokenizer, str(pair["question"]))
+                response = list(tokenizer.encode(str(pair["response"]), add_bos=False, add_eos=False)) + [stop]
+                tokens = list(prompt) + response
+                yield tokens, tokens if train_on_input else [CROSS_ENTROPY_IGNORE_IDX] * len(prompt) + response
 
-    def __getitem__(self, index: int) -> Dict[str, List[int]]:
-        item = self._items[index]
-        return {"tokens": list(item["tokens"]), "labels": list(item["labels"])}
+        super().__init__(examples(), len(pairs), max_seq_len, "SFT examples")
 
 
 def _response_parts(row: Dict[str, Any], index: int, answer_format: str, answer_column: str,

@@ -16,14 +16,12 @@ tool's results itself.
 """
 
 import json
-import logging
 import random
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from torch.utils.data import Dataset
 
 from torchtune_grpo.data._arithmetic import arithmetic_problems
-from torchtune_grpo.data._sft import CROSS_ENTROPY_IGNORE_IDX
+from torchtune_grpo.data._sft import CROSS_ENTROPY_IGNORE_IDX, LabelledItems
 from torchtune_grpo.data._templates import make_prompt_formatter
 from torchtune_grpo.data._verifiable import load_rows, require_columns
 from torchtune_grpo.multiturn.tools import build_tool, calculate
@@ -31,7 +29,6 @@ from torchtune_grpo.multiturn.turns import episode_turns
 
 __all__ = ["ToolTraceDataset", "careless_calculator_traces", "tool_sft_dataset"]
 
-log = logging.getLogger(__name__)
 
 _REPLY_ROLES = ("tool", "user")
 
@@ -111,7 +108,7 @@ def careless_calculator_traces(
     return rows, {"problems": len(rows), "tool_calls": calls, "guesses": len(rows) - calls}
 
 
-class ToolTraceDataset(Dataset):
+class ToolTraceDataset(LabelledItems):
     """Tokenized tool-use traces for SFT: labels on the model's turns only.
 
     Each item is ``{"tokens", "labels"}`` (what torchtune's SFT recipes and ``padded_collate_sft`` take;
@@ -147,47 +144,30 @@ class ToolTraceDataset(Dataset):
         turns = episode_turns(tokenizer, getattr(tokenizer, "tools", None))
         end = getattr(tokenizer, "eot_id", None)
         end = tokenizer.eos_id if end is None else end
-        self._items: List[Dict[str, List[int]]] = []
-        dropped = 0
-        for index, trace in enumerate(traces):
-            messages = list(trace["messages"])
-            _check_messages(messages, index)
-            tokens, _ = formatter(tokenizer, str(trace["question"]))
-            tokens = list(tokens)
-            labels = [CROSS_ENTROPY_IGNORE_IDX] * len(tokens)
-            replies: List[Dict[str, Any]] = []
-            for message in messages:
-                if message["role"] != "assistant":
-                    replies.append(message)
-                    continue
-                if replies:
-                    ids = turns.reply_ids(replies)
+
+        def examples():
+            for index, trace in enumerate(traces):
+                messages = list(trace["messages"])
+                _check_messages(messages, index)
+                tokens, _ = formatter(tokenizer, str(trace["question"]))
+                tokens = list(tokens)
+                labels = [CROSS_ENTROPY_IGNORE_IDX] * len(tokens)
+                replies: List[Dict[str, Any]] = []
+                for message in messages:
+                    if message["role"] != "assistant":
+                        replies.append(message)
+                        continue
+                    if replies:
+                        ids = turns.reply_ids(replies)
+                        tokens += ids
+                        labels += [CROSS_ENTROPY_IGNORE_IDX] * len(ids)
+                        replies = []
+                    ids = list(tokenizer.encode(str(message["content"]), add_bos=False, add_eos=False)) + [end]
                     tokens += ids
-                    labels += [CROSS_ENTROPY_IGNORE_IDX] * len(ids)
-                    replies = []
-                ids = list(tokenizer.encode(str(message["content"]), add_bos=False, add_eos=False)) + [end]
-                tokens += ids
-                labels += ids
-            if max_seq_len is not None and len(tokens) > max_seq_len:
-                dropped += 1
-                continue
-            self._items.append({"tokens": tokens, "labels": labels})
-        self.num_dropped = dropped
-        if dropped:
-            log.warning(f"dropped {dropped} of {len(traces)} tool traces longer than max_seq_len={max_seq_len}")
-        if not self._items:
-            raise ValueError(
-                f"no tool traces left: all {len(traces)} are longer than max_seq_len={max_seq_len}"
-                if len(traces)
-                else "no tool traces"
-            )
+                    labels += ids
+                yield tokens, labels
 
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, index: int) -> Dict[str, List[int]]:
-        item = self._items[index]
-        return {"tokens": list(item["tokens"]), "labels": list(item["labels"])}
+        super().__init__(examples(), len(traces), max_seq_len, "tool traces")
 
 
 def _check_messages(messages: List[Any], index: int) -> None:
