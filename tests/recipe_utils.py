@@ -22,6 +22,14 @@ REQUIRED_METRICS = {
     "time/generation", "time/train", "time/step",
 }
 
+# Every key torchtune's full_finetune_single_device recipe reads (the demos' SFT configs must have them).
+SFT_RECIPE_KEYS = {
+    "output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle", "batch_size", "epochs",
+    "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd", "loss", "device", "dtype",
+    "compile", "enable_activation_checkpointing", "enable_activation_offloading", "metric_logger",
+    "resume_from_checkpoint",
+}
+
 
 def write_config(
     tmp_path: Path, base: Union[Path, str] = TINY_CONFIG, vowel_reward: bool = True, **overrides

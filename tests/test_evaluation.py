@@ -325,12 +325,10 @@ def test_demo_sft_config_builds_with_torchtunes_keys(tokenizer, tmp_path):
     # the GRPO configs): every key that recipe reads is there, and the dataset builds our SFT data.
     from torchtune import config as tt_config
 
+    from tests.recipe_utils import SFT_RECIPE_KEYS
+
     cfg = OmegaConf.load(REPO / "configs" / "tiny" / "demo_sft.yaml")
-    needed = {"output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle", "batch_size",
-              "epochs", "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd",
-              "loss", "device", "dtype", "compile", "enable_activation_checkpointing",
-              "enable_activation_offloading", "metric_logger", "resume_from_checkpoint"}
-    assert needed <= set(cfg.keys())
+    assert SFT_RECIPE_KEYS <= set(cfg.keys()), SFT_RECIPE_KEYS - set(cfg.keys())
     cfg.asset_dir = asset_path("tiny_qwen2")
     # the rows scripts/demo.sh writes, through the SFT config's dataset
     from torchtune_grpo.data import addition_sft_rows

@@ -178,14 +178,11 @@ def test_demo_configs_give_sft_and_grpo_the_same_prompts(tmp_path):
     from torchtune import config as tt_config
 
     from tests.conftest import REPO
+    from tests.recipe_utils import SFT_RECIPE_KEYS
     from torchtune_grpo.assets import register_resolvers
 
     cfg = OmegaConf.load(REPO / "configs" / "tiny" / "demo_multi_turn_sft.yaml")
-    needed = {"output_dir", "model", "tokenizer", "checkpointer", "dataset", "seed", "shuffle", "batch_size",
-              "epochs", "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "optimizer_in_bwd",
-              "loss", "device", "dtype", "compile", "enable_activation_checkpointing",
-              "enable_activation_offloading", "metric_logger", "resume_from_checkpoint"}
-    assert needed <= set(cfg.keys())
+    assert SFT_RECIPE_KEYS <= set(cfg.keys()), SFT_RECIPE_KEYS - set(cfg.keys())
     cfg.asset_dir = asset_path("tiny_qwen2")
     rows, _ = careless_calculator_traces(20, seed=0)
     path = tmp_path / "traces.jsonl"
