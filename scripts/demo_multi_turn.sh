@@ -3,26 +3,32 @@
 #
 #   bash scripts/demo_multi_turn.sh        (or: make demo-multi-turn)
 #
-#   1. SFT warm start: torchtune's own recipe (full_finetune_single_device) on the tiny Qwen2-shaped model from
-#      its random init, with our tool_sft_dataset over traces of a careless teacher on two-digit products
-#      ("What is 56 * 65?"): for ~30% of the problems it calls the calculator (<tool_call> JSON), reads the
-#      result and answers "The answer is 3640."; for the others it answers a wrong guess at once. The loss
-#      covers the model's turns only (the tool's reply is context).
+#   1. The warm start: the tiny Qwen2-shaped model after SFT on traces of a careless teacher on two-digit
+#      products ("What is 56 * 65?"): for ~30% of the problems it calls the calculator (<tool_call> JSON),
+#      reads the result and answers "The answer is 3640."; for the others it answers a wrong guess at once.
+#      The loss covers the model's turns only (the tool's reply is context). By default the shipped
+#      `tiny_qwen2_tools` (seconds: this very SFT, seed 0, made by
+#      `DEMO_WARM_START=sft DEMO_SEED=0 DEMO_GRPO_STEPS=0 bash scripts/demo_multi_turn.sh`); with
+#      DEMO_WARM_START=sft the script writes the traces and runs the SFT itself with torchtune's own recipe
+#      (full_finetune_single_device, ~3.5 min on one core) from the random init. Whether that SFT learns to
+#      copy operands and results within its 400 steps depends on the seed (docs/multi_turn.md, "Measured").
 #   2. GRPO (our recipe, multi-turn: the calculator as the environment, at most a call and an answer per
-#      episode) from the SFT checkpoint, rewarded by the answer's correctness only, with held-out evaluation
-#      (greedy) at step 0 and at the end: accuracy and tool-use rate (metrics.jsonl: eval/*).
+#      episode) from the warm start, rewarded by the answer's correctness only, with held-out evaluation
+#      (greedy) at step 0 and at the end: accuracy and tool-use rate (metrics.jsonl: eval/*). ~1.5 min.
 #
-# The last line is `held-out accuracy: <SFT> -> <GRPO>, tool use: <SFT> -> <GRPO>` (greedy, fractions of the
-# held-out problems). Environment knobs (the learning test uses them):
-#   DEMO_DIR (/tmp/torchtune_grpo/demo_multi_turn), DEMO_SEED (0), DEMO_PROBLEMS (3200 traces),
-#   DEMO_TOOL_RATE (0.3), DEMO_SFT_EPOCHS (4), DEMO_GRPO_STEPS (10); DEMO_SFT_ARGS and DEMO_GRPO_ARGS add
-#   key=value overrides to the two `tune run` commands (e.g. DEMO_GRPO_ARGS="optimizer.lr=5e-4"); defaults are
-#   in the YAML files (configs/tiny/demo_multi_turn_*.yaml).
+# The last line is `held-out accuracy: <warm start> -> <GRPO>, tool use: <warm start> -> <GRPO>` (greedy,
+# fractions of the held-out problems). Environment knobs (the learning test uses them):
+#   DEMO_DIR (/tmp/torchtune_grpo/demo_multi_turn), DEMO_SEED (0), DEMO_WARM_START (shipped | sft),
+#   DEMO_GRPO_STEPS (10; 0 stops after the warm start); for DEMO_WARM_START=sft: DEMO_PROBLEMS (3200 traces),
+#   DEMO_TOOL_RATE (0.3), DEMO_SFT_EPOCHS (4). DEMO_SFT_ARGS and DEMO_GRPO_ARGS add key=value overrides to the
+#   two `tune run` commands (e.g. DEMO_GRPO_ARGS="optimizer.lr=5e-4"); defaults are in the YAML files
+#   (configs/tiny/demo_multi_turn_*.yaml).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo_multi_turn}"
 SEED="${DEMO_SEED:-0}"
+WARM_START="${DEMO_WARM_START:-shipped}"
 PROBLEMS="${DEMO_PROBLEMS:-3200}"
 TOOL_RATE="${DEMO_TOOL_RATE:-0.3}"
 SFT_EPOCHS="${DEMO_SFT_EPOCHS:-4}"
@@ -40,8 +46,10 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 cd "$WORK"  # `tune run` finds the recipes as installed modules, from any directory
 
-step "data: a careless teacher's tool-use traces on the train split -> $WORK/traces.jsonl"
-python - "$WORK/traces.jsonl" "$PROBLEMS" "$TOOL_RATE" "$SEED" <<'PY'
+# The SFT warm start from the random init (DEMO_WARM_START=sft): sets WARM_DIR and WARM_FILE.
+sft_warm_start() {
+  step "data: a careless teacher's tool-use traces on the train split -> $WORK/traces.jsonl"
+  python - "$WORK/traces.jsonl" "$PROBLEMS" "$TOOL_RATE" "$SEED" <<'PY'
 import json, sys
 from torchtune_grpo.data import careless_calculator_traces
 
@@ -53,21 +61,35 @@ with open(out, "w") as f:
 print(f"{counts['problems']} problems: the teacher called the calculator for {counts['tool_calls']} and "
       f"guessed (wrong) for {counts['guesses']}")
 PY
+  local asset_dir
+  asset_dir="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2"))')"
+  step "1/2 SFT warm start: tune run full_finetune_single_device (torchtune's recipe), $SFT_EPOCHS epoch(s)"
+  tune run full_finetune_single_device --config "$REPO/configs/tiny/demo_multi_turn_sft.yaml" \
+    asset_dir="$asset_dir" dataset.data_files="$WORK/traces.jsonl" dataset.cache_dir="$WORK/hf_cache" \
+    output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed="$SEED" ${DEMO_SFT_ARGS:-} > "$WORK/sft.log" 2>&1 \
+    || { tail -n 40 "$WORK/sft.log"; exit 1; }
+  WARM_DIR="$WORK/sft/epoch_$((SFT_EPOCHS - 1))"
+  WARM_FILE=model-00001-of-00001.safetensors  # the name torchtune's SFT recipe writes
+  echo "SFT checkpoint: $WARM_DIR/$WARM_FILE (log: $WORK/sft.log)"
+}
 
-ASSET_DIR="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2"))')"
-
-step "1/2 SFT warm start: tune run full_finetune_single_device (torchtune's recipe), $SFT_EPOCHS epoch(s)"
-tune run full_finetune_single_device --config "$REPO/configs/tiny/demo_multi_turn_sft.yaml" \
-  asset_dir="$ASSET_DIR" dataset.data_files="$WORK/traces.jsonl" dataset.cache_dir="$WORK/hf_cache" \
-  output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed="$SEED" ${DEMO_SFT_ARGS:-} > "$WORK/sft.log" 2>&1 \
-  || { tail -n 40 "$WORK/sft.log"; exit 1; }
-SFT_CKPT="$WORK/sft/epoch_$((SFT_EPOCHS - 1))"
-echo "SFT checkpoint: $SFT_CKPT (log: $WORK/sft.log)"
+case "$WARM_START" in
+  shipped)
+    WARM_DIR="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2_tools"))')"
+    WARM_FILE=model.safetensors
+    step "1/2 warm start: the shipped SFT checkpoint $WARM_DIR (DEMO_WARM_START=sft trains it here)" ;;
+  sft) sft_warm_start ;;
+  *) echo "DEMO_WARM_START must be 'shipped' or 'sft', got '$WARM_START'" >&2; exit 2 ;;
+esac
+if [ "$GRPO_STEPS" -eq 0 ]; then
+  echo "DEMO_GRPO_STEPS=0: stopping after the warm start (outputs in $WORK)"
+  exit 0
+fi
 
 step "2/2 GRPO with the calculator: tune run grpo_full_finetune_distributed, $GRPO_STEPS steps"
 tune run grpo_full_finetune_distributed --config "$REPO/configs/tiny/demo_multi_turn_grpo.yaml" \
-  checkpointer.checkpoint_dir="$SFT_CKPT" output_dir="$WORK/grpo" max_steps="$GRPO_STEPS" \
-  dataset.num_samples="$PROBLEMS" dataset.seed="$SEED" seed="$SEED" ${DEMO_GRPO_ARGS:-} > "$WORK/grpo.log" 2>&1 \
+  checkpointer.checkpoint_dir="$WARM_DIR" "checkpointer.checkpoint_files=[$WARM_FILE]" output_dir="$WORK/grpo" \
+  max_steps="$GRPO_STEPS" dataset.num_samples="$PROBLEMS" dataset.seed="$SEED" seed="$SEED" ${DEMO_GRPO_ARGS:-} > "$WORK/grpo.log" 2>&1 \
   || { tail -n 40 "$WORK/grpo.log"; exit 1; }
 grep -a "Held-out evaluation at" "$WORK/grpo.log" | sed 's/.*Held-out/Held-out/' || true
 echo "GRPO checkpoint: $WORK/grpo/step_$GRPO_STEPS (log: $WORK/grpo.log, metrics: $WORK/grpo/metrics.jsonl," \
