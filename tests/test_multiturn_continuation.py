@@ -222,6 +222,29 @@ def test_session_errors_name_the_problem():
         session.generate([0], [[1]], max_new_tokens=4)
 
 
+def test_an_open_session_owns_the_engine_cache():
+    # generate() or a second session on the same engine would overwrite the open session's keys and values:
+    # refused, naming the fix; after close() both work and the session's turns were not disturbed.
+    model = make_tiny_decoder(scale=8.0)
+    engine = NativeGenerator(temperature=0.0)
+    kw = dict(pad_id=0, stop_tokens=STOPS)
+    session = engine.session(model, PROMPTS, group_size=1, max_new_tokens=30, **kw)
+    first = session.generate(range(4), [[]] * 4, max_new_tokens=10)
+    for call in (lambda: engine.generate(model, PROMPTS, group_size=1, max_new_tokens=4, **kw),
+                 lambda: engine.session(model, PROMPTS, group_size=1, max_new_tokens=4, **kw)):
+        with pytest.raises(RuntimeError, match=r"NativeGenerator\.(generate|session)\(\): this engine has an open "
+                                               r"multi-turn session .* close it first"):
+            call()
+    history = first.response_ids[0] + [55, 56]
+    out = session.generate([0], [history], max_new_tokens=10)
+    session.close()
+    ref = engine.generate(model, [PROMPTS[0] + history], group_size=1, max_new_tokens=10, **kw)
+    assert out.response_ids == ref.response_ids
+    whole = engine.generate(model, PROMPTS, group_size=1, max_new_tokens=4, **kw)
+    with engine.session(model, PROMPTS, group_size=1, max_new_tokens=4, **kw) as again:
+        assert again.generate(range(4), [[]] * 4, max_new_tokens=4).response_ids == whole.response_ids
+
+
 def test_budget_ends_each_row_and_the_cache_is_sized_from_it():
     # Budget 12: the first turn samples up to 12 tokens; a row continued with 10 tokens has room for 2,
     # whatever max_new_tokens says, and is truncated there (no stop token). The cache holds the budget.

@@ -128,6 +128,8 @@ class NativeGenerator(GenerationEngine):
         self._unembeds: Dict[int, _LastPositionLogits] = {}
         self._compiled: Dict[str, Callable[..., torch.Tensor]] = {}
         self._write_slots: Dict[str, torch.Tensor] = {}
+        # The open multi-turn session, if any: it owns the cache pool until it is closed.
+        self._session: Optional["NativeSession"] = None
 
     def _unembed_for(self, model: nn.Module) -> _LastPositionLogits:
         fn = self._unembeds.get(id(model))
@@ -228,7 +230,11 @@ class NativeGenerator(GenerationEngine):
 
         Returns:
             Rollout: ``B x G`` rows; row ``i`` belongs to prompt ``i // G``.
+
+        Raises:
+            RuntimeError: while a :meth:`session` of this engine is open (it holds the KV cache).
         """
+        self._check_no_open_session("generate")
         temperature = self.temperature if temperature is None else temperature
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
@@ -267,10 +273,24 @@ class NativeGenerator(GenerationEngine):
 
         Returns:
             NativeSession: call its ``generate`` once per turn; close it (or use it as a context manager).
+
+        Raises:
+            RuntimeError: while another session of this engine is open (one KV cache per engine).
         """
         from torchtune_grpo.generation._session import NativeSession  # it builds on this module
 
-        return NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
+        self._check_no_open_session("session")
+        self._session = NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
+        return self._session
+
+    def _check_no_open_session(self, call: str) -> None:
+        # Sessions and generate() share the engine's one KV cache pool: a second user would overwrite the
+        # open session's keys and values, and its next turn would attend to the wrong tokens, silently.
+        if self._session is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{call}(): this engine has an open multi-turn session (it holds the KV "
+                "cache between turns); close it first (session.close(), or use it in a `with` block)"
+            )
 
     def _first_turn(
         self,

@@ -91,6 +91,8 @@ class NativeSession:
         """End the session (the engine frees the cache here unless it ``reuse_cache``)."""
         self._closed = True
         self._run = None
+        if self.engine._session is self:  # the engine may start another session or generate again
+            self.engine._session = None
         if not self.engine.reuse_cache:
             self.engine.cache.release()
 
