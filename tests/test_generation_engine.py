@@ -153,7 +153,7 @@ def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(clean_
     from torch.distributed.fsdp import fully_shard, FSDPModule
 
     import tests.test_multiturn_continuation as mt
-    from tests.recipe_utils2 import init_one_process_group
+    from tests.recipe_utils import init_one_process_group
     from torchtune_grpo.generation._native import can_skip_module_hooks
 
     init_one_process_group()

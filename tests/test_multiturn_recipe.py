@@ -26,8 +26,7 @@ from omegaconf import OmegaConf
 
 from tests.chat_templates import make_tokenizer_dir
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_config
-from tests.recipe_utils2 import run_in_process_logged
+from tests.recipe_utils import read_jsonl, run_in_process, run_in_process_logged, run_tune, write_config
 from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
 from tests.test_lora_recipe import LORA_CONFIG
 

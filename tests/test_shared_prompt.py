@@ -157,7 +157,7 @@ def test_fsdp2_shared_matches_unshared(clean_env, one_thread):
     # FSDP2 on a one-process gloo group (in this process; ``clean_env`` destroys the group), as the recipe runs.
     from torch.distributed.fsdp import fully_shard
 
-    from tests.recipe_utils2 import init_one_process_group
+    from tests.recipe_utils import init_one_process_group
 
     init_one_process_group()
     prompts, responses = _groups(4, 97, num_prompts=3, group_size=4)
@@ -186,8 +186,7 @@ def test_recipe_weights_match_unshared_training(tmp_path, clean_env, one_thread)
     # both under FSDP2 (fsdp_single_process: true); and shared prompts on the plain module
     # (fsdp_single_process: false, the default: no FSDP2 on one process). In process: the recipe's own
     # setup/train/cleanup, no launcher (the launcher and 2 processes: tests/test_algorithms_recipe.py).
-    from tests.recipe_utils import read_jsonl, weights
-    from tests.recipe_utils2 import run_in_process_isolated, with_overrides
+    from tests.recipe_utils import read_jsonl, run_in_process_isolated, weights, with_overrides
     from tests.test_algorithms_recipe import _split_config, VARIANTS
 
     runs = {
@@ -223,8 +222,7 @@ def test_plain_module_on_one_process_resumes_exactly(tmp_path, clean_env, one_th
     import logging
     import shutil
 
-    from tests.recipe_utils import read_jsonl, weights, write_config
-    from tests.recipe_utils2 import run_in_process_isolated, with_overrides
+    from tests.recipe_utils import read_jsonl, run_in_process_isolated, weights, with_overrides, write_config
 
     cfg = write_config(tmp_path, max_steps=2, save_every_n_steps=1, fsdp_single_process=False)
     run_in_process_isolated(cfg)
