@@ -12,6 +12,7 @@ the evaluation itself excluded). Accuracy at a wall-clock budget ``t`` is that o
 checkpoint written within ``t`` seconds (a step function: what a user stopping at ``t`` would have).
 """
 
+import itertools
 import math
 import statistics
 from typing import Any, Dict, Iterable, List, Optional, Sequence
@@ -88,6 +89,56 @@ def train_metric_by_step(runs: Sequence[Dict[str, Any]], side: str, key: str) ->
     return {k: spread(s[key] for r in mine for s in r["steps"] if s["step"] == k and key in s) for k in steps}
 
 
+def run_score(run: Dict[str, Any], first: int, last: int) -> Optional[float]:
+    """Mean held-out accuracy of ``run`` over its evaluations at steps ``first..last`` (None if none)."""
+    vals = [e["accuracy"] for e in run["evals"] if first <= e["step"] <= last]
+    return statistics.fmean(vals) if vals else None
+
+
+def permutation_test(a: Sequence[float], b: Sequence[float]) -> Dict[str, float]:
+    """Exact two-sided permutation test of ``mean(a) - mean(b)`` over every relabelling of the pooled values.
+
+    With seeds as the unit (a run's score is one value), this asks how often splitting the ``len(a) +
+    len(b)`` scores into groups of those sizes at random gives a difference at least as large as the one seen
+    (Fisher, *The Design of Experiments*, 1935). 5 + 5 seeds give C(10, 5) = 252 splits, so the smallest
+    possible p is 2/252 ~= 0.008.
+
+    Args:
+        a (Sequence[float]): one score per seed, first side.
+        b (Sequence[float]): one score per seed, second side.
+
+    Returns:
+        Dict[str, float]: ``diff`` (mean(a) - mean(b)), ``p`` (two-sided) and ``splits`` (how many).
+    """
+    pooled = list(a) + list(b)
+    n, total = len(a), sum(pooled)
+    observed = statistics.fmean(a) - statistics.fmean(b)
+    as_large = splits = 0
+    for chosen in itertools.combinations(range(len(pooled)), n):
+        sum_a = sum(pooled[i] for i in chosen)
+        diff = sum_a / n - (total - sum_a) / len(b)
+        as_large += abs(diff) >= abs(observed) - 1e-12  # ties count: float sums of the same values
+        splits += 1
+    return {"diff": observed, "p": as_large / splits, "splits": splits}
+
+
+def seed_noise_rows(runs: Sequence[Dict[str, Any]], windows: Sequence[tuple]) -> List[str]:
+    """Markdown rows: ours - TRL per score window, with the permutation p over seeds (both sides needed)."""
+    rows = []
+    for first, last in windows:
+        scores = {}
+        for side in SIDES:
+            vals = [run_score(r, first, last) for r in side_runs(runs, side)]
+            scores[side] = [v for v in vals if v is not None]
+        if len(scores["ours"]) < 2 or len(scores["trl"]) < 2:
+            continue
+        test = permutation_test(scores["ours"], scores["trl"])
+        label = f"step {first}" if first == last else f"mean of steps {first}-{last}"
+        rows.append(f"| {label} | {statistics.fmean(scores['ours']):.3f} | {statistics.fmean(scores['trl']):.3f} "
+                    f"| {test['diff']:+.3f} | {test['p']:.2f} ({test['splits']} splits) |")
+    return rows
+
+
 def _cell(s: Dict[str, float], digits: int = 2) -> str:
     if not s["n"]:
         return "-"
@@ -128,6 +179,13 @@ def markdown_report(runs: Sequence[Dict[str, Any]], note: str = "") -> str:
     by_time = {s: accuracy_by_seconds(runs, s, grid) for s in sides}
     for t in grid:
         lines.append(f"| {t:.0f} | " + " | ".join(_cell(by_time[s][t]) for s in sides) + " |")
+
+    last_step = max(eval_steps(runs), default=0)
+    noise = seed_noise_rows(runs, [(last_step, last_step), (5, last_step)])
+    if noise:
+        lines += ["", "**Ours - TRL beyond seed noise?** One score per seed; exact permutation test over seed "
+                  "labels (two-sided)", "", "| score | ours | TRL | difference | p |", "|---|---|---|---|---|"]
+        lines += noise
 
     lines += ["", "**Training metrics**, mean over the steps of each window, then over seeds", ""]
     header = "| steps | side | reward | entropy | response length | grad norm | s/step |"

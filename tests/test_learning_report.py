@@ -68,3 +68,23 @@ def test_markdown_report_rows():
     assert "| 48 | 0.60 ± 0.14 [0.50, 0.70] | 0.30 |" in text
     # steps 1-3: entropy seed 0 (1 + .8 + .6) / 3 = 0.8, seed 1 (1 + .6 + .2) / 3 = 0.6 -> 0.700 ± 0.141
     assert "| 1-3 | ours | 0.500 ± 0.000 [0.500, 0.500] | 0.700 ± 0.141 [0.600, 0.800] |" in text
+
+
+def test_permutation_test_by_hand():
+    # pooled [1, 2, 3, 4], a = [3, 4]: diff 3.5 - 1.5 = 2; of the 6 splits only {3,4} and {1,2} reach |2|
+    t = report.permutation_test([3.0, 4.0], [1.0, 2.0])
+    assert (t["diff"], t["splits"]) == (2.0, 6)
+    assert t["p"] == pytest.approx(2 / 6)
+    # identical values: every split has diff 0 -> p 1
+    assert report.permutation_test([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
+
+
+def test_seed_noise_rows_score_each_run_then_test():
+    runs = [_run("ours", s, [(0, 0.3, 0.0), (3, a, 30.0)], [1.0]) for s, a in [(0, 0.9), (1, 0.8)]]
+    runs += [_run("trl", s, [(0, 0.3, 0.0), (3, a, 30.0)], [1.0]) for s, a in [(0, 0.5), (1, 0.6)]]
+    rows = report.seed_noise_rows(runs, [(3, 3), (0, 3)])
+    # step 3: ours 0.85, TRL 0.55, diff +0.30; 6 splits, only the observed one and its mirror reach 0.30
+    assert rows[0] == "| step 3 | 0.850 | 0.550 | +0.300 | 0.33 (6 splits) |"
+    # steps 0-3: each run scores (0.3 + acc) / 2 -> ours 0.575, TRL 0.425
+    assert rows[1].startswith("| mean of steps 0-3 | 0.575 | 0.425 | +0.150 |")
+    assert report.seed_noise_rows(RUNS, [(3, 3)]) == []  # one TRL seed: no test
