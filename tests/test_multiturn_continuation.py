@@ -231,9 +231,10 @@ def test_an_open_session_owns_the_engine_cache():
     session = engine.session(model, PROMPTS, group_size=1, max_new_tokens=30, **kw)
     first = session.generate(range(4), [[]] * 4, max_new_tokens=10)
     for call in (lambda: engine.generate(model, PROMPTS, group_size=1, max_new_tokens=4, **kw),
-                 lambda: engine.session(model, PROMPTS, group_size=1, max_new_tokens=4, **kw)):
-        with pytest.raises(RuntimeError, match=r"NativeGenerator\.(generate|session)\(\): this engine has an open "
-                                               r"multi-turn session .* close it first"):
+                 lambda: engine.session(model, PROMPTS, group_size=1, max_new_tokens=4, **kw),
+                 engine.release_cache):
+        with pytest.raises(RuntimeError, match=r"NativeGenerator\.(generate|session|release_cache)\(\): this engine "
+                                               r"has an open multi-turn session .* close it first"):
             call()
     history = first.response_ids[0] + [55, 56]
     out = session.generate([0], [history], max_new_tokens=10)

@@ -162,6 +162,7 @@ class NativeGenerator(GenerationEngine):
 
     def release_cache(self) -> None:
         """Free the KV cache now (the next ``generate`` allocates a new one)."""
+        self._check_no_open_session("release_cache")
         self.cache.release()
 
     def _new_rollout(
