@@ -169,8 +169,12 @@ def recipe_config(model_dir: Path, train_file: Path, out: Path, seed: int, steps
     }
 
 
-def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int) -> None:
-    """Child: our recipe in-process; per-step metrics, and HF checkpoints at the evaluation steps."""
+def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int,
+             overrides: Optional[Dict[str, Any]] = None) -> None:
+    """Child: our recipe in-process; per-step metrics, and HF checkpoints at the evaluation steps.
+
+    ``overrides`` (dotted key -> value) change the recipe config, for ablations (``--ours-override``).
+    """
     from omegaconf import OmegaConf
     from torchtune import training
 
@@ -178,6 +182,8 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
     import grpo_full_finetune_distributed as recipe_module
 
     cfg = OmegaConf.create(recipe_config(model_dir, run_dir / "train_order.jsonl", run_dir / "ours_out", seed, steps))
+    for key, value in (overrides or {}).items():
+        OmegaConf.update(cfg, key, value, force_add=True, merge=False)
     recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
     recipe.setup(cfg=cfg)
     records: List[Dict[str, Any]] = []
@@ -409,6 +415,19 @@ def evaluate(model_dir: Path, task_dir: Path, checkpoints: List[Dict[str, Any]],
     return json.loads(result.read_text())
 
 
+def parse_overrides(items: List[str]) -> Dict[str, Any]:
+    """``["a.b=1", "c=true"]`` -> ``{"a.b": 1, "c": True}`` (values read as YAML)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--ours-override {item!r}: expected KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (or --seed-list)")
@@ -421,7 +440,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--model-dir", default=None, help="SmolLM2 HF directory (built here from the GGUF if absent)")
     parser.add_argument("--out", default="learning_vs_trl_results")
     parser.add_argument("--keep-checkpoints", action="store_true")
+    parser.add_argument("--ours-override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="recipe config changes for an ablation (YAML values), e.g. drop_pad_embedding_grad=true;"
+                             " use a separate --out: runs.json does not tell variants apart")
     args = parser.parse_args(argv)
+    overrides = parse_overrides(args.ours_override)
 
     from smollm2 import prepare_smollm2
 
@@ -453,15 +476,17 @@ def main(argv: Optional[List[str]] = None) -> None:
             run_dir.mkdir(parents=True)
             write_seed_order(task_dir, seed, run_dir)
             load_before = os.getloadavg()[0]
+            extra = [json.dumps(overrides)] if side == "ours" and overrides else []
             wall = child(pythons[side], [f"_{side}", str(model_dir), str(run_dir), str(seed), str(args.steps),
-                                         str(args.eval_every)], args.threads, run_dir / "train.log")
+                                         str(args.eval_every), *extra], args.threads, run_dir / "train.log")
             load_after = os.getloadavg()[0]
             result = json.loads((run_dir / f"{side}_result.json").read_text())
             evals = base + evaluate(model_dir, task_dir, result["checkpoints"], run_dir, args.threads,
                                     args.keep_checkpoints)
             runs.append({"side": side, "seed": seed, "steps_requested": args.steps, "steps": result["steps"],
                          "evals": evals, "process_seconds": wall, "threads": args.threads,
-                         "loadavg_1min": [load_before, load_after], "trl_version": result.get("trl_version")})
+                         "loadavg_1min": [load_before, load_after], "trl_version": result.get("trl_version"),
+                         "ours_overrides": overrides if side == "ours" else {}})
             runs_path.write_text(json.dumps(runs, indent=1))
             print(f"[seed {seed}] {side}: {wall:.0f} s; accuracy by step "
                   f"{[(e['step'], round(e['accuracy'], 3)) for e in evals]} (load {load_before:.1f}-{load_after:.1f})",
@@ -480,8 +505,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] in ("_ours", "_trl"):
         model, run, seed, steps, every = sys.argv[2:7]
-        fn = run_ours if sys.argv[1] == "_ours" else run_trl
-        fn(Path(model), Path(run), int(seed), int(steps), int(every))
+        if sys.argv[1] == "_ours":
+            run_ours(Path(model), Path(run), int(seed), int(steps), int(every),
+                     json.loads(sys.argv[7]) if len(sys.argv) > 7 else None)
+        else:
+            run_trl(Path(model), Path(run), int(seed), int(steps), int(every))
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (gloo/TRL threads); the result file is written
     elif len(sys.argv) > 1 and sys.argv[1] == "_eval":

@@ -67,6 +67,7 @@ from torchtune_grpo.logprobs import sequence_logprobs, TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
+from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length, TrainingBatch
 from torchtune_grpo.precision import Precision, shard_model
@@ -227,6 +228,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._check_training_layout(cfg)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
+        if cfg.get("drop_pad_embedding_grad", False):  # TRL's behaviour (docs/algorithms.md)
+            drop_pad_input_embedding_grad(self._model, self._tokenizer.pad_id)
+            utils.log_rank_zero(
+                log, f"drop_pad_embedding_grad: the pad token's (id {self._tokenizer.pad_id}) input embedding "
+                "gets no gradient where it is an input, as transformers' padding_idx"
+            )
         # Multi-turn episodes (docs/multi_turn.md): set before the datasets tokenize their prompts, which
         # then list the environment's tools.
         self._multi_turn = self._setup_multi_turn(cfg)

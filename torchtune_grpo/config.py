@@ -40,6 +40,8 @@ KNOWN_KEYS: Set[str] = {
     "ppo_mini_batches", "ppo_mini_batch_shuffle",
     # masks and weights decided before the update (torchtune_grpo/loss_masks.py)
     "rollout_correction", "token_selection",
+    # transformers' padding_idx on the input embedding, TRL's behaviour (torchtune_grpo/models/_padding_idx.py)
+    "drop_pad_embedding_grad",
     # generation engines with their own weights (vLLM): the check after each weight sync
     "weight_sync",
     # multi-turn episodes (torchtune_grpo/multiturn/, docs/multi_turn.md)

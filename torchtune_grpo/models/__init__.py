@@ -12,6 +12,7 @@ from torchtune_grpo.models._builder import HeadNormLinear, HeadNormLoRALinear, h
 from torchtune_grpo.models._chat_template import ChatTemplateError
 from torchtune_grpo.models._checkpointer import HFCheckpointer, weight_files
 from torchtune_grpo.models._convert import tune_to_hf_param
+from torchtune_grpo.models._padding_idx import drop_pad_input_embedding_grad
 from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
 from torchtune_grpo.models._tokenizer import HFTokenizer, hf_tokenizer
 
@@ -22,6 +23,7 @@ __all__ = [
     "HFTokenizer",
     "HeadNormLinear",
     "HeadNormLoRALinear",
+    "drop_pad_input_embedding_grad",
     "SUPPORTED_MODEL_TYPES",
     "hf_model",
     "hf_tokenizer",
