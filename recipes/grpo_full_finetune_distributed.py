@@ -56,6 +56,7 @@ from torchtune_grpo.checkpointing import (
     publish_step_dir,
     RECIPE_STATE_FILE,
     recover_interrupted_saves,
+    restart_lr_schedule,
 )
 from torchtune_grpo.crash_points import crash_point
 from torchtune_grpo.config import KNOWN_KEYS, validate_config
@@ -938,6 +939,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
             self._lr_scheduler.load_state_dict(state["lr_scheduler"])
+            restart_lr_schedule(self._lr_scheduler)
         self._dataloader.load_state_dict(state["dataloader"])
         if state["world_size"] == self.world_size:
             rng = state["rng"][self.rank]

@@ -105,3 +105,37 @@ def test_rewind_keeps_each_step_once(tmp_path):
     assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
     assert rewind_jsonl(path, 2) == 0  # idempotent
     assert rewind_jsonl(tmp_path / "missing.jsonl", 2) == 0
+
+
+def test_resumed_schedule_takes_the_new_run_length():
+    # A 2-step cosine run (1 warm-up step) ends at lr 0; resumed with 3 steps, the next step's rate is the new
+    # schedule's at step 2: progress (2 - 1) / (3 - 1) = 0.5 -> 0.5 * (1 + cos(pi / 2)) = 0.5, so 1e-3 * 0.5.
+    from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
+
+    def schedule(total):
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))], lr=1e-3)
+        return opt, get_cosine_schedule_with_warmup(opt, num_warmup_steps=1, num_training_steps=total)
+
+    opt, sched = schedule(2)
+    for _ in range(2):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    opt_state, sched_state = opt.state_dict(), sched.state_dict()
+
+    opt, sched = schedule(3)
+    opt.load_state_dict(opt_state)  # what a resume restores: the rate the old schedule set, 0
+    sched.load_state_dict(sched_state)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    ckpt.restart_lr_schedule(sched)
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    sched.step()  # and the schedule goes on from there: step 3 of 3 -> 0
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_schedulers_without_a_closed_form_are_left_as_restored():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    opt.param_groups[0]["lr"] = 0.025
+    ckpt.restart_lr_schedule(sched)
+    assert opt.param_groups[0]["lr"] == 0.025

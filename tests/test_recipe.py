@@ -83,6 +83,20 @@ def test_single_process_run_and_resume(tmp_path, caplog, clean_env, one_thread):
         torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)
 
 
+def test_resuming_with_more_steps_trains_at_the_new_schedules_rate(tmp_path, clean_env, one_thread):
+    # A finished 2-step cosine run ends with lr 0 in its optimizer state. Resumed to train one step more, the
+    # step must run at the 3-step schedule's rate (1e-3 x 0.5, tests/test_checkpointing.py), not at 0: the
+    # weights move.
+    run_in_process(write_config(tmp_path, max_steps=2, save_every_n_steps=2))
+    more = write_config(tmp_path, max_steps=3, save_every_n_steps=3, resume_from_checkpoint=True)
+    recipe = run_in_process(more)
+    assert recipe.global_step == 3
+    out = tmp_path / "out"
+    before, after = weights(out / "step_2"), weights(out / "step_3")
+    moved = [k for k in before if (before[k] - after[k]).abs().max() > 1e-5]
+    assert len(moved) > len(before) // 2, f"only {moved} moved at the resumed step"
+
+
 @pytest.mark.slow
 def test_two_processes(tmp_path):
     # The recipe leaves with os._exit(0) once everything is flushed when launched by torchrun, which

@@ -45,6 +45,7 @@ __all__ = [
     "prune_step_dirs",
     "publish_step_dir",
     "recover_interrupted_saves",
+    "restart_lr_schedule",
     "step_dir",
     "step_dirs",
 ]
@@ -210,3 +211,22 @@ def model_files(directory: Path) -> List[str]:
     if not files:
         raise FileNotFoundError(f"no model weight files (*.safetensors or *.bin) in {directory}")
     return files
+
+
+def restart_lr_schedule(scheduler: Any) -> None:
+    """Set each parameter group's learning rate to what the *current* schedule gives at the restored step.
+
+    A resumed optimizer carries the learning rate the checkpoint's schedule set for its next step. When the
+    run's length changed since (``max_steps`` raised to train on), the schedule, rebuilt for the new length,
+    gives another value there: at the end of a cosine schedule the restored rate is 0, and without this the
+    first resumed step would not move the weights. Schedules built on ``LambdaLR`` (all of torchtune's) are
+    recomputed from their closed form ``base_lr x lambda(step)``; others are left as restored.
+
+    Args:
+        scheduler (Any): the run's learning-rate scheduler, after ``load_state_dict``.
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    step = scheduler.last_epoch
+    for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(step)
