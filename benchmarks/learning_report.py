@@ -8,7 +8,9 @@ A run is one trainer ("ours" or "trl") on one seed::
      "evals": [{"step": 0, "accuracy": 0.36, "elapsed": 0.0}, {"step": 5, "accuracy": 0.5, "elapsed": 51.0}, ...]}
 
 ``elapsed`` is training seconds since the run's first step started (checkpoint writing for the evaluator and
-the evaluation itself excluded). Accuracy at a wall-clock budget ``t`` is that of the run's last evaluated
+the evaluation itself excluded), or None where it was not recorded (such a run counts in the tables by step
+and is left out of those by seconds); a run's ``steps`` may be empty where its per-step log was lost (it then
+counts only in the accuracy tables). Accuracy at a wall-clock budget ``t`` is that of the run's last evaluated
 checkpoint written within ``t`` seconds (a step function: what a user stopping at ``t`` would have).
 """
 
@@ -50,15 +52,23 @@ def accuracy_by_step(runs: Sequence[Dict[str, Any]], side: str) -> Dict[int, Dic
     return out
 
 
+def has_clock(run: Dict[str, Any]) -> bool:
+    """Whether every evaluation of ``run`` has its training seconds."""
+    return all(e.get("elapsed") is not None for e in run["evals"])
+
+
 def accuracy_at_seconds(run: Dict[str, Any], seconds: float) -> Optional[float]:
-    """Accuracy of the run's last checkpoint evaluated at ``elapsed <= seconds`` (None if there is none)."""
+    """Accuracy of the run's last checkpoint evaluated at ``elapsed <= seconds`` (None if there is none, or if
+    the run's clock was not recorded)."""
+    if not has_clock(run):
+        return None
     done = [e for e in run["evals"] if e["elapsed"] <= seconds]
     return max(done, key=lambda e: e["elapsed"])["accuracy"] if done else None
 
 
 def seconds_grid(runs: Sequence[Dict[str, Any]], points: int = 6) -> List[float]:
     """``points`` evenly spaced budgets from 0 to the longest run's last evaluation, rounded to seconds."""
-    longest = max((e["elapsed"] for r in runs for e in r["evals"]), default=0.0)
+    longest = max((e["elapsed"] for r in runs if has_clock(r) for e in r["evals"]), default=0.0)
     return [round(longest * i / (points - 1)) for i in range(points)] if points > 1 else [round(longest)]
 
 
@@ -168,12 +178,19 @@ def markdown_report(runs: Sequence[Dict[str, Any]], note: str = "") -> str:
         cells = []
         for s in sides:
             a = by_step[s].get(step)
-            cells.append("-" if a is None else f"{_cell(a)} ({a['elapsed']:.0f} s)")
+            if a is None:
+                cells.append("-")
+                continue
+            clock = "" if math.isnan(a["elapsed"]) else f" ({a['elapsed']:.0f} s)"
+            cells.append(f"{_cell(a)}{clock}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
 
     grid = seconds_grid(runs)
+    clocked = "; ".join(f"{SIDE_LABELS[s]} {sorted(r['seed'] for r in side_runs(runs, s) if has_clock(r))}"
+                        for s in sides)
     lines += ["", "**Held-out greedy accuracy vs training wall-clock** (the last checkpoint evaluated within "
-              "the budget; a run that ended earlier keeps its final accuracy)", ""]
+              f"the budget; a run that ended earlier keeps its final accuracy; seeds with a recorded clock: {clocked})",
+              ""]
     lines.append("| seconds | " + " | ".join(SIDE_LABELS[s] for s in sides) + " |")
     lines.append("|---|" + "---|" * len(sides))
     by_time = {s: accuracy_by_seconds(runs, s, grid) for s in sides}
@@ -187,7 +204,10 @@ def markdown_report(runs: Sequence[Dict[str, Any]], note: str = "") -> str:
                   "labels (two-sided)", "", "| score | ours | TRL | difference | p |", "|---|---|---|---|---|"]
         lines += noise
 
-    lines += ["", "**Training metrics**, mean over the steps of each window, then over seeds", ""]
+    logged = "; ".join(f"{SIDE_LABELS[s]} {sorted(r['seed'] for r in side_runs(runs, s) if r['steps'])}"
+                       for s in sides)
+    lines += ["", f"**Training metrics**, mean over the steps of each window, then over seeds (seeds with a "
+              f"per-step log: {logged})", ""]
     header = "| steps | side | reward | entropy | response length | grad norm | s/step |"
     lines += [header, "|---|---|---|---|---|---|---|"]
     bounds = [e for e in eval_steps(runs) if e > 0]

@@ -88,3 +88,21 @@ def test_seed_noise_rows_score_each_run_then_test():
     # steps 0-3: each run scores (0.3 + acc) / 2 -> ours 0.575, TRL 0.425
     assert rows[1].startswith("| mean of steps 0-3 | 0.575 | 0.425 | +0.150 |")
     assert report.seed_noise_rows(RUNS, [(3, 3)]) == []  # one TRL seed: no test
+
+
+def test_runs_without_a_clock_or_a_step_log_count_only_where_they_have_data():
+    # A run recorded by its accuracies alone (its per-step log lost): it joins the accuracy-by-step mean and
+    # the permutation test, and stays out of the tables by seconds and of the training-metric windows.
+    unclocked = {"side": "ours", "seed": 2, "steps": [],
+                 "evals": [{"step": 0, "accuracy": 0.3, "elapsed": None}, {"step": 3, "accuracy": 0.9, "elapsed": None}]}
+    runs = RUNS + [unclocked]
+    assert report.accuracy_by_step(runs, "ours")[3]["mean"] == pytest.approx(0.7)  # (0.5 + 0.7 + 0.9) / 3
+    assert report.accuracy_by_step(runs, "ours")[3]["elapsed"] == pytest.approx(35.0)  # clocked seeds only
+    assert report.accuracy_at_seconds(unclocked, 1e9) is None
+    assert report.accuracy_by_seconds(runs, "ours", [40])[40]["n"] == 2
+    assert report.seconds_grid(runs, points=4) == [0, 20, 40, 60]
+    assert report.train_metric_window(runs, "ours", "entropy", 2, 3)["n"] == 2
+    text = report.markdown_report(runs)
+    assert "seeds with a recorded clock: ours [0, 1]; TRL [0]" in text
+    assert "per-step log: ours [0, 1]; TRL [0]" in text
+    assert "| 3 | 0.70 ± 0.20 [0.50, 0.90] (35 s) | 0.40 (60 s) |" in text
