@@ -19,6 +19,10 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
    tokens expected >= 5 times (the rest pooled). ``torch.multinomial`` with the same number of draws from
    the exact distribution is the control (its TV is what sampling noise alone gives).
 3. **Defaults**: temperature/top-k/top-p of our engine and of TRL's config and generation config.
+4. **Whole sequences** (``--checks sequences``, not in the default set): completions of 4 train prompts,
+   ``--sequences`` per prompt, from our engine and from transformers' ``generate`` (TRL's sampler) with the
+   same weights: mean length, fraction stopped and the base model's mean entropy over the sampled positions,
+   with permutation p-values. Where item 2 looks at three positions, this covers all 48.
 
     python benchmarks/learning_parity_checks.py --trl-python /work/bench-venv/bin/python --out /tmp/parity
 """
@@ -124,28 +128,28 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
 # ------------------------------------------------------------------------------------------- TRL child
 
 
-def run_trl(model_dir: Path, rollouts_path: Path, result_path: Path) -> None:
-    """Child (TRL's environment): TRL's scoring, loss, clipping and AdamW step on the saved rollouts."""
-    import dataclasses
+def trl_trainer(model_dir: Path, rows: List[Dict[str, Any]], group_size: int, held: Dict[str, Any], out_dir: Path):
+    """TRL's GRPOTrainer with the benchmark's settings, sampling and scoring nothing itself.
 
+    Its generation returns ``held["response_ids"]`` (after checking that TRL tokenised each prompt to
+    ``held["prompt_ids"]``) and its reward function ``held["rewards"]``: set them before each step.
+    """
     import torch
     import trl
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data = torch.load(rollouts_path)
     s = bench.SETTINGS
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    rewards = list(data["rewards"])
 
     def fixed_reward(prompts, completions, completion_ids, **kwargs):
-        return rewards[: len(completions)]
+        return list(held["rewards"])[: len(completions)]
 
-    rows = [{"prompt": p, "answer": a} for p, a in zip(data["prompts"], data["answers"])]
+    rows_per_step = len(held["prompt_ids"]) * group_size
     args = trl.GRPOConfig(
-        output_dir=str(result_path.parent / "trl_out"), per_device_train_batch_size=GROUPS * G,
-        gradient_accumulation_steps=1, num_generations=G, max_completion_length=s["max_new_tokens"],
+        output_dir=str(out_dir / "trl_out"), per_device_train_batch_size=rows_per_step,
+        gradient_accumulation_steps=1, num_generations=group_size, max_completion_length=s["max_new_tokens"],
         learning_rate=s["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=s["clip_grad_norm"], optim="adamw_torch", beta=0.0, epsilon=s["epsilon"], loss_type="dapo",
         scale_rewards="group", num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, max_steps=1,
@@ -154,15 +158,29 @@ def run_trl(model_dir: Path, rollouts_path: Path, result_path: Path) -> None:
     )
     trainer = trl.GRPOTrainer(model=model, reward_funcs=[fixed_reward], args=args,
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
-    completions = [list(c) for c in data["response_ids"]]
 
     def fixed_generation(prompt_ids, images, multimodal_fields, num_generations, *a, **kw):
-        for got, want in zip(prompt_ids, data["prompt_ids"]):
+        for got, want in zip(prompt_ids, [p for p in held["prompt_ids"] for _ in range(group_size)]):
             if list(got) != list(want):
                 raise RuntimeError(f"TRL tokenised a prompt differently: {list(got)[:12]}... vs {list(want)[:12]}...")
-        return [list(c) for c in completions[: len(prompt_ids)]], None
+        return [list(c) for c in held["response_ids"][: len(prompt_ids)]], None
 
     trainer._generate_single_turn = fixed_generation
+    return trainer, model
+
+
+def run_trl(model_dir: Path, rollouts_path: Path, result_path: Path) -> None:
+    """Child (TRL's environment): TRL's scoring, loss, clipping and AdamW step on the saved rollouts."""
+    import dataclasses
+
+    import torch
+    import trl
+
+    data = torch.load(rollouts_path)
+    s = bench.SETTINGS
+    rows = [{"prompt": p, "answer": a} for p, a in zip(data["prompts"], data["answers"])]
+    held = {"prompt_ids": data["prompt_ids"][::G], "response_ids": data["response_ids"], "rewards": data["rewards"]}
+    trainer, model = trl_trainer(model_dir, rows, G, held, result_path.parent)
     trainer.current_gradient_accumulation_steps = 1
     model.train()
     batch = [row for row in rows for _ in range(G)]  # TRL's RepeatSampler: each prompt G times in a row
@@ -255,7 +273,7 @@ def compare_update(ours: Dict[str, Any], trl: Dict[str, Any], tol: float) -> Lis
 
 
 
-def rollouts_from(data: Dict[str, Any], tokenizer):
+def rollouts_from(data: Dict[str, Any], tokenizer, group_size: int = G):
     """The saved rollouts as our ``RolloutGroups``."""
     import torch
 
@@ -263,7 +281,7 @@ def rollouts_from(data: Dict[str, Any], tokenizer):
     from torchtune_grpo.rollout import RolloutGroups
 
     return RolloutGroups(
-        group_size=G, prompts=list(data["prompts"]), fields=[{"answer": a} for a in data["answers"]],
+        group_size=group_size, prompts=list(data["prompts"]), fields=[{"answer": a} for a in data["answers"]],
         prompt_ids=[list(p) for p in data["prompt_ids"]], response_ids=[list(r) for r in data["response_ids"]],
         completions=decode_responses(tokenizer, data["response_ids"]), truncated=torch.tensor(data["truncated"]),
         rewards=torch.tensor(data["rewards"], dtype=torch.float32),
@@ -397,6 +415,74 @@ def sampling_check(recipe, prompt: List[int], samples: int, seed: int) -> List[s
     return lines
 
 
+def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: int, seed: int) -> List[str]:
+    """Whole completions: our engine vs transformers' ``generate`` (TRL's sampler), from the same weights.
+
+    Each side draws ``samples`` completions of every prompt (temperature 1, no top-k/top-p, 48 tokens, stop at
+    the tokenizer's stop tokens). Per completion: its length (stop token included), whether it stopped, and
+    the base model's mean entropy over its positions (one teacher-forced forward, the same code for both
+    sides). Differences of the means get a two-sided permutation p (2,000 random relabellings of the pooled
+    completions); a sampler that departs from exact sampling anywhere in the sequence moves them.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = recipe._tokenizer
+    stops = list(tok.stop_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    ours, theirs = [], []
+    model = recipe._model
+    model.eval()
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        with recipe._unsharded_for_generation():
+            rollout = recipe._engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
+                                              pad_id=tok.pad_id, stop_tokens=stops, generator=gen)
+        ours += [(prompt, list(r)) for r in rollout.response_ids]
+    t_ours = time.perf_counter() - t0
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=48,
+                              num_return_sequences=samples, eos_token_id=stops, pad_token_id=tok.pad_id)
+        for row in out[:, len(prompt):].tolist():
+            end = next((i for i, t in enumerate(row) if t in stops), None)
+            theirs.append((prompt, row[: end + 1] if end is not None else row))
+    t_hf = time.perf_counter() - t0
+
+    def describe(rows):
+        """Per completion: length, stopped (0/1), mean entropy of the base model over its positions."""
+        lengths, stopped, entropy = [], [], []
+        for prompt, resp in rows:
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(resp)]
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            entropy.append(float(-(logp.exp() * logp).sum(-1).mean()))
+            lengths.append(float(len(resp)))
+            stopped.append(float(bool(resp) and resp[-1] in stops))
+        return {"length": lengths, "stopped": stopped, "entropy": entropy}
+
+    a, b = describe(ours), describe(theirs)
+    perm = torch.Generator().manual_seed(seed + 1)
+    lines = [f"     sequences: {len(prompts)} prompts x {samples} completions per side (ours {t_ours:.0f} s, "
+             f"transformers generate {t_hf:.0f} s)"]
+    for key in ("length", "stopped", "entropy"):
+        x, y = torch.tensor(a[key], dtype=torch.float64), torch.tensor(b[key], dtype=torch.float64)
+        pooled, n = torch.cat([x, y]), x.numel()
+        observed = float(x.mean() - y.mean())
+        diffs = []
+        for _ in range(2000):
+            idx = torch.randperm(pooled.numel(), generator=perm)
+            diffs.append(float(pooled[idx[:n]].mean() - pooled[idx[n:]].mean()))
+        p = (sum(abs(d) >= abs(observed) - 1e-12 for d in diffs) + 1) / (len(diffs) + 1)
+        lines.append(f"{verdict(p > 1e-3)} {key}: ours {float(x.mean()):.4f} vs transformers {float(y.mean()):.4f} "
+                     f"(difference {observed:+.4f}, permutation p = {p:.3f})")
+    return lines
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -407,7 +493,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", default="parity_checks")
     parser.add_argument("--samples", type=int, default=2000, help="draws for the sampling check")
     parser.add_argument("--checks", nargs="+", default=["update", "sampling", "defaults"],
-                        choices=["update", "sampling", "defaults"])
+                        choices=["update", "sampling", "sequences", "defaults"])
+    parser.add_argument("--sequences", type=int, default=128, help="completions per prompt and side for 'sequences'")
     parser.add_argument("--tol", type=float, default=1e-3, help="relative tolerance of tensor comparisons")
     parser.add_argument("--reuse", action="store_true", help="reuse --out's rollouts.pt and trl_result.pt")
     args = parser.parse_args(argv)
@@ -465,6 +552,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if "sampling" in args.checks:
         prompt = bench.read_jsonl(task_dir / "heldout.jsonl")[0]["tokens"]
         report += sampling_check(recipe, prompt, args.samples, seed=1)
+    if "sequences" in args.checks:
+        prompts = [r["tokens"] for r in bench.read_jsonl(out / "train_order.jsonl")[:4]]
+        report += sequence_check(recipe, model_dir, prompts, args.sequences, seed=2)
     text = "\n".join(report)
     print("\n" + text)
     (out / "parity_report.txt").write_text(text + "\n")

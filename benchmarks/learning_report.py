@@ -257,3 +257,32 @@ def plot(runs: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """``python benchmarks/learning_report.py RUNS.json [RUNS2.json ...] --out DIR``: report.md and learning.png."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("runs", nargs="+", help="runs.json files of learning_vs_trl.py (merged; later files win)")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=30, help="keep runs of this many steps")
+    parser.add_argument("--note", default="")
+    args = parser.parse_args(argv)
+    merged: Dict[tuple, Dict[str, Any]] = {}
+    for path in args.runs:
+        for run in json.loads(Path(path).read_text()):
+            if run["steps_requested"] == args.steps:
+                merged[(run["side"], run["seed"])] = run
+    runs = [merged[k] for k in sorted(merged)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown_report(runs, args.note) + "\n")
+    plot(runs, str(out / "learning.png"))
+    print((out / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -106,3 +106,19 @@ def test_runs_without_a_clock_or_a_step_log_count_only_where_they_have_data():
     assert "seeds with a recorded clock: ours [0, 1]; TRL [0]" in text
     assert "per-step log: ours [0, 1]; TRL [0]" in text
     assert "| 3 | 0.70 ± 0.20 [0.50, 0.90] (35 s) | 0.40 (60 s) |" in text
+
+
+def test_command_line_merges_runs_files_later_ones_winning(tmp_path):
+    import json
+
+    older = [dict(RUNS[0], steps_requested=3, evals=[{"step": 0, "accuracy": 0.3, "elapsed": None},
+                                                     {"step": 3, "accuracy": 0.1, "elapsed": None}])]
+    newer = [dict(r, steps_requested=3) for r in RUNS] + [dict(RUNS[1], seed=9, steps_requested=5)]
+    (tmp_path / "a.json").write_text(json.dumps(older))
+    (tmp_path / "b.json").write_text(json.dumps(newer))
+    report.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "rep"), "--steps", "3"])
+    text = (tmp_path / "rep" / "report.md").read_text()
+    # ours seed 0 from b.json (0.5 at step 3, not a.json's 0.1) and seed 1; seed 9 ran 5 steps: left out
+    assert "Seeds: ours [0, 1]; TRL [0]." in text
+    assert "| 3 | 0.60 ± 0.14 [0.50, 0.70] (35 s) | 0.40 (60 s) |" in text
+    assert (tmp_path / "rep" / "learning.png").stat().st_size > 10_000
