@@ -17,6 +17,9 @@ update); after the last step: each parameter's total change against TRL's (relat
 embedding split into the pad token's row (``<|im_end|>`` for SmolLM2) and the rest.
 
     python benchmarks/learning_replay.py --trl-python /work/bench-venv/bin/python --model-dir DIR --out /tmp/replay
+
+``--model-dir`` may be a trained checkpoint (e.g. a ``step_15`` kept by ``learning_vs_trl.py
+--keep-checkpoints``): the replay then starts where the policy's entropy is low, late in a run.
 """
 
 import argparse
@@ -148,7 +151,8 @@ def compare(name: str, ours: Dict[str, Any], trl: Dict[str, Any], pad_id: int) -
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", default=sys.executable)
-    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--model-dir", default=None,
+                        help="SmolLM2 (built here if absent) or a trained Hugging Face checkpoint to start from")
     parser.add_argument("--out", default="replay")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--groups", type=int, default=2, help="prompts per step")
@@ -161,7 +165,9 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_smollm2(Path(args.model_dir or out / "smollm2-135m").resolve())
+    model_dir = Path(args.model_dir or out / "smollm2-135m").resolve()
+    if not (model_dir / "config.json").is_file():  # a trained checkpoint (step_N) is used as it is
+        model_dir = prepare_smollm2(model_dir)
     task_dir = out / "task"
     bench.build_task(model_dir, task_dir)
     bench.write_seed_order(task_dir, 0, out)
