@@ -288,17 +288,21 @@ def rollouts_from(data: Dict[str, Any], tokenizer, group_size: int = G):
     )
 
 
-def run_trl_child(python: str, model_dir: Path, out: Path) -> None:
+def run_in_trl_env(python: str, args: List[str]) -> None:
+    """``python args...`` (TRL's environment) with this repository importable; its output shown if it fails."""
     # Not the process-group variables our recipe set in this process: TRL would join that group.
     dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                  "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
     env = {k: v for k, v in os.environ.items() if k not in dist_vars}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([python, __file__, "_trl", str(model_dir), str(out / "rollouts.pt"),
-                           str(out / "trl_result.pt")], env=env, capture_output=True, text=True)
+    proc = subprocess.run([python, *args], env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise RuntimeError("TRL side failed")
+
+
+def run_trl_child(python: str, model_dir: Path, out: Path) -> None:
+    run_in_trl_env(python, [__file__, "_trl", str(model_dir), str(out / "rollouts.pt"), str(out / "trl_result.pt")])
 
 
 def reference_update(model_dir: Path, data: Dict[str, Any], advantages: List[float]) -> Dict[str, Any]:

@@ -24,7 +24,6 @@ embedding split into the pad token's row (``<|im_end|>`` for SmolLM2) and the re
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -89,8 +88,7 @@ def replay_trl(model_dir: Path, batches_path: Path, result_path: Path, group_siz
     batches = torch.load(batches_path)
     s = bench.SETTINGS
     rows = [{"prompt": p, "answer": a} for b in batches for p, a in zip(b["prompts"], b["answers"])]
-    held: Dict[str, Any] = {}
-    held.update(prompt_ids=batches[0]["prompt_ids"][::group_size], response_ids=[], rewards=[])
+    held: Dict[str, Any] = {"prompt_ids": batches[0]["prompt_ids"][::group_size], "response_ids": [], "rewards": []}
     trainer, model = parity.trl_trainer(model_dir, rows, group_size, held, result_path.parent)
     trainer.current_gradient_accumulation_steps = 1
     trainer.create_optimizer()
@@ -113,15 +111,8 @@ def replay_trl(model_dir: Path, batches_path: Path, result_path: Path, group_siz
 
 
 def run_trl_child(python: str, model_dir: Path, out: Path, group_size: int) -> None:
-    dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")  # our recipe's group: TRL would join it
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([python, __file__, "_trl", str(model_dir), str(out / "batches.pt"),
-                           str(out / "trl_replay.pt"), str(group_size)], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise RuntimeError("TRL side failed")
+    parity.run_in_trl_env(python, [__file__, "_trl", str(model_dir), str(out / "batches.pt"),
+                                   str(out / "trl_replay.pt"), str(group_size)])
 
 
 def compare(name: str, ours: Dict[str, Any], trl: Dict[str, Any], pad_id: int) -> List[str]:

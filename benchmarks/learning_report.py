@@ -259,6 +259,18 @@ def plot(runs: Sequence[Dict[str, Any]], path: str, title: str = "") -> None:
     plt.close(fig)
 
 
+def write_report(runs: Sequence[Dict[str, Any]], out: Any, note: str = "") -> str:
+    """Write ``out/report.md`` (:func:`markdown_report`) and ``out/learning.png`` (:func:`plot`); return the report."""
+    from pathlib import Path
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = markdown_report(runs, note)
+    (out / "report.md").write_text(report + "\n")
+    plot(runs, str(out / "learning.png"))
+    return report
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """``python benchmarks/learning_report.py RUNS.json [RUNS2.json ...] --out DIR``: report.md and learning.png."""
     import argparse
@@ -276,12 +288,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         for run in json.loads(Path(path).read_text()):
             if run["steps_requested"] == args.steps:
                 merged[(run["side"], run["seed"])] = run
-    runs = [merged[k] for k in sorted(merged)]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown_report(runs, args.note) + "\n")
-    plot(runs, str(out / "learning.png"))
-    print((out / "report.md").read_text())
+    print(write_report([merged[k] for k in sorted(merged)], args.out, args.note))
 
 
 if __name__ == "__main__":

@@ -495,9 +495,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     runs = [r for r in runs if r["steps_requested"] == args.steps]
     note = (f"SmolLM2-135M-Instruct, {counts['heldout']} held-out problems, {args.steps} steps, "
             f"evaluation every {args.eval_every} steps, {args.threads} thread(s) per trainer.")
-    report = learning_report.markdown_report(runs, note)
-    (out / "report.md").write_text(report + "\n")
-    learning_report.plot(runs, str(out / "learning.png"))
+    report = learning_report.write_report(runs, out, note)
     print(report)
     print(f"\nwrote {runs_path}, {out / 'report.md'}, {out / 'learning.png'} in {time.perf_counter() - t0:.0f} s")
 
