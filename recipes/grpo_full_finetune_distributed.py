@@ -54,12 +54,12 @@ from torchtune_grpo.checkpointing import (
     model_files,
     prune_step_dirs,
     publish_step_dir,
-    RECIPE_STATE_FILE,
     recover_interrupted_saves,
     restart_lr_schedule,
+    save_failure,
 )
 from torchtune_grpo.crash_points import crash_point
-from torchtune_grpo.config import KNOWN_KEYS, validate_config
+from torchtune_grpo.config import instantiate_component, KNOWN_KEYS, validate_config
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
@@ -74,8 +74,12 @@ from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length,
 from torchtune_grpo.precision import Precision, shard_model
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn import MultiTurn
+from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
+from torchtune_grpo.output_lock import OutputDirLock
+from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
+from torchtune_grpo.resume import config_changes, earlier_run_note, load_resume_point, ResumePoint, save_start_config
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
-from torchtune_grpo.setup_checks import check_output_dir, check_state_dict_shapes, require_resume_checkpoint
+from torchtune_grpo.setup_checks import check_device, check_output_dir, check_state_dict_shapes
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.token_selection import HighEntropyTokens
 from torchtune_grpo.update import batch_logprobs, batch_token_logprobs, Experience, PolicyUpdate
@@ -124,6 +128,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"generation.temperature must be > 0 for training, got {self._engine.temperature} "
                 f"({type(self._engine).__name__}'s): greedy groups hold G copies of one completion."
             )
+        check_device(cfg.device)  # torchtune's get_device falls back to the CPU without a word
         self._device = utils.get_device(device=cfg.device)
         # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/precision.py)
         self._precision = Precision.from_name(cfg.dtype)
@@ -157,6 +162,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.log_every_n_steps = int(cfg.get("log_every_n_steps", 1))
         self.log_completions = int(cfg.get("log_completions", 2))
         self.resume_from_checkpoint = bool(cfg.get("resume_from_checkpoint", False))
+        # Faults (docs/recipe.md, "What survives what"; torchtune_grpo/nonfinite.py, resume.py, preemption.py)
+        self.on_nonfinite = str(cfg.get("on_nonfinite", "stop"))
+        self.on_broken_checkpoint = str(cfg.get("on_broken_checkpoint", "use_previous"))
+        self.sigterm = StopOnSigterm(bool(cfg.get("save_on_sigterm", True)))
+        self._output_lock = OutputDirLock(self.output_dir)
+        # Saved in every checkpoint: a resume lists the settings changed since.
+        self._config_record = OmegaConf.to_container(cfg, resolve=True)
         self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
         self.seed = training.set_seed(seed=cfg.get("seed", None))
         self.global_step = 0
@@ -185,8 +197,17 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """
         if self._is_rank_zero:
             check_output_dir(self.output_dir)
-        resume_dir = self._find_resume_dir() if self.resume_from_checkpoint else None
+            self._output_lock.acquire()  # one run per output_dir; raises naming the run that holds it
+            for line in recover_interrupted_saves(self.output_dir):  # e.g. a save the disk filled up
+                log.info(f"Checkpoints: {line}")
+        dist.barrier()
+        resume = self._find_resume_point() if self.resume_from_checkpoint else None
+        if resume is None and self._is_rank_zero and (note := earlier_run_note(self.output_dir)):
+            log.warning(note)
+        resume_dir = resume.directory if resume is not None else None
         if self._is_rank_zero:
+            path = save_start_config(self.output_dir, self._config_record, resume.step if resume else None)
+            log.info(f"This start's config: {path}")
             self._metric_logger = config.instantiate(cfg.metric_logger)
             self._metric_logger.log_config(cfg)
             self._metrics_file = JsonlWriter(os.path.join(self.output_dir, "metrics.jsonl"))
@@ -196,9 +217,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
         )
         self._check_evaluation_keys(cfg)
-        self._advantage = config.instantiate(cfg.advantage)
-        self._loss_fn = config.instantiate(
-            cfg.loss,
+        self._advantage = instantiate_component(cfg, "advantage")
+        self._loss_fn = instantiate_component(
+            cfg, "loss",
             kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
             kl_estimator=self.kl_estimator,
             max_response_length=self.max_response_length,
@@ -216,9 +237,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             utils.log_rank_zero(log, note)
         base_checkpointer = config.instantiate(cfg.checkpointer)
         recipe_state = None
-        if resume_dir is not None:
+        if resume is not None:
             utils.log_rank_zero(log, f"Resuming from {resume_dir}")
-            recipe_state = torch.load(resume_dir / RECIPE_STATE_FILE, weights_only=False)
+            recipe_state = resume.state
+            changed = config_changes(recipe_state.get("config"), self._config_record)
+            if changed:
+                utils.log_rank_zero(
+                    log, f"Settings changed since {resume_dir.name} was saved (the run continues with the new "
+                    f"ones): {'; '.join(changed)}"
+                )
             # The seed decides the data order: restore it before the sampler is built.
             if recipe_state["seed"] != self.seed:
                 utils.log_rank_zero(
@@ -245,7 +272,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ws_cfg = cfg.get("weight_sync", None)
             self._weight_sync = config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck()
         self._num_syncs = 0
-        self._optimizer = config.instantiate(cfg.optimizer, self._model.parameters())
+        self._optimizer = instantiate_component(cfg, "optimizer", self._model.parameters())
         self._sampler, self._dataloader = self._setup_data(cfg)
         self._setup_validation(cfg)
 
@@ -257,8 +284,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         self._lr_scheduler = None
         if cfg.get("lr_scheduler", None) is not None:
-            self._lr_scheduler = config.instantiate(
-                cfg.lr_scheduler,
+            self._lr_scheduler = instantiate_component(
+                cfg, "lr_scheduler",
                 self._optimizer,
                 # the schedule counts optimizer steps: ppo_epochs x ppo_mini_batches per training step
                 num_training_steps=self.total_steps * self.ppo_epochs * self.ppo_mini_batches,
@@ -282,6 +309,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             all_reduce=self._all_reduce_sum,  # each mini-batch's global token/sequence counts
             temperature=self._logprob_temperature,
             chunk_size=self.logprob_chunk_size,
+            on_nonfinite=self.on_nonfinite,
         )
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
@@ -297,22 +325,21 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             sync = self._sync_engine_weights(step=self.global_step)
             utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
 
-    def _find_resume_dir(self) -> Any:
-        """The latest complete checkpoint, after finishing what killed saves left (rank 0 does the disk work).
+    def _find_resume_point(self) -> ResumePoint:
+        """The newest readable checkpoint and its recipe state (every rank reads the same files).
 
-        The run's logs are cut back to that checkpoint's step, so a resumed run logs each step once.
+        Newer checkpoints that cannot be read are named in the log and passed over, or stop the run
+        (``on_broken_checkpoint``, torchtune_grpo/resume.py). The run's logs are cut back to the checkpoint's
+        step, so a resumed run logs each step once.
         """
+        resume = load_resume_point(self.output_dir, self.on_broken_checkpoint)  # says what it found instead
         if self._is_rank_zero:
-            for line in recover_interrupted_saves(self.output_dir):
-                log.info(f"Checkpoints: {line}")
-        dist.barrier()
-        resume_dir = require_resume_checkpoint(self.output_dir)  # says what it found instead
-        if self._is_rank_zero:
-            step = int(resume_dir.name.split("_")[-1])
+            for note in resume.notes:
+                log.warning(f"Checkpoints: {note}")
             for name in ("metrics.jsonl", "completions.jsonl"):
-                if removed := rewind_jsonl(os.path.join(self.output_dir, name), step):
-                    log.info(f"Resuming at step {step}: removed {removed} later record(s) from {name}")
-        return resume_dir
+                if removed := rewind_jsonl(os.path.join(self.output_dir, name), resume.step):
+                    log.info(f"Resuming at step {resume.step}: removed {removed} later record(s) from {name}")
+        return resume
 
     def _write_algorithm_card(self, cfg: DictConfig) -> None:
         """Print and write ``${output_dir}/algorithm_card.md``: what this run optimises, exactly."""
@@ -340,6 +367,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             dynamic_sampling=self._dynamic.enabled,
             max_rounds=self._dynamic.max_rounds,
             clip_grad_norm=None if self.clip_grad_norm is None else float(self.clip_grad_norm),
+            on_nonfinite=self.on_nonfinite,
             environment=None if self._multi_turn is None else (
                 f"{type(self._multi_turn.environment).__name__}, at most {self._multi_turn.max_turns} turns"
             ),
@@ -560,7 +588,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     # ============================================================================================= the step
 
     def train(self) -> None:
-        """Run GRPO steps until ``max_steps`` (or ``epochs`` x batches per epoch)."""
+        """Run GRPO steps until ``max_steps`` (or ``epochs`` x batches per epoch), or until SIGTERM.
+
+        On SIGTERM (``save_on_sigterm``) the current step is finished, a checkpoint saved and the loop left;
+        ``self.sigterm.stopped`` then says so (``run_recipe`` exits with 143).
+        """
+        self.sigterm.install()
         if self._device.type == "cuda":
             training.cleanup_before_training()  # empty_cache; torch.cpu has none
         self._optimizer.zero_grad(set_to_none=True)
@@ -584,6 +617,11 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                     self._metric_logger.log_dict(metrics, step=self.global_step)
             crash_point("logged", self.global_step)  # test-only (torchtune_grpo/crash_points.py)
             self._profiler.step()
+            if self.sigterm.agreed(self._all_reduce_sum):  # any rank got SIGTERM: all save this step, stop
+                utils.log_rank_zero(log, f"Stopping on SIGTERM after step {self.global_step}: saving a checkpoint")
+                self.save_checkpoint(self.global_step)
+                self.sigterm.stopped = True
+                break
             if (
                 self.save_every_n_steps
                 and self.global_step < self.total_steps
@@ -599,6 +637,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 self._log_eval()
         self._profiler.stop()
         pbar.close()
+        if self.sigterm.stopped:
+            return
         if self._validation is not None:
             self._log_eval()  # the end
         self.save_checkpoint(self.global_step)
@@ -621,7 +661,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # Metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py).
         zero_std = self._dynamic.informative(generated).logical_not()
         local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
+        local["nonfinite_weights"] = count_nonfinite(self._trained_parameters())  # this rank's shards
         reduced = dict(zip(local, self._all_reduce_sum([float(v) for v in local.values()])))
+        self._check_finite(reduced, stats.skipped_steps)
         metrics = train_step_metrics(
             reduced,
             rounds=num_rounds,  # the same on every rank
@@ -632,8 +674,34 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             grad_norm=stats.grad_norm,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if self._device.type == "cuda" else None,
         )
+        metrics["nonfinite/skipped_optimizer_steps"] = stats.skipped_steps
         samples = sample_records(trained, exp.advantages, self.global_step + 1, self.log_completions)
         return metrics, samples
+
+    def _trained_parameters(self) -> List[torch.Tensor]:
+        """The parameters the optimizer changes (frozen ones, NF4 included, cannot turn non-finite)."""
+        return [p for p in self._model.parameters() if p.requires_grad]
+
+    def _check_finite(self, reduced: Dict[str, float], skipped_steps: int) -> None:
+        """Stop on non-finite weights (always) or loss (``on_nonfinite: stop``); warn on skipped steps.
+
+        ``reduced`` is global, so every rank raises at the same step (torchtune_grpo/nonfinite.py).
+        """
+        step = self.global_step + 1
+        if reduced["nonfinite_weights"] > 0:
+            raise NonFiniteError(advice(
+                f"{int(reduced['nonfinite_weights'])} weight tensor(s) hold NaN or inf after training step {step}"
+            ))
+        if not torch.isfinite(torch.tensor(reduced["loss"])):
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(advice(f"The loss is {reduced['loss']} at training step {step}"))
+            if self._is_rank_zero:
+                log.warning(f"Step {step}: the loss is {reduced['loss']} (on_nonfinite=skip)")
+        if skipped_steps:
+            utils.log_rank_zero(
+                log, f"Step {step}: {skipped_steps} optimizer step(s) skipped, non-finite gradient norm "
+                "(on_nonfinite=skip; metric nonfinite/skipped_optimizer_steps)"
+            )
 
     # ========================================================================================== rollout
 
@@ -930,6 +998,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             "lr_scheduler": self._lr_scheduler.state_dict() if self._lr_scheduler else None,
             "dataloader": self._dataloader.state_dict(),
             "rng": all_rng,
+            "config": self._config_record,  # a resume lists the settings changed since
         }
 
     def _load_recipe_state(self, state: Dict[str, Any]) -> None:
@@ -955,28 +1024,51 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """Write ``{output_dir}/step_{step}``: a Hugging Face model directory plus recipe state.
 
         Written in a staging directory and renamed when complete; only then are checkpoints beyond
-        ``keep_last_n_checkpoints`` removed (torchtune_grpo/checkpointing.py).
+        ``keep_last_n_checkpoints`` removed (torchtune_grpo/checkpointing.py). Weights with NaN or inf are
+        never saved (:class:`NonFiniteError`); a failed write (a full disk) removes the staging directory and
+        raises an ``OSError`` that says what happened and which checkpoints are intact.
         """
-        model_state = training.gather_cpu_state_dict(
-            self._model, self._is_rank_zero, device=self._device
-        )
+        # Never a checkpoint with NaN/inf weights: it could replace (keep_last_n_checkpoints) a finite one.
+        if self._all_reduce_sum([float(count_nonfinite(self._trained_parameters()))])[0] > 0:
+            raise NonFiniteError(advice(f"Not saving step {step}: weights hold NaN or inf"))
+        model_state = self._gather_model_state()
         recipe_state = self._recipe_state()
         if self._is_rank_zero:
+            t0 = time.perf_counter()
             staging = begin_step_dir(self.output_dir, step)
-            written = self._checkpointer._output_dir / f"epoch_{step}"  # torchtune names it by epoch
-            shutil.rmtree(written, ignore_errors=True)  # left by a killed save
-            self._checkpointer.save_checkpoint(
-                {training.MODEL_KEY: model_state}, epoch=step, intermediate_checkpoint=False
-            )
-            os.replace(written, staging)
-            target = publish_step_dir(self.output_dir, staging, step, recipe_state)
-            log.info(f"Saved checkpoint for step {step} to {target}")
+            try:
+                self._write_model_files(model_state, staging, step)
+                target = publish_step_dir(self.output_dir, staging, step, recipe_state)
+            except Exception as e:  # a full disk, mostly: say so, and free what the partial save took
+                error = save_failure(e, self.output_dir, staging, step)
+                shutil.rmtree(staging, ignore_errors=True)
+                shutil.rmtree(self._checkpointer_output(step), ignore_errors=True)
+                raise error from e
+            log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
             for old in prune_step_dirs(self.output_dir, step, self.keep_last_n_checkpoints):
                 log.info(f"Removed {old} (keep_last_n_checkpoints={self.keep_last_n_checkpoints})")
         dist.barrier()
 
+    def _gather_model_state(self) -> Dict[str, Any]:
+        """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""
+        return training.gather_cpu_state_dict(self._model, self._is_rank_zero, device=self._device)
+
+    def _checkpointer_output(self, step: int) -> Any:
+        """Where torchtune's checkpointer writes a save of ``step`` (it names it by epoch)."""
+        return self._checkpointer._output_dir / f"epoch_{step}"
+
+    def _write_model_files(self, model_state: Dict[str, Any], staging: Any, step: int) -> None:
+        """Write the checkpoint's model files as the directory ``staging`` (a hook: LoRA adds its adapter)."""
+        written = self._checkpointer_output(step)
+        shutil.rmtree(written, ignore_errors=True)  # left by a killed save
+        self._checkpointer.save_checkpoint(
+            {training.MODEL_KEY: model_state}, epoch=step, intermediate_checkpoint=False
+        )
+        os.replace(written, staging)
+
     def cleanup(self) -> None:
-        """Close loggers, the generation engine and the process group."""
+        """Close loggers, the generation engine and the process group; release the output directory."""
+        self.sigterm.restore()
         if self._is_rank_zero:
             self._metric_logger.close()
             self._metrics_file.close()
@@ -984,6 +1076,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._engine.close()  # vLLM's teardown uses (and destroys) the process group: it goes first
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._output_lock.release()
 
 
 def checkpoint_source(cfg: DictConfig) -> str:
@@ -1000,12 +1093,15 @@ def run_recipe(recipe_cls: type, cfg: DictConfig) -> None:
     recipe.setup(cfg=cfg)
     recipe.train()
     recipe.cleanup()
+    code = SIGTERM_EXIT_CODE if recipe.sigterm.stopped else 0  # saved and stopped on SIGTERM: 143
     if launched_by_torchrun:
         # gloo occasionally aborts in process teardown after all work is done ("terminate called
         # without an active exception"); everything is flushed and closed, so leave right away.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    if code:
+        sys.exit(code)
 
 
 @config.parse

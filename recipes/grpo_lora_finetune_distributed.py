@@ -30,13 +30,11 @@ NF4's all-gather extension, and sharding NF4 needs every weight's block count to
 
 import os
 import sys
-import time
 from itertools import chain
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torchtune import config, modules, training, utils
@@ -50,7 +48,6 @@ from torchtune.modules.peft import (
 )
 
 from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, checkpoint_source, run_recipe
-from torchtune_grpo.checkpointing import begin_step_dir, prune_step_dirs, publish_step_dir
 from torchtune_grpo.config import LORA_KEYS
 from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.precision import Precision
@@ -221,46 +218,38 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
 
     # ----------------------------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, step: int) -> None:
-        """Write ``{output_dir}/step_{step}``: adapter (PEFT + torchtune), merged model, recipe state.
-
-        Everything is written to a hidden staging directory first and renamed to ``step_{step}`` when
-        complete (``recipe_state.pt`` last; torchtune_grpo/checkpointing.py).
-        """
-        with_merged = not self._save_adapter_weights_only
-        state = training.gather_cpu_state_dict(
-            self._model, self._is_rank_zero, device=self._device, adapter_weights_only=not with_merged
+    def _gather_model_state(self) -> Dict[str, Any]:
+        """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``)."""
+        return training.gather_cpu_state_dict(
+            self._model, self._is_rank_zero, device=self._device,
+            adapter_weights_only=self._save_adapter_weights_only,
         )
-        recipe_state = self._recipe_state()
-        if self._is_rank_zero:
-            t0 = time.perf_counter()
-            adapter = get_adapter_state_dict(state) if with_merged else state
-            staging = begin_step_dir(self.output_dir, step)
-            staging.mkdir(parents=True)
-            if with_merged:
-                for key in adapter:
-                    if key.endswith(".lora_a.weight"):
-                        # Merging adds to the base weight in place: never into a tensor the model shares.
-                        base_key = key[: -len(".lora_a.weight")] + ".weight"
-                        state[base_key] = state[base_key].clone()
-                merged = get_merged_lora_ckpt(state, rank=self._lora.rank, alpha=self._lora.alpha)
-                self._checkpointer.save_checkpoint(
-                    {training.MODEL_KEY: merged}, epoch=step, intermediate_checkpoint=False
-                )
-                os.replace(Path(self._checkpointer._output_dir) / f"epoch_{step}", staging / MERGED_DIR)
-            save_adapter(
-                staging,
-                adapter,
-                self._lora,
-                model_type=self._checkpointer._model_type.name,
-                hf_config=self._checkpointer._config,
-                base_model_name_or_path=getattr(self._checkpointer, "repo_id", None),
+
+    def _write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
+        """The adapter (PEFT + torchtune) in ``staging`` and, unless adapters only, the merged model in
+        ``staging/merged`` (the base class publishes and prunes; torchtune_grpo/checkpointing.py)."""
+        with_merged = not self._save_adapter_weights_only
+        adapter = get_adapter_state_dict(model_state) if with_merged else model_state
+        staging.mkdir(parents=True)
+        if with_merged:
+            for key in adapter:
+                if key.endswith(".lora_a.weight"):
+                    # Merging adds to the base weight in place: never into a tensor the model shares.
+                    base_key = key[: -len(".lora_a.weight")] + ".weight"
+                    model_state[base_key] = model_state[base_key].clone()
+            merged = get_merged_lora_ckpt(model_state, rank=self._lora.rank, alpha=self._lora.alpha)
+            self._checkpointer.save_checkpoint(
+                {training.MODEL_KEY: merged}, epoch=step, intermediate_checkpoint=False
             )
-            target = publish_step_dir(self.output_dir, staging, step, recipe_state)
-            log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
-            for old in prune_step_dirs(self.output_dir, step, self.keep_last_n_checkpoints):
-                log.info(f"Removed {old} (keep_last_n_checkpoints={self.keep_last_n_checkpoints})")
-        dist.barrier()
+            os.replace(self._checkpointer_output(step), staging / MERGED_DIR)
+        save_adapter(
+            staging,
+            adapter,
+            self._lora,
+            model_type=self._checkpointer._model_type.name,
+            hf_config=self._checkpointer._config,
+            base_model_name_or_path=getattr(self._checkpointer, "repo_id", None),
+        )
 
 
 @config.parse

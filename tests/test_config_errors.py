@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any, Callable, Dict, NamedTuple, Tuple
 
 import pytest
+import torch
 from omegaconf import DictConfig, OmegaConf
 from torchtune import config as tt_config
 
 from tests.conftest import TINY_CONFIG
 from tests.recipe_utils import write_config
-from torchtune_grpo.config import validate_config
+from torchtune_grpo.config import instantiate_component, validate_config
+from torchtune_grpo.setup_checks import check_device
 
 
 class Case(NamedTuple):
@@ -89,6 +91,14 @@ CASES = {
     "epsilon_high": Case("config", {"loss.epsilon_high": -1.0}, r"loss\.epsilon_high must be > 0 .*got -1\.0"),
     "dual_clip": Case("config", {"loss.dual_clip": 1.0}, r"loss\.dual_clip must be > 1 .*got 1\.0"),
     "kl_coef": Case("config", {"kl_coef": -0.01}, r"kl_coef must be >= 0 \(weight of the KL .*got -0\.01"),
+    # a quoted number in the YAML: torch.optim would fail on it with a TypeError naming no key
+    "lr_string": Case("config", {"optimizer.lr": "1e-3 "},
+                      r"optimizer\.lr must be a number > 0 \(the learning rate\), got '1e-3 ' \(a string: remove the quotes"),
+    "kl_coef_string": Case("config", {"kl_coef": "0.1"}, r"kl_coef must be a number >= 0 .*got '0\.1' \(a string"),
+    "on_nonfinite": Case("config", {"on_nonfinite": "ignore"}, r"on_nonfinite must be one of \['stop', 'skip'\], got 'ignore'"),
+    "on_broken_checkpoint": Case("config", {"on_broken_checkpoint": "newest"},
+                                 r"on_broken_checkpoint must be one of \['use_previous', 'error'\], got 'newest'"),
+    "save_on_sigterm": Case("config", {"save_on_sigterm": "yes"}, r"save_on_sigterm must be true or false, got 'yes'"),
     "ppo_epochs_null": Case("config", {"ppo_epochs": None}, r"ppo_epochs must be a whole number >= 1 .*got None"),
     # ---- keys
     "typo": Case("config", {"ppo_epoch": 2}, r"Unknown config key\(s\): 'ppo_epoch' \(did you mean 'ppo_epochs'\?\)"),
@@ -103,10 +113,11 @@ CASES = {
                        r"output_dir='.*blocker/out' is not writable \((NotADirectoryError|FileExistsError)"),
     "resume_interrupted": Case("setup",
                                {"resume_from_checkpoint": True, "output_dir": _run_dir_with("step_4", "step_2")},
-                               r"resume_from_checkpoint=True but output_dir='.*run' holds no complete checkpoint: "
-                               r"step_2, step_4 without recipe_state\.pt \(interrupted saves\)"),
+                               r"resume_from_checkpoint=True but output_dir='.*run' holds no readable checkpoint: "
+                               r".*step_4 has no recipe_state\.pt \(deleted, or not written by this recipe\); "
+                               r".*step_2 has no recipe_state\.pt"),
     "resume_empty": Case("setup", {"resume_from_checkpoint": True, "output_dir": _run_dir_with()},
-                         r"holds no complete checkpoint: no step_N directories"),
+                         r"holds no readable checkpoint: no step_N directories"),
     "eval_reward": Case("setup", {"validation": {"_component_": "torchtune_grpo.data.arithmetic_dataset",
                                                  "num_samples": 4}, "eval_reward": "exact"},
                         r"eval_reward='exact' names no reward component: the reward set has "
@@ -203,3 +214,26 @@ def test_every_numeric_rule_is_documented():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "configs.md").read_text()
     for rule in NUMERIC_RULES:
         assert re.search(rf"`{re.escape(rule.key)}`", docs), rule.key
+
+
+def test_a_device_that_is_absent_is_an_error_not_a_silent_cpu_run(tmp_path, clean_env):
+    # torchtune's get_device would fall back to the CPU and the run would "succeed" (exit code 0).
+    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
+
+    assert not torch.cuda.is_available()  # the CPU machines this suite runs on
+    cfg = OmegaConf.load(write_config(tmp_path, device="cuda"))
+    with pytest.raises(ValueError, match=r"device='cuda' but torch sees no cuda device here \(torch\.cuda\.is_available\(\) "
+                       r"is False; torch .*\)\. Set device=cpu"):
+        GRPOFullFinetuneRecipeDistributed(cfg)
+    with pytest.raises(ValueError, match=r"device='tpu9' is not a device torch knows"):
+        check_device("tpu9")
+    check_device("cpu")
+
+
+def test_a_component_that_rejects_its_settings_is_named(tmp_path):
+    # A setting of the wrong type that no rule covers fails inside the component: the error names the key.
+    cfg = OmegaConf.create({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3, "weight_decay": "0.01"}})
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(TypeError, match=r"optimizer \(torch\.optim\.AdamW\) could not be built from its settings: .*"
+                       r"Settings that are strings but read as numbers: optimizer\.weight_decay='0\.01' \(remove the quotes\)"):
+        instantiate_component(cfg, "optimizer", params)

@@ -114,6 +114,28 @@ def test_two_processes_killed_mid_save_resume_exactly(tmp_path, two_process_refe
     assert_same_run(out, two_process_reference)
     # (A kill while re-saving a step that has a checkpoint: tests/test_checkpointing.py.)
 
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_saves_the_step_on_every_rank_and_resumes_exactly(tmp_path, two_process_reference):
+    # A preemption notice that reaches rank 0 only, mid-rollout of step 3 (between the saves at 2 and 4):
+    # both ranks finish step 3, agree to stop, save step_3 and exit with 143 (torchtune_grpo/preemption.py).
+    cfg = write_config(tmp_path, **OVERRIDES)
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        tune_command(cfg, nproc=2), cwd=tmp_path, env=tune_env(**{CRASH_ENV: "rollout:3:0:TERM"}),
+        capture_output=True, text=True, timeout=600,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "exitcode  : 143" in log, log[-4000:]
+    assert "SIGTERM received: the run saves a checkpoint after the current step and stops" in log
+    assert "Stopping on SIGTERM after step 3: saving a checkpoint" in log
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(p.name for p in out.iterdir() if "step_" in p.name) == ["step_3"]  # keep_last_n_checkpoints=1
+    # Nothing trained is lost: the resumed run starts after step 3 and ends as the uninterrupted one.
+    log = run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
+    assert f"Resuming from {out / 'step_3'}" in log
+    assert_same_run(out, two_process_reference)
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -155,6 +177,14 @@ def test_resume_on_another_number_of_processes(tmp_path, two_process_reference):
     log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
     assert f"Resuming from {tmp_path / 'out' / f'step_{STEPS}'}" in log
     assert "World size changed since the checkpoint: RNG streams restart." in log
+    # What changed is said (output_dir too: the run was copied here), and each start's config is kept (the
+    # reference's start, then this resume).
+    changed = log.split("Settings changed since step_4 was saved (the run continues with the new ones): ")[1]
+    changed = changed.splitlines()[0].split("; ")
+    assert "max_steps: 4 -> 6" in changed and any(c.startswith("output_dir: ") for c in changed), changed
+    assert not any(c.startswith(("group_size", "batch_size", "resume_from_checkpoint")) for c in changed), changed
+    starts = sorted(p.name.split("_", 1)[1] for p in (tmp_path / "out" / "configs").iterdir())
+    assert starts == ["resume_step_4.yaml", "start.yaml"], starts
     # batch_size is per rank: the global batch halves (4 x 1 x 4 instead of 4 x 2 x 4)
     assert "global batch per step = batch_size 4 x 1 rank(s) x group_size 4 = 16 sequences" in log
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")

@@ -78,6 +78,8 @@ class AlgorithmSpec:
         max_rounds (int): generation rounds per step at most. Default is 1.
         optimizer (str): optimizer description. Default is ``""``.
         clip_grad_norm (Optional[float]): gradient norm clipping. Default is None.
+        on_nonfinite (str): a NaN/inf gradient norm ``"stop"``s the run or ``"skip"``s the optimizer step.
+            Default is ``"stop"``.
         environment (Optional[str]): multi-turn episodes: the environment and its limits, e.g.
             ``"ToolEnvironment, at most 4 turns"``. Default is None (one completion per sample).
         ppo_mini_batches (int): disjoint mini-batches per pass, one optimizer step each. Default is 1.
@@ -115,6 +117,7 @@ class AlgorithmSpec:
     max_rounds: int = 1
     optimizer: str = ""
     clip_grad_norm: Optional[float] = None
+    on_nonfinite: str = "stop"
     environment: Optional[str] = None
     ppo_mini_batches: int = 1
     ppo_mini_batch_shuffle: bool = True
@@ -307,7 +310,9 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         )
     if s.optimizer:
         clip = f", gradient norm clipped to {_g(s.clip_grad_norm)}" if s.clip_grad_norm is not None else ""
-        notes.append(f"- Optimizer: {s.optimizer}{clip}.")
+        nonfinite = ("skipped (its gradients dropped)" if s.on_nonfinite == "skip"
+                     else "never taken: the run stops")
+        notes.append(f"- Optimizer: {s.optimizer}{clip}; an optimizer step with a NaN/inf gradient norm is {nonfinite}.")
     if s.precision:
         notes.append(f"- Precision: {s.precision}.")
     return notes

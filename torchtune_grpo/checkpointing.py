@@ -20,11 +20,16 @@ A save never touches a complete checkpoint until its replacement is complete:
    deleted after the new one is in place;
 4. :func:`prune_step_dirs` (``keep_last_n_checkpoints``) removes older complete checkpoints, after.
 
+A save that fails (a full disk, a vanished mount) removes its staging directory at once and raises
+:func:`save_failure`'s error, which says "no space left on device" with the path when that is the cause
+(PyTorch's writer reports a full disk as ``basic_ios::clear: iostream error`` or ``unexpected pos``).
+
 A kill at any point leaves a complete ``step_N`` or a complete ``.step_N.staging``;
 :func:`recover_interrupted_saves` (run before resuming) publishes the latter and removes leftovers. A
 directory without ``recipe_state.pt`` is an interrupted save and is never resumed from.
 """
 
+import errno
 import os
 import re
 import shutil
@@ -46,6 +51,7 @@ __all__ = [
     "publish_step_dir",
     "recover_interrupted_saves",
     "restart_lr_schedule",
+    "save_failure",
     "step_dir",
     "step_dirs",
 ]
@@ -230,3 +236,43 @@ def restart_lr_schedule(scheduler: Any) -> None:
     step = scheduler.last_epoch
     for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * fn(step)
+
+
+# Below this much free space a failed write is taken to be a full disk: PyTorch's and safetensors' writers
+# do not pass the operating system's ENOSPC on (they raise RuntimeError with their own messages).
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+def save_failure(error: BaseException, output_dir: str, staging: Path, step: int) -> Exception:
+    """The error to raise when writing step ``step``'s checkpoint into ``staging`` failed with ``error``.
+
+    Call it before removing ``staging`` (its partial files still take the space that tells a full disk).
+    A full disk (``ENOSPC`` anywhere in the exception chain, or less than 64 MiB left on the file system)
+    gives an ``OSError(ENOSPC)`` naming the path and the free space; anything else an ``OSError`` naming the
+    path and the original error. Either says which complete checkpoints are intact.
+    """
+    intact = ", ".join(p.name for _, p in sorted(complete_step_dirs(output_dir).items())) or "none yet"
+    try:
+        free = shutil.disk_usage(output_dir).free
+    except OSError:
+        free = None
+    full = _mentions_enospc(error) or (free is not None and free < _NEARLY_FULL_BYTES)
+    where = f"writing the checkpoint of step {step} to {staging}"
+    tail = (f"The partial checkpoint was removed; the complete checkpoints ({intact}) are intact and "
+            "resume_from_checkpoint=True continues from the newest.")
+    if full:
+        shown = "unknown" if free is None else f"{free / 2**20:.1f} MiB"
+        return OSError(errno.ENOSPC, f"No space left on device while {where} ({type(error).__name__}: "
+                       f"{error}; {shown} free). Free space there or point output_dir elsewhere. {tail}")
+    return OSError(getattr(error, "errno", None) or errno.EIO, f"Failed {where}: {type(error).__name__}: {error}. {tail}")
+
+
+def _mentions_enospc(error: BaseException) -> bool:
+    seen = set()
+    e: Optional[BaseException] = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -12,7 +12,9 @@ from typing import Any, Callable, NamedTuple, Optional, Set, Tuple
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from torchtune_grpo.loss import KL_ESTIMATORS
+from torchtune_grpo.nonfinite import check_policy
 from torchtune_grpo.precision import Precision
+from torchtune_grpo.resume import BROKEN_CHECKPOINT_POLICIES
 
 __all__ = [
     "DYNAMIC_SAMPLING_KEYS",
@@ -23,6 +25,7 @@ __all__ = [
     "NUMERIC_RULES",
     "REQUIRED_KEYS",
     "NumericRule",
+    "instantiate_component",
     "validate_config",
 ]
 
@@ -49,6 +52,9 @@ KNOWN_KEYS: Set[str] = {
     # held-out evaluation (torchtune_grpo/evaluation.py)
     "validation", "eval_every_n_steps", "eval_num_samples", "eval_pass_k", "eval_max_prompts",
     "eval_reward", "eval_threshold", "eval_batch_size",
+    # faults (docs/recipe.md, "What survives what"): non-finite loss/gradients, an unreadable newest
+    # checkpoint on resume, a save when the scheduler sends SIGTERM
+    "on_nonfinite", "on_broken_checkpoint", "save_on_sigterm",
 }
 
 #: Top-level keys the LoRA recipe reads on top of :data:`KNOWN_KEYS`.
@@ -129,6 +135,7 @@ NUMERIC_RULES: Tuple[NumericRule, ...] = tuple(NumericRule(*row) for row in (
     ("logprob_chunk_size",         int,   ">=", 1,     False, "positions per log-softmax chunk"),
     ("seed",                       int,   ">=", 0,     True,  "the random seed (null: drawn)"),
     ("kl_coef",                    float, ">=", 0,     False, "weight of the KL penalty (0: none)"),
+    ("optimizer.lr",               float, ">",  0,     False, "the learning rate"),
     ("clip_grad_norm",             float, ">",  0,     True,  "gradient-norm clip (null: no clipping)"),
     ("generation.temperature",     float, ">",  0,     False, "the training sampling temperature: 0 is "
                                                              "greedy, so a group's completions are all "
@@ -210,6 +217,12 @@ def validate_config(cfg: DictConfig, known_keys: Optional[Set[str]] = None) -> N
         raise ValueError(
             f"Unknown dynamic_sampling key(s): {unknown}. Known: {sorted(DYNAMIC_SAMPLING_KEYS)}."
         )
+    check_policy(cfg.get("on_nonfinite", "stop"))
+    if cfg.get("on_broken_checkpoint", "use_previous") not in BROKEN_CHECKPOINT_POLICIES:
+        raise ValueError(f"on_broken_checkpoint must be one of {list(BROKEN_CHECKPOINT_POLICIES)}, "
+                         f"got {cfg.on_broken_checkpoint!r}")
+    if not isinstance(cfg.get("save_on_sigterm", True), bool):
+        raise ValueError(f"save_on_sigterm must be true or false, got {cfg.save_on_sigterm!r}")
     if not isinstance(cfg.get("eval_reward", None), (str, type(None))):
         raise ValueError(f"eval_reward must be the name of a reward component, got {cfg.eval_reward!r}")
 
@@ -238,7 +251,10 @@ def _check_number(cfg: DictConfig, rule: NumericRule) -> None:
     number = _as_number(value, rule.kind)
     if number is None:
         kind = "a whole number" if rule.kind is int else "a number"
-        raise ValueError(f"{rule.key} must be {kind} {rule.op} {rule.bound:g} ({rule.why}), got {value!r}")
+        quoted = " (a string: remove the quotes in the YAML)" if isinstance(value, str) else ""
+        raise ValueError(
+            f"{rule.key} must be {kind} {rule.op} {rule.bound:g} ({rule.why}), got {value!r}{quoted}"
+        )
     if not _COMPARISONS[rule.op](number, rule.bound):
         raise ValueError(f"{rule.key} must be {rule.op} {rule.bound:g} ({rule.why}), got {value!r}")
 
@@ -247,8 +263,12 @@ _ABSENT = object()
 
 
 def _as_number(value: Any, kind: Callable) -> Optional[float]:
-    """``value`` as a number of ``kind`` (``int``: whole numbers only), or None when it is not one."""
-    if isinstance(value, bool) or value is None:
+    """``value`` as a number of ``kind`` (``int``: whole numbers only), or None when it is not one.
+
+    A string is not a number, even one that reads as one (``"1e-3 "``): the components it is passed to
+    (``torch.optim``) fail on it deep inside, without naming the key.
+    """
+    if isinstance(value, (bool, str)) or value is None:
         return None
     try:
         number = float(value)
@@ -257,3 +277,37 @@ def _as_number(value: Any, kind: Callable) -> Optional[float]:
     if kind is int and not number.is_integer():
         return None
     return number
+
+
+def instantiate_component(cfg: DictConfig, key: str, *args: Any, **kwargs: Any) -> Any:
+    """``torchtune.config.instantiate(cfg[key], *args, **kwargs)``, naming ``key`` when the component
+    rejects its settings.
+
+    A component given a setting of the wrong type fails inside its own code with a ``TypeError`` that names
+    neither the config key nor the value (``optimizer: {lr: "1e-3 "}`` fails in ``torch.optim`` comparing a
+    float with a str). The error raised instead names the key, the component and any string setting that
+    reads as a number.
+
+    Raises:
+        TypeError: the component's ``TypeError``, with the key named (the original is chained).
+    """
+    from torchtune import config as tt_config  # torchtune is imported lazily elsewhere in this module too
+
+    try:
+        return tt_config.instantiate(cfg[key], *args, **kwargs)
+    except TypeError as e:
+        suspects = [
+            f"{key}.{name}={value!r}"
+            for name, value in cfg[key].items()
+            if isinstance(value, str) and _reads_as_number(value)
+        ]
+        hint = f" Settings that are strings but read as numbers: {', '.join(suspects)} (remove the quotes)." if suspects else ""
+        raise TypeError(f"{key} ({cfg[key].get('_component_')}) could not be built from its settings: {e}.{hint}") from e
+
+
+def _reads_as_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False

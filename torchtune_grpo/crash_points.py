@@ -4,8 +4,9 @@
 
 kills rank 0 with SIGKILL when it reaches :func:`crash_point` ``("save", 4)``, as a power cut or an
 out-of-memory kill would (no cleanup, no flushing). Under ``torchrun`` the launcher then stops the other
-ranks. ``NAME:STEP:RANK`` picks another rank. Unset (always, outside tests), a call costs one dictionary
-lookup. The points (``step`` is the step being trained or saved):
+ranks. ``NAME:STEP:RANK`` picks another rank; ``NAME:STEP:RANK:TERM`` sends SIGTERM instead (a preemption
+notice reaching that rank only: torchtune_grpo/preemption.py). Unset (always, outside tests), a call costs
+one dictionary lookup. The points (``step`` is the step being trained or saved):
 
 - ``rollout``: the step's rollouts are generated and scored, nothing trained yet;
 - ``update``: the optimizer step is taken, the step's metrics not yet written;
@@ -14,7 +15,7 @@ lookup. The points (``step`` is the step being trained or saved):
 - ``replace``: re-saving a step that already had a checkpoint, between moving the old one aside and
   putting the new one in place.
 
-tests/test_crash_resume.py kills runs at these points and checks that the resumed runs end as an
+tests/test_distributed_runs.py kills runs at these points and checks that the resumed runs end as an
 uninterrupted one does.
 """
 
@@ -27,11 +28,10 @@ CRASH_ENV = "TORCHTUNE_GRPO_CRASH_AT"
 
 
 def crash_point(name: str, step: int) -> None:
-    """SIGKILL this process if ``TORCHTUNE_GRPO_CRASH_AT`` names this point, step and rank."""
+    """SIGKILL (or SIGTERM) this process if ``TORCHTUNE_GRPO_CRASH_AT`` names this point, step and rank."""
     spec = os.environ.get(CRASH_ENV)
     if not spec:
         return
-    point, _, rest = spec.partition(":")
-    at_step, _, rank = rest.partition(":")
+    point, at_step, rank, sig = (spec.split(":") + ["", "", ""])[:4]
     if point == name and int(at_step) == step and int(rank or 0) == int(os.environ.get("RANK", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGTERM if sig == "TERM" else signal.SIGKILL)

@@ -1,7 +1,7 @@
 """Checks a recipe runs at setup that need the file system or a built object, not just the config.
 
 ``torchtune_grpo/config.py`` checks the config's values; these check what they point at: an output
-directory that can be written, a checkpoint to resume from, and checkpoint tensors that fit the model.
+directory that can be written, a device that exists, and checkpoint tensors that fit the model.
 Each raises naming the key, the value and what it found, before any weights are loaded into a model.
 """
 
@@ -11,9 +11,7 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 
-from torchtune_grpo.checkpointing import find_latest_checkpoint, RECIPE_STATE_FILE, step_dirs
-
-__all__ = ["check_output_dir", "check_state_dict_shapes", "require_resume_checkpoint"]
+__all__ = ["check_device", "check_output_dir", "check_state_dict_shapes"]
 
 
 
@@ -34,25 +32,34 @@ def check_output_dir(output_dir: str) -> None:
         ) from e
 
 
-def require_resume_checkpoint(output_dir: str) -> Path:
-    """The latest complete ``step_N`` checkpoint in ``output_dir``, for ``resume_from_checkpoint: True``.
+def check_device(device: str) -> None:
+    """Fail when ``device`` names an accelerator this machine does not have.
+
+    torchtune's ``get_device`` falls back to the CPU without a word; a run asked to train on a GPU must not
+    quietly train on the CPU instead.
 
     Raises:
-        FileNotFoundError: when there is none, saying what the directory holds instead.
+        ValueError: naming ``device``, its value and what torch sees.
     """
-    found = find_latest_checkpoint(output_dir)
-    if found is not None:
-        return found
-    found = step_dirs(output_dir)
-    steps = [found[n] for n in sorted(found)]
-    if steps:
-        what = f"{', '.join(p.name for p in steps)} without {RECIPE_STATE_FILE} (interrupted saves)"
-    else:
-        what = "no step_N directories"
-    raise FileNotFoundError(
-        f"resume_from_checkpoint=True but output_dir={output_dir!r} holds no complete checkpoint: {what}. "
-        "Point output_dir at the run to resume, or set resume_from_checkpoint=False to start afresh."
-    )
+    try:
+        kind = torch.device(str(device)).type
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a device torch knows ({e}); use cpu, cuda, cuda:N, ...") from e
+    if kind == "cpu":
+        return
+    backend = getattr(torch, kind, None)
+    is_available = getattr(backend, "is_available", None)
+    if is_available is None or not is_available():
+        build = f", built with CUDA {torch.version.cuda}" if torch.version.cuda else ", a build without CUDA"
+        raise ValueError(
+            f"device={device!r} but torch sees no {kind} device here (torch.{kind}.is_available() is False; "
+            f"torch {torch.__version__}{build if kind == 'cuda' else ''}). Set device=cpu to train on the CPU, "
+            "or install a torch build for this accelerator."
+        )
+    index = torch.device(str(device)).index
+    count = getattr(backend, "device_count", lambda: None)()
+    if index is not None and count is not None and index >= count:
+        raise ValueError(f"device={device!r} but only {count} {kind} device(s) are visible.")
 
 
 def check_state_dict_shapes(

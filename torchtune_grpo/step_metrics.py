@@ -180,7 +180,7 @@ def train_step_metrics(
         weight_sync (Optional[Dict[str, float]]): the engine weight sync's metrics (``time/weight_sync``,
             maybe ``generation/sync_logprob_diff``); None for an engine without its own weights.
             Default is None.
-        grad_norm (Optional[float]): the gradient norm; None without clipping. Default is None.
+        grad_norm (Optional[float]): the global gradient norm before clipping. Default is None.
         peak_memory_gib (Optional[float]): peak accelerator memory; None on CPU. Default is None.
 
     Returns:

@@ -13,7 +13,10 @@ sequence counts (all ranks; one all-reduce, through the callable the recipe pass
 every mini-batch before the first update), so the summed gradient does not depend on the micro-batch size
 or the number of processes. FSDP2 averages gradients over ranks, so the loss is multiplied by the world
 size before ``backward``, and it reduce-scatters gradients only after an optimizer step's last
-micro-batch. Then: gradient clipping, the optimizer and learning-rate scheduler steps.
+micro-batch. Then: the global gradient norm (clipped when ``clip_grad_norm`` is set), the optimizer and
+learning-rate scheduler steps. A non-finite gradient norm is never stepped on: ``on_nonfinite="stop"`` raises
+:class:`~torchtune_grpo.nonfinite.NonFiniteError`, ``"skip"`` discards the gradients and counts the step
+(torchtune_grpo/nonfinite.py). The norm is global, so every rank decides the same.
 
 With more than one mini-batch the groups are shuffled before every pass: a permutation of this rank's
 groups seeded by ``(seed, step, epoch)``. Every rank holds the same number of whole groups
@@ -30,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtune_grpo.logprobs import TokenLogprobs
+from torchtune_grpo.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.offpolicy import logprob_mismatch_sum
 from torchtune_grpo.packing import TrainingBatch
 from torchtune_grpo.step_metrics import LOSS_METRICS
@@ -90,12 +94,15 @@ class UpdateStats(NamedTuple):
         losses (Dict[str, Any]): :data:`~torchtune_grpo.step_metrics.LOSS_METRICS` (this rank's
             contributions to the global sums, averaged over optimizer steps; tensors or floats), plus
             ``generation/logprob_mismatch`` when the experience has engine logprobs.
-        grad_norm (Optional[torch.Tensor]): the last optimizer step's total gradient norm (before
-            clipping); None without clipping.
+        grad_norm (Optional[torch.Tensor]): the last optimizer step's global gradient norm (before
+            clipping). None only when no parameter has a gradient.
+        skipped_steps (int): optimizer steps not taken because the gradient norm was not finite
+            (``on_nonfinite="skip"``). Default is 0.
     """
 
     losses: Dict[str, Any]
     grad_norm: Optional[torch.Tensor]
+    skipped_steps: int = 0
 
 
 def micro_batches(n: int, size: int, start: int = 0) -> List[slice]:
@@ -156,6 +163,8 @@ class PolicyUpdate:
             all-reduce); called once per update, on every rank. Default is the identity (one process).
         temperature (float): the sampling temperature the logprobs are computed at. Default is 1.0.
         chunk_size (int): positions per chunk of the logprob computation. Default is 512.
+        on_nonfinite (str): ``"stop"`` (raise) or ``"skip"`` (drop the optimizer step) when the gradient norm
+            is NaN or infinite. Default is ``"stop"``.
     """
 
     def __init__(
@@ -176,6 +185,7 @@ class PolicyUpdate:
         all_reduce: Callable[[List[float]], List[float]] = _local_sum,
         temperature: float = 1.0,
         chunk_size: int = 512,
+        on_nonfinite: str = "stop",
     ) -> None:
         if int(ppo_epochs) < 1 or int(ppo_mini_batches) < 1:
             raise ValueError(f"ppo_epochs and ppo_mini_batches must be >= 1, got {ppo_epochs}, {ppo_mini_batches}")
@@ -194,6 +204,7 @@ class PolicyUpdate:
         self.all_reduce = all_reduce
         self.temperature = temperature
         self.chunk_size = int(chunk_size)
+        self.on_nonfinite = check_policy(on_nonfinite)
         # Only a loss with truncated importance sampling takes the engine's logprobs (custom losses need not).
         self._takes_engine_logprobs = getattr(loss_fn, "tis_cap", None) is not None
         # Entropy comes from the same chunked forward (never full logits); it carries a gradient only
@@ -257,7 +268,7 @@ class PolicyUpdate:
         counts = self.all_reduce(local)
         stats: Dict[str, Any] = dict.fromkeys(LOSS_METRICS, 0.0)
         mismatch = 0.0
-        grad_norm = None
+        grad_norm, skipped = None, 0
         total_tokens = sum(counts[0 : 2 * len(slices) : 2])  # the first pass covers every row once
         for e, ex in enumerate(passes):
             for m, rows in enumerate(slices):
@@ -265,10 +276,11 @@ class PolicyUpdate:
                 out = self._accumulate(ex, rows, counts[i], counts[i + 1], stats)
                 if e == 0 and ex.engine_logprobs is not None:
                     mismatch = mismatch + out / max(total_tokens, 1)
-                grad_norm = self._optimizer_step()
+                grad_norm, stepped = self._optimizer_step(step, e, m)
+                skipped += not stepped
         if exp.engine_logprobs is not None:
             stats["generation/logprob_mismatch"] = mismatch
-        return UpdateStats(stats, grad_norm)
+        return UpdateStats(stats, grad_norm, skipped)
 
     def _accumulate(self, exp: Experience, rows: slice, num_tokens: float, num_seqs: float, stats: Dict[str, Any]):
         """Forward/backward over the micro-batches of ``rows``; adds to ``stats``, returns the mismatch sum."""
@@ -313,14 +325,32 @@ class PolicyUpdate:
             inputs["importance_weights"] = exp.importance_weights[mb]
         return inputs
 
-    def _optimizer_step(self) -> Optional[torch.Tensor]:
+    def _optimizer_step(self, step: int, epoch: int, mini_batch: int) -> "tuple[Optional[torch.Tensor], bool]":
+        """Clip (or only measure) the gradients, then step; returns the global norm and whether it stepped.
+
+        Raises:
+            NonFiniteError: when the norm is NaN or infinite and ``on_nonfinite`` is ``"stop"``.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = None
-        if self.clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=float(self.clip_grad_norm))
+        if params:
+            # The norm before clipping; with FSDP2 a DTensor over the shards, made global (the same on every
+            # rank, so every rank takes the same decision below).
+            if self.clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=float(self.clip_grad_norm))
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if not finite and self.on_nonfinite == "stop":
+            raise NonFiniteError(advice(
+                f"The gradient norm is {float(grad_norm)} at training step {step + 1} (ppo epoch {epoch}, "
+                f"mini-batch {mini_batch}); the optimizer step was not taken"
+            ))
         if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return grad_norm
+            self.lr_scheduler.step()  # also after a skipped step: the schedule follows the training steps
+        return grad_norm, finite
