@@ -11,6 +11,7 @@ from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
     code_dataset,
+    DataFileError,
     gsm8k_dataset,
     load_rows,
     math_dataset,
@@ -19,7 +20,6 @@ from torchtune_grpo.data import (
     tool_sft_dataset,
     verifiable_dataset,
 )
-from torchtune_grpo.data._files import DataFileError
 from torchtune_grpo.models import hf_tokenizer
 from torchtune_grpo.rewards import MathAnswerReward, RewardBatch
 
