@@ -200,10 +200,11 @@ def test_truncated_jsonl_line_names_file_and_line(tokenizer, tmp_path):
     cut.write_text('{"question": "q", "answer": "1"}\n{"question": "r", "ans\n{"question": "s", "answer": "3"}\n',
                    encoding="utf-8")
     # Before: "ValueError: Expected object or value" / "Trailing data" without a file name.
-    with pytest.raises(DataFileError, match=r"b\.jsonl, line 2: not a valid JSON object"):
+    cut_line = r"b\.jsonl, line 2, column 19: not a valid JSON object \(Unterminated string"
+    with pytest.raises(DataFileError, match=cut_line):
         gsm8k_dataset(tokenizer, source="json", data_files=[str(good), str(cut)], cache_dir=_cache(tmp_path))
     # The SFT builders read their files the same way.
-    with pytest.raises(DataFileError, match=r"b\.jsonl, line 2"):
+    with pytest.raises(DataFileError, match=r"b\.jsonl, line 2, column 19"):
         sft_dataset(tokenizer, source="json", data_files=str(cut), cache_dir=_cache(tmp_path))
 
 

@@ -65,9 +65,9 @@ def code_dataset(
         max_prompt_length (Optional[int]): longer prompts are dropped. Default is 512.
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is :data:`CODE_SYSTEM_PROMPT`.
-        on_invalid_row (str): a row whose task (or reference solution, when ``solution_column`` is given) is empty or null (a CSV cell left empty, a JSON
-            ``null``) is dropped (``"drop"``: the count is logged) or refused (``"error"``: the message
-            names the row and the column). Default is ``"drop"``.
+        on_invalid_row (str): a row whose task (or reference solution, when ``solution_column`` is given) is
+            empty or null (a CSV cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged)
+            or refused (``"error"``: the message names the row and the column). Default is ``"drop"``.
             Test cases are not judged here: empty or malformed ones are always an error.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 

@@ -4,9 +4,9 @@
 ``UnicodeDecodeError``, a cut JSONL line as ``Expected object or value``, an empty file as a bare
 ``StopIteration``. A JSONL string that is not UTF-8 even loads without complaint (pyarrow's JSON reader
 does not check) and fails later, on the first read of the row, far from its cause: :func:`check_loaded`
-validates the loaded table at once. When loading local files fails, :func:`diagnose_data_files` reads them again itself to
-find the first empty file, the first byte that is not UTF-8 or the first line that is not JSON, and
-:func:`load_error` turns that into one message naming the file and the line.
+validates the loaded table at once. When loading local files fails, :func:`diagnose_data_files` reads
+them again itself to find the first empty file, the first byte that is not UTF-8 or the first line that
+is not JSON, and :func:`load_error` turns that into one message naming the file and the line.
 """
 
 import glob
@@ -126,7 +126,7 @@ def _json_problem(path: str) -> Optional[str]:
             if e.lineno > 1 or whole.lstrip().startswith("["):
                 return f"data file {path}, line {e.lineno}, column {e.colno}: not valid JSON ({e.msg})"
     return (
-        f"data file {path}, line {number}: not a valid JSON object ({error.msg} at column {error.colno}); "
+        f"data file {path}, line {number}, column {error.colno}: not a valid JSON object ({error.msg}); "
         "each line of a JSON Lines file must be one complete JSON object (a line cut short?)"
     )
 
@@ -175,7 +175,7 @@ def _describe_cause(error: BaseException) -> str:
         seen.add(id(inner))
     text = f"{type(error).__name__}: {error}".strip().rstrip(":")
     if inner is not error:
-        text += f" <- {type(inner).__name__}: {inner}".strip().rstrip(":")
+        text += " <- " + f"{type(inner).__name__}: {inner}".strip().rstrip(":")
     return text
 
 

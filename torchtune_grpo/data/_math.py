@@ -73,9 +73,9 @@ def math_dataset(
         max_prompt_length (Optional[int]): longer prompts are dropped. Default is 256.
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is None (the built-in R1 instruction).
-        on_invalid_row (str): a row whose problem or solution (or ``answer_column``) is empty or null (a CSV cell left empty, a JSON
-            ``null``) is dropped (``"drop"``: the count is logged) or refused (``"error"``: the message
-            names the row and the column). Default is ``"drop"``.
+        on_invalid_row (str): a row whose problem or solution (or ``answer_column``) is empty or null (a CSV
+            cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged) or refused
+            (``"error"``: the message names the row and the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:

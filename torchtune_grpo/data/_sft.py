@@ -193,9 +193,9 @@ def sft_dataset(
         train_on_input (bool): also train on the prompt. Default is False.
         packed (bool): sample packing; not supported (torchtune's recipes pass the key through).
             Default is False.
-        on_invalid_row (str): a row whose question, answer, reasoning or response (the columns in use) is empty or null (a CSV cell left empty, a JSON
-            ``null``) is dropped (``"drop"``: the count is logged) or refused (``"error"``: the message
-            names the row and the column). Default is ``"drop"``.
+        on_invalid_row (str): a row whose question, answer, reasoning or response (the columns in use) is empty
+            or null (a CSV cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged) or
+            refused (``"error"``: the message names the row and the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:

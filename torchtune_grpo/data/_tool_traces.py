@@ -229,9 +229,9 @@ def tool_sft_dataset(
             None (the tokenizer's own ``tools``).
         max_seq_len (Optional[int]): longer traces are dropped. Default is None.
         packed (bool): sample packing; not supported (torchtune's recipes pass the key). Default is False.
-        on_invalid_row (str): a row whose question is empty or null (a CSV cell left empty, a JSON
-            ``null``) is dropped (``"drop"``: the count is logged) or refused (``"error"``: the message
-            names the row and the column). Default is ``"drop"``.
+        on_invalid_row (str): a row whose question is empty or null (a CSV cell left empty, a JSON ``null``) is
+            dropped (``"drop"``: the count is logged) or refused (``"error"``: the message names the row and the
+            column). Default is ``"drop"``.
             Messages are not judged here: a malformed trace is always an error.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 

@@ -115,8 +115,8 @@ def verifiable_dataset(
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is None (the built-in R1 instruction).
         on_invalid_row (str): a row whose question or answer is empty or null (a CSV cell left empty, a JSON
-            ``null``) is dropped (``"drop"``, the count is logged) or refused (``"error"``, naming the
-            row and the column). Default is ``"drop"``.
+            ``null``) is dropped (``"drop"``, the count is logged) or refused (``"error"``, naming the row and
+            the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
