@@ -20,6 +20,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# python, tune and tune-grpo from the active environment, else from .venv (or stop, saying how to set it up)
+. "$REPO/scripts/_python_env.sh"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo}"
 SEED="${DEMO_SEED:-0}"
 SFT_EPOCHS="${DEMO_SFT_EPOCHS:-4}"

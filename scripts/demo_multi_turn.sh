@@ -26,6 +26,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# python, tune and tune-grpo from the active environment, else from .venv (or stop, saying how to set it up)
+. "$REPO/scripts/_python_env.sh"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo_multi_turn}"
 SEED="${DEMO_SEED:-0}"
 WARM_START="${DEMO_WARM_START:-shipped}"

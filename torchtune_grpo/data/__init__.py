@@ -7,9 +7,11 @@ from torchtune_grpo.data._arithmetic import (
     arithmetic_problems,
 )
 from torchtune_grpo.data._code import CODE_SYSTEM_PROMPT, code_dataset
+from torchtune_grpo.data._files import DataFileError
 from torchtune_grpo.data._gsm8k import extract_gsm8k_answer, gsm8k_dataset
 from torchtune_grpo.data._math import extract_boxed_answer, math_dataset
 from torchtune_grpo.data._prompt import collate_prompts, PromptBatch, PromptDataset
+from torchtune_grpo.data._rows import ON_INVALID_ROW
 from torchtune_grpo.data._sft import ANSWER_FORMATS, R1_RESPONSE_TEMPLATE, sft_dataset, WarmStartDataset
 from torchtune_grpo.data._templates import (
     ChatPrompt,
@@ -35,12 +37,14 @@ __all__ = [
     "CODE_SYSTEM_PROMPT",
     "code_dataset",
     "collate_prompts",
+    "DataFileError",
     "decode_prompt",
     "extract_boxed_answer",
     "extract_gsm8k_answer",
     "gsm8k_dataset",
     "load_rows",
     "make_prompt_formatter",
+    "ON_INVALID_ROW",
     "math_dataset",
     "PROMPT_STYLES",
     "PromptBatch",

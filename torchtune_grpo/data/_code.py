@@ -3,6 +3,7 @@
 from typing import Any, Dict, Optional, Sequence, Union
 
 from torchtune_grpo.data._prompt import PromptDataset
+from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._verifiable import load_rows, require_columns
 from torchtune_grpo.text import normalize_tests
 
@@ -29,6 +30,7 @@ def code_dataset(
     max_prompt_length: Optional[int] = 512,
     prompt_style: str = "r1",
     system_prompt: Optional[str] = CODE_SYSTEM_PROMPT,
+    on_invalid_row: str = "drop",
     **load_dataset_kwargs,
 ) -> PromptDataset:
     """Code prompts with test cases, from any ``datasets.load_dataset`` source.
@@ -63,6 +65,10 @@ def code_dataset(
         max_prompt_length (Optional[int]): longer prompts are dropped. Default is 512.
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is :data:`CODE_SYSTEM_PROMPT`.
+        on_invalid_row (str): a row whose task (or reference solution, when ``solution_column`` is given) is
+            empty or null (a CSV cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged)
+            or refused (``"error"``: the message names the row and the column). Default is ``"drop"``.
+            Test cases are not judged here: empty or malformed ones are always an error.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -74,22 +80,30 @@ def code_dataset(
     """
     rows = load_rows(source, name=name, split=split, data_files=data_files, **load_dataset_kwargs)
     require_columns(rows, [prompt_column, tests_column] + ([solution_column] if solution_column else []), source)
+    source_name = describe_source(source, split, data_files)
+    invalid = InvalidRows(on_invalid_row, source_name)
     out = []
     for index, row in enumerate(rows):
+        if invalid.skip(row, index, [prompt_column] + ([solution_column] if solution_column else [])):
+            continue
         try:
             tests = normalize_tests(row[tests_column])
         except ValueError as e:
-            raise ValueError(f"row {index} of '{source}' split '{split}': bad '{tests_column}': {e}") from None
+            raise ValueError(f"row {index} of {source_name}: bad '{tests_column}': {e}") from None
         sample = dict(row)
         sample["question"] = row[prompt_column]
         sample["tests"] = tests
         sample["answer"] = str(row[solution_column]) if solution_column else ""
         out.append(sample)
+    invalid.report(len(rows))
     return PromptDataset(
         out,
         tokenizer,
         formatter=prompt_style,
         max_prompt_length=max_prompt_length,
         system_prompt=system_prompt,
-        source_name=f"'{source}' split '{split}'",
+        source_name=source_name,
+        on_invalid_row=on_invalid_row,
+        # Without a reference solution the answer is empty by design.
+        required_columns=["question"] + (["answer"] if solution_column else []),
     )

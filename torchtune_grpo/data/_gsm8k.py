@@ -3,6 +3,7 @@
 from typing import Any, Dict, Optional, Sequence, Union
 
 from torchtune_grpo.data._prompt import PromptDataset
+from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._verifiable import load_rows, require_columns
 
 # GSM8K solutions end with "#### <final answer>".
@@ -34,6 +35,7 @@ def gsm8k_dataset(
     max_prompt_length: Optional[int] = 256,
     prompt_style: str = "r1",
     system_prompt: Optional[str] = None,
+    on_invalid_row: str = "drop",
     **load_dataset_kwargs,
 ) -> PromptDataset:
     """GSM8K prompts. ``answer`` is the final answer; the full worked solution is kept as ``solution``.
@@ -55,6 +57,9 @@ def gsm8k_dataset(
         max_prompt_length (Optional[int]): longer prompts are dropped. Default is 256.
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is None (the built-in R1 instruction).
+        on_invalid_row (str): a row whose question, answer, or final answer after ``####`` is empty or null (a
+            CSV cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged) or refused
+            (``"error"``: the message names the row and the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -69,15 +74,23 @@ def gsm8k_dataset(
     )
     require_columns(dataset, ["question", "answer"], source)
 
+    source_name = describe_source(source, split, data_files)
+    invalid = InvalidRows(on_invalid_row, source_name)
     rows = []
     for index, row in enumerate(dataset):
+        # Checked before parsing: a null answer would be the text "None", which has no "####".
+        if invalid.skip(row, index, ["question", "answer"]):
+            continue
         gold = extract_gsm8k_answer(str(row["answer"]))
+        if gold is not None and invalid.skip({"answer": gold}, index, ["answer"]):
+            continue  # "... ####" with nothing after it
         if gold is None:
             raise ValueError(
-                f"row {index} of '{source}' split '{split}' has no '{GSM8K_ANSWER_MARKER}' "
+                f"row {index} of {source_name} has no '{GSM8K_ANSWER_MARKER}' "
                 f"in its answer: {str(row['answer'])[:200]!r}"
             )
         rows.append({**row, "answer": gold, "solution": row["answer"]})
+    invalid.report(len(dataset))
 
     return PromptDataset(
         rows,
@@ -85,5 +98,6 @@ def gsm8k_dataset(
         formatter=prompt_style,
         max_prompt_length=max_prompt_length,
         system_prompt=system_prompt,
-        source_name=f"'{source}' split '{split}'",
+        source_name=source_name,
+        on_invalid_row=on_invalid_row,
     )

@@ -3,6 +3,7 @@
 from typing import Any, Dict, Optional, Sequence, Union
 
 from torchtune_grpo.data._prompt import PromptDataset
+from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._verifiable import load_rows, require_columns
 from torchtune_grpo.text import extract_answer
 
@@ -39,6 +40,7 @@ def math_dataset(
     max_prompt_length: Optional[int] = 256,
     prompt_style: str = "r1",
     system_prompt: Optional[str] = None,
+    on_invalid_row: str = "drop",
     **load_dataset_kwargs,
 ) -> PromptDataset:
     """MATH-style prompts: ``answer`` is the last ``\\boxed{}`` of the solution (or ``answer_column``).
@@ -71,6 +73,9 @@ def math_dataset(
         max_prompt_length (Optional[int]): longer prompts are dropped. Default is 256.
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is None (the built-in R1 instruction).
+        on_invalid_row (str): a row whose problem or solution (or ``answer_column``) is empty or null (a CSV
+            cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged) or refused
+            (``"error"``: the message names the row and the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -87,8 +92,12 @@ def math_dataset(
     if levels is not None:
         wanted = {f"Level {lv}" if isinstance(lv, int) or str(lv).isdigit() else str(lv) for lv in levels}
 
+    source_name = describe_source(source, split, data_files)
+    invalid = InvalidRows(on_invalid_row, source_name)
     out = []
     for index, row in enumerate(rows):
+        if invalid.skip(row, index, [problem_column, answer_column or solution_column]):
+            continue
         if wanted is not None and str(row["level"]) not in wanted:
             continue
         if answer_column is not None:
@@ -97,17 +106,19 @@ def math_dataset(
             gold = extract_boxed_answer(row[solution_column])
             if gold is None:
                 raise ValueError(
-                    f"row {index} of '{source}' split '{split}' has no \\boxed{{}} answer in its "
+                    f"row {index} of {source_name} has no \\boxed{{}} answer in its "
                     f"'{solution_column}': {str(row[solution_column])[-200:]!r}"
                 )
         out.append({**row, "question": row[problem_column], "answer": gold})
+    invalid.report(len(rows))
     if not out:
-        raise ValueError(f"no rows of '{source}' split '{split}' match levels {sorted(wanted or [])}")
+        raise ValueError(f"no rows of {source_name} match levels {sorted(wanted or [])}")
     return PromptDataset(
         out,
         tokenizer,
         formatter=prompt_style,
         max_prompt_length=max_prompt_length,
         system_prompt=system_prompt,
-        source_name=f"'{source}' split '{split}'",
+        source_name=source_name,
+        on_invalid_row=on_invalid_row,
     )

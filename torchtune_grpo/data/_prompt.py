@@ -1,11 +1,12 @@
 """Prompt dataset and collate function (the data contract in docs/architecture.md)."""
 
 import logging
-from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Union
+from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from torchtune_grpo.data._rows import InvalidRows
 from torchtune_grpo.data._templates import PromptFormatter, make_prompt_formatter
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,15 @@ class PromptDataset(Dataset):
         system_prompt (Optional[str]): instruction text for the built-in styles. Default is None
             (the style's default).
         source_name (str): name used in messages. Default is ``"rows"``.
+        on_invalid_row (str): what to do with a row whose value in ``required_columns`` is empty or null
+            (None, NaN, blank text: a CSV cell left empty, a JSON ``null``): ``"drop"`` skips it (the count
+            is logged) or ``"error"`` raises naming the row and the column. Default is ``"drop"``.
+        required_columns (Optional[Sequence[str]]): the columns that must hold a value. Default is None:
+            the question and answer columns.
 
     Raises:
-        ValueError: if a row lacks the question or answer column, or every prompt was dropped.
+        ValueError: if a row lacks the question or answer column, has an empty one with
+            ``on_invalid_row="error"``, or every prompt was dropped.
     """
 
     def __init__(
@@ -84,7 +91,12 @@ class PromptDataset(Dataset):
         answer_column: str = "answer",
         system_prompt: Optional[str] = None,
         source_name: str = "rows",
+        on_invalid_row: str = "drop",
+        required_columns: Optional[Sequence[str]] = None,
     ):
+        invalid = InvalidRows(on_invalid_row, source_name)
+        if required_columns is None:
+            required_columns = (question_column, answer_column)
         self._tokenizer = tokenizer
         self._formatter = make_prompt_formatter(formatter, system_prompt=system_prompt)
         self.max_prompt_length = max_prompt_length
@@ -107,6 +119,8 @@ class PromptDataset(Dataset):
                         f"row {index} of {source_name} has no column '{column}'; "
                         f"columns: {sorted(row.keys())}"
                     )
+            if invalid.skip(row, index, required_columns):
+                continue
             tokens, text = self._formatter(tokenizer, str(row[question_column]))
             if max_prompt_length is not None and len(tokens) > max_prompt_length:
                 continue
@@ -116,8 +130,10 @@ class PromptDataset(Dataset):
             sample["answer"] = str(row[answer_column]).strip()
             self._samples.append(sample)
 
+        invalid.report(num_rows)
         self.num_rows = num_rows
-        self.num_dropped = num_rows - len(self._samples)
+        self.num_invalid = invalid.num_dropped
+        self.num_dropped = num_rows - len(self._samples) - self.num_invalid
         if self.num_dropped:
             logger.warning(
                 f"dropped {self.num_dropped} of {num_rows} prompts longer than "
@@ -127,6 +143,7 @@ class PromptDataset(Dataset):
             raise ValueError(
                 f"no prompts left from {source_name}: {num_rows} rows, all longer than "
                 f"max_prompt_length={max_prompt_length} tokens"
+                + (f" or with an empty or null value ({self.num_invalid})" if self.num_invalid else "")
                 if num_rows
                 else f"{source_name} has no rows"
             )

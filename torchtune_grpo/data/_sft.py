@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from torchtune_grpo.data._gsm8k import GSM8K_ANSWER_MARKER
 from torchtune_grpo.data._math import extract_boxed_answer
+from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._templates import make_prompt_formatter
 from torchtune_grpo.data._verifiable import load_rows, require_columns
 
@@ -120,14 +121,14 @@ def _response_parts(row: Dict[str, Any], index: int, answer_format: str, answer_
     if answer_format == "gsm8k":
         text = str(row[answer_column])
         if GSM8K_ANSWER_MARKER not in text:
-            raise ValueError(f"row {index} of '{source}' has no '{GSM8K_ANSWER_MARKER}' in '{answer_column}'")
+            raise ValueError(f"row {index} of {source} has no '{GSM8K_ANSWER_MARKER}' in '{answer_column}'")
         reasoning, answer = text.rsplit(GSM8K_ANSWER_MARKER, 1)
         return {"reasoning": _CALCULATOR.sub("", reasoning).strip(), "answer": answer.strip()}
     if answer_format == "boxed":
         solution = str(row[reasoning_column or "solution"])
         answer = extract_boxed_answer(solution)
         if answer is None:
-            raise ValueError(f"row {index} of '{source}' has no \\boxed{{}} answer in '{reasoning_column or 'solution'}'")
+            raise ValueError(f"row {index} of {source} has no \\boxed{{}} answer in '{reasoning_column or 'solution'}'")
         return {"reasoning": solution.strip(), "answer": answer}
     reasoning = str(row[reasoning_column]).strip() if reasoning_column else ""
     return {"reasoning": reasoning, "answer": str(row[answer_column]).strip()}
@@ -150,6 +151,7 @@ def sft_dataset(
     max_seq_len: Optional[int] = None,
     train_on_input: bool = False,
     packed: bool = False,
+    on_invalid_row: str = "drop",
     **load_dataset_kwargs,
 ) -> WarmStartDataset:
     """SFT warm-start dataset for torchtune's SFT recipes, in the GRPO prompt/response format.
@@ -191,6 +193,9 @@ def sft_dataset(
         train_on_input (bool): also train on the prompt. Default is False.
         packed (bool): sample packing; not supported (torchtune's recipes pass the key through).
             Default is False.
+        on_invalid_row (str): a row whose question, answer, reasoning or response (the columns in use) is empty
+            or null (a CSV cell left empty, a JSON ``null``) is dropped (``"drop"``: the count is logged) or
+            refused (``"error"``: the message names the row and the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -212,14 +217,20 @@ def sft_dataset(
     else:
         needed = [question_column, answer_column] + ([reasoning_column] if reasoning_column else [])
     require_columns(rows, needed, source)
+    source_name = describe_source(source, split, data_files)
+    invalid = InvalidRows(on_invalid_row, source_name)
     pairs = []
     for index, row in enumerate(rows):
+        # Before the response is built: a null cell would be the text "None" in the trained response.
+        if invalid.skip(row, index, needed):
+            continue
         if response_column is not None:
             response = str(row[response_column])
         else:
-            parts = _response_parts(row, index, answer_format, answer_column, reasoning_column, source)
+            parts = _response_parts(row, index, answer_format, answer_column, reasoning_column, source_name)
             response = response_template.format(**parts)
         pairs.append({"question": row[question_column], "response": response})
+    invalid.report(len(rows))
     return WarmStartDataset(
         pairs,
         tokenizer,

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from torchtune_grpo.data._arithmetic import arithmetic_problems
 from torchtune_grpo.data._sft import CROSS_ENTROPY_IGNORE_IDX, LabelledItems
 from torchtune_grpo.data._templates import make_prompt_formatter
+from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._verifiable import load_rows, require_columns
 from torchtune_grpo.multiturn.tools import build_tool, calculate
 from torchtune_grpo.multiturn.turns import episode_turns
@@ -197,6 +198,7 @@ def tool_sft_dataset(
     tools: Optional[Sequence[Any]] = None,
     max_seq_len: Optional[int] = None,
     packed: bool = False,
+    on_invalid_row: str = "drop",
     **load_dataset_kwargs,
 ) -> ToolTraceDataset:
     """SFT dataset of tool-use traces (:class:`ToolTraceDataset`) for torchtune's SFT recipes.
@@ -227,6 +229,10 @@ def tool_sft_dataset(
             None (the tokenizer's own ``tools``).
         max_seq_len (Optional[int]): longer traces are dropped. Default is None.
         packed (bool): sample packing; not supported (torchtune's recipes pass the key). Default is False.
+        on_invalid_row (str): a row whose question is empty or null (a CSV cell left empty, a JSON ``null``) is
+            dropped (``"drop"``: the count is logged) or refused (``"error"``: the message names the row and the
+            column). Default is ``"drop"``.
+            Messages are not judged here: a malformed trace is always an error.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -241,5 +247,11 @@ def tool_sft_dataset(
     require_columns(rows, [question_column, messages_column], source)
     if tools is not None:
         tokenizer.tools = [build_tool(t).schema() for t in tools]
-    traces = [{"question": row[question_column], "messages": row[messages_column]} for row in rows]
+    invalid = InvalidRows(on_invalid_row, describe_source(source, split, data_files))
+    traces = [
+        {"question": row[question_column], "messages": row[messages_column]}
+        for index, row in enumerate(rows)
+        if not invalid.skip(row, index, [question_column])
+    ]
+    invalid.report(len(rows))
     return ToolTraceDataset(traces, tokenizer, system_prompt=system_prompt, max_seq_len=max_seq_len)

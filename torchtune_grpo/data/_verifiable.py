@@ -2,7 +2,9 @@
 
 from typing import Any, Dict, Optional, Sequence, Union
 
+from torchtune_grpo.data._files import check_loaded, load_error
 from torchtune_grpo.data._prompt import PromptDataset
+from torchtune_grpo.data._rows import describe_source
 
 # Builders that read local files (``data_files``); they have no named configs such as gsm8k's "main".
 _FILE_BUILDERS = ("json", "csv", "parquet", "arrow", "text", "pandas")
@@ -29,13 +31,27 @@ def load_rows(
 
     Returns:
         datasets.Dataset: the split.
+
+    Raises:
+        DataFileError: (a ValueError) when local files cannot be read: an empty file, a byte that is not
+            UTF-8, a line that is not JSON... The message names the file and, where found, the line.
     """
     # Imported here so that importing torchtune_grpo.data stays cheap.
     from datasets import load_dataset
 
     if source in _FILE_BUILDERS:
         name = None
-    return load_dataset(source, name, split=split, data_files=data_files, **load_dataset_kwargs)
+    encoding = load_dataset_kwargs.get("encoding")
+    try:
+        dataset = load_dataset(source, name, split=split, data_files=data_files, **load_dataset_kwargs)
+    except Exception as e:  # noqa: BLE001 - StopIteration and reader errors too; re-raised below
+        better = load_error(e, source, data_files, encoding)
+        if better is None:
+            raise
+        raise better from e
+    # pyarrow's JSON reader keeps strings that are not UTF-8; they would fail at the first read of the row.
+    check_loaded(dataset, source, data_files, encoding)
+    return dataset
 
 
 def require_columns(dataset, columns: Sequence[str], source: str) -> None:
@@ -69,6 +85,7 @@ def verifiable_dataset(
     max_prompt_length: Optional[int] = 256,
     prompt_style: str = "r1",
     system_prompt: Optional[str] = None,
+    on_invalid_row: str = "drop",
     **load_dataset_kwargs,
 ) -> PromptDataset:
     """Prompt dataset of questions with verifiable answers from any ``load_dataset`` source.
@@ -97,13 +114,17 @@ def verifiable_dataset(
         max_prompt_length (Optional[int]): longer prompts are dropped. Default is 256.
         prompt_style (str): ``"r1"`` or ``"chat"``. Default is ``"r1"``.
         system_prompt (Optional[str]): instruction text. Default is None (the built-in R1 instruction).
+        on_invalid_row (str): a row whose question or answer is empty or null (a CSV cell left empty, a JSON
+            ``null``) is dropped (``"drop"``, the count is logged) or refused (``"error"``, naming the row and
+            the column). Default is ``"drop"``.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
         PromptDataset: the prompts.
 
     Raises:
-        ValueError: if the question or answer column is missing (the message lists the columns).
+        ValueError: if the question or answer column is missing (the message lists the columns), or a
+            row's is empty with ``on_invalid_row="error"``.
     """
     rows = load_rows(
         source, name=name, split=split, data_files=data_files, **load_dataset_kwargs
@@ -117,5 +138,6 @@ def verifiable_dataset(
         question_column=question_column,
         answer_column=answer_column,
         system_prompt=system_prompt,
-        source_name=f"'{source}' split '{split}'",
+        source_name=describe_source(source, split, data_files),
+        on_invalid_row=on_invalid_row,
     )

@@ -5,6 +5,8 @@ See docs/rewards.md for writing, testing and weighting rewards.
 """
 
 from torchtune_grpo.rewards._base import (
+    DEFAULT_REWARD_TIMEOUT,
+    NO_TIMEOUT,
     OPTION_KEYS,
     Reward,
     RewardBatch,
@@ -62,6 +64,8 @@ __all__ = [
     "MathAnswerReward",
     "ModelJudge",
     "NETWORK_MODES",
+    "DEFAULT_REWARD_TIMEOUT",
+    "NO_TIMEOUT",
     "OPTION_KEYS",
     "ProgramResult",
     "PythonReward",

@@ -8,6 +8,8 @@ out by a fallback (a reward must never crash a run), and sums the weighted compo
 Per component (YAML keys next to ``_component_``, or attributes of the reward object):
 
 - ``timeout``: seconds per sample. Setting it makes the component run per sample (see ``per_sample``).
+  Without one, a call may run :data:`DEFAULT_REWARD_TIMEOUT` seconds (the whole batch in batch mode);
+  ``None`` in YAML (``timeout: null``, :data:`NO_TIMEOUT` in code) means no limit.
 - ``fallback``: the score of a failed sample. Default: the set's ``fallback``.
 - ``per_sample``: call the component once per sample, each call isolated (its own exception handling and
   timeout). Default: True when a timeout is set, else False (one call for the whole batch).
@@ -19,15 +21,24 @@ import logging
 import math
 import numbers
 import re
+import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_grpo.text import to_plain  # re-exported: rewards use it on YAML arguments
-from torchtune_grpo.rewards._execution import Outcome, call_with_timeout, resolve_awaitable, run_each
+from torchtune_grpo.rewards._execution import (
+    call_with_timeout,
+    Outcome,
+    resolve_awaitable,
+    RewardTimeoutError,
+    run_each,
+)
 
 __all__ = [
+    "DEFAULT_REWARD_TIMEOUT",
+    "NO_TIMEOUT",
     "OPTION_KEYS",
     "Reward",
     "RewardBatch",
@@ -43,6 +54,14 @@ log = logging.getLogger(__name__)
 
 #: Keys of a reward's YAML entry that configure :class:`RewardSet`, not the reward's constructor.
 OPTION_KEYS = ("weight", "name", "timeout", "fallback", "per_sample", "concurrency")
+
+#: Seconds one call of a reward that sets no ``timeout`` may run (the whole batch in batch mode, one sample
+#: in per-sample mode) before its samples are scored with the fallback and counted: long enough for any
+#: sane reward on a large batch, short enough that a reward that never returns cannot hang a run forever.
+DEFAULT_REWARD_TIMEOUT = 300.0
+#: A ``timeout`` that means "no limit" (``timeout: null`` in YAML): the call runs in the calling thread,
+#: as rewards without a timeout did before the default existed; a watchdog only logs while it runs long.
+NO_TIMEOUT = math.inf
 
 
 class RewardSample(NamedTuple):
@@ -175,7 +194,8 @@ class Reward:
     Class (or instance) attributes that :class:`RewardSet` reads as defaults, each overridden by the
     same key in the reward's YAML entry:
 
-    - ``timeout`` (Optional[float]): seconds per sample. Default is None.
+    - ``timeout`` (Optional[float]): seconds per sample. Default is None (the set's default limit per call;
+      :data:`NO_TIMEOUT` for none).
     - ``fallback`` (Optional[float]): score of a failed sample. Default is None (the set's fallback).
     - ``per_sample`` (Optional[bool]): run once per sample. Default is None (True iff a timeout is set).
     - ``concurrency`` (int): per-sample calls in flight. Default is 1.
@@ -289,6 +309,35 @@ def _opt(value: Any, reward: Any, attr: str, default: Any) -> Any:
     return default if value is None else value
 
 
+class _Watchdog:
+    """Logs, every :data:`DEFAULT_REWARD_TIMEOUT` seconds, that a reward without a time limit is still
+    running, so a reward that never returns is named in the log instead of hanging the run silently.
+    With a limit it does nothing: the limit ends the call and the fallback is logged."""
+
+    def __init__(self, name: str, n: int, limit: Optional[float]) -> None:
+        self.name, self.n, self.every = name, n, DEFAULT_REWARD_TIMEOUT
+        self._done = threading.Event() if limit is None else None
+
+    def _watch(self) -> None:
+        waited = 0.0
+        while not self._done.wait(self.every):
+            waited += self.every
+            log.warning(
+                "reward %r has been running for %gs on a batch of %d completions and has no timeout "
+                "(`timeout: null`); it is waited for without limit",
+                self.name, waited, self.n,
+            )
+
+    def __enter__(self) -> "_Watchdog":
+        if self._done is not None:
+            threading.Thread(target=self._watch, name=f"reward-watchdog-{self.name}", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._done is not None:
+            self._done.set()
+
+
 class RewardSet:
     """Weighted sum of reward components, robust to components that raise or hang.
 
@@ -308,13 +357,23 @@ class RewardSet:
             each component's own name (see :func:`reward_name`).
         fallback (float): default score of a failed sample. Default is 0.0.
         timeouts (Optional[List[Optional[float]]]): per component, seconds per sample (per call when
-            ``per_sample`` is False). Default is None: each reward's ``timeout`` attribute, else no limit.
+            ``per_sample`` is False); :data:`NO_TIMEOUT` for no limit. Default is None: each reward's
+            ``timeout`` attribute, else ``default_timeout``.
         fallbacks (Optional[List[Optional[float]]]): per component fallback. Default is None: each reward's
             ``fallback`` attribute, else ``fallback``.
         per_sample (Optional[List[Optional[bool]]]): per component. Default is None: the reward's
             ``per_sample`` attribute, else True exactly when a timeout is set.
         concurrency (Optional[List[Optional[int]]]): per component, per-sample calls in flight. Default is
             None: the reward's ``concurrency`` attribute, else 1.
+        default_timeout (Optional[float]): seconds one call of a component without a timeout of its own may
+            run: the whole batch in batch mode (which it stays in), one sample in per-sample mode. The
+            call then runs in a worker thread (with the caller's grad mode and CUDA device) and, past the
+            limit, is given up: its samples get the fallback and count in ``errors``. None (or
+            :data:`NO_TIMEOUT`) for no limit. Default is :data:`DEFAULT_REWARD_TIMEOUT` (300 s).
+
+    Attributes:
+        timeouts (List[Optional[float]]): each component's own timeout (None when it sets none).
+        limits (List[Optional[float]]): the limit each call really runs under (None: no limit).
 
     Raises:
         ValueError: if the list is empty, lengths differ, a weight or fallback is not finite, a timeout is
@@ -336,6 +395,7 @@ class RewardSet:
         fallbacks: Optional[List[Optional[float]]] = None,
         per_sample: Optional[List[Optional[bool]]] = None,
         concurrency: Optional[List[Optional[int]]] = None,
+        default_timeout: Optional[float] = DEFAULT_REWARD_TIMEOUT,
     ) -> None:
         rewards = list(rewards)
         weights = [float(w) for w in weights]
@@ -360,6 +420,10 @@ class RewardSet:
         fallback = float(fallback)
         if not math.isfinite(fallback):
             raise ValueError(f"fallback must be finite, got {fallback}")
+        if default_timeout is not None:
+            default_timeout = float(default_timeout)
+            if not default_timeout > 0:  # NaN fails too; inf means no limit
+                raise ValueError(f"default_timeout must be a positive number of seconds or None, got {default_timeout}")
 
         def per_component(values: Optional[Sequence[Any]], what: str) -> List[Any]:
             if values is None:
@@ -370,6 +434,8 @@ class RewardSet:
             return values
 
         self.timeouts: List[Optional[float]] = []
+        self.limits: List[Optional[float]] = []
+        self._default_limited: List[bool] = []
         self.fallbacks: List[float] = []
         self.per_sample: List[bool] = []
         self.concurrency: List[int] = []
@@ -384,8 +450,12 @@ class RewardSet:
             t = _opt(t, r, "timeout", None)
             if t is not None:
                 t = float(t)
-                if not (t > 0 and math.isfinite(t)):
+                if not t > 0:  # NaN fails too; NO_TIMEOUT (inf) is "no limit"
                     raise ValueError(f"timeout of reward {n!r} must be a positive number of seconds, got {t}")
+            # A component without a timeout of its own runs under the default limit, in its own mode.
+            limit = default_timeout if t is None else t
+            limit = None if limit is None or math.isinf(limit) else limit
+            t = None if t is None or math.isinf(t) else t
             fb = float(_opt(fb, r, "fallback", fallback))
             if not math.isfinite(fb):
                 raise ValueError(f"fallback of reward {n!r} must be finite, got {fb}")
@@ -393,6 +463,8 @@ class RewardSet:
             if c < 1:
                 raise ValueError(f"concurrency of reward {n!r} must be >= 1, got {c}")
             self.timeouts.append(t)
+            self.limits.append(limit)
+            self._default_limited.append(t is None and limit is not None)
             self.fallbacks.append(fb)
             self.per_sample.append(bool(_opt(ps, r, "per_sample", t is not None)))
             self.concurrency.append(c)
@@ -401,13 +473,23 @@ class RewardSet:
         self.names = names
         self.fallback = fallback
 
+    def _timeout_error(self, k: int, error: BaseException) -> BaseException:
+        """Says, in a timeout that came from the default limit, where that limit comes from."""
+        if not (self._default_limited[k] and isinstance(error, RewardTimeoutError)):
+            return error
+        return RewardTimeoutError(
+            f"{error}: the default limit for a reward without a `timeout` (DEFAULT_REWARD_TIMEOUT); set "
+            "`timeout` in this reward's entry to change it, or `timeout: null` for none"
+        )
+
     def _run_component(self, k: int, batch: RewardBatch, n: int) -> List[Any]:
         """Scores of component ``k``: floats, or exceptions for failed samples."""
-        reward, name, timeout = self.rewards[k], self.names[k], self.timeouts[k]
+        reward, name, timeout = self.rewards[k], self.names[k], self.limits[k]
         if not self.per_sample[k]:
-            out = call_with_timeout(lambda: reward(batch), timeout)
+            with _Watchdog(name, n, timeout):
+                out = call_with_timeout(lambda: reward(batch), timeout)
             if out.status != "ok":
-                return [out.value] * n
+                return [self._timeout_error(k, out.value)] * n
             return _check_scores(name, out.value, n)
 
         if _has_score_one(reward):
@@ -417,7 +499,8 @@ class RewardSet:
             def one(i: int) -> Any:
                 return _check_scores(name, resolve_awaitable(reward(batch.select([i]))), 1)[0]
 
-        outcomes: List[Outcome] = run_each(one, n, timeout=timeout, concurrency=self.concurrency[k])
+        with _Watchdog(name, n, timeout):
+            outcomes: List[Outcome] = run_each(one, n, timeout=timeout, concurrency=self.concurrency[k])
         scores = []
         for i, o in enumerate(outcomes):
             if o.status == "ok":
@@ -425,7 +508,7 @@ class RewardSet:
             elif isinstance(o.value, RewardOutputError):
                 raise o.value  # a malformed result is a bug in the reward, even per sample
             else:
-                scores.append(o.value)
+                scores.append(self._timeout_error(k, o.value))
         return scores
 
     def __call__(self, batch: RewardBatch) -> RewardOutput:
@@ -478,13 +561,16 @@ class RewardSet:
         return f"RewardSet({parts}, fallback={self.fallback:g})"
 
 
-def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
+def build_reward_set(
+    specs: Sequence[Any], fallback: float = 0.0, default_timeout: Optional[float] = DEFAULT_REWARD_TIMEOUT
+) -> RewardSet:
     """Builds a :class:`RewardSet` from the recipe's YAML list of reward specs.
 
     Each spec is a DictConfig or dict with a ``_component_`` dotpath, any constructor keyword arguments,
     and these optional keys, which configure the set rather than the reward (see :data:`OPTION_KEYS`):
-    ``weight`` (default 1.0), ``name`` (default the reward's own name), ``timeout`` (seconds per sample),
-    ``fallback`` (score of a failed sample), ``per_sample`` and ``concurrency`` (see :class:`RewardSet`)::
+    ``weight`` (default 1.0), ``name`` (default the reward's own name), ``timeout`` (seconds per sample;
+    absent: ``default_timeout`` per call; ``null``: no limit), ``fallback`` (score of a failed sample),
+    ``per_sample`` and ``concurrency`` (see :class:`RewardSet`)::
 
         rewards:
           - _component_: torchtune_grpo.rewards.MathAnswerReward
@@ -499,6 +585,8 @@ def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
     Args:
         specs (Sequence[Any]): the list of specs (a ListConfig or list of dicts/DictConfigs).
         fallback (float): the default fallback (see :class:`RewardSet`). Default is 0.0.
+        default_timeout (Optional[float]): the limit per call of a component whose entry sets no
+            ``timeout`` (see :class:`RewardSet`). Default is :data:`DEFAULT_REWARD_TIMEOUT`.
 
     Returns:
         RewardSet: the instantiated, weighted rewards.
@@ -529,8 +617,12 @@ def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
             raise ValueError(f"reward spec {i} has no `_component_`: {OmegaConf.to_container(cfg)}")
         weight = cfg.pop("weight", 1.0)
         name = cfg.pop("name", None)
+        # `timeout: null` asks for no limit; an absent key for the default one.
+        no_limit = "timeout" in cfg and cfg["timeout"] is None
         for key in options:
             options[key].append(cfg.pop(key, None))
+        if no_limit:
+            options["timeout"][-1] = NO_TIMEOUT
         reward = tt_config.instantiate(cfg)
         rewards.append(reward)
         weights.append(float(weight))
@@ -544,4 +636,5 @@ def build_reward_set(specs: Sequence[Any], fallback: float = 0.0) -> RewardSet:
         fallbacks=options["fallback"],
         per_sample=options["per_sample"],
         concurrency=options["concurrency"],
+        default_timeout=default_timeout,
     )

@@ -7,16 +7,23 @@ blocked inside a C call (a long regex match, ``time.sleep``, a socket read) only
 returns. Worker threads are daemon threads, so a thread that never stops cannot keep the process alive at
 exit. Code that may loop forever or exhaust memory for real (model-written code) belongs in a separate
 process: see :mod:`torchtune_grpo.rewards._sandbox`.
+
+A worker thread starts with torch's per-thread defaults, not the caller's: :func:`run_each` gives each worker
+the calling thread's grad mode and current CUDA device, so a reward computes the same in a worker as in the
+calling thread (a judge on ``device="cuda"`` stays on this rank's GPU, not cuda:0).
 """
 
 import asyncio
 import ctypes
 import inspect
+import logging
 import threading
 import time
 from typing import Any, Callable, List, NamedTuple, Optional
 
 __all__ = ["Outcome", "RewardCancelled", "RewardTimeoutError", "call_with_timeout", "resolve_awaitable", "run_each"]
+
+log = logging.getLogger(__name__)
 
 
 class RewardCancelled(BaseException):
@@ -90,6 +97,22 @@ def _cancel_thread(thread: threading.Thread) -> None:
     set_async_exc(ctypes.c_ulong(ident), ctypes.py_object(RewardCancelled))
 
 
+def _caller_torch_state() -> Callable[[], None]:
+    """Returns a function that sets, in another thread, the calling thread's grad mode and current CUDA
+    device (both are per thread in torch; a new thread has grad enabled and device 0)."""
+    import torch  # the rewards package imports torch anyway; kept local to this one use
+
+    grad = torch.is_grad_enabled()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def apply() -> None:
+        torch.set_grad_enabled(grad)
+        if device is not None:
+            torch.cuda.set_device(device)
+
+    return apply
+
+
 def _run_one(fn: Callable[[int], Any], i: int) -> Outcome:
     try:
         return Outcome("ok", resolve_awaitable(fn(i)))
@@ -137,10 +160,15 @@ def run_each(
     owner: List[Optional[threading.Thread]] = [None] * n
     live = set()  # workers that may still take samples (not abandoned, not finished)
     state = {"next": 0}
+    caller_state = _caller_torch_state()
 
     def worker() -> None:
         me = threading.current_thread()
         try:
+            try:
+                caller_state()
+            except Exception as e:  # noqa: BLE001 - best effort: the reward still runs, with torch's defaults
+                log.warning("could not give a reward worker the caller's grad mode / CUDA device: %s", e)
             while True:
                 with cond:
                     if me not in live or state["next"] >= n:

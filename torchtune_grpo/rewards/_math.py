@@ -25,7 +25,7 @@ import unicodedata
 from fractions import Fraction
 from typing import Any, Dict, List, Optional
 
-from torchtune_grpo.rewards._base import Reward, RewardBatch
+from torchtune_grpo.rewards._base import NO_TIMEOUT, Reward, RewardBatch
 from torchtune_grpo.text import extract_answer, EXTRACT_MODES
 
 __all__ = [
@@ -272,6 +272,11 @@ class MathAnswerReward(Reward):
         self.extract = extract
         self.answer_key = answer_key
         self.backend = "math_verify" if backend == "math_verify" or (backend == "auto" and available) else "builtin"
+        if self.backend == "math_verify":
+            # math-verify bounds each parse and comparison itself (5 s, with signal.alarm), which works only
+            # in the main thread: RewardSet's default limit would move the call to a worker thread and trade
+            # those per-expression limits for one limit on the whole batch. An explicit `timeout` still applies.
+            self.timeout = NO_TIMEOUT
         if backend == "auto" and not available:
             log.warning(
                 "MathAnswerReward(backend='auto'): math-verify is not installed, so answers are compared with "
