@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny torchtune decoder built in code, paths to the shipped tiny config, one intra-op
 thread, and an environment restored after an in-process recipe."""
 
+import json
 import os
 from pathlib import Path
 
@@ -30,6 +31,26 @@ def make_tiny_decoder(seed: int = 0, vocab_size: int = 97, scale: float = 4.0):
             if p.dim() > 1:
                 p.mul_(scale)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The shipped tiny Qwen2 byte-level BPE tokenizer (torchtune's ``qwen2_5_tokenizer``)."""
+    from torchtune.models.qwen2_5 import qwen2_5_tokenizer
+
+    from torchtune_grpo.assets import asset_path
+
+    return qwen2_5_tokenizer(
+        path=asset_path("tiny_qwen2", "vocab.json"),
+        merges_file=asset_path("tiny_qwen2", "merges.txt"),
+        special_tokens_path=asset_path("tiny_qwen2", "tokenizer.json"),
+    )
+
+
+def write_jsonl(path: Path, rows) -> str:
+    """Write ``rows`` (dicts) as a JSONL file; returns its path as a string."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
 
 
 @pytest.fixture

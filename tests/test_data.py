@@ -9,9 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 from torchtune import config as tt_config
-from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
-from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
     addition_sft_rows,
     addition_worked_solution,
@@ -28,15 +26,6 @@ from torchtune_grpo.data import (
 
 QUESTION = "What is 2 + 3?"
 R1_TEXT = f"{R1_SYSTEM_PROMPT}\nUser: {QUESTION}\nAssistant: <think>"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen2_5_tokenizer(
-        path=asset_path("tiny_qwen2", "vocab.json"),
-        merges_file=asset_path("tiny_qwen2", "merges.txt"),
-        special_tokens_path=asset_path("tiny_qwen2", "tokenizer.json"),
-    )
 
 
 def _write_jsonl(path, rows):

@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader
 from torchtune import config as tt_config
 from torchtune.data import padded_collate_sft
 from torchtune.models.qwen2 import qwen2
-from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
+from tests.conftest import write_jsonl
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
     code_dataset,
@@ -28,20 +28,6 @@ from torchtune_grpo.data import (
     WarmStartDataset,
 )
 from torchtune_grpo.rewards import CodeExecutionReward, MathAnswerReward, RewardBatch
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen2_5_tokenizer(
-        path=asset_path("tiny_qwen2", "vocab.json"),
-        merges_file=asset_path("tiny_qwen2", "merges.txt"),
-        special_tokens_path=asset_path("tiny_qwen2", "tokenizer.json"),
-    )
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return str(path)
 
 
 def _cache(tmp_path):
@@ -68,7 +54,7 @@ def test_extract_boxed_answer():
 
 
 def test_math_dataset_from_local_json(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
     ds = math_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     assert [s["answer"] for s in ds] == ["\\frac{3}{4}", "1024", "2\\sqrt{2}"]
     assert ds[0]["solution"] == MATH_ROWS[0]["solution"] and ds[0]["type"] == "Algebra"
@@ -81,29 +67,29 @@ def test_math_dataset_from_local_json(tokenizer, tmp_path):
 
 
 def test_math_dataset_levels_and_answer_column(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
     ds = math_dataset(tokenizer, source="json", data_files=path, levels=[1, "Level 5"], cache_dir=_cache(tmp_path))
     assert [s["level"] for s in ds] == ["Level 1", "Level 5"]
     rows = [{"problem": "1+1?", "answer": " 2 "}]
-    path = _jsonl(tmp_path / "math500.jsonl", rows)
+    path = write_jsonl(tmp_path / "math500.jsonl", rows)
     ds = math_dataset(tokenizer, source="json", data_files=path, answer_column="answer", cache_dir=_cache(tmp_path))
     assert ds[0]["answer"] == "2"
 
 
 def test_math_dataset_errors(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "bad.jsonl", MATH_ROWS + [{"problem": "p", "solution": "no box", "level": "Level 1",
+    path = write_jsonl(tmp_path / "bad.jsonl", MATH_ROWS + [{"problem": "p", "solution": "no box", "level": "Level 1",
                                                           "type": "x"}])
     with pytest.raises(ValueError, match="row 3 .*boxed"):
         math_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     with pytest.raises(ValueError, match="column 'question' not found"):
         math_dataset(tokenizer, source="json", data_files=path, problem_column="question", cache_dir=_cache(tmp_path))
-    path = _jsonl(tmp_path / "ok.jsonl", MATH_ROWS)
+    path = write_jsonl(tmp_path / "ok.jsonl", MATH_ROWS)
     with pytest.raises(ValueError, match="no rows .* match levels"):
         math_dataset(tokenizer, source="json", data_files=path, levels=[4], cache_dir=_cache(tmp_path))
 
 
 def test_math_dataset_via_yaml(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "math.jsonl", MATH_ROWS)
+    path = write_jsonl(tmp_path / "math.jsonl", MATH_ROWS)
     cfg = OmegaConf.create({"_component_": "torchtune_grpo.data.math_dataset", "source": "json", "data_files": path,
                             "prompt_style": "chat", "cache_dir": _cache(tmp_path)})
     ds = tt_config.instantiate(cfg, tokenizer)
@@ -118,8 +104,8 @@ CODE_ROWS = [
 ]
 
 
-def test_code_dataset_from_jsonl(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "code.jsonl", CODE_ROWS)
+def test_code_dataset_fromwrite_jsonl(tokenizer, tmp_path):
+    path = write_jsonl(tmp_path / "code.jsonl", CODE_ROWS)
     ds = code_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     assert len(ds) == 2
     assert ds[0]["tests"] == [{"kind": "assert", "source": "assert add(1, 2) == 3"},
@@ -154,7 +140,7 @@ def test_code_dataset_csv_with_json_tests_and_io(tokenizer, tmp_path):
 
 
 def test_code_dataset_bad_tests_name_the_row(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "code.jsonl", CODE_ROWS + [{"prompt": "x", "tests": [], "task_id": 3}])
+    path = write_jsonl(tmp_path / "code.jsonl", CODE_ROWS + [{"prompt": "x", "tests": [], "task_id": 3}])
     with pytest.raises(ValueError, match="row 2 .*bad 'tests'"):
         code_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     with pytest.raises(ValueError, match="column 'test_list' not found"):
@@ -170,7 +156,7 @@ GSM8K_ROWS = [
 
 
 def test_sft_gsm8k_tokens_and_labels(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     ds = sft_dataset(tokenizer, source="json", data_files=path, answer_format="gsm8k", cache_dir=_cache(tmp_path))
     assert isinstance(ds, WarmStartDataset) and len(ds) == 2
     item = ds[0]
@@ -189,7 +175,7 @@ def test_sft_gsm8k_tokens_and_labels(tokenizer, tmp_path):
 
 def test_sft_formats(tokenizer, tmp_path):
     rows = [{"problem": "p1", "solution": "so \\boxed{5}", "final": "5", "why": "because", "full": "R </think> A"}]
-    path = _jsonl(tmp_path / "rows.jsonl", rows)
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
     kw = dict(source="json", data_files=path, question_column="problem", cache_dir=_cache(tmp_path))
 
     def response(ds):
@@ -206,7 +192,7 @@ def test_sft_formats(tokenizer, tmp_path):
 
 
 def test_sft_chat_style_train_on_input_and_filtering(tokenizer, tmp_path, caplog):
-    path = _jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     kw = dict(source="json", data_files=path, answer_format="gsm8k", cache_dir=_cache(tmp_path))
     chat = sft_dataset(tokenizer, prompt_style="chat", system_prompt="Be brief.", **kw)
     text = tokenizer.decode(chat[0]["tokens"], skip_special_tokens=False)
@@ -222,7 +208,7 @@ def test_sft_chat_style_train_on_input_and_filtering(tokenizer, tmp_path, caplog
 
 
 def test_sft_errors(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "g.jsonl", GSM8K_ROWS + [{"question": "q", "answer": "no marker"}])
+    path = write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS + [{"question": "q", "answer": "no marker"}])
     kw = dict(source="json", data_files=path, cache_dir=_cache(tmp_path))
     with pytest.raises(ValueError, match="row 2 .*####"):
         sft_dataset(tokenizer, answer_format="gsm8k", **kw)
@@ -236,7 +222,7 @@ def test_sft_errors(tokenizer, tmp_path):
 
 def test_sft_collate_and_loss(tokenizer, tmp_path):
     # What torchtune's SFT recipes do with it: padded_collate_sft, shift labels, cross-entropy.
-    path = _jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
     ds = sft_dataset(tokenizer, source="json", data_files=path, answer_format="gsm8k", cache_dir=_cache(tmp_path))
     loader = DataLoader(ds, batch_size=2, collate_fn=padded_collate_sft)
     batch = next(iter(loader))
@@ -257,7 +243,7 @@ def test_sft_dataset_in_torchtune_full_finetune_recipe(tmp_path, one_thread):
     # driven as its recipe_main does (setup, train, cleanup), without the launcher's start-up.
     rows = [{"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
             for a in range(4) for b in range(4)]
-    data = _jsonl(tmp_path / "train.jsonl", rows)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
     tiny = asset_path("tiny_qwen2")
     cfg = {
         "output_dir": str(tmp_path / "out"),
@@ -298,6 +284,6 @@ def test_sft_dataset_in_torchtune_full_finetune_recipe(tmp_path, one_thread):
 
 
 def test_r1_prompt_is_shared(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
+    path = write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
     ds = sft_dataset(tokenizer, source="json", data_files=path, answer_format="gsm8k", cache_dir=_cache(tmp_path))
     assert tokenizer.decode(ds[0]["tokens"]).startswith(R1_SYSTEM_PROMPT)

@@ -2,12 +2,11 @@
 count in the log, or refused naming the file, row and column; a data file that cannot be read (not UTF-8,
 a JSONL line cut short, empty) is named with its line."""
 
-import json
 import logging
 
 import pytest
-from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
+from tests.conftest import write_jsonl
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
     code_dataset,
@@ -22,20 +21,6 @@ from torchtune_grpo.data import (
 )
 from torchtune_grpo.models import hf_tokenizer
 from torchtune_grpo.rewards import MathAnswerReward, RewardBatch
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen2_5_tokenizer(
-        path=asset_path("tiny_qwen2", "vocab.json"),
-        merges_file=asset_path("tiny_qwen2", "merges.txt"),
-        special_tokens_path=asset_path("tiny_qwen2", "tokenizer.json"),
-    )
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return str(path)
 
 
 def _cache(tmp_path):
@@ -56,7 +41,7 @@ QA_ROWS = [
 
 
 def test_jsonl_empty_question_and_null_answer_are_dropped_and_counted(tokenizer, tmp_path, caplog):
-    path = _jsonl(tmp_path / "qa.jsonl", QA_ROWS)
+    path = write_jsonl(tmp_path / "qa.jsonl", QA_ROWS)
     with caplog.at_level(logging.WARNING):
         ds = verifiable_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     assert [s["answer"] for s in ds] == ["5", "6"]
@@ -68,7 +53,7 @@ def test_jsonl_empty_question_and_null_answer_are_dropped_and_counted(tokenizer,
 
 def test_null_answer_never_becomes_the_gold_answer_none(tokenizer, tmp_path):
     # Before: the gold answer was str(None) == "None", and the math reward paid 1.0 for <answer>None</answer>.
-    path = _jsonl(tmp_path / "qa.jsonl", [{"question": "q1", "answer": None}, {"question": "q2", "answer": "2"}])
+    path = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q1", "answer": None}, {"question": "q2", "answer": "2"}])
     ds = verifiable_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     fields = [{k: v for k, v in s.items() if k != "tokens"} for s in ds]
     assert [f["answer"] for f in fields] == ["2"]
@@ -77,7 +62,7 @@ def test_null_answer_never_becomes_the_gold_answer_none(tokenizer, tmp_path):
 
 
 def test_on_invalid_row_error_names_file_row_and_column(tokenizer, tmp_path):
-    path = _jsonl(tmp_path / "qa.jsonl", QA_ROWS)
+    path = write_jsonl(tmp_path / "qa.jsonl", QA_ROWS)
     with pytest.raises(ValueError) as info:
         verifiable_dataset(tokenizer, source="json", data_files=path, on_invalid_row="error",
                            cache_dir=_cache(tmp_path))
@@ -105,7 +90,7 @@ def test_gsm8k_null_or_blank_final_answer_is_dropped(tokenizer, tmp_path, caplog
         {"question": "null answer", "answer": None},  # before: "no '####'" error for the text "None"
         {"question": "blank final answer", "answer": "2 + 2 = 4\n####  "},
     ]
-    path = _jsonl(tmp_path / "gsm8k.jsonl", rows)
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", rows)
     with caplog.at_level(logging.WARNING):
         ds = gsm8k_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     assert [s["answer"] for s in ds] == ["7"]
@@ -120,7 +105,7 @@ def test_math_null_answer_column_and_null_solution_are_dropped(tokenizer, tmp_pa
         {"problem": "What is $2+2$?", "solution": None, "answer": None},
         {"problem": None, "solution": "$\\boxed{3}$", "answer": "3"},
     ]
-    path = _jsonl(tmp_path / "math.jsonl", rows)
+    path = write_jsonl(tmp_path / "math.jsonl", rows)
     by_answer = math_dataset(tokenizer, source="json", data_files=path, answer_column="answer",
                              cache_dir=_cache(tmp_path))
     by_solution = math_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
@@ -135,7 +120,7 @@ def test_code_blank_task_or_solution_is_dropped_but_empty_answer_is_allowed(toke
         {"prompt": "", "tests": ["assert g() == 1"], "ref": "def g(): return 1"},
         {"prompt": "Write h() returning 0.", "tests": ["assert h() == 0"], "ref": None},
     ]
-    path = _jsonl(tmp_path / "code.jsonl", rows)
+    path = write_jsonl(tmp_path / "code.jsonl", rows)
     # No reference solution: `answer` is empty by design and the row stays.
     no_ref = code_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     assert [s["prompt"].count("Write") for s in no_ref] == [1, 1] and {s["answer"] for s in no_ref} == {""}
@@ -146,7 +131,7 @@ def test_code_blank_task_or_solution_is_dropped_but_empty_answer_is_allowed(toke
 
 def test_sft_null_answer_is_not_trained_as_none(tokenizer, tmp_path, caplog):
     rows = [{"question": "What is 2 + 3?", "answer": "5"}, {"question": "What is 1 + 1?", "answer": None}]
-    path = _jsonl(tmp_path / "sft.jsonl", rows)
+    path = write_jsonl(tmp_path / "sft.jsonl", rows)
     with caplog.at_level(logging.WARNING):
         ds = sft_dataset(tokenizer, source="json", data_files=path, cache_dir=_cache(tmp_path))
     assert len(ds) == 1 and "dropped 1 of 2 rows" in caplog.text
@@ -157,7 +142,7 @@ def test_sft_null_answer_is_not_trained_as_none(tokenizer, tmp_path, caplog):
 def test_tool_sft_blank_question_is_dropped(tmp_path):
     tok = hf_tokenizer(asset_path("tiny_qwen2"))
     trace = [{"role": "assistant", "content": "The answer is 4."}]
-    path = _jsonl(tmp_path / "traces.jsonl", [{"question": "What is 2 + 2?", "messages": trace},
+    path = write_jsonl(tmp_path / "traces.jsonl", [{"question": "What is 2 + 2?", "messages": trace},
                                               {"question": None, "messages": trace}])
     ds = tool_sft_dataset(tok, source="json", data_files=path, system_prompt="", cache_dir=_cache(tmp_path))
     assert len(ds) == 1
@@ -195,7 +180,7 @@ def test_non_utf8_csv_names_file_and_line(tokenizer, tmp_path):
 
 def test_truncated_jsonl_line_names_file_and_line(tokenizer, tmp_path):
     good = tmp_path / "a.jsonl"
-    _jsonl(good, [{"question": "q", "answer": "1"}])
+    write_jsonl(good, [{"question": "q", "answer": "1"}])
     cut = tmp_path / "b.jsonl"
     cut.write_text('{"question": "q", "answer": "1"}\n{"question": "r", "ans\n{"question": "s", "answer": "3"}\n',
                    encoding="utf-8")

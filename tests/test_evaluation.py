@@ -10,7 +10,6 @@ from typing import List, Optional
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torchtune.models.qwen2_5 import qwen2_5_tokenizer
 
 from tests.conftest import REPO
 from torchtune_grpo.assets import asset_path
@@ -23,15 +22,6 @@ from torchtune_grpo.rejection_sampling import rejection_sample, write_jsonl
 from torchtune_grpo.rewards import build_reward_set
 
 TUNE_GRPO = str(Path(sys.executable).parent / "tune-grpo")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return qwen2_5_tokenizer(
-        path=asset_path("tiny_qwen2", "vocab.json"),
-        merges_file=asset_path("tiny_qwen2", "merges.txt"),
-        special_tokens_path=asset_path("tiny_qwen2", "tokenizer.json"),
-    )
 
 
 @pytest.fixture
