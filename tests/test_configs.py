@@ -32,17 +32,11 @@ CONFIG_DIR = REPO / "configs"
 # `*_sft.yaml` configs are for torchtune's own SFT recipes (the demo's warm start): tests/test_evaluation.py
 # checks them.
 ALL_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if not p.stem.endswith("_sft"))
+# Every config for a real model (GPU): each must build from a model directory after editing only
+# checkpointer.checkpoint_dir (test_real_config).
 REAL_CONFIGS = [
-    "qwen2_5/0.5B_full_grpo",
-    "qwen2_5/1.5B_full_grpo",
-    "qwen2_5/3B_full_grpo",
-    "llama3_2/1B_full_grpo",
-    "llama3_2/3B_full_grpo",
-    "llama3_2/1B_lora_grpo",
-    "llama3_2/3B_lora_grpo",
-    "qwen2_5/3B_lora_grpo",
-    "qwen2_5/3B_qlora_grpo",
-] + [f"qwen3/{p.stem}" for p in sorted((CONFIG_DIR / "qwen3").glob("*.yaml"))]
+    f"{family}/{p.stem}" for family in ("qwen2_5", "llama3_2", "qwen3") for p in sorted((CONFIG_DIR / family).glob("*.yaml"))
+]
 
 
 def _name(path: Path) -> str:
@@ -77,6 +71,16 @@ def _components(node: Any, where: str = "") -> Iterator[Tuple[str, str]]:
     elif isinstance(node, ListConfig):
         for i in range(len(node)):
             yield from _components(node._get_node(i), f"{where}[{i}]")
+
+
+def test_no_two_configs_share_an_output_dir():
+    # Two runs in one output_dir are refused (torchtune_grpo/output_lock.py), and one run would otherwise
+    # replace the other's checkpoints: every shipped config writes to its own directory.
+    seen = {}
+    for path in ALL_CONFIGS + sorted(CONFIG_DIR.rglob("*_sft.yaml")):
+        out = str(OmegaConf.load(path).output_dir)
+        assert out not in seen, f"{_name(path)} and {seen[out]} both write to {out}"
+        seen[out] = _name(path)
 
 
 def test_configs_found():
