@@ -164,6 +164,10 @@ def test_sample_and_score_episodes(tmp_path):
     # prompt 0: row 0 uses the tool and answers 42 (1 + 0.5); row 1 guesses 7 (0).
     # prompt 1: row 2 calls the tool and the environment fails (fallback -1); row 3 guesses 7, right (1).
     assert out.rewards.tolist() == [1.5, 0.0, -1.0, 1.0]
+    # Each component scores the failed episode with its fallback too: GDPO's advantage signal and the
+    # reward/<name>/mean metrics read the components, not the total.
+    assert out.per_component["correct"].tolist() == [1.0, 0.0, -1.0, 1.0]
+    assert out.per_component["used_tool"].tolist() == [1.0, 0.0, -1.0, 0.0]
     assert out.errors["environment"] == 1
     assert [i["turns"] for i in out.episode_info] == [2.0, 1.0, 1.0, 1.0]
     assert [i["env_error"] for i in out.episode_info] == [0.0, 0.0, 1.0, 0.0]

@@ -273,6 +273,13 @@ def _sample_and_score_episodes(
     )
     failed = torch.tensor([bool(e) for e in episodes.env_errors], dtype=torch.bool)
     total = torch.where(failed, torch.full_like(scored.total, float(rewards.fallback)), scored.total)
+    # The components too (each its own fallback): GDPO's advantage signal and the per-component metrics
+    # read them, and must not score a failed episode's partial answer.
+    fallbacks = dict(zip(rewards.names, rewards.fallbacks))
+    per_component = {
+        name: torch.where(failed, torch.full_like(values, fallbacks[name]), values)
+        for name, values in scored.per_component.items()
+    }
     t2 = time.perf_counter()
     return RolloutGroups(
         group_size=group_size,
@@ -283,7 +290,7 @@ def _sample_and_score_episodes(
         completions=decode_responses(tokenizer, episodes.response_ids),
         truncated=episodes.truncated,
         rewards=total,
-        per_component=scored.per_component,
+        per_component=per_component,
         errors={**scored.errors, "environment": int(failed.sum())},
         engine_logprobs=episodes.logprobs,
         generation_seconds=t1 - t0,
