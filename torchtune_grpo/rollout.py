@@ -12,7 +12,7 @@ held-out evaluation (:mod:`torchtune_grpo.evaluation`) and rejection sampling
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ContextManager, Dict, List, Optional, Sequence
 
 import torch
@@ -61,23 +61,28 @@ class RolloutGroups:
             ``generation_seconds``). Default is 0.
     """
 
-    group_size: int
-    prompts: List[str]
-    fields: List[Dict[str, Any]]
-    prompt_ids: List[List[int]]
-    response_ids: List[List[int]]
-    completions: List[str]
-    truncated: torch.Tensor
-    rewards: torch.Tensor
-    per_component: Dict[str, torch.Tensor] = field(default_factory=dict)
-    errors: Dict[str, int] = field(default_factory=dict)
-    engine_logprobs: Optional[List[List[float]]] = None
-    generation_seconds: float = 0.0
-    reward_seconds: float = 0.0
-    action_mask: Optional[List[List[int]]] = None
-    conversations: Optional[List[List[Dict[str, Any]]]] = None
-    episode_info: Optional[List[Dict[str, float]]] = None
-    environment_seconds: float = 0.0
+    group_size: int = field(metadata={"kind": "constant"})
+    prompts: List[str] = field(metadata={"kind": "group"})
+    fields: List[Dict[str, Any]] = field(metadata={"kind": "group"})
+    prompt_ids: List[List[int]] = field(metadata={"kind": "row"})
+    response_ids: List[List[int]] = field(metadata={"kind": "row"})
+    completions: List[str] = field(metadata={"kind": "row"})
+    truncated: torch.Tensor = field(metadata={"kind": "row"})
+    rewards: torch.Tensor = field(metadata={"kind": "row"})
+    per_component: Dict[str, torch.Tensor] = field(default_factory=dict, metadata={"kind": "rows_by_name"})
+    errors: Dict[str, int] = field(default_factory=dict, metadata={"kind": "count"})
+    engine_logprobs: Optional[List[List[float]]] = field(default=None, metadata={"kind": "row"})
+    generation_seconds: float = field(default=0.0, metadata={"kind": "total"})
+    reward_seconds: float = field(default=0.0, metadata={"kind": "total"})
+    action_mask: Optional[List[List[int]]] = field(default=None, metadata={"kind": "row"})
+    conversations: Optional[List[List[Dict[str, Any]]]] = field(default=None, metadata={"kind": "row"})
+    episode_info: Optional[List[Dict[str, float]]] = field(default=None, metadata={"kind": "row"})
+    environment_seconds: float = field(default=0.0, metadata={"kind": "total"})
+
+    # Each field's "kind" says how select and concat carry it, so a new field is one line here:
+    # constant (the same in every part), group (one per prompt), row (one per completion: a list or a
+    # tensor, or None when a part lacks it), rows_by_name (a dict of per-row tensors), count and total
+    # (what was scored or timed: kept whole by a selection, summed by concat).
 
     @property
     def num_groups(self) -> int:
@@ -86,26 +91,28 @@ class RolloutGroups:
 
     def select(self, groups: Sequence[int]) -> "RolloutGroups":
         """The given groups, in that order (errors and timings: those of everything scored)."""
-        g = self.group_size
-        rows = [gi * g + j for gi in groups for j in range(g)]
+        rows = [gi * self.group_size + j for gi in groups for j in range(self.group_size)]
         index = torch.tensor(rows, dtype=torch.long)
-        return RolloutGroups(
-            group_size=g,
-            prompts=[self.prompts[i] for i in groups],
-            fields=[self.fields[i] for i in groups],
-            prompt_ids=[self.prompt_ids[i] for i in rows],
-            response_ids=[self.response_ids[i] for i in rows],
-            completions=[self.completions[i] for i in rows],
-            truncated=self.truncated[index],
-            rewards=self.rewards[index],
-            per_component={k: v[index] for k, v in self.per_component.items()},
-            errors=dict(self.errors),
-            engine_logprobs=None if self.engine_logprobs is None else [self.engine_logprobs[i] for i in rows],
-            generation_seconds=self.generation_seconds,
-            reward_seconds=self.reward_seconds,
-            environment_seconds=self.environment_seconds,
-            **{k: None if getattr(self, k) is None else [getattr(self, k)[i] for i in rows] for k in _EPISODE_ROWS},
-        )
+
+        def take(value: Any, which: List[int]) -> Any:
+            if value is None:
+                return None
+            if isinstance(value, torch.Tensor):
+                return value[torch.tensor(which, dtype=torch.long)]
+            return [value[i] for i in which]
+
+        out = {}
+        for f in fields(self):
+            kind, value = f.metadata["kind"], getattr(self, f.name)
+            if kind == "group":
+                out[f.name] = take(value, list(groups))
+            elif kind == "row":
+                out[f.name] = take(value, rows)
+            elif kind == "rows_by_name":
+                out[f.name] = {k: v[index] for k, v in value.items()}
+            else:  # constant, count, total
+                out[f.name] = dict(value) if isinstance(value, dict) else value
+        return RolloutGroups(**out)
 
     @staticmethod
     def concat(parts: Sequence["RolloutGroups"]) -> "RolloutGroups":
@@ -114,35 +121,29 @@ class RolloutGroups:
             raise ValueError("concat needs at least one RolloutGroups")
         if len(parts) == 1:
             return parts[0]
-        errors: Dict[str, int] = {}
-        for p in parts:
-            for k, v in p.errors.items():
-                errors[k] = errors.get(k, 0) + int(v)
-        with_logprobs = all(p.engine_logprobs is not None for p in parts)
-        return RolloutGroups(
-            group_size=parts[0].group_size,
-            prompts=[x for p in parts for x in p.prompts],
-            fields=[x for p in parts for x in p.fields],
-            prompt_ids=[x for p in parts for x in p.prompt_ids],
-            response_ids=[x for p in parts for x in p.response_ids],
-            completions=[x for p in parts for x in p.completions],
-            truncated=torch.cat([p.truncated for p in parts]),
-            rewards=torch.cat([p.rewards for p in parts]),
-            per_component={k: torch.cat([p.per_component[k] for p in parts]) for k in parts[0].per_component},
-            errors=errors,
-            engine_logprobs=[x for p in parts for x in p.engine_logprobs] if with_logprobs else None,
-            generation_seconds=sum(p.generation_seconds for p in parts),
-            reward_seconds=sum(p.reward_seconds for p in parts),
-            environment_seconds=sum(p.environment_seconds for p in parts),
-            **{
-                k: [x for p in parts for x in getattr(p, k)] if all(getattr(p, k) is not None for p in parts) else None
-                for k in _EPISODE_ROWS
-            },
-        )
-
-
-# Per-row lists that only multi-turn rollouts have; select and concat carry them like the other rows.
-_EPISODE_ROWS = ("action_mask", "conversations", "episode_info")
+        out: Dict[str, Any] = {}
+        for f in fields(RolloutGroups):
+            kind, values = f.metadata["kind"], [getattr(p, f.name) for p in parts]
+            if kind == "constant":
+                out[f.name] = values[0]
+            elif kind in ("group", "row"):
+                if any(v is None for v in values):  # e.g. engine logprobs from some rounds only
+                    out[f.name] = None
+                elif isinstance(values[0], torch.Tensor):
+                    out[f.name] = torch.cat(values)
+                else:
+                    out[f.name] = [x for v in values for x in v]
+            elif kind == "rows_by_name":
+                out[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
+            elif kind == "count":
+                counts: Dict[str, int] = {}
+                for v in values:
+                    for k, c in v.items():
+                        counts[k] = counts.get(k, 0) + int(c)
+                out[f.name] = counts
+            else:  # total
+                out[f.name] = sum(values)
+        return RolloutGroups(**out)
 
 
 def sample_and_score(
