@@ -96,10 +96,10 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
         return out
 
     opt.step = step_and_capture
-    inner_experience = recipe._experience
+    inner_experience = recipe.build_experience
 
-    def experience_and_capture(trained):
-        exp, kl = inner_experience(trained)
+    def experience_and_capture(policy, trained):
+        exp, kl = inner_experience(policy, trained)
         with torch.no_grad():
             lp = batch_token_logprobs(model, exp.batch, micro_batch_size=len(exp), with_entropy=True)
         mask = exp.mask.bool()
@@ -109,7 +109,7 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
         captured["advantages"] = exp.advantages.tolist()
         return exp, kl
 
-    recipe._experience = experience_and_capture
+    recipe.build_experience = experience_and_capture
     recipe._collect_rollouts = lambda batch: (rollouts, 1)
     metrics, _ = recipe._train_step(recipe._next_batch())
     clip = float(recipe.clip_grad_norm)

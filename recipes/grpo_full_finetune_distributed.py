@@ -45,7 +45,6 @@ from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
 from tqdm import tqdm
 
-from torchtune_grpo.advantages import advantage_signal, RewardStats
 from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
 from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpointing import (
@@ -62,15 +61,15 @@ from torchtune_grpo.crash_points import crash_point
 from torchtune_grpo.config import instantiate_component, KNOWN_KEYS, validate_config
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
+from torchtune_grpo.experience import ExperienceBuilder, Reference
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSyncCheck
-from torchtune_grpo.logprobs import sequence_logprobs, TokenLogprobs
-from torchtune_grpo.loss import kl_reward_penalty
+from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
 from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
-from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length, TrainingBatch
+from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length
 from torchtune_grpo.precision import Precision, shard_model
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn import MultiTurn
@@ -82,7 +81,7 @@ from torchtune_grpo.rollout import RolloutGroups, sample_and_score
 from torchtune_grpo.setup_checks import check_device, check_output_dir, check_state_dict_shapes
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.token_selection import HighEntropyTokens
-from torchtune_grpo.update import batch_logprobs, batch_token_logprobs, Experience, PolicyUpdate
+from torchtune_grpo.update import PolicyUpdate
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs
@@ -311,6 +310,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             chunk_size=self.logprob_chunk_size,
             on_nonfinite=self.on_nonfinite,
         )
+        # Selected rollouts -> the update's input (torchtune_grpo/experience.py).
+        self.build_experience = ExperienceBuilder(
+            advantage=self._advantage, reward_weights=self._rewards.weights, group_size=self.group_size,
+            pad_id=self._tokenizer.pad_id, loss_masks=self._loss_masks, micro_batch_size=self.micro_batch_size,
+            temperature=self._logprob_temperature, device=self._device, chunk_size=self.logprob_chunk_size,
+            share_prompt=self.share_prompt, mask_truncated=self.mask_truncated, kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator, kl_in_reward=self.kl_in_reward, reference=self._reference(),
+            update_needs_old_logprobs=self._update.needs_old_logprobs,
+            all_reduce=self._all_reduce_sum, all_gather=self._all_gather_cat,
+        )
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
@@ -361,7 +370,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
             kl_placement="reward" if self.kl_in_reward else "loss",
-            reference_model=self._has_reference,
+            reference_model=self.build_experience.reference is not None,
             reference_description=self.REFERENCE_DESCRIPTION,
             mask_truncated_completions=self.mask_truncated,
             dynamic_sampling=self._dynamic.enabled,
@@ -650,8 +659,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         crash_point("rollout", self.global_step + 1)
         selection = self._dynamic.select(generated, self.batch_size)
         trained = generated.select(selection.indices)
-        # Layout, reference/old logprobs, advantages: everything the update takes.
-        exp, kl_penalty = self._experience(trained)
+        # Layout, reference/old logprobs, advantages, masks: everything the update takes.
+        exp, kl_penalty = self.build_experience(self._model, trained)
         stats = self._update(exp, step=self.global_step)
         crash_point("update", self.global_step + 1)
         # The engine (vLLM) samples the next step from the weights just updated.
@@ -766,117 +775,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             rounds.append(self._generate_and_score(self._next_batch()))  # new prompts
         return RolloutGroups.concat(rounds), len(rounds)
 
-    # ================================================================================ rewards -> advantages
-
-    def _advantages(self, rewards: torch.Tensor):
-        """Advantages of this rank's sequences; batch-level statistics are global (all-reduced)."""
-        if not getattr(self._advantage, "uses_batch_stats", False):
-            return self._advantage(rewards, self.group_size)
-        stats = RewardStats(*self._all_reduce_sum(list(RewardStats.of(rewards))))
-        return self._advantage(rewards, self.group_size, batch_stats=stats)
-
-    # ======================================================================= reference and old logprobs
-
-    @property
-    def _has_reference(self) -> bool:
-        """Whether reference logprobs are computed (a hook: LoRA has a reference but no second model)."""
-        return self._ref_model is not None
-
-    def _reference_logprobs(self, layout: "TrainingBatch | torch.Tensor") -> Optional[torch.Tensor]:
-        """Reference-policy logprobs ``[N, T]`` of ``layout`` (see ``_batched_logprobs``); None without one.
-
-        A hook: the LoRA recipe computes them with the same model, adapters disabled.
-        """
-        if self._ref_model is None:
-            return None
-        return self._batched_logprobs(self._ref_model, layout)
-
-    def _batched_logprobs(
-        self, model: torch.nn.Module, layout: "TrainingBatch | torch.Tensor", start: int = 0
-    ) -> torch.Tensor:
-        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``), no grad."""
-        if isinstance(layout, torch.Tensor):
-            layout = TrainingBatch.from_tokens(layout, start)
-        return batch_logprobs(
-            model, layout, micro_batch_size=self.micro_batch_size, temperature=self._logprob_temperature,
-            chunk_size=self.logprob_chunk_size,
-        )
-
-    def _old_logprobs(self, layout: TrainingBatch, has_engine_logprobs: bool):
-        """``pi_old``'s logprobs (and, for token selection, entropy) ``[N, T]``; None fields when not needed.
-
-        With a single optimizer step the old policy *is* the current one (ratio 1): no extra forward,
-        unless the KL penalty in the reward or a loss mask needs ``pi_old`` before the update.
-        """
-        if not (
-            self._update.needs_old_logprobs or self.kl_in_reward
-            or self._loss_masks.needs_old_logprobs(has_engine_logprobs)
-        ):
-            return TokenLogprobs(None, None)
-        return batch_token_logprobs(
-            self._model, layout, micro_batch_size=self.micro_batch_size, temperature=self._logprob_temperature,
-            chunk_size=self.logprob_chunk_size, with_entropy=self._loss_masks.needs_entropy,
-        )
+    def _reference(self) -> Optional[Reference]:
+        """What the KL term is measured against: the frozen initial policy, or None without a KL term (a
+        hook: the LoRA recipe's reference is the policy with its adapters switched off)."""
+        return Reference(self._ref_model) if self._ref_model is not None else None
 
     @property
     def _logprob_temperature(self) -> float:
         # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio. It is
         # > 0: checked when the recipe starts.
         return float(self._engine.temperature)
-
-    def _experience(self, trained: RolloutGroups) -> "tuple[Experience, torch.Tensor]":
-        """The trained groups laid out for the update: logprobs, advantages, loss masks and weights.
-
-        Returns the :class:`Experience` and the per-sequence KL penalty ``[N]`` taken off the rewards
-        (zeros unless ``kl_placement: reward``).
-        """
-        n = len(trained.response_ids)
-        # Training layout; positions that are prompt in every row get no logits. share_prompt_in_training:
-        # a micro-batch's sequences of one prompt share one row, the prompt computed once; results keep
-        # the [N, T] layout either way (torchtune_grpo/packing.py).
-        layout = TrainingBatch(
-            trained.prompt_ids, trained.response_ids, self._tokenizer.pad_id,
-            share_prompt=self.share_prompt, device=self._device,
-        )
-        # DAPO's overlong filtering: a truncated completion's tokens leave the loss, and the row leaves
-        # the sequence count (it still shaped its group's advantage baseline).
-        kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
-        kept = kept.to(self._device)
-        actions = layout.response_mask  # [N, T]
-        if trained.action_mask is not None:  # multi-turn: the environment's tokens are context, not actions
-            actions = actions & layout.response_values(trained.action_mask).bool()
-        mask = actions & kept.unsqueeze(1)  # [N, T]
-
-        ref_logprobs = self._reference_logprobs(layout)  # [N, T] or None
-        # [N, T] the engine's sampling logprobs (vLLM; TIS, rollout correction, logprob_mismatch) or None
-        engine_logprobs = None
-        if trained.engine_logprobs is not None:
-            engine_logprobs = layout.response_values(trained.engine_logprobs)
-        self._model.train()
-        old = self._old_logprobs(layout, engine_logprobs is not None)  # pi_old [N, T] (+ entropy) or Nones
-        rewards, components = advantage_signal(  # the weighted sum, or GDPO's normalised components
-            self._advantage, trained.rewards, trained.per_component, self._rewards.weights, self.group_size
-        )
-        kl_penalty = torch.zeros(n)
-        if self.kl_in_reward:
-            kl_penalty = kl_reward_penalty(
-                old.logprobs, ref_logprobs, actions, self.kl_coef, self.kl_estimator
-            ).cpu()
-            rewards = rewards - kl_penalty
-        advantages = self._advantages(rewards).advantages.to(self._device)
-        # Rollout correction and token selection, decided before the update: the update's global
-        # token/sequence counts (per mini-batch, torchtune_grpo/update.py) include them.
-        masks = self._loss_masks(
-            mask, kept, advantages, old_logprobs=old.logprobs, old_entropy=old.entropy,
-            engine_logprobs=engine_logprobs, gather=self._all_gather_cat,
-        )
-        exp = Experience(
-            batch=layout, mask=masks.mask, kept=masks.kept, advantages=advantages,
-            old_logprobs=old.logprobs, ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
-            importance_weights=masks.weights,
-            metric_sums={**masks.sums, **(components.sums() if components is not None else {})},
-        )
-        return exp, kl_penalty
 
     # ======================================================================================= engine sync
 

@@ -29,6 +29,7 @@ NF4's all-gather extension, and sharding NF4 needs every weight's block count to
 """
 
 import os
+from functools import partial
 import sys
 from itertools import chain
 from pathlib import Path
@@ -49,6 +50,7 @@ from torchtune.modules.peft import (
 
 from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, checkpoint_source, run_recipe
 from torchtune_grpo.config import LORA_KEYS
+from torchtune_grpo.experience import Reference
 from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.precision import Precision
 from torchtune_grpo.lora import (
@@ -58,7 +60,6 @@ from torchtune_grpo.lora import (
     nf4_parameters,
     save_adapter,
 )
-from torchtune_grpo.packing import TrainingBatch
 from torchtune_grpo.setup_checks import check_state_dict_shapes
 
 log = utils.get_logger("INFO")
@@ -200,21 +201,11 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
 
     # ------------------------------------------------------------------------------- reference policy
 
-    @property
-    def _has_reference(self) -> bool:
-        return self.kl_coef > 0
-
-    def _reference_logprobs(self, layout: "TrainingBatch | torch.Tensor") -> Optional[torch.Tensor]:
-        """Logprobs ``[N, T]`` under the base model: the policy with its adapters switched off."""
+    def _reference(self) -> Optional[Reference]:
+        """The base model: the policy with its adapters switched off (no second copy); None without KL."""
         if self.kl_coef <= 0:
             return None
-        was_training = self._model.training
-        self._model.eval()
-        try:
-            with disable_adapter(self._model):
-                return self._batched_logprobs(self._model, layout)
-        finally:
-            self._model.train(was_training)
+        return Reference(self._model, context=partial(disable_adapter, self._model))
 
     # ----------------------------------------------------------------------------------- checkpoints
 

@@ -283,18 +283,18 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
 
     # Reference logprobs (adapters disabled) are the base model's; the adapters are back on afterwards.
     model.eval()
-    policy = recipe._batched_logprobs(model, tokens, 0)
-    reference = recipe._reference_logprobs(tokens)
+    policy = recipe.build_experience.logprobs(model, tokens)
+    reference = recipe.build_experience.reference_logprobs(tokens)
     base_model = tt_config.instantiate(OmegaConf.load(REPO / "configs" / "tiny" / "full_grpo_cpu.yaml").model)
     base_model.load_state_dict(base_before)  # strict: exactly the base model's weights (dequantized NF4)
     with torch.no_grad():
         expected = sequence_logprobs(base_model.eval(), tokens).logprobs
     torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
     assert (policy - reference).abs().max() > 1e-4
-    torch.testing.assert_close(recipe._batched_logprobs(model, tokens, 0), policy, atol=0, rtol=0)
+    torch.testing.assert_close(recipe.build_experience.logprobs(model, tokens), policy, atol=0, rtol=0)
 
     recipe.kl_coef = 0.0  # no KL: no reference forward at all
-    assert recipe._reference_logprobs(tokens) is None
+    assert recipe._reference() is None
     recipe.cleanup()
 
 
