@@ -24,7 +24,6 @@ of a step: setup, the step, then one section per stage (docs/architecture.md).
 """
 
 import os
-import random
 from itertools import chain
 import shutil
 import socket
@@ -32,6 +31,7 @@ import sys
 import time
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -47,16 +47,9 @@ from tqdm import tqdm
 
 from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
 from torchtune_grpo.assets import register_resolvers
-from torchtune_grpo.checkpointing import (
-    begin_step_dir,
-    checkpoint_retention,
-    model_files,
-    prune_step_dirs,
-    publish_step_dir,
-    recover_interrupted_saves,
-    restart_lr_schedule,
-    save_failure,
-)
+from torchtune_grpo.checkpoint_manager import CheckpointManager, capture_training_state, restore_training_state
+from torchtune_grpo.checkpointer_facts import epoch_output_dir
+from torchtune_grpo.checkpointing import checkpoint_retention, model_files
 from torchtune_grpo.crash_points import crash_point
 from torchtune_grpo.config import instantiate_component, KNOWN_KEYS, validate_config
 from torchtune_grpo.data import collate_prompts
@@ -66,7 +59,7 @@ from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
 from torchtune_grpo.loss_masks import LossMasks
-from torchtune_grpo.metrics import JsonlWriter, rewind_jsonl
+from torchtune_grpo.metrics import JsonlWriter
 from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length
@@ -76,9 +69,10 @@ from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
 from torchtune_grpo.output_lock import OutputDirLock
 from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
-from torchtune_grpo.resume import config_changes, earlier_run_note, load_resume_point, ResumePoint, save_start_config
+from torchtune_grpo.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
 from torchtune_grpo.setup_checks import check_device, check_output_dir, check_state_dict_shapes
+from torchtune_grpo.metric_sums import Key, Reduce, reduce_over_ranks
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.token_selection import HighEntropyTokens
 from torchtune_grpo.update import PolicyUpdate
@@ -166,6 +160,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.on_broken_checkpoint = str(cfg.get("on_broken_checkpoint", "use_previous"))
         self.sigterm = StopOnSigterm(bool(cfg.get("save_on_sigterm", True)))
         self._output_lock = OutputDirLock(self.output_dir)
+        # step_N directories: when to save, writing, pruning, resuming (torchtune_grpo/checkpoint_manager.py)
+        self._checkpoints = CheckpointManager(
+            self.output_dir, self._write_model_files, save_every_n_steps=self.save_every_n_steps,
+            keep_last_n=self.keep_last_n_checkpoints, on_broken=self.on_broken_checkpoint,
+            discard_partial=lambda step: shutil.rmtree(epoch_output_dir(self._checkpointer, step), ignore_errors=True),
+        )
         # Saved in every checkpoint: a resume lists the settings changed since.
         self._config_record = OmegaConf.to_container(cfg, resolve=True)
         self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
@@ -197,10 +197,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         if self._is_rank_zero:
             check_output_dir(self.output_dir)
             self._output_lock.acquire()  # one run per output_dir; raises naming the run that holds it
-            for line in recover_interrupted_saves(self.output_dir):  # e.g. a save the disk filled up
+            for line in self._checkpoints.recover():  # what killed saves left (a save the disk filled up)
                 log.info(f"Checkpoints: {line}")
         dist.barrier()
-        resume = self._find_resume_point() if self.resume_from_checkpoint else None
+        resume = None
+        if self.resume_from_checkpoint:  # every rank reads the same checkpoint; rank 0 cuts the logs back
+            resume, done = self._checkpoints.resume_point(cut_logs=self._is_rank_zero)
+            for note in resume.notes if self._is_rank_zero else []:
+                log.warning(f"Checkpoints: {note}")
+            for line in done:
+                log.info(line)
         if resume is None and self._is_rank_zero and (note := earlier_run_note(self.output_dir)):
             log.warning(note)
         resume_dir = resume.directory if resume is not None else None
@@ -325,7 +331,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._generator.manual_seed(self.seed + self.rank)
 
         if recipe_state is not None:
-            self._load_recipe_state(recipe_state)
+            self.global_step, self.epochs_run = recipe_state["step"], recipe_state["epoch"]
+            restored_rng = restore_training_state(
+                recipe_state, model=self._model, optimizer=self._optimizer, lr_scheduler=self._lr_scheduler,
+                dataloader=self._dataloader, generator=self._generator, device=self._device, rank=self.rank,
+                world_size=self.world_size,
+            )
+            if not restored_rng:
+                utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
         profiler_cfg = cfg.get("profiler", None) or OmegaConf.create(_PROFILER_OFF)
         self._profiler, _ = config.instantiate(profiler_cfg)
         self._write_algorithm_card(cfg)
@@ -333,22 +346,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             # The engine started from checkpoint_dir; a resumed or converted policy may differ from it.
             sync = self._sync_engine_weights(step=self.global_step)
             utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
-
-    def _find_resume_point(self) -> ResumePoint:
-        """The newest readable checkpoint and its recipe state (every rank reads the same files).
-
-        Newer checkpoints that cannot be read are named in the log and passed over, or stop the run
-        (``on_broken_checkpoint``, torchtune_grpo/resume.py). The run's logs are cut back to the checkpoint's
-        step, so a resumed run logs each step once.
-        """
-        resume = load_resume_point(self.output_dir, self.on_broken_checkpoint)  # says what it found instead
-        if self._is_rank_zero:
-            for note in resume.notes:
-                log.warning(f"Checkpoints: {note}")
-            for name in ("metrics.jsonl", "completions.jsonl"):
-                if removed := rewind_jsonl(os.path.join(self.output_dir, name), resume.step):
-                    log.info(f"Resuming at step {resume.step}: removed {removed} later record(s) from {name}")
-        return resume
 
     def _write_algorithm_card(self, cfg: DictConfig) -> None:
         """Print and write ``${output_dir}/algorithm_card.md``: what this run optimises, exactly."""
@@ -631,11 +628,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 self.save_checkpoint(self.global_step)
                 self.sigterm.stopped = True
                 break
-            if (
-                self.save_every_n_steps
-                and self.global_step < self.total_steps
-                and self.global_step % int(self.save_every_n_steps) == 0
-            ):
+            if self._checkpoints.is_due(self.global_step, self.total_steps):
                 self.save_checkpoint(self.global_step)
             if (
                 self._validation is not None
@@ -667,11 +660,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         sync = self._sync_engine_weights(step=self.global_step + 1) if self._engine.holds_weights else None
         t_step = time.perf_counter() - t0
 
-        # Metrics: local sums, one all-reduce, then means (torchtune_grpo/step_metrics.py).
+        # Metrics: this rank's quantities, reduced over ranks by key, then the declared metrics
+        # (torchtune_grpo/step_metrics.py, metric_sums.py).
         zero_std = self._dynamic.informative(generated).logical_not()
         local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
-        local["nonfinite_weights"] = count_nonfinite(self._trained_parameters())  # this rank's shards
-        reduced = dict(zip(local, self._all_reduce_sum([float(v) for v in local.values()])))
+        local.add(("nonfinite_weights",), count_nonfinite(self._trained_parameters()))  # this rank's shards
+        reduced = reduce_over_ranks(local, self._all_reduce)
         self._check_finite(reduced, stats.skipped_steps)
         metrics = train_step_metrics(
             reduced,
@@ -691,21 +685,20 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """The parameters the optimizer changes (frozen ones, NF4 included, cannot turn non-finite)."""
         return [p for p in self._model.parameters() if p.requires_grad]
 
-    def _check_finite(self, reduced: Dict[str, float], skipped_steps: int) -> None:
+    def _check_finite(self, reduced: Dict[Key, float], skipped_steps: int) -> None:
         """Stop on non-finite weights (always) or loss (``on_nonfinite: stop``); warn on skipped steps.
 
         ``reduced`` is global, so every rank raises at the same step (torchtune_grpo/nonfinite.py).
         """
         step = self.global_step + 1
-        if reduced["nonfinite_weights"] > 0:
-            raise NonFiniteError(advice(
-                f"{int(reduced['nonfinite_weights'])} weight tensor(s) hold NaN or inf after training step {step}"
-            ))
-        if not torch.isfinite(torch.tensor(reduced["loss"])):
+        if (broken := reduced[("nonfinite_weights",)]) > 0:
+            raise NonFiniteError(advice(f"{int(broken)} weight tensor(s) hold NaN or inf after training step {step}"))
+        loss = reduced[("update", "loss")]
+        if not torch.isfinite(torch.tensor(loss)):
             if self.on_nonfinite == "stop":
-                raise NonFiniteError(advice(f"The loss is {reduced['loss']} at training step {step}"))
+                raise NonFiniteError(advice(f"The loss is {loss} at training step {step}"))
             if self._is_rank_zero:
-                log.warning(f"Step {step}: the loss is {reduced['loss']} (on_nonfinite=skip)")
+                log.warning(f"Step {step}: the loss is {loss} (on_nonfinite=skip)")
         if skipped_steps:
             utils.log_rank_zero(
                 log, f"Step {step}: {skipped_steps} optimizer step(s) skipped, non-finite gradient norm "
@@ -834,16 +827,24 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     # =========================================================================== metrics and evaluation
 
-    def _all_reduce_sum(self, values: List[float]) -> List[float]:
+    def _all_reduce(self, values: List[float], op: Reduce = Reduce.SUM) -> List[float]:
+        """``values`` reduced elementwise over ranks (float64): summed, or the maximum."""
         t = torch.tensor(values, dtype=torch.float64, device=self._device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op is Reduce.MAX else dist.ReduceOp.SUM)
         return t.tolist()
+
+    def _all_reduce_sum(self, values: List[float]) -> List[float]:
+        return self._all_reduce(values, Reduce.SUM)
+
+    def _all_gather_objects(self, value: Any) -> List[Any]:
+        """Every rank's ``value``, in rank order (pickled: small objects only)."""
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def _all_gather_cat(self, values: torch.Tensor) -> torch.Tensor:
         """Every rank's 1-D CPU tensor, concatenated in rank order (token selection's global threshold)."""
-        gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, values)
-        return torch.cat(gathered)
+        return torch.cat(self._all_gather_objects(values))
 
     @torch.no_grad()
     def evaluate(self) -> Dict[str, float]:
@@ -885,75 +886,26 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     # ====================================================================================== checkpoints
 
-    def _recipe_state(self) -> Dict[str, Any]:
-        # RNG states differ per rank: gather them all so every rank resumes its own stream.
-        rng = {
-            "torch": torch.get_rng_state(),
-            "python": random.getstate(),
-            "generator": self._generator.get_state(),
-            "cuda": torch.cuda.get_rng_state() if self._device.type == "cuda" else None,
-        }
-        all_rng: List[Any] = [None] * self.world_size
-        dist.all_gather_object(all_rng, rng)
-        return {
-            "step": self.global_step,
-            "epoch": self.epochs_run,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "optimizer": training.get_full_optimizer_state_dict(
-                self._model, self._optimizer, self._is_rank_zero, device=self._device
-            ),
-            "lr_scheduler": self._lr_scheduler.state_dict() if self._lr_scheduler else None,
-            "dataloader": self._dataloader.state_dict(),
-            "rng": all_rng,
-            "config": self._config_record,  # a resume lists the settings changed since
-        }
-
-    def _load_recipe_state(self, state: Dict[str, Any]) -> None:
-        self.global_step, self.epochs_run = state["step"], state["epoch"]
-        training.load_from_full_optimizer_state_dict(
-            self._model, self._optimizer, state["optimizer"], self._device
-        )
-        if self._lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self._lr_scheduler.load_state_dict(state["lr_scheduler"])
-            restart_lr_schedule(self._lr_scheduler)
-        self._dataloader.load_state_dict(state["dataloader"])
-        if state["world_size"] == self.world_size:
-            rng = state["rng"][self.rank]
-            torch.set_rng_state(rng["torch"])
-            random.setstate(rng["python"])
-            self._generator.set_state(rng["generator"])
-            if rng["cuda"] is not None:
-                torch.cuda.set_rng_state(rng["cuda"])
-        else:
-            utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
-
     def save_checkpoint(self, step: int) -> None:
-        """Write ``{output_dir}/step_{step}``: a Hugging Face model directory plus recipe state.
+        """Write ``{output_dir}/step_{step}``: model files (a Hugging Face directory) and training state.
 
-        Written in a staging directory and renamed when complete; only then are checkpoints beyond
-        ``keep_last_n_checkpoints`` removed (torchtune_grpo/checkpointing.py). Weights with NaN or inf are
-        never saved (:class:`NonFiniteError`); a failed write (a full disk) removes the staging directory and
-        raises an ``OSError`` that says what happened and which checkpoints are intact.
+        Every rank gathers; rank 0 writes (staging, renamed when complete, then pruning: the
+        :class:`CheckpointManager`). Weights with NaN or inf are never saved (:class:`NonFiniteError`).
         """
         # Never a checkpoint with NaN/inf weights: it could replace (keep_last_n_checkpoints) a finite one.
         if self._all_reduce_sum([float(count_nonfinite(self._trained_parameters()))])[0] > 0:
             raise NonFiniteError(advice(f"Not saving step {step}: weights hold NaN or inf"))
         model_state = self._gather_model_state()
-        recipe_state = self._recipe_state()
+        training_state = capture_training_state(
+            step=self.global_step, epoch=self.epochs_run, seed=self.seed, model=self._model,
+            optimizer=self._optimizer, lr_scheduler=self._lr_scheduler, dataloader=self._dataloader,
+            generator=self._generator, device=self._device, is_rank_zero=self._is_rank_zero,
+            gather_objects=self._all_gather_objects, config=self._config_record,
+        )
         if self._is_rank_zero:
-            t0 = time.perf_counter()
-            staging = begin_step_dir(self.output_dir, step)
-            try:
-                self._write_model_files(model_state, staging, step)
-                target = publish_step_dir(self.output_dir, staging, step, recipe_state)
-            except Exception as e:  # a full disk, mostly: say so, and free what the partial save took
-                error = save_failure(e, self.output_dir, staging, step)
-                shutil.rmtree(staging, ignore_errors=True)
-                shutil.rmtree(self._checkpointer_output(step), ignore_errors=True)
-                raise error from e
-            log.info(f"Saved checkpoint for step {step} to {target} ({time.perf_counter() - t0:.1f} s)")
-            for old in prune_step_dirs(self.output_dir, step, self.keep_last_n_checkpoints):
+            saved = self._checkpoints.write(step, model_state, training_state)
+            log.info(f"Saved checkpoint for step {step} to {saved.directory} ({saved.seconds:.1f} s)")
+            for old in saved.removed:
                 log.info(f"Removed {old} (keep_last_n_checkpoints={self.keep_last_n_checkpoints})")
         dist.barrier()
 
@@ -961,13 +913,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""
         return training.gather_cpu_state_dict(self._model, self._is_rank_zero, device=self._device)
 
-    def _checkpointer_output(self, step: int) -> Any:
-        """Where torchtune's checkpointer writes a save of ``step`` (it names it by epoch)."""
-        return self._checkpointer._output_dir / f"epoch_{step}"
-
-    def _write_model_files(self, model_state: Dict[str, Any], staging: Any, step: int) -> None:
+    def _write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
         """Write the checkpoint's model files as the directory ``staging`` (a hook: LoRA adds its adapter)."""
-        written = self._checkpointer_output(step)
+        written = epoch_output_dir(self._checkpointer, step)
         shutil.rmtree(written, ignore_errors=True)  # left by a killed save
         self._checkpointer.save_checkpoint(
             {training.MODEL_KEY: model_state}, epoch=step, intermediate_checkpoint=False

@@ -49,6 +49,7 @@ from torchtune.modules.peft import (
 )
 
 from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, checkpoint_source, run_recipe
+from torchtune_grpo.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
 from torchtune_grpo.config import LORA_KEYS
 from torchtune_grpo.experience import Reference
 from torchtune_grpo.generation import GenerationEngine
@@ -232,13 +233,13 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
             self._checkpointer.save_checkpoint(
                 {training.MODEL_KEY: merged}, epoch=step, intermediate_checkpoint=False
             )
-            os.replace(self._checkpointer_output(step), staging / MERGED_DIR)
+            os.replace(epoch_output_dir(self._checkpointer, step), staging / MERGED_DIR)
         save_adapter(
             staging,
             adapter,
             self._lora,
-            model_type=self._checkpointer._model_type.name,
-            hf_config=self._checkpointer._config,
+            model_type=model_type_name(self._checkpointer),
+            hf_config=hf_config(self._checkpointer),
             base_model_name_or_path=getattr(self._checkpointer, "repo_id", None),
         )
 

@@ -12,7 +12,8 @@ from torchtune_grpo.dynamic_sampling import DynamicSampling, GroupSelection
 from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.logprobs import chunked_logprobs
 from torchtune_grpo.rewards import RewardBatch, SoftOverlongPunishment
-from torchtune_grpo.step_metrics import rollout_sums, step_metrics
+from torchtune_grpo.metric_sums import Reduce, reduce_over_ranks
+from torchtune_grpo.step_metrics import LOSS_METRICS, rollout_sums, step_metrics
 
 
 def _groups(rewards, group_size=2, truncated=None, lengths=None):
@@ -101,12 +102,13 @@ def test_step_metrics_by_hand():
     generated = _groups([1, 0, 1, 1], truncated=[False, False, True, False], lengths=[2, 4, 6, 8])
     zero_std = torch.tensor([False, True])
     sums = rollout_sums(generated, zero_std, GroupSelection([0, 1], dropped=0, filled=1, surplus=0))
-    assert sums["terminated_len"] == 14 and sums["terminated"] == 3 and sums["truncated"] == 1
-    reduced = {
-        **{k: 2 * v for k, v in sums.items()},  # two identical "ranks"
-        "loss": 0.5, "policy_loss": 0.4, "kl": 0.1, "clip_fraction": 0.0, "ratio_mean": 1.0, "entropy": 2.0,
-        "kl_penalty": 0.6, "n_trained": 8.0,
-    }
+    assert sums[("terminated_tokens",)] == 14 and sums[("terminated",)] == 3 and sums[("truncated",)] == 1
+    for name, value in zip(LOSS_METRICS, (0.25, 0.2, 0.05, 0.0, 0.5, 1.0)):  # half of each global sum per rank
+        sums.add(("update", name), value)
+    sums.add(("kl_penalty",), 0.3)
+    sums.add(("trained",), 4)
+    # Two identical "ranks": sums double, extremes stay.
+    reduced = reduce_over_ranks(sums, lambda values, op: [2 * v for v in values] if op is Reduce.SUM else values)
     m = step_metrics(reduced)
     assert m["reward/mean"] == pytest.approx(0.75)  # (1 + 0 + 1 + 1) / 4
     assert m["reward/std"] == pytest.approx(0.75**0.5 * 0.25**0.5)  # population std of {1, 0, 1, 1}
@@ -118,6 +120,7 @@ def test_step_metrics_by_hand():
     assert m["dynamic_sampling/groups_filled"] == 2.0
     assert m["reward/r/mean"] == pytest.approx(0.75) and m["reward/r/errors"] == 0.0
     assert m["entropy"] == 2.0 and m["loss"] == 0.5
+    assert m["response_length/max"] == 8.0 and m["response_length/min"] == 2.0
 
 
 # ------------------------------------------------------------------------------------ algorithm card
@@ -241,3 +244,51 @@ def test_entropy_without_gradient_has_same_values():
     # The logged entropy is a constant: its gradient wrt the hidden states is zero.
     grad = torch.autograd.grad(logged.entropy.sum() + 0 * logged.logprobs.sum(), hidden)[0]
     assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_metrics_reduce_by_key_and_ranks_with_other_keys_fail_loudly():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchtune_grpo.metric_sums import StepSums
+
+    a, b = StepSums(), StepSums()
+    a.add(("component", "format"), 1.0)
+    a.add(("component", "correctness"), 2.0)
+    a.add(("longest",), 7.0, Reduce.MAX)
+    a.add(("shortest",), 3.0, Reduce.MIN)
+    b.add(("shortest",), 1.0, Reduce.MIN)  # another insertion order: reduced by key, not position
+    b.add(("longest",), 9.0, Reduce.MAX)
+    b.add(("component", "correctness"), 20.0)
+    b.add(("component", "format"), 10.0)
+
+    def two_ranks(first, second):
+        # Each "rank" runs reduce_over_ranks in its own thread; the fake collective exchanges their lists.
+        barrier, slots = threading.Barrier(2, timeout=10), [None, None]
+
+        def rank(r, sums):
+            def all_reduce(values, op):
+                slots[r] = values
+                barrier.wait()
+                other = slots[1 - r]
+                assert len(other) == len(values)
+                out = [x + y if op is Reduce.SUM else max(x, y) for x, y in zip(values, other)]
+                barrier.wait()
+                return out
+
+            return reduce_over_ranks(sums, all_reduce)
+
+        with ThreadPoolExecutor(2) as pool:
+            results = [pool.submit(rank, 0, first), pool.submit(rank, 1, second)]
+            return [f.result() for f in results]
+
+    reduced, other = two_ranks(a, b)
+    assert reduced == other == {("component", "correctness"): 22.0, ("component", "format"): 11.0, ("longest",): 9.0,
+                       ("shortest",): 1.0}
+    c = StepSums()  # same number of values, another reward's name: must not be added to "format"
+    for key, value in b.items():
+        c.add(("component", "length") if key == ("component", "format") else key, value, b.op(key))
+    with pytest.raises(RuntimeError, match=r"The ranks computed different metrics this step"):
+        two_ranks(a, c)
+    with pytest.raises(ValueError, match=r"metric \('longest',\) is reduced by max, not sum"):
+        a.add(("longest",), 1.0)

@@ -1,6 +1,6 @@
 """Checkpoint saves that never lose the newest complete checkpoint, recovery after a kill, pruning, and the
 log rewind on resume (torchtune_grpo/checkpointing.py, torchtune_grpo/metrics.py). In process: a kill is
-simulated by an exception at a crash point; tests/test_crash_resume.py kills real runs."""
+simulated by an exception at a crash point; tests/test_distributed_runs.py kills real runs."""
 
 import json
 
@@ -139,3 +139,44 @@ def test_schedulers_without_a_closed_form_are_left_as_restored():
     opt.param_groups[0]["lr"] = 0.025
     ckpt.restart_lr_schedule(sched)
     assert opt.param_groups[0]["lr"] == 0.025
+
+
+# ------------------------------------------------------------------------ CheckpointManager (the recipe's)
+
+
+def _writer(fail_at=None):
+    def write(model_state, staging, step):
+        staging.mkdir(parents=True)
+        (staging / "model.txt").write_text(model_state["w"])
+        if step == fail_at:
+            raise RuntimeError("unexpected pos 128 vs 64")
+    return write
+
+
+def test_manager_saves_when_due_writes_prunes_and_resumes(tmp_path):
+    from torchtune_grpo.checkpoint_manager import CheckpointManager
+
+    manager = CheckpointManager(str(tmp_path), _writer(), save_every_n_steps=3, keep_last_n=2)
+    # Periodic saves at 3 and 6 of 7 steps; the final step is saved by the caller, once.
+    assert [s for s in range(1, 8) if manager.is_due(s, 7)] == [3, 6]
+    assert not CheckpointManager(str(tmp_path), _writer()).is_due(3, 7)  # no period: final only
+    for step in (3, 6, 7):
+        saved = manager.write(step, {"w": f"w{step}"}, {"step": step})
+    assert saved.directory == tmp_path / "step_7" and saved.removed == [tmp_path / "step_3"]
+    assert _names(tmp_path) == ["step_6", "step_7"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 9)))
+    point, done = manager.resume_point(cut_logs=True)
+    assert point.step == 7 and point.state == {"step": 7}
+    assert done == ["Resuming at step 7: removed 1 later record(s) from metrics.jsonl"]
+
+
+def test_manager_cleans_up_a_failed_write_and_keeps_the_previous_checkpoint(tmp_path):
+    from torchtune_grpo.checkpoint_manager import CheckpointManager
+
+    discarded = []
+    manager = CheckpointManager(str(tmp_path), _writer(fail_at=4), keep_last_n=1, discard_partial=discarded.append)
+    manager.write(2, {"w": "w2"}, {"step": 2})
+    with pytest.raises(OSError, match=r"Failed writing the checkpoint of step 4 to .*\.step_4\.staging: RuntimeError: "
+                       r"unexpected pos 128 vs 64\. .*the complete checkpoints \(step_2\) are intact"):
+        manager.write(4, {"w": "w4"}, {"step": 4})
+    assert discarded == [4] and _names(tmp_path) == ["step_2"]  # no staging left, nothing pruned

@@ -48,7 +48,7 @@ def test_component_metrics_by_hand():
     # fmt's share +-0.353553 four times: std 0.353553; no group constant.
     comps, weights = _components()
     sums = normalize_components(comps, weights, 2).sums()
-    m = step_metrics({**_base_sums(), **sums, "n_trained": 4.0})
+    m = step_metrics({**_base_sums(), **sums.as_dict(), ("trained",): 4.0})
     assert m["advantage/correct/std"] == pytest.approx(0.5, abs=1e-6)
     assert m["advantage/correct/mean"] == pytest.approx(0.0, abs=1e-7)
     assert m["advantage/correct/zero_std_fraction"] == 0.5
@@ -57,10 +57,10 @@ def test_component_metrics_by_hand():
 
 
 def _base_sums():
-    keys = ("n", "reward_sum", "reward_sq", "resp_len", "truncated", "terminated", "terminated_len", "zero_std",
-            "groups", "ds_dropped", "ds_filled", "ds_surplus", "loss", "policy_loss", "kl", "clip_fraction",
-            "ratio_mean", "entropy", "kl_penalty")
-    return dict.fromkeys(keys, 1.0)
+    from torchtune_grpo.step_metrics import LOSS_METRICS, STEP_METRICS
+
+    keys = {key for metric in STEP_METRICS.values() for key in metric if isinstance(key, tuple)}
+    return {**dict.fromkeys(keys, 1.0), **{("update", name): 1.0 for name in LOSS_METRICS}}
 
 
 def test_component_normalisation_errors_and_formula():

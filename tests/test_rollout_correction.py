@@ -34,12 +34,12 @@ def test_token_truncation_one_and_two_sided():
     # min(w, 2) = [2, 1, 0.25 | 1.5, 1.5]; nothing leaves; 1 token truncated (w = 3)
     torch.testing.assert_close(out.weights, torch.tensor([[2.0, 1.0, 0.25], [1.5, 1.5, 0.0]]))
     assert torch.equal(out.mask, mask) and out.kept.tolist() == [True, True]
-    assert out.sums["rc_truncated"] == 1 and out.sums["rc_masked"] == 0
-    assert out.sums["rc_kl"] == pytest.approx(KL_SUM, abs=1e-5)
+    assert out.sums[("rollout_correction", "truncated")] == 1 and out.sums[("rollout_correction", "masked")] == 0
+    assert out.sums[("rollout_correction", "kl")] == pytest.approx(KL_SUM, abs=1e-5)
     # two-sided [0.5, 2]: 0.25 is raised to 0.5, 2 tokens truncated
     out = RolloutCorrection(level="token", mode="truncate", upper=2.0, lower=0.5)(old, mu, mask, adv)
     torch.testing.assert_close(out.weights, torch.tensor([[2.0, 1.0, 0.5], [1.5, 1.5, 0.0]]))
-    assert out.sums["rc_truncated"] == 2
+    assert out.sums[("rollout_correction", "truncated")] == 2
 
 
 def test_token_masking_is_icepop_two_sided():
@@ -65,10 +65,10 @@ def test_sequence_level_geometric_mean():
     assert out.mask.tolist() == [[True, True, True], [False, False, False]]
     torch.testing.assert_close(out.weights, torch.tensor([[w0, w0, w0], [0.0, 0.0, 0.0]]))
     assert correction_metrics(out.sums)["rollout_correction/seq_masked_fraction"] == 0.5
-    assert out.sums["rc_masked"] == 2
+    assert out.sums[("rollout_correction", "masked")] == 2
     out = RolloutCorrection(level="sequence", mode="truncate", upper=1.4)(old, mu, mask, adv)
     torch.testing.assert_close(out.weights, torch.tensor([[w0, w0, w0], [1.4, 1.4, 0.0]]))
-    assert out.kept.tolist() == [True, True] and out.sums["rc_truncated"] == 2
+    assert out.kept.tolist() == [True, True] and out.sums[("rollout_correction", "truncated")] == 2
 
 
 def test_offpolicy_sequence_masking_drops_only_negative_advantages():
@@ -137,4 +137,4 @@ def test_errors_name_the_key(kwargs, message):
 
 
 def test_no_metrics_without_a_correction():
-    assert correction_metrics({"n": 4.0}) == {}
+    assert correction_metrics({("completions",): 4.0}) == {}

@@ -19,6 +19,8 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_grpo.metric_sums import StepSums
+
 __all__ = [
     "AdvantageEstimator",
     "AdvantageOutput",
@@ -131,15 +133,17 @@ class ComponentNormalization(NamedTuple):
     per_component: Dict[str, torch.Tensor]
     zero_std: Dict[str, torch.Tensor]
 
-    def sums(self) -> Dict[str, float]:
-        """Metric sums (``adv:``/``adv_sq:``/``adv_zero:`` per component, ``adv_groups``) for all-reducing."""
-        out: Dict[str, float] = {}
+    def sums(self) -> StepSums:
+        """This rank's quantities for the ``advantage/<name>/*`` metrics: per component its sum, sum of
+        squares and zero-variance groups (``("advantage", name, ...)``), and the groups counted."""
+        out = StepSums()
         for name, a in self.per_component.items():
             a = a.double()
-            out[f"adv:{name}"] = a.sum().item()
-            out[f"adv_sq:{name}"] = (a * a).sum().item()
-            out[f"adv_zero:{name}"] = float(self.zero_std[name].sum().item())
-            out["adv_groups"] = float(self.zero_std[name].numel())
+            out.add(("advantage", name, "sum"), a.sum().item())
+            out.add(("advantage", name, "sq"), (a * a).sum().item())
+            out.add(("advantage", name, "zero_std"), self.zero_std[name].sum().item())
+        groups = next(iter(self.zero_std.values()), torch.zeros(0))
+        out.add(("advantage_groups",), groups.numel())
         return out
 
 

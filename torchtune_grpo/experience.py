@@ -229,6 +229,6 @@ class ExperienceBuilder:
             batch=layout, mask=masks.mask, kept=masks.kept, advantages=advantages,
             old_logprobs=old.logprobs, ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
             importance_weights=masks.weights,
-            metric_sums={**masks.sums, **(components.sums() if components is not None else {})},
+            metric_sums=masks.sums.merge(components.sums()) if components is not None else masks.sums,
         )
         return BuiltExperience(experience, kl_penalty)

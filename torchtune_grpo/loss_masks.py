@@ -20,6 +20,7 @@ from typing import Callable, Dict, NamedTuple, Optional
 
 import torch
 
+from torchtune_grpo.metric_sums import StepSums
 from torchtune_grpo.offpolicy import RolloutCorrection
 from torchtune_grpo.token_selection import HighEntropyTokens
 
@@ -34,14 +35,14 @@ class LossMaskOutput(NamedTuple):
         kept (torch.Tensor): ``[N]`` bool, the sequences in the sequence count.
         weights (Optional[torch.Tensor]): ``[N, T]`` importance weights multiplying each token's policy
             term, or None (all 1).
-        sums (Dict[str, float]): metric sums of this rank (``rc_*``, see
-            :func:`~torchtune_grpo.offpolicy.correction_metrics`); empty without a correction.
+        sums (StepSums): this rank's quantities for the ``rollout_correction/*`` metrics
+            (:data:`~torchtune_grpo.offpolicy.CORRECTION_METRICS`); empty without a correction.
     """
 
     mask: torch.Tensor
     kept: torch.Tensor
     weights: Optional[torch.Tensor]
-    sums: Dict[str, float]
+    sums: StepSums
 
 
 class LossMasks:
@@ -105,7 +106,7 @@ class LossMasks:
         Returns:
             LossMaskOutput: the reduced mask and kept rows, the weights and the metric sums.
         """
-        weights, sums = None, {}
+        weights, sums = None, StepSums()
         if self.rollout_correction is not None and engine_logprobs is not None:
             out = self.rollout_correction(old_logprobs, engine_logprobs, mask, advantages)
             mask, kept, weights, sums = out.mask, kept & out.kept, out.weights, out.sums

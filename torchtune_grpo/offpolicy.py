@@ -14,15 +14,18 @@ one- or two-sided bounds, off-policy sequence masking). These helpers are pure: 
 ``[B, T]`` tensors or sums out.
 """
 
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, Mapping, NamedTuple, Optional
 
 import torch
+
+from torchtune_grpo.metric_sums import Key, Mean, Metric, StepSums
 
 __all__ = [
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
     "CorrectionOutput",
     "RolloutCorrection",
+    "CORRECTION_METRICS",
     "correction_metrics",
     "logprob_mismatch_sum",
     "off_policy_note",
@@ -114,14 +117,14 @@ class CorrectionOutput(NamedTuple):
             where masked); the loss multiplies each token's policy term by it.
         mask (torch.Tensor): ``[B, T]`` bool, the input mask minus the tokens that leave the loss.
         kept (torch.Tensor): ``[B]`` bool, False for sequences that leave the loss (and the sequence count).
-        sums (Dict[str, float]): metric sums over this rank's rows (:func:`correction_metrics` turns the
-            sums over all ranks into the logged fractions).
+        sums (StepSums): quantities over this rank's rows, ``("rollout_correction", ...)``
+            (:data:`CORRECTION_METRICS` turns them, reduced over ranks, into the logged fractions).
     """
 
     weights: torch.Tensor
     mask: torch.Tensor
     kept: torch.Tensor
-    sums: Dict[str, float]
+    sums: StepSums
 
 
 class RolloutCorrection:
@@ -269,20 +272,17 @@ class RolloutCorrection:
         has_tokens = mask.any(dim=-1)
         # KL(mu || pi_old) from tokens sampled from mu: k3 with r = pi_old / mu, r - 1 - log r (>= 0).
         kl = torch.where(mask, torch.expm1(log_w_tok) - log_w_tok, zeros)
-        sums = {
-            "rc_tokens": mask.sum().item(),
-            "rc_masked": (mask & ~new_mask).sum().item(),
-            "rc_truncated": (truncated & new_mask).sum().item(),
-            "rc_seqs": has_tokens.sum().item(),
-            "rc_seq_masked": (has_tokens & ~kept).sum().item(),
-            "rc_kl": kl.double().sum().item(),
-        }
-        return CorrectionOutput(
-            weights=torch.where(new_mask, weights, zeros),
-            mask=new_mask,
-            kept=kept,
-            sums={k: float(v) for k, v in sums.items()},
-        )
+        sums = StepSums()
+        for name, value in (
+            ("tokens", mask.sum().item()),
+            ("masked", (mask & ~new_mask).sum().item()),
+            ("truncated", (truncated & new_mask).sum().item()),
+            ("seqs", has_tokens.sum().item()),
+            ("seq_masked", (has_tokens & ~kept).sum().item()),
+            ("kl", kl.double().sum().item()),
+        ):
+            sums.add(("rollout_correction", name), value)
+        return CorrectionOutput(weights=torch.where(new_mask, weights, zeros), mask=new_mask, kept=kept, sums=sums)
 
 
 def log_w_token(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -291,19 +291,22 @@ def log_w_token(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask
     return torch.where(mask.bool(), diff, torch.zeros_like(diff)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
 
 
-def correction_metrics(reduced: Dict[str, float]) -> Dict[str, float]:
-    """Logged rollout-correction metrics from :attr:`CorrectionOutput.sums` summed over ranks.
+_RC = "rollout_correction"
 
-    ``rollout_correction/masked_fraction`` (tokens that left the loss, of the response tokens),
-    ``truncated_fraction`` (tokens whose weight was truncated), ``seq_masked_fraction`` (sequences that left
-    the loss), ``kl`` (token mean of the k3 estimate of ``KL(mu || pi_old)``). Empty without the sums.
-    """
-    if "rc_tokens" not in reduced:
+#: The logged rollout-correction metrics, from :attr:`CorrectionOutput.sums` reduced over ranks:
+#: ``masked_fraction`` (tokens that left the loss, of the response tokens), ``truncated_fraction`` (tokens
+#: whose weight was truncated), ``seq_masked_fraction`` (sequences that left the loss), ``kl`` (token mean of
+#: the k3 estimate of ``KL(mu || pi_old)``).
+CORRECTION_METRICS: Dict[str, Metric] = {
+    f"{_RC}/masked_fraction": Mean((_RC, "masked"), (_RC, "tokens")),
+    f"{_RC}/truncated_fraction": Mean((_RC, "truncated"), (_RC, "tokens")),
+    f"{_RC}/seq_masked_fraction": Mean((_RC, "seq_masked"), (_RC, "seqs")),
+    f"{_RC}/kl": Mean((_RC, "kl"), (_RC, "tokens")),
+}
+
+
+def correction_metrics(reduced: "Mapping[Key, float] | StepSums") -> Dict[str, float]:
+    """:data:`CORRECTION_METRICS` of ``reduced`` (empty when it has no rollout-correction quantities)."""
+    if (_RC, "tokens") not in reduced:
         return {}
-    tokens, seqs = max(reduced["rc_tokens"], 1.0), max(reduced["rc_seqs"], 1.0)
-    return {
-        "rollout_correction/masked_fraction": reduced["rc_masked"] / tokens,
-        "rollout_correction/truncated_fraction": reduced["rc_truncated"] / tokens,
-        "rollout_correction/seq_masked_fraction": reduced["rc_seq_masked"] / seqs,
-        "rollout_correction/kl": reduced["rc_kl"] / tokens,
-    }
+    return {name: metric.value(reduced) for name, metric in CORRECTION_METRICS.items()}

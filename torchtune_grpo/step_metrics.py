@@ -1,4 +1,4 @@
-"""Per-step metrics as sums that the recipe all-reduces over ranks, then turns into means.
+"""Per-step metrics: this rank's quantities, reduced over ranks by key, then the logged metrics.
 
 Two kinds of metric, documented in docs/algorithms.md:
 
@@ -7,35 +7,81 @@ Two kinds of metric, documented in docs/algorithms.md:
 - loss metrics (``loss``, ``policy_loss``, ``kl``, ``entropy``, ``clip_fraction``, ``ratio_mean``),
   ``reward/kl_penalty`` and ``rollout_correction/*`` describe the batch *trained on*.
 
-Every value of :func:`step_sums` is a sum, so summing the dicts of all ranks gives the global sums;
-:func:`train_step_metrics` turns them (and the step's timings) into the logged metrics, and
-:func:`sample_records` makes the rows of ``completions.jsonl``.
+:func:`step_sums` collects one rank's quantities (:class:`~torchtune_grpo.metric_sums.StepSums`, each with its
+reduction); :func:`~torchtune_grpo.metric_sums.reduce_over_ranks` combines them by key; :func:`step_metrics`
+turns the result into the logged metrics, each declared once below (:func:`declared_metrics`), and
+:func:`train_step_metrics` adds the step's timings. :func:`sample_records` makes ``completions.jsonl``'s rows.
 """
 
-from typing import Any, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
 from torchtune_grpo.dynamic_sampling import GroupSelection
-from torchtune_grpo.offpolicy import correction_metrics
+from torchtune_grpo.metric_sums import Key, Mean, Metric, Reduce, StepSums, Std, Value
+from torchtune_grpo.offpolicy import CORRECTION_METRICS
 from torchtune_grpo.rollout import RolloutGroups
 
 __all__ = [
-    "EPISODE_METRICS", "LOSS_METRICS", "rollout_sums", "sample_records", "step_metrics", "step_sums", "train_step_metrics",
+    "EPISODE_METRICS", "LOSS_METRICS", "declared_metrics", "rollout_sums", "sample_records", "step_metrics",
+    "step_sums", "train_step_metrics",
 ]
 
 #: Fields of :class:`torchtune_grpo.loss.LossOutput` logged under their own name (already global sums).
 LOSS_METRICS = ("loss", "policy_loss", "kl", "clip_fraction", "ratio_mean", "entropy")
 
 #: Per-episode numbers of multi-turn rollouts logged as ``episode/<name>`` (per-episode means). A fixed list:
-#: every rank must all-reduce the same keys, whatever its episodes did (missing ones count 0).
+#: every rank must reduce the same keys, whatever its episodes did (missing ones count 0).
 EPISODE_METRICS = ("turns", "tool_calls", "tool_errors", "env_error", "injected_tokens")
 
+_N = ("completions",)  # completions generated (all rounds)
 
-def rollout_sums(
-    generated: RolloutGroups, zero_std: torch.Tensor, selection: GroupSelection
-) -> Dict[str, float]:
-    """One rank's sums over the completions it generated this step.
+#: The rollout and batch metrics every step logs: name -> how it is computed from the reduced quantities.
+STEP_METRICS: Dict[str, Metric] = {
+    "reward/mean": Mean(("reward",), _N),
+    "reward/std": Std(("reward",), ("reward_sq",), _N),  # population std over the whole batch
+    "reward/kl_penalty": Mean(("kl_penalty",), ("trained",)),
+    "response_length/mean": Mean(("response_tokens",), _N),
+    "response_length/max": Value(("response_length_max",)),
+    "response_length/min": Value(("response_length_min",)),
+    # mean length of completions that ended with a stop token (0 when none did)
+    "response_length/terminated_mean": Mean(("terminated_tokens",), ("terminated",)),
+    # fraction cut at max_response_length (verl's response_length/clip_ratio)
+    "truncated_fraction": Mean(("truncated",), _N),
+    "zero_std_fraction": Mean(("zero_std_groups",), ("groups",)),
+    "dynamic_sampling/groups_dropped": Value(("dynamic_sampling", "dropped")),
+    "dynamic_sampling/groups_filled": Value(("dynamic_sampling", "filled")),
+    "dynamic_sampling/groups_surplus": Value(("dynamic_sampling", "surplus")),
+}
+
+
+def declared_metrics(reduced: Mapping[Key, float]) -> Dict[str, Metric]:
+    """Every logged metric of a step whose reduced quantities are ``reduced``: :data:`STEP_METRICS`, the loss
+    metrics, and the families whose members depend on the run (reward components, multi-turn episodes,
+    rollout correction, GDPO's per-component advantages)."""
+    metrics: Dict[str, Metric] = {name: Value(("update", name)) for name in LOSS_METRICS}
+    metrics.update(STEP_METRICS)
+    if ("episode", "turns") in reduced:  # multi-turn: per-episode means, and the model's share of the tokens
+        metrics.update({f"episode/{k}": Mean(("episode", k), _N) for k in EPISODE_METRICS})
+        metrics["episode/generated_tokens"] = Mean(("episode", "generated_tokens"), _N)
+    if ("rollout_correction", "tokens") in reduced:
+        metrics.update(CORRECTION_METRICS)
+    for key in reduced:
+        if key[0] == "component":
+            metrics[f"reward/{key[1]}/mean"] = Mean(key, _N)
+        elif key[0] == "errors":
+            metrics[f"reward/{key[1]}/errors"] = Value(key)
+        elif key[0] == "advantage" and key[2] == "sum":
+            # each reward component's share w_k z_k of the advantage signal (normalize_components, GDPO)
+            name = key[1]
+            metrics[f"advantage/{name}/mean"] = Mean(key, ("trained",))
+            metrics[f"advantage/{name}/std"] = Std(key, ("advantage", name, "sq"), ("trained",))
+            metrics[f"advantage/{name}/zero_std_fraction"] = Mean(("advantage", name, "zero_std"), ("advantage_groups",))
+    return metrics
+
+
+def rollout_sums(generated: RolloutGroups, zero_std: torch.Tensor, selection: GroupSelection) -> StepSums:
+    """One rank's quantities over the completions it generated this step.
 
     Args:
         generated (RolloutGroups): every group this rank generated in the step.
@@ -43,86 +89,53 @@ def rollout_sums(
         selection (GroupSelection): what dynamic sampling kept.
 
     Returns:
-        Dict[str, float]: sums, keyed for :func:`step_metrics`.
+        StepSums: the quantities :data:`STEP_METRICS` and the per-component families read.
     """
     total = generated.rewards.double()
     lengths = torch.tensor([len(r) for r in generated.response_ids], dtype=torch.float64)
     terminated = ~generated.truncated
-    sums = {
-        "n": float(total.numel()),
-        "reward_sum": total.sum().item(),
-        "reward_sq": (total**2).sum().item(),
-        "resp_len": lengths.sum().item(),
-        "truncated": generated.truncated.sum().item(),
-        "terminated": terminated.sum().item(),
-        "terminated_len": lengths[terminated].sum().item(),
-        "zero_std": zero_std.sum().item(),
-        "groups": float(zero_std.numel()),
-        "tokens": float(sum(len(p) + len(r) for p, r in zip(generated.prompt_ids, generated.response_ids))),
-        "ds_dropped": float(selection.dropped),
-        "ds_filled": float(selection.filled),
-        "ds_surplus": float(selection.surplus),
-    }
+    sums = StepSums()
+    for key, value in (
+        (_N, total.numel()),
+        (("reward",), total.sum().item()),
+        (("reward_sq",), (total**2).sum().item()),
+        (("response_tokens",), lengths.sum().item()),
+        (("truncated",), generated.truncated.sum().item()),
+        (("terminated",), terminated.sum().item()),
+        (("terminated_tokens",), lengths[terminated].sum().item()),
+        (("zero_std_groups",), zero_std.sum().item()),
+        (("groups",), zero_std.numel()),
+        (("tokens",), sum(len(p) + len(r) for p, r in zip(generated.prompt_ids, generated.response_ids))),
+        (("dynamic_sampling", "dropped"), selection.dropped),
+        (("dynamic_sampling", "filled"), selection.filled),
+        (("dynamic_sampling", "surplus"), selection.surplus),
+    ):
+        sums.add(key, value)
+    # A rank without completions adds nothing to the extremes: its max is -inf and min +inf, the identities.
+    sums.add(("response_length_max",), lengths.max().item() if lengths.numel() else float("-inf"), Reduce.MAX)
+    sums.add(("response_length_min",), lengths.min().item() if lengths.numel() else float("inf"), Reduce.MIN)
     if generated.episode_info is not None:
-        sums.update({f"ep:{k}": float(sum(i.get(k, 0.0) for i in generated.episode_info)) for k in EPISODE_METRICS})
-    sums.update({f"comp:{k}": v.double().sum().item() for k, v in generated.per_component.items()})
-    sums.update({f"err:{k}": float(v) for k, v in generated.errors.items()})
+        for k in EPISODE_METRICS:
+            sums.add(("episode", k), sum(i.get(k, 0.0) for i in generated.episode_info))
+        sums.add(("episode", "generated_tokens"), lengths.sum().item() - sums[("episode", "injected_tokens")])
+    for name, values in generated.per_component.items():
+        sums.add(("component", name), values.double().sum().item())
+    for name, count in generated.errors.items():
+        sums.add(("errors", name), count)
     return sums
 
 
-def _mean(total: float, count: float) -> float:
-    return total / count if count else 0.0
-
-
-def step_metrics(reduced: Dict[str, float], loss_keys: Iterable[str] = LOSS_METRICS) -> Dict[str, float]:
-    """Turns globally reduced sums into the logged metrics.
+def step_metrics(reduced: Mapping[Key, float]) -> Dict[str, float]:
+    """The logged metrics (:func:`declared_metrics`) from the quantities reduced over ranks.
 
     Args:
-        reduced (Dict[str, float]): :func:`rollout_sums` summed over ranks, plus the loss metrics (already
-            global contributions, see :class:`~torchtune_grpo.loss.LossOutput`) and ``kl_penalty`` /
-            ``n_trained`` (sum of per-sequence KL penalties and trained sequences), and the rollout
-            correction's sums (:class:`~torchtune_grpo.offpolicy.CorrectionOutput`) when there is one.
-        loss_keys (Iterable[str]): loss metrics to copy as they are. Default is :data:`LOSS_METRICS`.
+        reduced (Mapping[Key, float]): :func:`step_sums` reduced over ranks
+            (:func:`~torchtune_grpo.metric_sums.reduce_over_ranks`).
 
     Returns:
         Dict[str, float]: metric name -> value.
     """
-    n = reduced["n"]
-    mean = _mean(reduced["reward_sum"], n)
-    metrics = {k: reduced[k] for k in loss_keys}
-    metrics.update(
-        {
-            "reward/mean": mean,
-            "reward/std": max(_mean(reduced["reward_sq"], n) - mean**2, 0.0) ** 0.5,
-            "reward/kl_penalty": _mean(reduced["kl_penalty"], reduced["n_trained"]),
-            "response_length/mean": _mean(reduced["resp_len"], n),
-            # mean length of completions that ended with a stop token (0 when none did)
-            "response_length/terminated_mean": _mean(reduced["terminated_len"], reduced["terminated"]),
-            # fraction cut at max_response_length (verl's response_length/clip_ratio)
-            "truncated_fraction": _mean(reduced["truncated"], n),
-            "zero_std_fraction": _mean(reduced["zero_std"], reduced["groups"]),
-            "dynamic_sampling/groups_dropped": reduced["ds_dropped"],
-            "dynamic_sampling/groups_filled": reduced["ds_filled"],
-            "dynamic_sampling/groups_surplus": reduced["ds_surplus"],
-        }
-    )
-    if "ep:turns" in reduced:  # multi-turn: per-episode means, and the model's share of the tokens
-        metrics.update({f"episode/{k}": _mean(reduced[f"ep:{k}"], n) for k in EPISODE_METRICS})
-        metrics["episode/generated_tokens"] = _mean(reduced["resp_len"] - reduced["ep:injected_tokens"], n)
-    metrics.update(correction_metrics(reduced))  # rollout_correction/*, when the run has one
-    for key, value in reduced.items():
-        if key.startswith("comp:"):
-            metrics[f"reward/{key[5:]}/mean"] = _mean(value, n)
-        elif key.startswith("err:"):
-            metrics[f"reward/{key[4:]}/errors"] = value
-        elif key.startswith("adv:"):
-            # each reward component's share w_k z_k of the advantage signal (normalize_components, GDPO)
-            name, n_seq = key[4:], reduced["n_trained"]
-            mean = _mean(value, n_seq)
-            metrics[f"advantage/{name}/mean"] = mean
-            metrics[f"advantage/{name}/std"] = max(_mean(reduced[f"adv_sq:{name}"], n_seq) - mean**2, 0.0) ** 0.5
-            metrics[f"advantage/{name}/zero_std_fraction"] = _mean(reduced[f"adv_zero:{name}"], reduced["adv_groups"])
-    return metrics
+    return {name: metric.value(reduced) for name, metric in declared_metrics(reduced).items()}
 
 
 def step_sums(
@@ -132,34 +145,35 @@ def step_sums(
     losses: Mapping[str, Any],
     kl_penalty: torch.Tensor,
     n_trained: int,
-    pre_update: Optional[Mapping[str, float]] = None,
-) -> Dict[str, float]:
-    """One rank's sums of a training step: :func:`rollout_sums`, the loss terms and the KL penalty.
+    pre_update: Optional[StepSums] = None,
+) -> StepSums:
+    """One rank's quantities of a training step: :func:`rollout_sums`, the update's and the KL penalty.
 
     Args:
         generated (RolloutGroups): every group this rank generated in the step.
         zero_std (torch.Tensor): ``[generated.num_groups]`` bool, zero-variance groups.
         selection (GroupSelection): what dynamic sampling kept.
-        losses (Mapping[str, Any]): the update's loss statistics (global-sum contributions).
+        losses (Mapping[str, Any]): the update's statistics (global-sum contributions), by metric name.
         kl_penalty (torch.Tensor): ``[n_trained]`` per-sequence KL penalties subtracted from the rewards.
         n_trained (int): sequences trained on.
-        pre_update (Optional[Mapping[str, float]]): sums of what was decided before the update
-            (``Experience.metric_sums``: rollout correction, per-component advantages). Default is None.
+        pre_update (Optional[StepSums]): what was decided before the update (``Experience.metric_sums``:
+            rollout correction, per-component advantages). Default is None.
 
     Returns:
-        Dict[str, float]: sums, keyed for :func:`train_step_metrics`.
+        StepSums: every quantity :func:`step_metrics` reads.
     """
-    return {
-        **rollout_sums(generated, zero_std, selection),
-        **{k: float(v) for k, v in losses.items()},
-        "kl_penalty": kl_penalty.double().sum().item(),
-        "n_trained": float(n_trained),
-        **{k: float(v) for k, v in (pre_update or {}).items()},
-    }
+    sums = rollout_sums(generated, zero_std, selection)
+    for name, value in losses.items():
+        sums.add(("update", name), float(value))
+    sums.add(("kl_penalty",), kl_penalty.double().sum().item())
+    sums.add(("trained",), n_trained)
+    if pre_update is not None:
+        sums.merge(pre_update)
+    return sums
 
 
 def train_step_metrics(
-    reduced: Dict[str, float],
+    reduced: Mapping[Key, float],
     *,
     rounds: int,
     lr: float,
@@ -169,10 +183,10 @@ def train_step_metrics(
     grad_norm: Optional[float] = None,
     peak_memory_gib: Optional[float] = None,
 ) -> Dict[str, float]:
-    """A training step's logged metrics from the globally reduced :func:`step_sums` and its timings.
+    """A training step's logged metrics from the reduced :func:`step_sums` and its timings.
 
     Args:
-        reduced (Dict[str, float]): :func:`step_sums` summed over ranks.
+        reduced (Mapping[Key, float]): :func:`step_sums` reduced over ranks.
         rounds (int): generation rounds run (the same on every rank).
         lr (float): the learning rate.
         step_seconds (float): the whole step's time.
@@ -192,7 +206,7 @@ def train_step_metrics(
         {
             "dynamic_sampling/rounds": rounds,
             "lr": lr,
-            "tokens_per_second": reduced["tokens"] / step_seconds,
+            "tokens_per_second": reduced[("tokens",)] / step_seconds,
             "time/generation": rollout.generation_seconds,
             "time/reward": rollout.reward_seconds,
             **({"time/environment": rollout.environment_seconds} if rollout.episode_info is not None else {}),
@@ -202,8 +216,8 @@ def train_step_metrics(
     )
     if weight_sync is not None:
         metrics.update(weight_sync)
-    if "generation/logprob_mismatch" in reduced:
-        metrics["generation/logprob_mismatch"] = reduced["generation/logprob_mismatch"]
+    if ("update", "generation/logprob_mismatch") in reduced:
+        metrics["generation/logprob_mismatch"] = reduced[("update", "generation/logprob_mismatch")]
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     if peak_memory_gib is not None:

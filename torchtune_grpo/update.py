@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtune_grpo.logprobs import TokenLogprobs
+from torchtune_grpo.metric_sums import StepSums
 from torchtune_grpo.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.offpolicy import logprob_mismatch_sum
 from torchtune_grpo.packing import TrainingBatch
@@ -60,8 +61,8 @@ class Experience:
             engine with its own weights; truncated importance sampling and the mismatch metric), or None.
         importance_weights (Optional[torch.Tensor]): ``[N, T]`` constants multiplying each token's policy
             term (the rollout correction's), or None. Default is None.
-        metric_sums (Dict[str, float]): this rank's sums of what was decided before the update (rollout
-            correction, per-component advantages), all-reduced with the step's metrics. Default is empty.
+        metric_sums (StepSums): this rank's quantities of what was decided before the update (rollout
+            correction, per-component advantages), reduced with the step's metrics. Default is empty.
     """
 
     batch: TrainingBatch
@@ -72,7 +73,7 @@ class Experience:
     ref_logprobs: Optional[torch.Tensor]
     engine_logprobs: Optional[torch.Tensor]
     importance_weights: Optional[torch.Tensor] = None
-    metric_sums: Dict[str, float] = field(default_factory=dict)
+    metric_sums: StepSums = field(default_factory=StepSums)
 
     def __len__(self) -> int:
         return len(self.batch)

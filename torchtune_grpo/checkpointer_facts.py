@@ -1,0 +1,28 @@
+"""Three facts about a torchtune checkpointer that torchtune 0.6.1 keeps only in private attributes.
+
+``FullModelHFCheckpointer`` (and this project's :class:`~torchtune_grpo.models.HFCheckpointer`, which mirrors
+it) has no public accessor for where it writes, which architecture it converts, or the model's
+``config.json``; the recipes need all three (to move a save into place, to name the architecture in a PEFT
+adapter and to write its config). They are read here and only here, so a torchtune with public accessors
+changes one file.
+"""
+
+from pathlib import Path
+from typing import Any, Dict
+
+__all__ = ["epoch_output_dir", "hf_config", "model_type_name"]
+
+
+def epoch_output_dir(checkpointer: Any, epoch: int) -> Path:
+    """Where ``checkpointer.save_checkpoint(..., epoch=epoch)`` writes: ``<its output_dir>/epoch_<epoch>``."""
+    return Path(checkpointer._output_dir) / f"epoch_{epoch}"
+
+
+def model_type_name(checkpointer: Any) -> str:
+    """The architecture it converts, as torchtune's ``ModelType`` name (``"LLAMA3"``, ``"QWEN2"``, ...)."""
+    return checkpointer._model_type.name
+
+
+def hf_config(checkpointer: Any) -> Dict[str, Any]:
+    """The checkpoint directory's ``config.json``, as the checkpointer read it."""
+    return checkpointer._config
