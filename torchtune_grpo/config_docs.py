@@ -49,10 +49,10 @@ def _values(s: Setting) -> str:
     return text + (" or `null`" if s.nullable and not s.required and s.kind != COMPONENT else "")
 
 
-def keys_table() -> str:
-    """docs/recipe.md's table: every key of both recipes, sections' keys after their section."""
+def keys_table(schema: type = LoRARecipeConfig) -> str:
+    """docs/recipe.md's table: every key of ``schema`` (default: both recipes'), a section's keys after it."""
     rows = ["| key | default | values | meaning |", "|---|---|---|---|"]
-    every = [s for s in settings(LoRARecipeConfig) if not s.in_component]
+    every = [s for s in settings(schema) if not s.in_component]
     for s in every:
         if "." in s.key:
             continue
@@ -61,10 +61,10 @@ def keys_table() -> str:
     return "\n".join(rows)
 
 
-def values_table() -> str:
+def values_table(schema: type = LoRARecipeConfig) -> str:
     """docs/configs.md's table: the range of every numeric key, the choices of every text key."""
     rows = ["| key | must be | null allowed |", "|---|---|---|"]
-    for s in settings(LoRARecipeConfig):
+    for s in settings(schema):
         if s.op is not None:
             rows.append(f"| `{s.key}` | {_number(s)}: {s.why} | {'yes' if s.nullable else 'no'} |")
         elif s.choices is not None:
