@@ -134,10 +134,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"generation.temperature must be > 0 for training, got {self._engine.temperature} "
                 f"({type(self._engine).__name__}'s): greedy groups hold G copies of one completion."
             )
-        check_device(cfg.device)  # torchtune's get_device falls back to the CPU without a word
-        self._device = utils.get_device(device=cfg.device)
+        check_device(c.device)  # torchtune's get_device falls back to the CPU without a word
+        self._device = utils.get_device(device=c.device)
         # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/precision.py)
-        self._precision = Precision.from_name(cfg.dtype)
+        self._precision = Precision.from_name(c.dtype)
         self._dtype = self._precision.compute_dtype  # frozen models (the reference; LoRA's models)
         _init_distributed(self._device.type)
         self.world_size, self.rank = utils.get_world_size_and_rank()
