@@ -23,6 +23,7 @@ and the ``algorithm_card.md`` every run writes to its output directory. The clas
 of a step: setup, the step, then one section per stage (docs/architecture.md).
 """
 
+import dataclasses
 import os
 from itertools import chain
 import shutil
@@ -51,7 +52,7 @@ from torchtune_grpo.checkpoint_manager import CheckpointManager, capture_trainin
 from torchtune_grpo.checkpointer_facts import epoch_output_dir
 from torchtune_grpo.checkpointing import checkpoint_retention, model_files
 from torchtune_grpo.crash_points import crash_point
-from torchtune_grpo.config import instantiate_component, KNOWN_KEYS, validate_config
+from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.experience import ExperienceBuilder, Reference
@@ -107,13 +108,19 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     # What the KL term is measured against (printed on the algorithm card).
     REFERENCE_DESCRIPTION = "loaded (frozen copy of the initial policy)"
 
+    # Every key this recipe reads, with its default and range (torchtune_grpo/config_schema.py; the LoRA
+    # recipe's adds its own).
+    config_class = RecipeConfig
+
     @classmethod
     def known_keys(cls) -> set:
-        """Top-level config keys this recipe reads (subclasses add theirs; torchtune_grpo/config.py)."""
-        return KNOWN_KEYS
+        """Top-level config keys this recipe reads (its ``config_class``'s fields)."""
+        return cls.config_class.keys()
 
     def __init__(self, cfg: DictConfig) -> None:
-        validate_config(cfg, self.known_keys())
+        # Checked (the errors name key and value) and typed, defaults applied. ``cfg`` stays for
+        # instantiating components.
+        self.config = c = self.config_class.from_cfg(cfg)
         # The engine first: a recipe that cannot use it says so before any process group exists.
         self._engine: GenerationEngine = self._check_engine(check_engine(config.instantiate(cfg.generation)), cfg)
         if not float(self._engine.temperature) > 0:  # a custom engine's default; the config's is checked
@@ -121,44 +128,43 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"generation.temperature must be > 0 for training, got {self._engine.temperature} "
                 f"({type(self._engine).__name__}'s): greedy groups hold G copies of one completion."
             )
-        check_device(cfg.device)  # torchtune's get_device falls back to the CPU without a word
-        self._device = utils.get_device(device=cfg.device)
+        check_device(c.device)  # torchtune's get_device falls back to the CPU without a word
+        self._device = utils.get_device(device=c.device)
         # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/precision.py)
-        self._precision = Precision.from_name(cfg.dtype)
+        self._precision = Precision.from_name(c.dtype)
         self._dtype = self._precision.compute_dtype  # frozen models (the reference; LoRA's models)
         _init_distributed(self._device.type)
         self.world_size, self.rank = utils.get_world_size_and_rank()
         self._is_rank_zero = self.rank == 0
 
-        self.output_dir = str(cfg.output_dir)
-        self.group_size = int(cfg.group_size)
-        self.batch_size = int(cfg.batch_size)
-        self.max_response_length = int(cfg.max_response_length)
-        self.ppo_epochs = int(cfg.get("ppo_epochs", 1))
+        self.output_dir = c.output_dir
+        self.group_size = c.group_size
+        self.batch_size = c.batch_size
+        self.max_response_length = c.max_response_length
+        self.ppo_epochs = c.ppo_epochs
         # optimizer steps per pass over a step's rollouts, each on a disjoint mini-batch of whole groups
-        self.ppo_mini_batches = int(cfg.get("ppo_mini_batches", 1))
-        self.ppo_mini_batch_shuffle = bool(cfg.get("ppo_mini_batch_shuffle", True))
-        self.micro_batch_size = int(cfg.get("micro_batch_size", self.batch_size * self.group_size))
-        self.kl_coef = float(cfg.get("kl_coef", 0.0))
-        self.kl_estimator = str(cfg.get("kl_estimator", "k3"))
+        self.ppo_mini_batches = c.ppo_mini_batches
+        self.ppo_mini_batch_shuffle = c.ppo_mini_batch_shuffle
+        self.micro_batch_size = c.micro_batch_size
+        self.kl_coef = c.kl_coef
+        self.kl_estimator = c.kl_estimator
         # "reward": penalise each sequence's reward before the advantage (RLHF-PPO); "loss": GRPO's term.
-        self.kl_in_reward = self.kl_coef > 0 and cfg.get("kl_placement", "loss") == "reward"
-        self.mask_truncated = bool(cfg.get("mask_truncated_completions", False))
+        self.kl_in_reward = self.kl_coef > 0 and c.kl_placement == "reward"
+        self.mask_truncated = c.mask_truncated_completions
         # Training forwards compute each prompt once for its group's sequences (torchtune_grpo/packing.py).
-        self.share_prompt = bool(cfg.get("share_prompt_in_training", True))
-        ds_cfg = cfg.get("dynamic_sampling", None)
-        self._dynamic = DynamicSampling(**(OmegaConf.to_container(ds_cfg, resolve=True) if ds_cfg else {}))
-        self.clip_grad_norm = cfg.get("clip_grad_norm", None)
-        self.logprob_chunk_size = int(cfg.get("logprob_chunk_size", 512))
-        self.save_every_n_steps = cfg.get("save_every_n_steps", None)
-        self.keep_last_n_checkpoints = checkpoint_retention(cfg.get("keep_last_n_checkpoints", None))
-        self.log_every_n_steps = int(cfg.get("log_every_n_steps", 1))
-        self.log_completions = int(cfg.get("log_completions", 2))
-        self.resume_from_checkpoint = bool(cfg.get("resume_from_checkpoint", False))
+        self.share_prompt = c.share_prompt_in_training
+        self._dynamic = DynamicSampling(**dataclasses.asdict(c.dynamic_sampling))
+        self.clip_grad_norm = c.clip_grad_norm
+        self.logprob_chunk_size = c.logprob_chunk_size
+        self.save_every_n_steps = c.save_every_n_steps
+        self.keep_last_n_checkpoints = checkpoint_retention(c.keep_last_n_checkpoints)
+        self.log_every_n_steps = c.log_every_n_steps
+        self.log_completions = c.log_completions
+        self.resume_from_checkpoint = c.resume_from_checkpoint
         # Faults (docs/recipe.md, "What survives what"; torchtune_grpo/nonfinite.py, resume.py, preemption.py)
-        self.on_nonfinite = str(cfg.get("on_nonfinite", "stop"))
-        self.on_broken_checkpoint = str(cfg.get("on_broken_checkpoint", "use_previous"))
-        self.sigterm = StopOnSigterm(bool(cfg.get("save_on_sigterm", True)))
+        self.on_nonfinite = c.on_nonfinite
+        self.on_broken_checkpoint = c.on_broken_checkpoint
+        self.sigterm = StopOnSigterm(c.save_on_sigterm)
         self._output_lock = OutputDirLock(self.output_dir)
         # step_N directories: when to save, writing, pruning, resuming (torchtune_grpo/checkpoint_manager.py)
         self._checkpoints = CheckpointManager(
@@ -168,18 +174,18 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         # Saved in every checkpoint: a resume lists the settings changed since.
         self._config_record = OmegaConf.to_container(cfg, resolve=True)
-        self._reshard_after_forward = bool(cfg.get("fsdp_reshard_after_forward", True))
-        self.seed = training.set_seed(seed=cfg.get("seed", None))
+        self._reshard_after_forward = c.fsdp_reshard_after_forward
+        self.seed = training.set_seed(seed=c.seed)
         self.global_step = 0
         self.epochs_run = 0
         self._data_iter: Optional[Iterator[Any]] = None
         # Held-out evaluation: at step 0, every eval_every_n_steps and at the end (when `validation` is set).
-        self.eval_every_n_steps = cfg.get("eval_every_n_steps", None)
-        self.eval_num_samples = int(cfg.get("eval_num_samples", 0))
-        self.eval_pass_k = cfg.get("eval_pass_k", None)
-        self.eval_max_prompts = cfg.get("eval_max_prompts", None)
-        self.eval_threshold = float(cfg.get("eval_threshold", 1.0))
-        self.eval_batch_size = int(cfg.get("eval_batch_size", 32))
+        self.eval_every_n_steps = c.eval_every_n_steps
+        self.eval_num_samples = c.eval_num_samples
+        self.eval_pass_k = c.eval_pass_k
+        self.eval_max_prompts = c.eval_max_prompts
+        self.eval_threshold = c.eval_threshold
+        self.eval_batch_size = c.eval_batch_size
         self._validation = None
 
     # ================================================================================================ setup
@@ -219,7 +225,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._completions_file = JsonlWriter(os.path.join(self.output_dir, "completions.jsonl"))
 
         self._rewards = build_reward_set(
-            cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0))
+            cfg.reward_functions, fallback=self.config.reward_fallback
         )
         self._check_evaluation_keys(cfg)
         self._advantage = instantiate_component(cfg, "advantage")
@@ -230,7 +236,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             max_response_length=self.max_response_length,
         )
         # Masks and weights decided from pi_old before the update (torchtune_grpo/loss_masks.py).
-        rc_cfg, ts_cfg = cfg.get("rollout_correction", None), cfg.get("token_selection", None)
+        rc_cfg, ts_cfg = self.config.rollout_correction, self.config.token_selection
         self._loss_masks = LossMasks(
             RolloutCorrection(**rc_cfg) if rc_cfg is not None else None,
             HighEntropyTokens(**ts_cfg) if ts_cfg is not None else None,
@@ -261,7 +267,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._check_training_layout(cfg)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
-        if cfg.get("drop_pad_embedding_grad", False):  # TRL's behaviour (docs/algorithms.md)
+        if self.config.drop_pad_embedding_grad:  # TRL's behaviour (docs/algorithms.md)
             drop_pad_input_embedding_grad(self._model, self._tokenizer.pad_id)
             utils.log_rank_zero(
                 log, f"drop_pad_embedding_grad: the pad token's (id {self._tokenizer.pad_id}) input embedding "
@@ -274,21 +280,21 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
         self._weight_sync = None
         if self._engine.holds_weights:
-            ws_cfg = cfg.get("weight_sync", None)
+            ws_cfg = self.config.weight_sync
             self._weight_sync = config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck()
         self._num_syncs = 0
         self._optimizer = instantiate_component(cfg, "optimizer", self._model.parameters())
         self._sampler, self._dataloader = self._setup_data(cfg)
         self._setup_validation(cfg)
 
-        self.epochs = int(cfg.get("epochs", 1))
+        self.epochs = self.config.epochs
         self.steps_per_epoch = len(self._dataloader)
-        max_steps = cfg.get("max_steps", None)
+        max_steps = self.config.max_steps
         self.total_steps = (
             int(max_steps) if max_steps is not None else self.epochs * self.steps_per_epoch
         )
         self._lr_scheduler = None
-        if cfg.get("lr_scheduler", None) is not None:
+        if self.config.lr_scheduler is not None:
             self._lr_scheduler = instantiate_component(
                 cfg, "lr_scheduler",
                 self._optimizer,
@@ -339,7 +345,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             )
             if not restored_rng:
                 utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
-        profiler_cfg = cfg.get("profiler", None) or OmegaConf.create(_PROFILER_OFF)
+        profiler_cfg = self.config.profiler or OmegaConf.create(_PROFILER_OFF)
         self._profiler, _ = config.instantiate(profiler_cfg)
         self._write_algorithm_card(cfg)
         if self._engine.holds_weights:
@@ -429,15 +435,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             model = config.instantiate(cfg.model)
         self._check_max_seq_len(cfg, model)
         check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), state_dict, source)
-        if trainable and cfg.get("enable_activation_checkpointing", False):
+        if trainable and self.config.enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        cpu_offload = self.config.fsdp_cpu_offload
         # One process trains the plain module unless fsdp_single_process (or fsdp_cpu_offload) asks for FSDP2:
         # there it has nothing to shard and only copies weights and gradients (docs/configs.md).
         # Mixed precision is FSDP2's MixedPrecisionPolicy, on one process too (the same casts as on N).
-        shard = self.world_size > 1 or cpu_offload or bool(cfg.get("fsdp_single_process", False)) or mixed
+        shard = self.world_size > 1 or cpu_offload or self.config.fsdp_single_process or mixed
         if trainable and self.world_size == 1:
             why = "fsdp_cpu_offload: true" if cpu_offload else "fsdp_single_process: true"
             why = f"dtype: {self._precision.name}, mixed precision" if mixed else why
@@ -463,7 +469,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _check_max_seq_len(self, cfg: DictConfig, model: torch.nn.Module) -> None:
         """Fail when prompt + response budget exceeds the model's ``max_seq_len`` (RoPE cache size)."""
-        max_len = int(cfg.get("max_prompt_length", 0)) + self.max_response_length
+        max_len = (self.config.max_prompt_length or 0) + self.max_response_length
         if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
             raise ValueError(
                 f"max_prompt_length + max_response_length = {max_len} exceeds the model's "
@@ -487,7 +493,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             )
             return
         max_seq_len = getattr(self._model, "max_seq_len", None)
-        max_prompt = cfg.get("max_prompt_length", None)
+        max_prompt = self.config.max_prompt_length
         per_row = min(self.group_size, self.micro_batch_size)
         if max_seq_len is None or (
             max_prompt is not None
@@ -505,8 +511,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _check_evaluation_keys(self, cfg: DictConfig) -> None:
         """Fail on an ``eval_reward`` that names no reward; say when eval keys go unused (no validation)."""
-        if cfg.get("validation", None) is not None:
-            correctness_name(self._rewards.names, cfg.get("eval_reward", None))
+        if self.config.validation is not None:
+            correctness_name(self._rewards.names, self.config.eval_reward)
             return
         unused = sorted(k for k in cfg if k.startswith("eval_") and cfg[k] is not None)
         if unused:
@@ -534,10 +540,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _setup_multi_turn(self, cfg: DictConfig) -> Optional[MultiTurn]:
         """The environment and episode limits (``environment``, ``multi_turn``), or None for single turns."""
-        if cfg.get("environment", None) is None:
+        multi_turn = build_multi_turn(self.config)
+        if multi_turn is None:
             return None
-        options = OmegaConf.to_container(cfg.get("multi_turn", None) or OmegaConf.create({}), resolve=True)
-        multi_turn = MultiTurn(config.instantiate(cfg.environment), **options)
         note = multi_turn.attach(self._tokenizer)  # fails now if the chat template cannot be continued
         if note:
             utils.log_rank_zero(log, note)
@@ -555,7 +560,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             dataset,
             num_replicas=self.world_size,
             rank=self.rank,
-            shuffle=bool(cfg.get("shuffle", True)),
+            shuffle=self.config.shuffle,
             seed=self.seed,
             drop_last=True,
         )
@@ -581,14 +586,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def _setup_validation(self, cfg: DictConfig) -> None:
         """Held-out prompts of this rank (every world_size-th, so ranks share the work), or None."""
-        if cfg.get("validation", None) is None:
+        if self.config.validation is None:
             return
         dataset = config.instantiate(cfg.validation, self._tokenizer)
         n = len(dataset)
         if self.eval_max_prompts is not None:
             n = min(n, int(self.eval_max_prompts))
         self._validation = [dataset[i] for i in range(self.rank, n, self.world_size)]
-        self._eval_reward = cfg.get("eval_reward", None)
+        self._eval_reward = self.config.eval_reward
         utils.log_rank_zero(log, f"Held-out evaluation on {n} validation prompts")
 
     # ============================================================================================= the step

@@ -50,7 +50,7 @@ from torchtune.modules.peft import (
 
 from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, checkpoint_source, run_recipe
 from torchtune_grpo.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
-from torchtune_grpo.config import LORA_KEYS
+from torchtune_grpo.config import LoRARecipeConfig
 from torchtune_grpo.experience import Reference
 from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.precision import Precision
@@ -77,16 +77,14 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
 
     REFERENCE_DESCRIPTION = "the base model: the policy with its adapters disabled (no second copy)"
 
-    @classmethod
-    def known_keys(cls) -> set:
-        return super().known_keys() | LORA_KEYS
+    config_class = LoRARecipeConfig  # the full recipe's keys and save_adapter_weights_only
 
     def __init__(self, cfg: DictConfig) -> None:
         super().__init__(cfg)
-        self._save_adapter_weights_only = bool(cfg.get("save_adapter_weights_only", False))
+        self._save_adapter_weights_only = self.config.save_adapter_weights_only
         # Every weight stays in the compute dtype (frozen base; adapters train at LoRA's larger rates), so
         # dtype: bf16 is bf16_pure here (torchtune_grpo/precision.py).
-        self._precision = Precision.from_name("bf16_pure" if cfg.dtype == "bf16" else cfg.dtype)
+        self._precision = Precision.from_name("bf16_pure" if self.config.dtype == "bf16" else self.config.dtype)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -123,7 +121,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         base_state: Dict[str, torch.Tensor],
         adapter_state: Optional[Dict[str, torch.Tensor]],
     ) -> torch.nn.Module:
-        cpu_offload = bool(cfg.get("fsdp_cpu_offload", False))
+        cpu_offload = self.config.fsdp_cpu_offload
         with training.set_default_dtype(self._dtype), torch.device("meta"):
             model = config.instantiate(cfg.model)
         self._lora = lora_hyperparams(model)  # raises for a model without LoRA layers
@@ -133,7 +131,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         )
         adapter_names = set(get_adapter_params(model))
         set_trainable_params(model, adapter_names)
-        if cfg.get("enable_activation_checkpointing", False):
+        if self.config.enable_activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )

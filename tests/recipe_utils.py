@@ -67,8 +67,10 @@ def tune_command(
 
 def tune_env(**extra: str) -> Dict[str, str]:
     """The environment of a ``tune run``: the repository on PYTHONPATH (test-only components such as
-    ``tests._rewards`` import), one intra-op thread, and ``extra``."""
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    ``tests._rewards`` import) with its ``recipes/`` (this checkout's recipe modules, not those of whichever
+    checkout is installed), one intra-op thread, and ``extra``."""
+    path = os.pathsep.join([str(REPO), str(REPO / "recipes")])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_tune(

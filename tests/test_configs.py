@@ -17,7 +17,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torchtune import config as tt_config, training
 from torchtune.config._utils import _get_component_from_path
 
-from torchtune_grpo.config import KNOWN_KEYS, REQUIRED_KEYS, validate_config
+from torchtune_grpo.config import REQUIRED_KEYS, validate_config
+from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 from tests.conftest import REPO
 from tests.real_hf_configs import HUB_CONFIGS, TORCHTUNE_BUILDERS
@@ -50,8 +51,8 @@ def _recipe(name: str) -> str:
     return "grpo_lora_finetune_distributed" if "lora" in name else "grpo_full_finetune_distributed"
 
 
-def _known_keys(path: Path) -> set:
-    return GRPOLoRAFinetuneRecipeDistributed.known_keys() if "lora" in path.name else KNOWN_KEYS
+def _recipe_class(path: Path) -> type:
+    return GRPOLoRAFinetuneRecipeDistributed if "lora" in path.name else GRPOFullFinetuneRecipeDistributed
 
 
 def _load(name: str) -> DictConfig:
@@ -93,10 +94,10 @@ def test_configs_found():
 def test_config_keys(path: Path):
     cfg = OmegaConf.load(path)
     keys = set(cfg.keys())
-    known = _known_keys(path)
+    known = _recipe_class(path).known_keys()
     assert keys <= known, f"unknown keys: {sorted(keys - known)}"
     assert REQUIRED_KEYS <= keys, f"missing keys: {sorted(REQUIRED_KEYS - keys)}"
-    validate_config(cfg, known)
+    validate_config(cfg, _recipe_class(path).config_class)
     if "lora" in path.name:  # a LoRA builder, and the full recipe refuses the LoRA-only keys
         assert "lora" in cfg.model._component_.rsplit(".", 1)[-1]
         with pytest.raises(ValueError, match="save_adapter_weights_only"):

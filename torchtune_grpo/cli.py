@@ -93,11 +93,17 @@ RS_OPTIONS = {"checkpoint_dir", "output", "num_samples", "max_per_prompt", "thre
               "split", "batch_size"}
 
 
-def _load_config(path: str, overrides: List[str], options: set) -> Tuple[Any, Dict[str, str]]:
-    """The config with ``key=value`` overrides applied; command options are split off and returned."""
+def _load_config(path: str, overrides: List[str], options: set) -> Tuple[Any, Any, Dict[str, str]]:
+    """The config with ``key=value`` overrides applied, checked as the recipes check it, and its typed values
+    (defaults applied); command options are split off and returned.
+
+    Raises:
+        ValueError: naming a bad key or value (torchtune_grpo/config.py).
+    """
     from omegaconf import OmegaConf
 
     from torchtune_grpo.assets import register_resolvers
+    from torchtune_grpo.config import LoRARecipeConfig
 
     register_resolvers()
     cfg = OmegaConf.load(path)
@@ -113,20 +119,25 @@ def _load_config(path: str, overrides: List[str], options: set) -> Tuple[Any, Di
             rest.append(item)
     if rest:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(rest))
-    return cfg, opts
+    # The widest schema: configs of either recipe (full or LoRA) are evaluated.
+    return cfg, LoRARecipeConfig.from_cfg(cfg), opts
 
 
-def _build_policy(cfg, checkpoint_dir: Optional[str]):
-    """Model (weights loaded through the configured checkpointer), tokenizer, engine, rewards, device."""
+def _build_policy(cfg, config, checkpoint_dir: Optional[str]):
+    """Model (weights loaded through the configured checkpointer), tokenizer, engine, rewards, generator.
+
+    ``cfg`` is the config (its components are built), ``config`` its typed values (``RecipeConfig``).
+    """
     import torch
     from omegaconf import OmegaConf
     from torchtune import config as tt_config, training, utils
 
     from torchtune_grpo.checkpointing import model_files
+    from torchtune_grpo.precision import Precision
     from torchtune_grpo.rewards import build_reward_set
 
-    device = utils.get_device(device=cfg.get("device", "cpu"))
-    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
+    device = utils.get_device(device=config.device)
+    dtype = Precision.from_name(config.dtype).compute_dtype  # the recipe's frozen models' dtype
     ckpt_cfg = OmegaConf.create(OmegaConf.to_container(cfg.checkpointer, resolve=False))
     if checkpoint_dir is not None:
         ckpt_dir = Path(checkpoint_dir)
@@ -148,26 +159,23 @@ def _build_policy(cfg, checkpoint_dir: Optional[str]):
     model.eval().requires_grad_(False)
     tokenizer = tt_config.instantiate(cfg.tokenizer)
     engine = tt_config.instantiate(cfg.generation)
-    rewards = build_reward_set(cfg.reward_functions, fallback=float(cfg.get("reward_fallback", 0.0)))
-    seed = int(cfg.get("seed", 0) or 0)
+    rewards = build_reward_set(cfg.reward_functions, fallback=config.reward_fallback)
+    seed = training.set_seed(seed=config.seed)  # torch, numpy, random; null draws one, as in the recipe
+    if config.seed is None:
+        print(f"seed: null, drew {seed} (seed={seed} repeats this run)", file=sys.stderr)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
-    torch.manual_seed(seed)
     return model, tokenizer, engine, rewards, generator
 
 
-def _multi_turn(cfg, tokenizer):
+def _multi_turn(config, tokenizer):
     """The config's multi-turn episodes (``environment``, ``multi_turn``: docs/multi_turn.md), as the recipe
     evaluates them, or None for single turns."""
-    from omegaconf import OmegaConf
-    from torchtune import config as tt_config
+    from torchtune_grpo.config import build_multi_turn
 
-    from torchtune_grpo.multiturn import MultiTurn
-
-    if cfg.get("environment", None) is None:
+    multi_turn = build_multi_turn(config)
+    if multi_turn is None:
         return None
-    options = OmegaConf.to_container(cfg.get("multi_turn", None) or OmegaConf.create({}), resolve=True)
-    multi_turn = MultiTurn(tt_config.instantiate(cfg.environment), **options)
     note = multi_turn.attach(tokenizer)
     if note:
         print(note, file=sys.stderr)
@@ -185,22 +193,22 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     from torchtune_grpo.evaluation import evaluate
 
-    cfg, opts = _load_config(args.config, args.overrides, EVAL_OPTIONS)
-    if cfg.get("validation", None) is None:
+    cfg, config, opts = _load_config(args.config, args.overrides, EVAL_OPTIONS)
+    if config.validation is None:
         raise ValueError(f"{args.config} has no `validation` dataset to evaluate on")
-    model, tokenizer, engine, rewards, generator = _build_policy(cfg, opts.get("checkpoint_dir"))
-    multi_turn = _multi_turn(cfg, tokenizer)  # before the prompts are tokenized: tools go into them
-    prompts = _limit(tt_config.instantiate(cfg.validation, tokenizer), cfg.get("eval_max_prompts", None))
+    model, tokenizer, engine, rewards, generator = _build_policy(cfg, config, opts.get("checkpoint_dir"))
+    multi_turn = _multi_turn(config, tokenizer)  # before the prompts are tokenized: tools go into them
+    prompts = _limit(tt_config.instantiate(cfg.validation, tokenizer), config.eval_max_prompts)
     records: List[Dict[str, Any]] = []
     with tqdm(total=len(prompts), desc="eval", unit="prompt", file=sys.stderr) as bar:
         sums = evaluate(
             model, tokenizer, engine, prompts, rewards,
-            max_new_tokens=int(cfg.max_response_length),
-            num_samples=int(cfg.get("eval_num_samples", 0)),
-            k=cfg.get("eval_pass_k", None),
-            correctness=cfg.get("eval_reward", None),
-            threshold=float(cfg.get("eval_threshold", 1.0)),
-            batch_size=int(cfg.get("eval_batch_size", 32)),
+            max_new_tokens=config.max_response_length,
+            num_samples=config.eval_num_samples,
+            k=config.eval_pass_k,
+            correctness=config.eval_reward,
+            threshold=config.eval_threshold,
+            batch_size=config.eval_batch_size,
             generator=generator,
             progress=bar.update,
             records=records,
@@ -239,21 +247,21 @@ def _cmd_rejection_sample(args: argparse.Namespace) -> int:
 
     from torchtune_grpo.rejection_sampling import rejection_sample, write_jsonl
 
-    cfg, opts = _load_config(args.config, args.overrides, RS_OPTIONS)
+    cfg, config, opts = _load_config(args.config, args.overrides, RS_OPTIONS)
     if "output" not in opts:
         raise ValueError("rejection-sample needs output=PATH.jsonl")
     split = opts.get("split", "dataset")
     if cfg.get(split, None) is None:
         raise ValueError(f"{args.config} has no `{split}` dataset to sample prompts from")
-    model, tokenizer, engine, rewards, generator = _build_policy(cfg, opts.get("checkpoint_dir"))
-    multi_turn = _multi_turn(cfg, tokenizer)  # before the prompts are tokenized: tools go into them
+    model, tokenizer, engine, rewards, generator = _build_policy(cfg, config, opts.get("checkpoint_dir"))
+    multi_turn = _multi_turn(config, tokenizer)  # before the prompts are tokenized: tools go into them
     prompts = _limit(tt_config.instantiate(cfg[split], tokenizer), opts.get("max_prompts"))
     max_per_prompt = opts.get("max_per_prompt")
     with tqdm(total=len(prompts), desc="rejection sampling", unit="prompt", file=sys.stderr) as bar:
         rows, stats = rejection_sample(
             model, tokenizer, engine, prompts, rewards,
             num_samples=int(opts.get("num_samples", 8)),
-            max_new_tokens=int(cfg.max_response_length),
+            max_new_tokens=config.max_response_length,
             max_per_prompt=None if max_per_prompt in (None, "null", "None") else int(max_per_prompt),
             threshold=float(opts.get("threshold", 1.0)),
             reward_name=opts.get("reward"),
