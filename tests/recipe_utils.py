@@ -66,9 +66,12 @@ def tune_command(
 
 
 def tune_env(**extra: str) -> Dict[str, str]:
-    """The environment of a ``tune run``: the repository on PYTHONPATH (test-only components such as
-    ``tests._rewards`` import), one intra-op thread, and ``extra``."""
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **extra}
+    """The environment of a ``tune run``: the repository first on PYTHONPATH (test-only components such as
+    ``tests._rewards`` import), one intra-op thread, and ``extra``. Entries already on PYTHONPATH are kept
+    after it: where packages are not installed in the interpreter but put on the path (the GPU check's
+    wheels, scripts/gpu_check.sh), the launched recipe needs them too."""
+    path = os.pathsep.join([str(REPO), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_tune(
