@@ -14,6 +14,8 @@ and untracked-but-not-ignored files, as ``git ls-files -co --exclude-standard`` 
     python scripts/gpu_wheels.py                 # download into .whl/, check, print the table
     python scripts/gpu_wheels.py --dest DIR      # elsewhere (scripts/setup_env.sh: the CI rehearsal's set)
     python scripts/gpu_wheels.py --check-only    # no download: check the wheels already in --dest
+    python scripts/gpu_wheels.py --this-python --dest DIR   # the same versions for this interpreter and
+                                                 # platform: the CPU rehearsal's set (scripts/setup_env.sh)
 
 Exit status 1 when a requirement is unaccounted for or the total is over the limit.
 """
@@ -150,16 +152,18 @@ def tree_bytes(repo: Path) -> int:
     return sum((repo / f).stat().st_size for f in out.split("\0") if f and (repo / f).is_file())
 
 
-def download(dest: Path) -> None:
-    """``pip download`` exactly :data:`CARRY` into ``dest`` (other wheels there are removed first)."""
+def download(dest: Path, this_python: bool = False) -> None:
+    """``pip download`` exactly :data:`CARRY` into ``dest`` (other wheels there are removed first), for the GPU
+    machine's Python and platform, or with ``this_python`` for the running interpreter's."""
     dest.mkdir(parents=True, exist_ok=True)
     wanted = {normalize(n) for n in CARRY}
     for old in dest.glob("*.whl"):
         if wheel_name(old) not in wanted:
             old.unlink()
     specs = [f"{name}=={version}" for name, (version, _) in CARRY.items()]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PIP_TARGET, "-d", str(dest),
-                    *specs], check=True)
+    target = ["--only-binary=:all:"] if this_python else PIP_TARGET
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *target, "-d", str(dest), *specs],
+                   check=True)
 
 
 def report(dest: Path, repo: Path = REPO) -> Dict[str, object]:
@@ -184,10 +188,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", type=Path, default=REPO / ".whl")
     parser.add_argument("--check-only", action="store_true", help="check the wheels already in --dest")
+    parser.add_argument("--this-python", action="store_true",
+                        help="wheels for this interpreter and platform (the CPU rehearsal), not the GPU machine's")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     if not args.check_only:
-        download(args.dest)
+        download(args.dest, args.this_python)
     r = report(args.dest)
     for w in r["wheels"]:
         print(f"{w['bytes'] / 2**20:8.2f} MiB  {w['file']}")
