@@ -596,7 +596,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3_0_6b", "qwen3_1_7b"], choices=list(MODELS))
     parser.add_argument("--parts", nargs="+", default=["ceilings", "decode", "grpo", "recipe"],
-                        choices=["ceilings", "decode", "grpo", "recipe"])
+                        choices=["ceilings", "decode", "grpo", "recipe"], help="ceilings first; the rest per model, in this order")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model and small shapes")
@@ -683,30 +683,40 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     bandwidth = (args.bandwidth_gbs or ceil.get("copy_gbs") or 0) * 1e9 or None
     peak_flops = (args.peak_tflops or ceil.get("matmul_bf16_tflops") or 0) * 1e12 or None
 
+    def decode_part(name: str) -> None:
+        model = build_model(name, device, dtype).eval()
+        for compile_mode in args.decode_compile:
+            for rows in args.decode_batch:
+                r = attempt(f"decode {name} rows={rows} compile={compile_mode}",
+                            lambda: measure_decode(model, device, rows, compile_mode == "on", args, bandwidth))
+                if r:
+                    results["decode"].append({"model": name, **r})
+        del model
+        free_memory()
+
+    def recipe_part(name: str) -> None:
+        out_dir = tempfile.mkdtemp(prefix=f"gpu_grpo_recipe_{name}_")
+        r = attempt(f"recipe {name}", lambda: run_recipe(name, device, args, out_dir))
+        if r:
+            if peak_flops:
+                # The recipe's time/train also holds the reference forward: quote the whole step.
+                r["mfu_step_6n_only"] = 6 * r["flop_params"] * r["median"]["tokens_per_second"] / peak_flops
+            results["recipe"].append(r)
+
+    # Per model, the parts in the order given (with a time budget, the first ones get the time).
     for name in args.models:
-        if "decode" in args.parts:
-            model = build_model(name, device, dtype).eval()
-            for compile_mode in args.decode_compile:
-                for rows in args.decode_batch:
-                    r = attempt(f"decode {name} rows={rows} compile={compile_mode}",
-                                lambda: measure_decode(model, device, rows, compile_mode == "on", args, bandwidth))
-                    if r:
-                        results["decode"].append({"model": name, **r})
-            del model
-            free_memory()
-        if "grpo" in args.parts:
-            r = attempt(f"grpo {name}", lambda: run_grpo(name, device, dtype, args, peak_flops))
-            if r:
-                results["grpo"].append(r)
-        if "recipe" in args.parts:
-            out_dir = tempfile.mkdtemp(prefix=f"gpu_grpo_recipe_{name}_")
-            r = attempt(f"recipe {name}", lambda: run_recipe(name, device, args, out_dir))
-            if r:
-                if peak_flops:
-                    # The recipe's time/train also holds the reference forward: quote the whole step.
-                    m = r["median"]
-                    r["mfu_step_6n_only"] = 6 * r["flop_params"] * m["tokens_per_second"] / peak_flops
-                results["recipe"].append(r)
+        for part in (p for p in args.parts if p != "ceilings"):
+            if part == "decode":
+                if args.time_budget is None or time.perf_counter() - started <= args.time_budget:
+                    decode_part(name)
+                else:
+                    results["skipped"].append(f"decode {name}")
+            elif part == "grpo":
+                r = attempt(f"grpo {name}", lambda: run_grpo(name, device, dtype, args, peak_flops))
+                if r:
+                    results["grpo"].append(r)
+            else:
+                recipe_part(name)
     try:
         from torch._dynamo.utils import counters
 
