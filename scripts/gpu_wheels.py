@@ -146,10 +146,16 @@ def check_closure(wheels: List[Path]) -> Tuple[List[Dict[str, str]], List[str]]:
 
 
 def tree_bytes(repo: Path) -> int:
-    """Bytes of the files that travel with the source tree (tracked + untracked, not ignored)."""
-    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, check=True,
-                         capture_output=True).stdout.decode()
-    return sum((repo / f).stat().st_size for f in out.split("\0") if f and (repo / f).is_file())
+    """Bytes of the files that travel with the source tree (tracked + untracked, not ignored); outside a
+    git checkout, every file but ``.git``, virtual environments and ``.whl`` (an over-estimate)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, check=True,
+                             capture_output=True).stdout.decode()
+        files = [repo / f for f in out.split("\0") if f]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", ".whl", ".venv"}
+        files = [f for f in repo.rglob("*") if not skip & {p.split("-")[0] for p in f.relative_to(repo).parts}]
+    return sum(f.stat().st_size for f in files if f.is_file())
 
 
 def download(dest: Path, this_python: bool = False) -> None:
