@@ -36,6 +36,9 @@ SCRIPTED = {
     "generation": {"_component_": "tests._engines.ScriptedGenerator"},
     "reward_functions": [{"_component_": "tests._rewards.EvenTokenReward"}],
 }
+# Runs whose point is not the decode step sample eagerly: on CUDA the default compiles it (tens of seconds per
+# run). The compiled decode has its own test, and the checkpoint test runs the recipe with the default.
+EAGER = {"generation.compile_decode": False}
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,7 @@ def test_bf16_with_fp32_master_weights_moves_at_lr_1e6_and_tracks_fp32(
     # the update: nearly every element must change. (2) Over 3 steps at lr 1e-3 on the same scripted
     # rollouts, the bf16-compute run's losses, entropies, KL and weight updates track the fp32 run's.
     before, after, _, _ = _run_recipe(tmp_path / "lr1e-6", gpu_device, 1, dtype="bf16", lr_scheduler=None,
-                                      save_every_n_steps=None, **{"optimizer.lr": 1e-6})
+                                      save_every_n_steps=None, **{"optimizer.lr": 1e-6}, **EAGER)
     moved = {k: (after[k] != before[k]).float().mean().item() for k in before}
     record_property("lr1e-6_min_fraction_of_weights_moved", min(moved.values()))
     assert min(moved.values()) > 0.95, sorted(moved.items(), key=lambda kv: kv[1])[:3]
@@ -186,7 +189,7 @@ def test_lora_and_qlora_steps(gpu_device, quantize_base, tmp_path, clean_env, on
 
     before, after, rows, recipe = _run_recipe(
         tmp_path / "run", gpu_device, 2, lora=True, base=LORA_CONFIG, dtype="bf16", lr_scheduler=None,
-        save_every_n_steps=None, **{"model.quantize_base": quantize_base},
+        save_every_n_steps=None, **{"model.quantize_base": quantize_base}, **EAGER,
     )
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
     adapters = {k for k in before if "lora_a" in k or "lora_b" in k}
@@ -223,6 +226,7 @@ def test_recipe_checkpoint_loads_in_transformers_with_equal_logits(gpu_device, t
     # A tiny random Qwen3 directory through the one-line model config (HFCheckpointer + hf_model), trained 2
     # steps in bf16 on the device and saved: transformers loads the step directory, and its logits equal our
     # model's on the same weights (fp32: 1e-4; bf16 on the device: both within bf16 rounding of the fp32 ones).
+    # The recipe's own generation settings: on CUDA the decode step is compiled, as in a real run.
     from transformers import AutoModelForCausalLM
 
     from torchtune_grpo.models import HFCheckpointer, hf_model
