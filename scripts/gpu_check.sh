@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a bare GPU machine with no network (docs/gpu.md):
 #
-#   bash scripts/gpu_check.sh [--wheels DIR] [--out DIR] [--budget SECONDS]        # on a GPU (make gpu-check)
+#   bash scripts/gpu_check.sh [--wheels DIR | --no-wheels] [--out DIR] [--budget SECONDS]   # on a GPU
 #   bash scripts/gpu_check.sh --device cpu --tiny --wheels DIR --out DIR           # its CPU rehearsal
 #
 # 1. installs the carried wheels (DIR, default .whl/: scripts/gpu_wheels.py downloads them) with
@@ -31,6 +31,7 @@ PYTHON="${PYTHON:-python3}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --wheels) WHEELS="$2"; shift 2 ;;
+    --no-wheels) WHEELS=""; shift ;;
     --out) OUT_DIR="$2"; shift 2 ;;
     --device) DEVICE="$2"; shift 2 ;;
     --tiny) TINY=(--tiny); shift ;;
@@ -71,11 +72,12 @@ stage() {
 # 1. the carried wheels
 SITE="$WORK/site"
 shopt -s nullglob
-wheels=("$WHEELS"/*.whl)
+wheels=()
+[[ -n "$WHEELS" ]] && wheels=("$WHEELS"/*.whl)
 if (( ${#wheels[@]} )); then
   stage install 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}"
 else
-  echo "no wheels in $WHEELS: using the interpreter's own packages"
+  echo "no wheels${WHEELS:+ in $WHEELS}: using the interpreter's own packages"
 fi
 export PYTHONPATH="$REPO:$REPO/recipes:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -136,7 +136,8 @@ def markdown(report: Dict[str, Any]) -> str:
     if report["problems"]:
         lines += ["Problems:", ""] + [f"- {p}" for p in report["problems"]] + [""]
     lines += ["| stage | exit | seconds |", "|---|---|---|"]
-    lines += [f"| {s['name']} | {s['rc']}{' (time limit)' if s.get('timed_out') else ''} | {s['seconds']:.0f} |"
+    lines += [f"| {s['name']} | {s['rc']}{' (time limit)' if s.get('timed_out') else ''}"
+              f"{' (skipped: ' + s['skipped'] + ')' if s.get('skipped') else ''} | {s['seconds']:.0f} |"
               for s in report["stages"]]
     lines.append("")
     if report["tests"] is not None:
