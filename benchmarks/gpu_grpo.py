@@ -1,8 +1,11 @@
-"""GRPO on a CUDA GPU with Qwen2.5-shaped random models: decode, one GRPO step, the recipe (issue #8, item 5).
+"""GRPO on a CUDA GPU with Qwen3- (or Qwen2.5-) shaped random models: decode, one GRPO step, the recipe.
 
-Nothing is downloaded: models are torchtune's Qwen2.5 builders with random weights (std 0.02, norms 1),
-prompts are random token ids, and the reward is computed on token ids (the fraction of even ids in a
-completion), so no tokenizer is needed. Parts (``--parts``, in this order):
+Nothing is downloaded. The default models, ``qwen3_0_6b`` and ``qwen3_1_7b``, are random Hugging Face
+directories of those shapes (benchmarks/hf_random.py: config.json -> random bf16 safetensors), read through
+the one-line model config (``HFCheckpointer`` + ``hf_model`` on ``checkpointer.checkpoint_dir``) as a real
+model would be; ``qwen2_5_0_5b`` / ``qwen2_5_1_5b`` are torchtune's builders with random weights (std 0.02,
+norms 1). Prompts are random token ids, and the reward is computed on token ids (the fraction of even ids
+in a completion), so no tokenizer is needed. Parts (``--parts``, in this order):
 
 - ``ceilings``: the device's measured device-to-device copy bandwidth (bytes read + written) and bf16
   matrix-product rate (8192^3, random data): the bounds the other numbers are compared with.
@@ -22,9 +25,11 @@ completion), so no tokenizer is needed. Parts (``--parts``, in this order):
   logprobs with grad and logged entropy, ``GRPOLoss`` token-mean with k3 KL 0.04, backward, grad-norm clip
   1.0, AdamW step). Times each phase, tokens/s, peak memory and MFU.
 - ``recipe``: the real recipe class ``GRPOFullFinetuneRecipeDistributed`` (FSDP2 on one process, as
-  ``tune run`` runs it) with ``configs/qwen2_5/<size>_full_grpo.yaml``, where only tokenizer, checkpointer,
-  dataset and reward are replaced by the synthetic components below, and the checkpoint save is skipped;
-  its own ``metrics.jsonl`` gives the step time, ``tokens_per_second`` and peak memory.
+  ``tune run`` runs it) with the model's shipped config (``configs/qwen3/<size>_full_grpo.yaml``: only
+  ``checkpointer.checkpoint_dir`` points at the random directory; ``configs/qwen2_5/...`` with a random
+  checkpointer for the builder models), where tokenizer, dataset and reward are the synthetic components
+  below and the checkpoint save is skipped; its own ``metrics.jsonl`` gives the step time,
+  ``tokens_per_second`` and peak memory.
 
 Tokens counted ("tokens/s") are prompt + completion tokens of the step's sequences, padding excluded (the
 recipe's ``tokens_per_second`` counts the same). MFU = 6 x N x tokens / time / peak, with N the parameters
@@ -32,12 +37,12 @@ a token's forward multiplies with (all of them for these tied-embedding models: 
 output projection) and the peak the measured bf16 matrix rate of the ``ceilings`` part (or
 ``--peak-tflops``); attention score FLOPs and activation-checkpointing recomputation are not counted.
 
-    # on a GPU
-    python benchmarks/gpu_grpo.py --models qwen2_5_0_5b qwen2_5_1_5b --json results.json
-    # smoke test on CPU (tiny model, fp32, aot_eager instead of inductor for the compiled decode)
+    # on a GPU (scripts/gpu_check.sh runs it with a time budget; docs/gpu.md)
+    python benchmarks/gpu_grpo.py --models qwen3_0_6b qwen3_1_7b --json results.json
+    # smoke test on CPU (tiny models, fp32, aot_eager instead of inductor for the compiled decode)
     python benchmarks/gpu_grpo.py --device cpu --tiny
 
-Results go in docs/benchmarks.md ("CUDA (measured on ...)").
+Results go in docs/gpu.md and docs/benchmarks.md, with the device named.
 """
 
 import argparse
@@ -56,11 +61,18 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-for _p in (str(REPO), str(REPO / "recipes")):
+for _p in (str(REPO), str(REPO / "recipes"), str(REPO / "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import hf_random  # noqa: E402  (benchmarks/ is not a package)
+
+# name -> (module, builder, kwargs) for torchtune builders, or ("hf", shape, {}) for a random Hugging Face
+# directory of a hf_random.SHAPES shape.
 MODELS = {
+    "qwen3_0_6b": ("hf", "qwen3_0_6b", {}),
+    "qwen3_1_7b": ("hf", "qwen3_1_7b", {}),
+    "tiny_qwen3": ("hf", "tiny_qwen3", {}),
     "qwen2_5_0_5b": ("torchtune.models.qwen2_5", "qwen2_5_0_5b", {}),
     "qwen2_5_1_5b": ("torchtune.models.qwen2_5", "qwen2_5_1_5b_instruct", {}),
     "tiny": (
@@ -72,22 +84,20 @@ MODELS = {
 }
 # The shipped config each model's recipe run starts from.
 RECIPE_CONFIGS = {
+    "qwen3_0_6b": "configs/qwen3/0.6B_full_grpo.yaml",
+    "qwen3_1_7b": "configs/qwen3/1.7B_full_grpo.yaml",
+    "tiny_qwen3": "configs/qwen3/0.6B_full_grpo.yaml",
     "qwen2_5_0_5b": "configs/qwen2_5/0.5B_full_grpo.yaml",
     "qwen2_5_1_5b": "configs/qwen2_5/1.5B_full_grpo.yaml",
     "tiny": "configs/qwen2_5/0.5B_full_grpo.yaml",
 }
-# Qwen2.5's <|endoftext|> (its pad id) and <|im_end|> (a stop token); small ids for the tiny model.
-QWEN_PAD, QWEN_STOP = 151643, 151645
+# Qwen's <|endoftext|> (its pad id) and <|im_end|> (a stop token); small ids for the tiny models.
+special_ids = hf_random.special_ids
+# Where the random Hugging Face directories are written (--model-dir).
+MODEL_DIR = Path(tempfile.gettempdir()) / "gpu_grpo_models"
 
 
 # ---------------------------------------------------------------------------------------- pure helpers
-
-
-def special_ids(vocab_size: int) -> "tuple[int, int]":
-    """``(pad_id, stop_id)``: Qwen's when the vocabulary holds them, else the last two ids."""
-    if vocab_size > QWEN_STOP:
-        return QWEN_PAD, QWEN_STOP
-    return vocab_size - 2, vocab_size - 1
 
 
 def weight_bytes_per_decode_step(model: torch.nn.Module, rows: int) -> int:
@@ -229,9 +239,31 @@ def _random_init(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.02)
 
 
+def is_hf(name: str) -> bool:
+    """Whether ``name`` is a random Hugging Face directory (else a torchtune builder)."""
+    return MODELS[name][0] == "hf"
+
+
+def model_dir(name: str) -> Path:
+    """The random Hugging Face directory of ``name`` (written on first use; on the GPU when there is one)."""
+    return hf_random.write_model_dir(MODELS[name][1], MODEL_DIR / name,
+                                     device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def build_model(name: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The model ``name`` on ``device`` in ``dtype``: a builder's with random weights, or the Hugging Face
+    directory's through ``hf_model`` + ``HFCheckpointer`` (its saved random weights)."""
     from torchtune import training
 
+    if is_hf(name):
+        from torchtune_grpo.models import HFCheckpointer, hf_model
+
+        path = model_dir(name)
+        with training.set_default_dtype(dtype), torch.device(device):
+            model = hf_model(str(path))
+        state = HFCheckpointer(str(path), tempfile.mkdtemp(prefix="gpu_grpo_ckpt_")).load_checkpoint()["model"]
+        model.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+        return model
     module, fn, kwargs = MODELS[name]
     torch.manual_seed(seed)
     with training.set_default_dtype(dtype), torch.device(device):
@@ -469,7 +501,10 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
 
     mod = __name__
     cfg = OmegaConf.load(REPO / RECIPE_CONFIGS[name])
-    vocab = 151936 if name != "tiny" else MODELS["tiny"][2]["vocab_size"]
+    if is_hf(name):
+        vocab = hf_random.SHAPES[MODELS[name][1]]["vocab_size"]
+    else:
+        vocab = 151936 if name != "tiny" else MODELS["tiny"][2]["vocab_size"]
     overrides = {
         "output_dir": out_dir,
         "model": {"_component_": f"{MODELS[name][0]}.{MODELS[name][1]}", **MODELS[name][2]},
@@ -492,6 +527,10 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
     if name == "tiny":
         overrides["model"] = {"_component_": "torchtune.models.qwen2.qwen2", **MODELS["tiny"][2]}
         overrides["checkpointer"]["model_component"] = f"{mod}._tiny_builder"
+    if is_hf(name):  # the shipped config's model and checkpointer, pointed at the directory (one line)
+        del overrides["model"], overrides["checkpointer"]
+        cfg.checkpointer.checkpoint_dir = str(model_dir(name))
+        cfg.checkpointer.output_dir = out_dir
     for k, v in overrides.items():
         cfg[k] = v
     if args.compile_decode is not None:
@@ -537,6 +576,10 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
 
 
 def _builder(name: str):
+    if is_hf(name):
+        from torchtune_grpo.models import hf_model
+
+        return lambda: hf_model(str(model_dir(name)))
     module, fn, kwargs = MODELS[name]
     return lambda: getattr(importlib.import_module(module), fn)(**kwargs)
 
@@ -549,10 +592,11 @@ def _tiny_builder() -> torch.nn.Module:
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    global MODEL_DIR
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["qwen2_5_0_5b", "qwen2_5_1_5b"], choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["qwen3_0_6b", "qwen3_1_7b"], choices=list(MODELS))
     parser.add_argument("--parts", nargs="+", default=["ceilings", "decode", "grpo", "recipe"],
-                        choices=["ceilings", "decode", "grpo", "recipe"])
+                        choices=["ceilings", "decode", "grpo", "recipe"], help="ceilings first; the rest per model, in this order")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model and small shapes")
@@ -576,10 +620,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak; default: measured")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth; default: measured")
     parser.add_argument("--json", default=None, help="write all results here (rewritten after each part)")
+    parser.add_argument("--model-dir", default=str(MODEL_DIR), help="where the random HF directories go")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds: parts that would start later are skipped (and listed as such)")
     args = parser.parse_args(argv)
+    MODEL_DIR = Path(args.model_dir)
     args.compile_decode = {"auto": None, "on": True, "off": False}[args.compile_decode]
     if args.tiny:
-        args.models = ["tiny"] * len(args.models)
+        args.models = list(dict.fromkeys("tiny_qwen3" if is_hf(m) else "tiny" for m in args.models))
         args.decode_batch = [1, 8]
         args.prompt_len, args.new_tokens, args.repeats = 16, 12, 1
         args.prompts, args.group, args.min_prompt_len, args.max_prompt_len = 4, 4, 8, 16
@@ -597,7 +645,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     results: Dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv, "torch": torch.__version__,
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                               "decode": [], "grpo": [], "recipe": [], "errors": []}
+                               "decode": [], "grpo": [], "recipe": [], "errors": [], "skipped": [],
+                               "part_seconds": {}}
+    started = time.perf_counter()
 
     def save() -> None:
         if args.json:
@@ -605,7 +655,13 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 json.dump(results, f, indent=1, default=str)
 
     def attempt(label: str, fn):
+        if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+            print(f"=== {label}: skipped (time budget of {args.time_budget:.0f} s spent)", flush=True)
+            results["skipped"].append(label)
+            save()
+            return None
         print(f"=== {label}", flush=True)
+        t0 = time.perf_counter()
         try:
             r = fn()
             print(json.dumps({k: v for k, v in r.items() if k != "all_steps"}, default=str), flush=True)
@@ -617,6 +673,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             free_memory()
             return None
         finally:
+            results["part_seconds"][label] = time.perf_counter() - t0
             save()
 
     print(f"torch {torch.__version__}, device {results['device']}", flush=True)
@@ -626,30 +683,40 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     bandwidth = (args.bandwidth_gbs or ceil.get("copy_gbs") or 0) * 1e9 or None
     peak_flops = (args.peak_tflops or ceil.get("matmul_bf16_tflops") or 0) * 1e12 or None
 
+    def decode_part(name: str) -> None:
+        model = build_model(name, device, dtype).eval()
+        for compile_mode in args.decode_compile:
+            for rows in args.decode_batch:
+                r = attempt(f"decode {name} rows={rows} compile={compile_mode}",
+                            lambda: measure_decode(model, device, rows, compile_mode == "on", args, bandwidth))
+                if r:
+                    results["decode"].append({"model": name, **r})
+        del model
+        free_memory()
+
+    def recipe_part(name: str) -> None:
+        out_dir = tempfile.mkdtemp(prefix=f"gpu_grpo_recipe_{name}_")
+        r = attempt(f"recipe {name}", lambda: run_recipe(name, device, args, out_dir))
+        if r:
+            if peak_flops:
+                # The recipe's time/train also holds the reference forward: quote the whole step.
+                r["mfu_step_6n_only"] = 6 * r["flop_params"] * r["median"]["tokens_per_second"] / peak_flops
+            results["recipe"].append(r)
+
+    # Per model, the parts in the order given (with a time budget, the first ones get the time).
     for name in args.models:
-        if "decode" in args.parts:
-            model = build_model(name, device, dtype).eval()
-            for compile_mode in args.decode_compile:
-                for rows in args.decode_batch:
-                    r = attempt(f"decode {name} rows={rows} compile={compile_mode}",
-                                lambda: measure_decode(model, device, rows, compile_mode == "on", args, bandwidth))
-                    if r:
-                        results["decode"].append({"model": name, **r})
-            del model
-            free_memory()
-        if "grpo" in args.parts:
-            r = attempt(f"grpo {name}", lambda: run_grpo(name, device, dtype, args, peak_flops))
-            if r:
-                results["grpo"].append(r)
-        if "recipe" in args.parts:
-            out_dir = tempfile.mkdtemp(prefix=f"gpu_grpo_recipe_{name}_")
-            r = attempt(f"recipe {name}", lambda: run_recipe(name, device, args, out_dir))
-            if r:
-                if peak_flops:
-                    # The recipe's time/train also holds the reference forward: quote the whole step.
-                    m = r["median"]
-                    r["mfu_step_6n_only"] = 6 * r["flop_params"] * m["tokens_per_second"] / peak_flops
-                results["recipe"].append(r)
+        for part in (p for p in args.parts if p != "ceilings"):
+            if part == "decode":
+                if args.time_budget is None or time.perf_counter() - started <= args.time_budget:
+                    decode_part(name)
+                else:
+                    results["skipped"].append(f"decode {name}")
+            elif part == "grpo":
+                r = attempt(f"grpo {name}", lambda: run_grpo(name, device, dtype, args, peak_flops))
+                if r:
+                    results["grpo"].append(r)
+            else:
+                recipe_part(name)
     try:
         from torch._dynamo.utils import counters
 

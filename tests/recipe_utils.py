@@ -66,10 +66,13 @@ def tune_command(
 
 
 def tune_env(**extra: str) -> Dict[str, str]:
-    """The environment of a ``tune run``: the repository on PYTHONPATH (test-only components such as
-    ``tests._rewards`` import) with its ``recipes/`` (this checkout's recipe modules, not those of whichever
-    checkout is installed), one intra-op thread, and ``extra``."""
-    path = os.pathsep.join([str(REPO), str(REPO / "recipes")])
+    """The environment of a ``tune run``: the repository and its ``recipes/`` first on PYTHONPATH (test-only
+    components such as ``tests._rewards`` import, and this checkout's recipe modules run, not those of
+    whichever checkout is installed), one intra-op thread, and ``extra``. Entries already on PYTHONPATH are
+    kept after them: where packages are not installed in the interpreter but put on the path (the GPU
+    check's wheels, scripts/gpu_check.sh), the launched recipe needs them too."""
+    inherited = filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    path = os.pathsep.join([str(REPO), str(REPO / "recipes"), *inherited])
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 

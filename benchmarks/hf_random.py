@@ -1,0 +1,96 @@
+"""Random Hugging Face model directories of real shapes, and a tokenizer whose words are token ids.
+
+The GPU check (benchmarks/gpu_grpo.py, benchmarks/gpu_trl.py) needs Qwen3-0.6B- and 1.7B-shaped models with
+no download: :func:`write_model_dir` writes ``config.json`` and random ``model.safetensors`` with
+transformers (``Qwen3Config`` -> ``AutoModelForCausalLM.from_config`` -> ``save_pretrained``), the same kind
+of directory ``tune download`` leaves, which this package reads through the one-line model config
+(``checkpointer.checkpoint_dir``: :class:`~torchtune_grpo.models.HFCheckpointer` +
+:func:`~torchtune_grpo.models.hf_model`) and TRL through ``from_pretrained``.
+
+Prompts are random token ids, so the directory's tokenizer (:func:`write_id_tokenizer`) maps each id ``i``
+to the word ``"i"`` and back (whitespace-separated): text and ids convert exactly both ways, for TRL's
+tokenize/decode round trip, and the reward can be computed on ids alone.
+"""
+
+from pathlib import Path
+from typing import Any, Dict, Union
+
+import torch
+
+# config.json fields of each shape (Qwen3-0.6B and Qwen3-1.7B as published: tied embeddings, GQA 16/8 heads
+# of 128, q/k norms; the tiny one for the CPU rehearsal).
+SHAPES: Dict[str, Dict[str, Any]] = {
+    "qwen3_0_6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "qwen3_1_7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
+    "tiny_qwen3": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+}
+_COMMON = dict(tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
+               rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
+# Qwen's <|endoftext|> (pad) and <|im_end|> (stop) where the vocabulary has them; else its last two ids.
+QWEN_PAD, QWEN_STOP = 151643, 151645
+
+
+def special_ids(vocab_size: int) -> "tuple[int, int]":
+    """``(pad_id, stop_id)``: Qwen's when the vocabulary holds them, else the last two ids."""
+    if vocab_size > QWEN_STOP:
+        return QWEN_PAD, QWEN_STOP
+    return vocab_size - 2, vocab_size - 1
+
+
+def hf_config(shape: str):
+    """The transformers ``Qwen3Config`` of ``shape`` (a key of :data:`SHAPES`)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3", **_COMMON, **SHAPES[shape])
+
+
+def write_model_dir(shape: str, directory: Union[str, Path], device: str = "cpu", seed: int = 0) -> Path:
+    """Write a random ``shape`` model (bf16 safetensors, std 0.02, norms at 1) and its id tokenizer.
+
+    Args:
+        shape (str): a key of :data:`SHAPES`.
+        directory (Union[str, Path]): created if missing; an existing ``config.json`` there is kept as is
+            (the directory is reused).
+        device (str): where the random weights are drawn (``cuda``: seconds for 1.7B parameters).
+        seed (int): RNG seed. Default is 0.
+
+    Returns:
+        Path: ``directory``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    directory = Path(directory)
+    if (directory / "config.json").is_file():
+        return directory
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(directory)
+    del model
+    write_id_tokenizer(directory, SHAPES[shape]["vocab_size"])
+    return directory
+
+
+def write_id_tokenizer(directory: Union[str, Path], vocab_size: int) -> None:
+    """A word-level tokenizer over the words ``"0" .. str(vocab_size - 1)``: ``encode("5 7") == [5, 7]``.
+
+    The pad and end-of-sequence tokens are the words of :func:`special_ids` (special: dropped by
+    ``decode(..., skip_special_tokens=True)``).
+    """
+    from tokenizers import models, pre_tokenizers, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    pad, stop = special_ids(vocab_size)
+    tok = Tokenizer(models.WordLevel({str(i): i for i in range(vocab_size)}, unk_token=str(pad)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=str(pad), eos_token=str(stop))
+    fast.save_pretrained(str(directory))

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, for a bare GPU machine with no network (docs/gpu.md):
+#
+#   bash scripts/gpu_check.sh [--wheels DIR | --no-wheels] [--out DIR] [--budget SECONDS]   # on a GPU
+#   bash scripts/gpu_check.sh --device cpu --tiny --wheels DIR --out DIR           # its CPU rehearsal
+#
+# 1. installs the carried wheels (DIR, default .whl/: scripts/gpu_wheels.py downloads them) with
+#    `pip install --no-index --no-deps --target SITE`, SITE a fresh temporary directory put on PYTHONPATH
+#    (after this checkout and its recipes/); with no wheels, the interpreter's own packages are used;
+# 2. env: the device and every package's version and origin (scripts/gpu_report.py env);
+# 3. tests: the GPU test set, pytest -m gpu tests/test_gpu.py --device DEVICE (JUnit XML with their figures);
+# 4. grpo_0_6b: benchmarks/gpu_grpo.py on the Qwen3-0.6B shape: ceilings, decode, one GRPO step, the recipe;
+# 5. trl: benchmarks/gpu_trl.py, TRL's GRPOTrainer on the same model and batch (the step-time ratio);
+# 6. grpo_1_7b: benchmarks/gpu_grpo.py on the Qwen3-1.7B shape: decode and the recipe, in the time left;
+# 7. the report: OUT/gpu_check.json and OUT/gpu_check.md (rewritten after every stage, so a check cut
+#    short still leaves what it measured).
+#
+# Each stage runs under `timeout` within the budget (default 480 s: 8 minutes on one H100, inside the
+# 10 minutes a command may take there); a stage past its share is stopped and reported, and the next
+# one runs. --tiny: tiny shapes for the CPU rehearsal (tests/test_gpu_check.py runs it in the CPU suite).
+# Exit status 0 only when every stage exited 0, every GPU test passed and no benchmark part raised.
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WHEELS="$REPO/.whl"
+OUT_DIR="$REPO/gpu_check_out"
+DEVICE=cuda
+TINY=()
+BUDGET=480
+PYTHON="${PYTHON:-python3}"
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --wheels) WHEELS="$2"; shift 2 ;;
+    --no-wheels) WHEELS=""; shift ;;
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --device) DEVICE="$2"; shift 2 ;;
+    --tiny) TINY=(--tiny); shift ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,gpu_check.json,gpu_check.md,*.log}
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+START=$SECONDS
+cd "$REPO"
+
+# A stage: NAME SHARE(seconds, capped by what is left of the budget) COMMAND... ; its output goes to
+# OUT/NAME.log and the terminal, its exit status and duration to OUT/stages.jsonl.
+stage() {
+  local name="$1" share="$2"; shift 2
+  local left=$(( BUDGET - (SECONDS - START) ))
+  (( share > left )) && share=$left
+  if (( share < 10 )); then
+    echo "{\"name\": \"$name\", \"rc\": 0, \"seconds\": 0, \"skipped\": \"no time left\"}" >> "$OUT_DIR/stages.jsonl"
+    echo "=== $name: skipped, no time left of the ${BUDGET} s budget"
+    return
+  fi
+  echo "=== $name (at most ${share} s)"
+  local t0=$SECONDS rc
+  timeout --kill-after=15 "$share" "$@" 2>&1 | tee "$OUT_DIR/$name.log"
+  rc=${PIPESTATUS[0]}
+  local timed_out=false
+  (( rc == 124 || rc == 137 )) && timed_out=true
+  echo "{\"name\": \"$name\", \"rc\": $rc, \"seconds\": $(( SECONDS - t0 )), \"timed_out\": $timed_out}" >> "$OUT_DIR/stages.jsonl"
+  "$PYTHON" scripts/gpu_report.py report "$OUT_DIR" > /dev/null
+}
+
+# 1. the carried wheels
+SITE="$WORK/site"
+shopt -s nullglob
+wheels=()
+[[ -n "$WHEELS" ]] && wheels=("$WHEELS"/*.whl)
+if (( ${#wheels[@]} )); then
+  stage install 120 "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "${wheels[@]}"
+else
+  echo "no wheels${WHEELS:+ in $WHEELS}: using the interpreter's own packages"
+fi
+export PYTHONPATH="$REPO:$REPO/recipes:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+MODELS="$WORK/models"
+
+# 2-6
+stage env 60 "$PYTHON" scripts/gpu_report.py env "$OUT_DIR"
+stage tests 150 "$PYTHON" -m pytest -q -p no:cacheprovider -n 0 -m gpu --device "$DEVICE" \
+  --junitxml "$OUT_DIR/gpu_tests.xml" tests/test_gpu.py
+GRPO=("$PYTHON" benchmarks/gpu_grpo.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS")
+stage grpo_0_6b 150 "${GRPO[@]}" --models qwen3_0_6b --repeats 2 --json "$OUT_DIR/grpo_0_6b.json" \
+  --time-budget 110
+stage trl 90 "$PYTHON" benchmarks/gpu_trl.py --device "$DEVICE" "${TINY[@]}" --model qwen3_0_6b \
+  --model-dir "$MODELS" --json "$OUT_DIR/trl.json"
+if (( ${#TINY[@]} )); then  # the second shape is the same tiny model: rehearse the stage, not the parts again
+  stage grpo_1_7b 120 "${GRPO[@]}" --models qwen3_1_7b --parts recipe --json "$OUT_DIR/grpo_1_7b.json"
+else
+  # What is left of the budget: the recipe first, then the compiled decode if time remains.
+  stage grpo_1_7b 300 "${GRPO[@]}" --models qwen3_1_7b --parts ceilings recipe decode --decode-compile on \
+    --repeats 2 --json "$OUT_DIR/grpo_1_7b.json" --time-budget 40
+fi
+
+# 7. the report (its exit status is the check's)
+echo "=== report: $OUT_DIR/gpu_check.md ($(( SECONDS - START )) s in all)"
+"$PYTHON" scripts/gpu_report.py report "$OUT_DIR"

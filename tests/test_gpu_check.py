@@ -1,0 +1,146 @@
+"""The GPU check (scripts/gpu_check.sh, docs/gpu.md) rehearsed on CPU, so that it cannot rot before a GPU
+run: the whole script end to end with ``--device cpu --tiny`` (the carried wheels installed into a site
+directory as on the GPU machine, the GPU test set, every benchmark part, TRL, the report), the wheel
+bundle against the 64 MiB that can travel, and the report's reading of test and stage outcomes.
+
+The wheels come from scripts/setup_env.sh (``$VENV/gpu-wheels/{device,rehearsal}``, downloaded by
+scripts/gpu_wheels.py); ``GPU_CHECK_WHEELS`` names another folder with those two subfolders.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_report  # noqa: E402  (scripts/ is not a package)
+import gpu_wheels  # noqa: E402
+
+WHEELS = Path(os.environ.get("GPU_CHECK_WHEELS", Path(sys.prefix) / "gpu-wheels"))
+GPU_TESTS = {
+    "test_bf16_with_fp32_master_weights_moves_at_lr_1e6_and_tracks_fp32",
+    "test_compiled_decode_equals_eager_tokens_and_logprobs[fp32]",
+    "test_compiled_decode_equals_eager_tokens_and_logprobs[bf16]",
+    "test_fsdp2_on_one_device_matches_the_plain_model",
+    "test_lora_and_qlora_steps[lora]",
+    "test_lora_and_qlora_steps[qlora]",
+    "test_chunked_logprobs_peak_memory_is_two_chunk_buffers",
+    "test_recipe_checkpoint_loads_in_transformers_with_equal_logits",
+}
+
+
+def _wheels(kind: str) -> Path:
+    path = WHEELS / kind
+    assert list(path.glob("*.whl")), (
+        f"no wheels in {path}: scripts/setup_env.sh downloads them (python scripts/gpu_wheels.py "
+        f"{'--this-python ' if kind == 'rehearsal' else ''}--dest {path}), or set GPU_CHECK_WHEELS"
+    )
+    return path
+
+
+@pytest.mark.slow
+def test_rehearsal_runs_every_part_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)  # the script sets it: the checkout, then the wheels' site directory
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--wheels",
+         str(_wheels("rehearsal")), "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["ok"] and report["problems"] == []
+    assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "grpo_0_6b", "trl", "grpo_1_7b"]
+    # The carried packages were imported from the site directory, not from this interpreter's.
+    packages = report["env"]["packages"]
+    for name in ("torchtune", "torchao", "omegaconf", "datasets", "trl"):
+        assert not packages[name]["from"].startswith(sys.prefix), (name, packages[name])
+    assert packages["torchtune_grpo"]["from"] == str(REPO)
+    # Every GPU test ran (on CPU) and passed, with its figures.
+    tests = {t["name"]: t for t in report["tests"]}
+    assert set(tests) == GPU_TESTS and all(t["outcome"] == "passed" for t in tests.values())
+    assert tests["test_fsdp2_on_one_device_matches_the_plain_model"]["figures"]["fsdp2_vs_plain_max_weight_diff"] <= 1e-5
+    # Every benchmark part, on the tiny stand-in of the Qwen3 shapes read from its Hugging Face directory.
+    first, second = report["grpo"]
+    assert [(d["rows"], d["compiled"]) for d in first["decode"]] == [(1, True), (8, True), (1, False), (8, False)]
+    assert first["grpo"][0]["model"] == "tiny_qwen3" and first["grpo"][0]["rows"] == 16
+    assert [r["model"] for r in first["recipe"] + second["recipe"]] == ["tiny_qwen3", "tiny_qwen3"]
+    assert report["trl"]["rows"] == 16 and report["trl"]["median_step_s"] > 0
+    assert report["ours_vs_trl"]["ratio"] > 0
+    md = (out / "gpu_check.md").read_text()
+    assert md.startswith("# GPU check: OK") and "Step time, ours / TRL (tiny_qwen3)" in md
+
+
+def test_device_wheel_bundle_fits_and_covers_every_requirement():
+    # The set carried to the GPU machine (Python 3.12, manylinux x86-64): exactly scripts/gpu_wheels.py's
+    # CARRY, each requirement carried, on the image or not needed, and with the source tree under 64 MiB.
+    r = gpu_wheels.report(_wheels("device"))
+    assert r["missing"] == [] and r["duplicates"] == [] and r["absent"] == []
+    assert r["total_bytes"] <= gpu_wheels.LIMIT_BYTES, r["total_bytes"]
+    tags = {w["file"].rsplit("-", 3)[1] for w in r["wheels"]}  # the Python tag of each wheel
+    assert tags <= {"py3", "py2.py3", "cp312", "cp310", "py312"}, tags
+
+
+def _fake_wheel(directory: Path, name: str, requires: list) -> Path:
+    path = directory / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        meta = "Metadata-Version: 2.1\nName: {}\nVersion: 1.0\n".format(name)
+        meta += "".join(f"Requires-Dist: {r}\n" for r in requires)
+        z.writestr(f"{name}-1.0.dist-info/METADATA", meta)
+    return path
+
+
+def test_wheel_requirements_are_carried_on_the_image_or_missing(tmp_path):
+    # a needs b (carried), numpy (on the image), blobfile (not needed) and zzz (nowhere);
+    # a Windows-only and an extra-only requirement do not apply on the GPU machine.
+    a = _fake_wheel(tmp_path, "a", ["b>=1", "numpy", "blobfile", "zzz", "pywin32; sys_platform == 'win32'",
+                                    "rich; extra == 'fancy'"])
+    b = _fake_wheel(tmp_path, "b", [])
+    rows, missing = gpu_wheels.check_closure([a, b])
+    where = {r["requires"]: r["from"] for r in rows}
+    assert where == {"b": "carried", "numpy": "image", "blobfile": f"not needed: {gpu_wheels.NOT_NEEDED['blobfile']}",
+                     "zzz": "MISSING"}
+    assert missing == ["a -> zzz"]
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
+<testcase classname="tests.test_gpu" name="test_a" time="1.5"><properties>
+<property name="diff" value="0.25"/></properties></testcase>
+<testcase classname="tests.test_gpu" name="test_b" time="2.0"><failure message="assert 1 == 2">trace</failure></testcase>
+<testcase classname="tests.test_gpu" name="test_c" time="0.1"><skipped message="why"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_report_reads_outcomes_figures_stages_and_the_trl_ratio(tmp_path):
+    (tmp_path / "gpu_tests.xml").write_text(JUNIT)
+    (tmp_path / "stages.jsonl").write_text(
+        '{"name": "tests", "rc": 1, "seconds": 3}\n{"name": "trl", "rc": 124, "seconds": 90, "timed_out": true}\n')
+    (tmp_path / "grpo_0_6b.json").write_text(json.dumps({
+        "argv": [], "decode": [], "grpo": [], "errors": [{"part": "decode x", "error": "OOM"}],
+        "recipe": [{"model": "qwen3_0_6b", "median": {"time/step": 3.0}}]}))
+    (tmp_path / "trl.json").write_text(json.dumps({
+        "model": "qwen3_0_6b", "trl": "1.16.0", "prompts": 32, "group": 8, "rows": 256, "micro_batch": 32,
+        "dtype": "bf16", "median_step_s": 12.0, "tokens_per_s": 8000.0}))
+    report = gpu_report.build_report(tmp_path)
+    assert [(t["name"], t["outcome"]) for t in report["tests"]] == [
+        ("test_a", "passed"), ("test_b", "failed"), ("test_c", "skipped")]
+    assert report["tests"][0]["figures"] == {"diff": 0.25}
+    # A skip is not a pass: the GPU check is not OK unless every test passed.
+    assert report["problems"] == ["stage tests exited 1", "stage trl exited 124 (time limit)",
+                                  "test test_b failed", "test test_c skipped", "gpu_grpo decode x: OOM"]
+    assert not report["ok"]
+    assert report["ours_vs_trl"] == {"model": "qwen3_0_6b", "ours_step_s": 3.0, "trl_step_s": 12.0, "ratio": 0.25}
+    md = gpu_report.markdown(report)
+    assert md.startswith("# GPU check: NOT OK") and "**Step time, ours / TRL (qwen3_0_6b): 0.25x**" in md
+
+
+def test_report_without_any_test_result_is_not_ok(tmp_path):
+    report = gpu_report.build_report(tmp_path)
+    assert report["problems"] == ["no GPU test results (gpu_tests.xml)"] and not report["ok"]
