@@ -57,8 +57,7 @@ from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.experience import ExperienceBuilder, Reference
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
-from torchtune_grpo.generation import check_engine, GenerationEngine, WeightSyncCheck
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
 from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metrics import JsonlWriter
 from torchtune_grpo.models import drop_pad_input_embedding_grad
@@ -276,15 +275,19 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # Multi-turn episodes (docs/multi_turn.md): set before the datasets tokenize their prompts, which
         # then list the environment's tools.
         self._multi_turn = self._setup_multi_turn(cfg)
-        # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
-        # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
-        self._weight_sync = None
-        if self._engine.holds_weights:
-            ws_cfg = self.config.weight_sync
-            self._weight_sync = config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck()
-        self._num_syncs = 0
         self._optimizer = instantiate_component(cfg, "optimizer", self._model.parameters())
         self._sampler, self._dataloader = self._setup_data(cfg)
+        # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
+        # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
+        self._publisher = None
+        if self._engine.holds_weights:
+            ws_cfg = self.config.weight_sync
+            self._publisher = WeightPublisher(
+                self._engine, config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck(),
+                probe_prompt=self._dataloader.dataset[0]["tokens"],  # the same on every rank and every check
+                device=self._device, all_reduce_max=lambda x: self._all_reduce([x], Reduce.MAX)[0],
+                chunk_size=self.logprob_chunk_size,
+            )
         self._setup_validation(cfg)
 
         self.epochs = self.config.epochs
@@ -348,9 +351,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         profiler_cfg = self.config.profiler or OmegaConf.create(_PROFILER_OFF)
         self._profiler, _ = config.instantiate(profiler_cfg)
         self._write_algorithm_card(cfg)
-        if self._engine.holds_weights:
+        if self._publisher is not None:
             # The engine started from checkpoint_dir; a resumed or converted policy may differ from it.
-            sync = self._sync_engine_weights(step=self.global_step)
+            sync = self._publisher.publish(self._model, step=self.global_step)
             utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
 
     def _write_algorithm_card(self, cfg: DictConfig) -> None:
@@ -662,7 +665,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         stats = self._update(exp, step=self.global_step)
         crash_point("update", self.global_step + 1)
         # The engine (vLLM) samples the next step from the weights just updated.
-        sync = self._sync_engine_weights(step=self.global_step + 1) if self._engine.holds_weights else None
+        sync = self._publisher.publish(self._model, step=self.global_step + 1) if self._publisher else None
         t_step = time.perf_counter() - t0
 
         # Metrics: this rank's quantities, reduced over ranks by key, then the declared metrics
@@ -783,52 +786,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # Logprobs are those of the distribution sampled from (temperature-scaled), as in the ratio. It is
         # > 0: checked when the recipe starts.
         return float(self._engine.temperature)
-
-    # ======================================================================================= engine sync
-
-    def _full_weights(self) -> Iterator["tuple[str, torch.Tensor]"]:
-        """``(torchtune name, full tensor)`` of every policy weight, gathered from FSDP2 one at a time.
-
-        A generator with collectives inside: every rank must consume it completely, in the same order.
-        """
-        for name, param in self._model.state_dict().items():
-            if param.device != self._device:
-                param = param.to(self._device)  # fsdp_cpu_offload: gather on the compute device
-            if hasattr(param, "full_tensor"):  # a DTensor shard
-                param = param.full_tensor()
-            yield name, param.detach()
-
-    def _sync_engine_weights(self, step: int) -> Dict[str, float]:
-        """Load the policy's weights into the engine (vLLM) and, when due, check it samples from them.
-
-        Each rank's engine gets the full weights (one engine per rank, docs/vllm.md). The check scores a
-        fixed probe sequence with the trainer and with the engine; the largest difference over all ranks is
-        logged as ``generation/sync_logprob_diff``, and every rank stops with ``WeightSyncError`` when it
-        exceeds ``weight_sync.tolerance``. ``step``: optimizer steps the weights have taken (for messages).
-        """
-        t0 = time.perf_counter()
-        self._engine.load_weights(self._full_weights())
-        metrics = {}
-        if self._weight_sync.due(self._num_syncs):
-            first_prompt = self._dataloader.dataset[0]["tokens"]  # the same on every rank and every check
-            probe = self._weight_sync.probe(self._engine.vocab_size, prompt=first_prompt)
-            self._model.eval()
-            with torch.no_grad():
-                trainer = sequence_logprobs(
-                    self._model,
-                    torch.tensor([probe], device=self._device),
-                    chunk_size=self.logprob_chunk_size,
-                ).logprobs[0]
-            diff = self._weight_sync.measure(trainer, self._engine.prompt_logprobs(probe))
-            # NaN -> +inf first: gloo's MAX can drop a NaN, and a broken rank must stop every rank.
-            t = torch.tensor([self._weight_sync.reducible(diff)], dtype=torch.float64, device=self._device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            diff = t.item()
-            self._weight_sync.verify(diff, step=step)
-            metrics["generation/sync_logprob_diff"] = diff
-        self._num_syncs += 1
-        metrics["time/weight_sync"] = time.perf_counter() - t0
-        return metrics
 
     # =========================================================================== metrics and evaluation
 

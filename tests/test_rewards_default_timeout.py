@@ -117,29 +117,34 @@ def test_yaml_default_and_timeout_null():
         RewardSet([hangs], weights=[1.0], default_timeout=0)
 
 
-def test_watchdog_names_a_reward_without_limit_that_runs_long(monkeypatch, caplog):
+def test_watchdog_names_a_reward_without_limit_that_runs_long(monkeypatch):
     monkeypatch.setattr(_base, "DEFAULT_REWARD_TIMEOUT", 0.05)
     logged = threading.Event()
+    messages = []
 
+    # A handler on the module's own logger, not caplog: another test in the same worker may have changed
+    # how records propagate to the root logger (an in-process recipe configures logging).
     class Flag(logging.Handler):
         def emit(self, record):
+            messages.append(record.getMessage())
             if "has been running" in record.getMessage():
                 logged.set()
 
-    handler = Flag()
-    logging.getLogger(_base.__name__).addHandler(handler)
+    handler = Flag(level=logging.WARNING)
+    logger = logging.getLogger(_base.__name__)
+    logger.addHandler(handler)
 
     def slow(batch):
         logged.wait(30)  # returns once the watchdog has spoken (or after 30 s, and the test fails)
         return [1.0] * len(batch.completions)
 
     try:
-        with caplog.at_level(logging.WARNING):
-            out = RewardSet([slow], weights=[1.0], timeouts=[float("inf")])(make_batch(["a"]))
+        out = RewardSet([slow], weights=[1.0], timeouts=[float("inf")])(make_batch(["a"]))
     finally:
-        logging.getLogger(_base.__name__).removeHandler(handler)
+        logger.removeHandler(handler)
     assert logged.is_set() and out.errors == {"slow": 0}
-    assert "reward 'slow' has been running for" in caplog.text and "no timeout" in caplog.text
+    text = "\n".join(messages)
+    assert "reward 'slow' has been running for" in text and "no timeout" in text
 
 
 def test_math_reward_keeps_math_verify_limits_in_the_main_thread():

@@ -122,7 +122,7 @@ def rank_main(rank, port, out_dir):
     diff = check.measure(torch.tensor([-1.0, -2.0]), engine)
     raw = torch.tensor([diff], dtype=torch.float64)
     dist.all_reduce(raw, op=dist.ReduceOp.MAX)  # what the recipe did before: the NaN can vanish
-    # The recipe's reduction (_sync_engine_weights): reducible() before MAX, verify() after.
+    # WeightPublisher.publish's reduction: reducible() before MAX, verify() after.
     t = torch.tensor([check.reducible(diff)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     try:

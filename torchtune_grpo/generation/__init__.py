@@ -2,6 +2,7 @@
 
 from torchtune_grpo.generation._engine import check_engine, GenerationEngine, GenerationSession
 from torchtune_grpo.generation._native import NativeGenerator
+from torchtune_grpo.generation._publisher import full_weights, WeightPublisher
 from torchtune_grpo.generation._rollout import Rollout, decode_responses
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._vllm import VLLMGenerator
@@ -14,9 +15,11 @@ __all__ = [
     "Rollout",
     "TuneToHFNames",
     "VLLMGenerator",
+    "WeightPublisher",
     "WeightSyncCheck",
     "WeightSyncError",
     "check_engine",
     "decode_responses",
+    "full_weights",
     "sample_tokens",
 ]
