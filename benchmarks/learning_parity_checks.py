@@ -110,8 +110,10 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
         return exp, kl
 
     recipe.build_experience = experience_and_capture
-    recipe._collect_rollouts = lambda batch: (rollouts, 1)
-    metrics, _ = recipe._train_step(recipe._next_batch())
+    from torchtune_grpo.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
+
+    recipe.rollouts = FixedRollouts(rollouts)
+    metrics, _ = recipe._train_step(recipe.prompts.next())
     clip = float(recipe.clip_grad_norm)
     norm = float(metrics["grad_norm"])
     scale = max(norm / clip, 1.0)  # undo the clipping: raw gradients, comparable whatever the norms
@@ -521,8 +523,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             rollouts = rollouts_from(data, recipe._tokenizer)
             t0 = time.perf_counter()
         else:
-            batch = recipe._next_batch()
-            rollouts = recipe._generate_and_score(batch)  # our engine, our rewards; then rewards fixed below
+            batch = recipe.prompts.next()
+            rollouts = recipe.rollouts.round(recipe._model, batch)  # our engine, our rewards; then rewards fixed below
             rollouts.rewards = torch.tensor(FIXED_REWARDS[: len(rollouts.response_ids)])
             data = {"prompts": [bench.read_jsonl(out / "train_order.jsonl")[i]["prompt"] for i in range(GROUPS)],
                     "answers": [f["answer"] for f in rollouts.fields], "prompt_ids": rollouts.prompt_ids,

@@ -58,7 +58,7 @@ def sample_batches(recipe, out: Path, steps: int, groups: int) -> List[Dict[str,
     order = bench.read_jsonl(out / "train_order.jsonl")
     batches = []
     for k in range(steps):
-        r = recipe._generate_and_score(recipe._next_batch())
+        r = recipe.rollouts.round(recipe._model, recipe.prompts.next())
         batches.append({
             "prompts": [order[k * groups + i]["prompt"] for i in range(groups)],
             "answers": [f["answer"] for f in r.fields], "prompt_ids": [list(p) for p in r.prompt_ids],
@@ -70,12 +70,13 @@ def sample_batches(recipe, out: Path, steps: int, groups: int) -> List[Dict[str,
 
 def replay_ours(recipe, batches: List[Dict[str, Any]], model_dir: Path, group_size: int) -> Dict[str, Any]:
     """Our recipe's step on each batch in turn: per-step metrics and the total parameter change (HF names)."""
+    from torchtune_grpo.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
+
     before = {k: v.detach().clone() for k, v in recipe._model.named_parameters()}
     steps = []
     for data in batches:
-        rollouts = parity.rollouts_from(data, recipe._tokenizer, group_size)
-        recipe._collect_rollouts = lambda batch, r=rollouts: (r, 1)
-        metrics, _ = recipe._train_step(recipe._next_batch())
+        recipe.rollouts = FixedRollouts(parity.rollouts_from(data, recipe._tokenizer, group_size))
+        metrics, _ = recipe._train_step(recipe.prompts.next())
         steps.append({k: float(metrics[k]) for k in ("loss", "grad_norm", "entropy")})
     delta = {k: p.detach() - before[k] for k, p in recipe._model.named_parameters()}
     return {"steps": steps, "delta": parity.hf_named(model_dir, delta)}

@@ -64,13 +64,13 @@ from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length
 from torchtune_grpo.precision import Precision, shard_model
+from torchtune_grpo.producer import PromptStream, RolloutProducer
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
 from torchtune_grpo.output_lock import OutputDirLock
 from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
 from torchtune_grpo.resume import config_changes, earlier_run_note, save_start_config
-from torchtune_grpo.rollout import RolloutGroups, sample_and_score
 from torchtune_grpo.setup_checks import check_device, check_output_dir, check_state_dict_shapes
 from torchtune_grpo.metric_sums import Key, Reduce, reduce_over_ranks
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
@@ -176,8 +176,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self._reshard_after_forward = c.fsdp_reshard_after_forward
         self.seed = training.set_seed(seed=c.seed)
         self.global_step = 0
-        self.epochs_run = 0
-        self._data_iter: Optional[Iterator[Any]] = None
         # Held-out evaluation: at step 0, every eval_every_n_steps and at the end (when `validation` is set).
         self.eval_every_n_steps = c.eval_every_n_steps
         self.eval_num_samples = c.eval_num_samples
@@ -338,9 +336,17 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
+        # This rank's prompts across epochs, and the step's scored rollouts (torchtune_grpo/producer.py).
+        self.prompts = PromptStream(self._dataloader, self._sampler)
+        self.rollouts = RolloutProducer(
+            engine=self._engine, tokenizer=self._tokenizer, rewards=self._rewards, prompts=self.prompts,
+            group_size=self.group_size, batch_size=self.batch_size, max_new_tokens=self.max_response_length,
+            generator=self._generator, dynamic=self._dynamic, multi_turn=self._multi_turn,
+            generation_context=self._unsharded_for_generation, all_reduce_sum=self._all_reduce_sum,
+        )
 
         if recipe_state is not None:
-            self.global_step, self.epochs_run = recipe_state["step"], recipe_state["epoch"]
+            self.global_step, self.prompts.epoch = recipe_state["step"], recipe_state["epoch"]
             restored_rng = restore_training_state(
                 recipe_state, model=self._model, optimizer=self._optimizer, lr_scheduler=self._lr_scheduler,
                 dataloader=self._dataloader, generator=self._generator, device=self._device, rank=self.rank,
@@ -620,7 +626,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._log_eval()  # step 0 (or the resumed step): the baseline
         # max_steps (when set) wins over epochs; the data then cycles for as many epochs as needed.
         while self.global_step < self.total_steps:
-            metrics, samples = self._train_step(self._next_batch())
+            metrics, samples = self._train_step(self.prompts.next())
             self.global_step += 1
             pbar.update(1)
             pbar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
@@ -656,7 +662,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def _train_step(self, batch) -> "tuple[Dict[str, Any], List[Dict[str, Any]]]":
         """One GRPO step on this rank's prompt ``batch``: the metrics (global) and ``completions.jsonl`` rows."""
         t0 = time.perf_counter()
-        generated, num_rounds = self._collect_rollouts(batch)  # rollout and rewards
+        generated, num_rounds = self.rollouts.collect(self._model, batch)  # rollout and rewards
         crash_point("rollout", self.global_step + 1)
         selection = self._dynamic.select(generated, self.batch_size)
         trained = generated.select(selection.indices)
@@ -715,20 +721,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     # ========================================================================================== rollout
 
-    def _next_batch(self):
-        """The next prompt batch of this rank, starting a new epoch (reshuffled) when one ends."""
-        while True:
-            if self._data_iter is None:
-                self._sampler.set_epoch(self.epochs_run)
-                self._data_iter = iter(self._dataloader)  # resumes mid-epoch after load_state_dict
-            try:
-                return next(self._data_iter)
-            except StopIteration:
-                # DistributedSampler(drop_last) gives every rank the same number of batches, so all ranks
-                # roll over together.
-                self._data_iter = None
-                self.epochs_run += 1
-
     @contextmanager
     def _unsharded_for_generation(self) -> Iterator[None]:
         # Gather the parameters once per rollout rather than once per decoded token.
@@ -745,36 +737,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             for m in fsdp_modules:
                 m.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
                 m.reshard()
-
-    def _generate_and_score(self, batch) -> RolloutGroups:
-        """One generation round: ``group_size`` completions for each prompt of ``batch``, with rewards."""
-        self._model.eval()  # no dropout while sampling
-        return sample_and_score(
-            self._model,
-            self._tokenizer,
-            self._engine,
-            batch,
-            self._rewards,
-            group_size=self.group_size,
-            max_new_tokens=self.max_response_length,
-            generator=self._generator,
-            generation_context=self._unsharded_for_generation(),
-            multi_turn=self._multi_turn,
-        )
-
-    def _collect_rollouts(self, batch) -> "tuple[RolloutGroups, int]":
-        """Generation rounds of this step: one, or (dynamic sampling) until the batch can be filled.
-
-        Every rank runs the same number of rounds (generation and FSDP collectives need it): after each
-        round the ranks agree, with one all-reduce, whether any of them still lacks informative groups.
-        """
-        rounds = [self._generate_and_score(batch)]
-        while len(rounds) < self._dynamic.max_rounds:
-            wanted = self._dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
-            if self._all_reduce_sum([float(wanted)])[0] == 0:
-                break
-            rounds.append(self._generate_and_score(self._next_batch()))  # new prompts
-        return RolloutGroups.concat(rounds), len(rounds)
 
     def _reference(self) -> Optional[Reference]:
         """What the KL term is measured against: the frozen initial policy, or None without a KL term (a
@@ -859,7 +821,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             raise NonFiniteError(advice(f"Not saving step {step}: weights hold NaN or inf"))
         model_state = self._gather_model_state()
         training_state = capture_training_state(
-            step=self.global_step, epoch=self.epochs_run, seed=self.seed, model=self._model,
+            step=self.global_step, epoch=self.prompts.epoch, seed=self.seed, model=self._model,
             optimizer=self._optimizer, lr_scheduler=self._lr_scheduler, dataloader=self._dataloader,
             generator=self._generator, device=self._device, is_rank_zero=self._is_rank_zero,
             gather_objects=self._all_gather_objects, config=self._config_record,

@@ -267,7 +267,7 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
         assert base_before.keys() == asset.keys()
         assert all(torch.equal(base_before[k], asset[k]) for k in asset)
 
-    metrics, _ = recipe._train_step(recipe._next_batch())
+    metrics, _ = recipe._train_step(recipe.prompts.next())
     assert metrics["grad_norm"] > 0
     after = {n: _dense(p) for n, p in model.named_parameters()}
     # Base weights did not move; the adapters did (every B was zero).

@@ -1,0 +1,150 @@
+"""Where a step's rollouts come from: :class:`PromptStream` and :class:`RolloutProducer`.
+
+:class:`PromptStream` hands out this rank's prompt batches across epochs (the sampler reshuffled at each
+epoch, the position restored on resume). :class:`RolloutProducer` turns a batch into scored groups with the
+current policy: one generation round, or with DAPO's dynamic sampling more rounds on new prompts until the
+batch can be filled; every rank runs the same number of rounds (they agree with one all-reduce per round).
+
+Today the producer runs on the trainer's own ranks, colocated and synchronous; it is the part that an
+asynchronous setup moves onto generation workers, with the trainer consuming its ``RolloutGroups``.
+"""
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, List, Optional
+
+import torch
+from torch import nn
+
+from torchtune_grpo.data import PromptBatch
+from torchtune_grpo.dynamic_sampling import DynamicSampling
+from torchtune_grpo.generation import GenerationEngine
+from torchtune_grpo.multiturn import MultiTurn
+from torchtune_grpo.rewards import RewardSet
+from torchtune_grpo.rollout import RolloutGroups, sample_and_score
+
+__all__ = ["FixedRollouts", "PromptStream", "RolloutProducer"]
+
+
+def _local_sum(values: List[float]) -> List[float]:
+    return values
+
+
+class PromptStream:
+    """This rank's prompt batches, epoch after epoch.
+
+    Args:
+        dataloader (Any): a ``StatefulDataLoader`` over the prompts (its ``state_dict`` holds the position).
+        sampler (Any): its ``DistributedSampler`` (``set_epoch`` reshuffles).
+        epoch (int): the epoch to start in (a resumed run's). Default is 0.
+    """
+
+    def __init__(self, dataloader: Any, sampler: Any, epoch: int = 0) -> None:
+        self.dataloader = dataloader
+        self.sampler = sampler
+        self.epoch = int(epoch)
+        self._batches: Optional[Any] = None
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.dataloader)
+
+    def next(self) -> PromptBatch:
+        """The next batch, starting a new (reshuffled) epoch when one ends.
+
+        ``DistributedSampler(drop_last=True)`` gives every rank the same number of batches, so all ranks roll
+        over together.
+        """
+        while True:
+            if self._batches is None:
+                self.sampler.set_epoch(self.epoch)
+                self._batches = iter(self.dataloader)  # resumes mid-epoch after load_state_dict
+            try:
+                return next(self._batches)
+            except StopIteration:
+                self._batches = None
+                self.epoch += 1
+
+
+class RolloutProducer:
+    """Scored rollouts of one step on this rank (see the module docstring).
+
+    Args:
+        engine (GenerationEngine): samples completions.
+        tokenizer: the policy's tokenizer.
+        rewards (RewardSet): scores them.
+        prompts (PromptStream): where new prompts come from (dynamic sampling's extra rounds).
+        group_size (int): completions per prompt.
+        batch_size (int): prompts (groups) per rank per step.
+        max_new_tokens (int): the response budget.
+        generator (torch.Generator): this rank's sampling RNG.
+        dynamic (Optional[DynamicSampling]): dynamic sampling; None is one round. Default is None.
+        multi_turn (Optional[MultiTurn]): multi-turn episodes instead of single completions. Default is None.
+        generation_context (Callable[[], ContextManager]): entered around each generation call (FSDP2: the
+            parameters gathered once per round, not once per decoded token). Default is no context.
+        all_reduce_sum (Callable[[List[float]], List[float]]): sums floats over ranks. Default is one process.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: GenerationEngine,
+        tokenizer: Any,
+        rewards: RewardSet,
+        prompts: PromptStream,
+        group_size: int,
+        batch_size: int,
+        max_new_tokens: int,
+        generator: torch.Generator,
+        dynamic: Optional[DynamicSampling] = None,
+        multi_turn: Optional[MultiTurn] = None,
+        generation_context: Callable[[], ContextManager] = nullcontext,
+        all_reduce_sum: Callable[[List[float]], List[float]] = _local_sum,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.rewards = rewards
+        self.prompts = prompts
+        self.group_size = int(group_size)
+        self.batch_size = int(batch_size)
+        self.max_new_tokens = int(max_new_tokens)
+        self.generator = generator
+        self.dynamic = dynamic if dynamic is not None else DynamicSampling()
+        self.multi_turn = multi_turn
+        self.generation_context = generation_context
+        self.all_reduce_sum = all_reduce_sum
+
+    def round(self, policy: nn.Module, batch: PromptBatch) -> RolloutGroups:
+        """One generation round: ``group_size`` completions for each prompt of ``batch``, scored."""
+        policy.eval()  # no dropout while sampling
+        return sample_and_score(
+            policy, self.tokenizer, self.engine, batch, self.rewards, group_size=self.group_size,
+            max_new_tokens=self.max_new_tokens, generator=self.generator,
+            generation_context=self.generation_context(), multi_turn=self.multi_turn,
+        )
+
+    def collect(self, policy: nn.Module, batch: PromptBatch) -> "tuple[RolloutGroups, int]":
+        """The step's rounds: ``batch``'s, then (dynamic sampling) rounds on new prompts until every rank
+        has enough informative groups or ``max_rounds`` is reached. Returns the groups and the rounds run."""
+        rounds = [self.round(policy, batch)]
+        while len(rounds) < self.dynamic.max_rounds:
+            wanted = self.dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
+            if self.all_reduce_sum([float(wanted)])[0] == 0:
+                break
+            rounds.append(self.round(policy, self.prompts.next()))  # new prompts
+        return RolloutGroups.concat(rounds), len(rounds)
+
+
+class FixedRollouts:
+    """A producer that returns the same given rollouts every step, in one round: for replaying recorded or
+    scripted rollouts through a recipe's real update (benchmarks/learning_replay.py), in place of
+    :class:`RolloutProducer`.
+
+    Args:
+        rollouts (RolloutGroups): what :meth:`collect` returns.
+    """
+
+    def __init__(self, rollouts: RolloutGroups) -> None:
+        self.rollouts = rollouts
+
+    def collect(self, policy: nn.Module, batch: Any) -> "tuple[RolloutGroups, int]":
+        return self.rollouts, 1
