@@ -4,17 +4,18 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torchtune.modules import TransformerDecoder
 
 from torchtune_grpo.attention import installable
 from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool
 from torchtune_grpo.generation._layouts import PerRowRollout, RolloutResources, SharedPrefixRollout
 from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import sample_tokens
+from torchtune_grpo.generation._session import NativeSession
 from torchtune_grpo.logprobs import replace_unembed
 
-__all__ = ["NativeGenerator", "can_skip_module_hooks"]
+__all__ = ["NativeGenerator", "can_skip_module_hooks"]  # the latter re-exported (tests)
 
 
 class _LastPositionLogits:
@@ -29,26 +30,6 @@ class _LastPositionLogits:
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         # The prefill never needs [N, P, V]: only the last position is sampled from.
         return self.model.output(self.model.norm(h[:, -1])).float()
-
-
-def _only_fsdp_hooks(module: nn.Module) -> bool:
-    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-    return all(type(getattr(h, "__self__", None)).__name__ == "FSDPState" for h in hooks)
-
-
-def can_skip_module_hooks(model: nn.Module) -> bool:
-    """Whether a decode step may call the decoder's layers directly, skipping their forward hooks.
-
-    True for a torchtune ``TransformerDecoder`` whose parameters are all plain (unsharded) tensors and whose
-    layers carry no forward hooks but FSDP2's. FSDP2's per-layer hooks only gather and free parameters;
-    with every parameter already gathered for the whole rollout they do nothing but cost time, and under
-    ``torch.compile`` they would split the decode step into one graph per layer.
-    """
-    if not isinstance(model, TransformerDecoder) or model.output_hidden_states:
-        return False
-    if any(type(p) not in (torch.Tensor, nn.Parameter) for p in model.parameters()):
-        return False  # e.g. sharded DTensors: FSDP must gather them in its hooks
-    return _only_fsdp_hooks(model) and all(_only_fsdp_hooks(layer) for layer in model.layers)
 
 
 class NativeGenerator(GenerationEngine):
@@ -249,7 +230,7 @@ class NativeGenerator(GenerationEngine):
             finally:
                 if not self.reuse_cache:
                     self.cache.release()
-        return _to_rollout([list(p) for p in prompts for _ in range(group_size)], out, done, stop)
+        return to_rollout([list(p) for p in prompts for _ in range(group_size)], out, done, stop)
 
     def session(
         self,
@@ -278,8 +259,6 @@ class NativeGenerator(GenerationEngine):
         Raises:
             RuntimeError: while another session of this engine is open (one KV cache per engine).
         """
-        from torchtune_grpo.generation._session import NativeSession  # it builds on this module
-
         self._check_no_open_session("session")
         self._session = NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         return self._session
@@ -362,22 +341,3 @@ class NativeGenerator(GenerationEngine):
                 break
             logits = feed(token if rows is None else padded.index_copy(0, rows, token), t)
         return out[:, :steps], stopped
-
-
-def _to_rollout(
-    prompt_ids: List[List[int]],
-    out: torch.Tensor,
-    done: torch.Tensor,
-    stop: torch.Tensor,
-) -> Rollout:
-    """Cut each row after its first stop token. ``out`` is ``[N, steps]``, ``done [N]`` whether it stopped."""
-    n, steps = out.shape
-    is_stop = torch.isin(out, stop)
-    # Length = index of the first stop token + 1, or every step when none came.
-    first_stop = torch.where(
-        is_stop.any(-1), is_stop.int().argmax(-1) + 1, torch.full_like(done, steps, dtype=torch.long)
-    )
-    rows = out.cpu().tolist()
-    lengths = first_stop.cpu().tolist()
-    response_ids = [row[:length] for row, length in zip(rows, lengths)]
-    return Rollout(prompt_ids=prompt_ids, response_ids=response_ids, truncated=~done.cpu())

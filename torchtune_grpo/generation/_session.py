@@ -27,15 +27,18 @@ compiled decode step is specialised on the batch size (a new graph for every liv
 ended rows' share of each decode step, as in a single-turn rollout whose rows stopped early.
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from torchtune_grpo.generation._cache import attached_caches, attention_modules
-from torchtune_grpo.generation._native import _to_rollout, can_skip_module_hooks, NativeGenerator
+from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._rollout import Rollout
 from torchtune_grpo.logprobs import replace_unembed
+
+if TYPE_CHECKING:  # the engine imports this module: a type-only import, no cycle
+    from torchtune_grpo.generation._native import NativeGenerator
 
 __all__ = ["NativeSession"]
 
@@ -59,7 +62,7 @@ class NativeSession:
 
     def __init__(
         self,
-        engine: NativeGenerator,
+        engine: "NativeGenerator",
         model: nn.Module,
         prompts: List[List[int]],
         group_size: int,
@@ -155,7 +158,7 @@ class NativeSession:
         out, stopped = engine._first_turn(
             model, attns, run, min(max_new_tokens, self.budget), self.pad_id, stop, temperature, generator
         )
-        rollout = _to_rollout([list(p) for p in self.prompts], out, stopped, stop)
+        rollout = to_rollout([list(p) for p in self.prompts], out, stopped, stop)
         for i, ids in enumerate(rollout.response_ids):
             # Token t of every row was fed at completion index t; the last one sampled never was.
             self.history[i], self.cached[i] = list(ids), max(len(ids) - 1, 0)
@@ -204,7 +207,7 @@ class NativeSession:
                 logits, feed, max_new_tokens, self.pad_id, stop, temperature, generator,
                 rows=torch.tensor(rows, dtype=torch.long, device=device), room=room,
             )
-        rollout = _to_rollout([self.prompts[i] + r for i, r in zip(rows, responses)], out, stopped, stop)
+        rollout = to_rollout([self.prompts[i] + r for i, r in zip(rows, responses)], out, stopped, stop)
         new_ids = [ids[: self.budget - n] for ids, n in zip(rollout.response_ids, lengths)]  # the budget's cut
         for i, resp, ids in zip(rows, responses, new_ids):
             self.history[i], self.cached[i] = resp + ids, len(resp) + len(ids) - 1

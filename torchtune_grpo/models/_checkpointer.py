@@ -11,7 +11,6 @@ What torchtune's checkpointer lacks and this adds: Qwen3 (q/k norm weights), eve
 
 import json
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union

@@ -5,7 +5,7 @@ torchtune's tokenizers (``encode``, ``decode``, ``tokenize_messages``, ``pad_id`
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer
 
