@@ -28,8 +28,6 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
 """
 
 import argparse
-import json
-import math
 import os
 import subprocess
 import sys
@@ -384,7 +382,7 @@ def sampling_check(recipe, prompt: List[int], samples: int, seed: int) -> List[s
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    with recipe._unsharded_for_generation():
+    with recipe._generation_context():
         rollout = recipe._engine.generate(model, [prompt], group_size=samples, max_new_tokens=3, pad_id=tok.pad_id,
                                           stop_tokens=[], generator=gen)
     seconds = time.perf_counter() - t0
@@ -442,7 +440,7 @@ def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: i
     model.eval()
     t0 = time.perf_counter()
     for prompt in prompts:
-        with recipe._unsharded_for_generation():
+        with recipe._generation_context():
             rollout = recipe._engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
                                               pad_id=tok.pad_id, stop_tokens=stops, generator=gen)
         ours += [(prompt, list(r)) for r in rollout.response_ids]

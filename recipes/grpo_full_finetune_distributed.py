@@ -30,15 +30,14 @@ import shutil
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.fsdp import FSDPModule
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torch.utils.data import DistributedSampler
 from torchtune import config, modules, training, utils
@@ -59,12 +58,13 @@ from torchtune_grpo.experience import ExperienceBuilder, Reference
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
 from torchtune_grpo.loss_masks import LossMasks
-from torchtune_grpo.metrics import JsonlWriter
+from torchtune_grpo.run_logs import JsonlWriter
 from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
 from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length
-from torchtune_grpo.precision import Precision, shard_model
+from torchtune_grpo.precision import Precision
 from torchtune_grpo.producer import PromptStream, RolloutProducer
+from torchtune_grpo.sharding import shard_model, unsharded
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
@@ -342,7 +342,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             engine=self._engine, tokenizer=self._tokenizer, rewards=self._rewards, prompts=self.prompts,
             group_size=self.group_size, batch_size=self.batch_size, max_new_tokens=self.max_response_length,
             generator=self._generator, dynamic=self._dynamic, multi_turn=self._multi_turn,
-            generation_context=self._unsharded_for_generation, all_reduce_sum=self._all_reduce_sum,
+            generation_context=self._generation_context, all_reduce_sum=self._all_reduce_sum,
         )
 
         if recipe_state is not None:
@@ -721,22 +721,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     # ========================================================================================== rollout
 
-    @contextmanager
-    def _unsharded_for_generation(self) -> Iterator[None]:
-        # Gather the parameters once per rollout rather than once per decoded token.
-        if self._engine.holds_weights:
-            yield  # the engine samples from its own copy of the weights
-            return
-        fsdp_modules = [m for m in self._model.modules() if isinstance(m, FSDPModule)]
-        for m in fsdp_modules:
-            m.unshard()
-            m.set_reshard_after_forward(False, recurse=False)
-        try:
-            yield
-        finally:
-            for m in fsdp_modules:
-                m.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
-                m.reshard()
+    def _generation_context(self) -> ContextManager:
+        """Around each generation call: the policy's parameters gathered once per rollout rather than once per
+        decoded token; nothing for an engine with its own copy of the weights."""
+        return nullcontext() if self._engine.holds_weights else unsharded(self._model, self._reshard_after_forward)
 
     def _reference(self) -> Optional[Reference]:
         """What the KL term is measured against: the frozen initial policy, or None without a KL term (a
@@ -778,7 +766,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         generator = torch.Generator(device=self._device)
         generator.manual_seed(self.seed + 7919 * (self.rank + 1))
         self._model.eval()
-        with self._unsharded_for_generation():
+        with self._generation_context():
             sums = evaluate(
                 self._model,
                 self._tokenizer,

@@ -1,5 +1,5 @@
 """Checkpoint saves that never lose the newest complete checkpoint, recovery after a kill, pruning, and the
-log rewind on resume (torchtune_grpo/checkpointing.py, torchtune_grpo/metrics.py). In process: a kill is
+log rewind on resume (torchtune_grpo/checkpointing.py, torchtune_grpo/run_logs.py). In process: a kill is
 simulated by an exception at a crash point; tests/test_distributed_runs.py kills real runs."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchtune_grpo.checkpointing as ckpt
-from torchtune_grpo.metrics import rewind_jsonl
+from torchtune_grpo.run_logs import rewind_jsonl
 
 
 class Killed(Exception):

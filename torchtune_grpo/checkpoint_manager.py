@@ -29,7 +29,7 @@ from torchtune_grpo.checkpointing import (
     restart_lr_schedule,
     save_failure,
 )
-from torchtune_grpo.metrics import rewind_jsonl
+from torchtune_grpo.run_logs import rewind_jsonl
 from torchtune_grpo.resume import load_resume_point, ResumePoint
 
 __all__ = ["CheckpointManager", "SavedCheckpoint", "capture_training_state", "restore_training_state"]

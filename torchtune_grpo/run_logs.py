@@ -1,4 +1,4 @@
-"""Plain-file logs every run writes beside the configured metric logger."""
+"""The run's plain-file logs (metrics.jsonl, completions.jsonl), written beside the configured metric logger."""
 
 import json
 import math
