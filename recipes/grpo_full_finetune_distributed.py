@@ -38,8 +38,6 @@ from typing import Any, ContextManager, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torch.utils.data import DistributedSampler
 from torchtune import config, modules, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from torchtune.training.lr_schedulers import get_lr
@@ -52,7 +50,6 @@ from torchtune_grpo.checkpointer_facts import epoch_output_dir
 from torchtune_grpo.checkpointing import checkpoint_retention, model_files
 from torchtune_grpo.crash_points import crash_point
 from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
-from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.experience import ExperienceBuilder, Reference
 from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums
@@ -61,7 +58,6 @@ from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.run_logs import JsonlWriter
 from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
-from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length
 from torchtune_grpo.precision import Precision
 from torchtune_grpo.producer import PromptStream, RolloutProducer
 from torchtune_grpo.sharding import shard_model, unsharded
@@ -71,7 +67,7 @@ from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
 from torchtune_grpo.output_lock import OutputDirLock
 from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
 from torchtune_grpo.resume import config_changes, earlier_run_note, save_start_config
-from torchtune_grpo.setup_checks import check_device, check_output_dir, check_state_dict_shapes
+from torchtune_grpo.setup_checks import check_device, check_output_dir, check_state_dict_shapes, training_layout
 from torchtune_grpo.metric_sums import Key, Reduce, reduce_over_ranks
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.token_selection import HighEntropyTokens
@@ -261,7 +257,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 self.seed = training.set_seed(seed=recipe_state["seed"])
         self._setup_models(cfg, base_checkpointer, resume_dir)
-        self._check_training_layout(cfg)
+        self.share_prompt, note = training_layout(  # prompts shared in training forwards (packing.py)
+            self._model, share_prompt=self.share_prompt, explicit="share_prompt_in_training" in cfg,
+            max_prompt_length=self.config.max_prompt_length, max_response_length=self.max_response_length,
+            group_size=self.group_size, micro_batch_size=self.micro_batch_size,
+        )
+        if note:
+            utils.log_rank_zero(log, note)
 
         self._tokenizer = config.instantiate(cfg.tokenizer)
         if self.config.drop_pad_embedding_grad:  # TRL's behaviour (docs/algorithms.md)
@@ -274,7 +276,17 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # then list the environment's tools.
         self._multi_turn = self._setup_multi_turn(cfg)
         self._optimizer = instantiate_component(cfg, "optimizer", self._model.parameters())
-        self._sampler, self._dataloader = self._setup_data(cfg)
+        # This rank's prompts across epochs (torchtune_grpo/producer.py).
+        dataset = config.instantiate(cfg.dataset, self._tokenizer)
+        self.prompts = PromptStream.over(
+            dataset, batch_size=self.batch_size, world_size=self.world_size, rank=self.rank,
+            shuffle=self.config.shuffle, seed=self.seed,
+        )
+        utils.log_rank_zero(
+            log, f"{len(dataset)} prompts; global batch per step = batch_size {self.batch_size} x "
+            f"{self.world_size} rank(s) x group_size {self.group_size} = "
+            f"{self.batch_size * self.world_size * self.group_size} sequences",
+        )
         # An engine with its own copy of the weights (vLLM) gets the trainer's after every optimizer step,
         # and a check that it really has them (docs/vllm.md). The native engine samples with self._model.
         self._publisher = None
@@ -282,14 +294,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ws_cfg = self.config.weight_sync
             self._publisher = WeightPublisher(
                 self._engine, config.instantiate(ws_cfg) if ws_cfg is not None else WeightSyncCheck(),
-                probe_prompt=self._dataloader.dataset[0]["tokens"],  # the same on every rank and every check
+                probe_prompt=dataset[0]["tokens"],  # the same on every rank and every check
                 device=self._device, all_reduce_max=lambda x: self._all_reduce([x], Reduce.MAX)[0],
                 chunk_size=self.logprob_chunk_size,
             )
         self._setup_validation(cfg)
 
         self.epochs = self.config.epochs
-        self.steps_per_epoch = len(self._dataloader)
+        self.steps_per_epoch = len(self.prompts)
         max_steps = self.config.max_steps
         self.total_steps = (
             int(max_steps) if max_steps is not None else self.epochs * self.steps_per_epoch
@@ -336,8 +348,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
-        # This rank's prompts across epochs, and the step's scored rollouts (torchtune_grpo/producer.py).
-        self.prompts = PromptStream(self._dataloader, self._sampler)
+        # The step's scored rollouts (torchtune_grpo/producer.py).
         self.rollouts = RolloutProducer(
             engine=self._engine, tokenizer=self._tokenizer, rewards=self._rewards, prompts=self.prompts,
             group_size=self.group_size, batch_size=self.batch_size, max_new_tokens=self.max_response_length,
@@ -349,7 +360,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self.global_step, self.prompts.epoch = recipe_state["step"], recipe_state["epoch"]
             restored_rng = restore_training_state(
                 recipe_state, model=self._model, optimizer=self._optimizer, lr_scheduler=self._lr_scheduler,
-                dataloader=self._dataloader, generator=self._generator, device=self._device, rank=self.rank,
+                dataloader=self.prompts.dataloader, generator=self._generator, device=self._device, rank=self.rank,
                 world_size=self.world_size,
             )
             if not restored_rng:
@@ -485,39 +496,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"max_seq_len = {model.max_seq_len}"
             )
 
-    def _check_training_layout(self, cfg: DictConfig) -> None:
-        """Say (or refuse, when asked for explicitly) when forwards will not share prompts (packing.py)."""
-        if not self.share_prompt:
-            return
-        reason = shared_prompt_unsupported(self._model)
-        if reason is not None:
-            if "share_prompt_in_training" in cfg:
-                raise ValueError(
-                    f"share_prompt_in_training: true, but {reason}. Set share_prompt_in_training: false."
-                )
-            self.share_prompt = False
-            utils.log_rank_zero(
-                log, f"Training layout: one row per sequence, because {reason} (share_prompt_in_training "
-                "is on by default; the results are the same, the prompt is computed once per sequence)."
-            )
-            return
-        max_seq_len = getattr(self._model, "max_seq_len", None)
-        max_prompt = self.config.max_prompt_length
-        per_row = min(self.group_size, self.micro_batch_size)
-        if max_seq_len is None or (
-            max_prompt is not None
-            and shared_row_length(int(max_prompt), self.max_response_length, per_row) <= max_seq_len
-        ):
-            return
-        longest = "unknown (no max_prompt_length)" if max_prompt is None else shared_row_length(
-            int(max_prompt), self.max_response_length, per_row
-        )
-        utils.log_rank_zero(
-            log, f"Training layout: a micro-batch whose shared-prompt row (prompt + {per_row} completions; "
-            f"longest {longest}) exceeds the model's max_seq_len {max_seq_len} is computed one row per "
-            "sequence (same results, no prompt sharing for it)."
-        )
-
     def _check_evaluation_keys(self, cfg: DictConfig) -> None:
         """Fail on an ``eval_reward`` that names no reward; say when eval keys go unused (no validation)."""
         if self.config.validation is not None:
@@ -562,36 +540,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             f"replies rendered by {type(turns).__name__}",
         )
         return multi_turn
-
-    def _setup_data(self, cfg: DictConfig):
-        dataset = config.instantiate(cfg.dataset, self._tokenizer)
-        sampler = DistributedSampler(
-            dataset,
-            num_replicas=self.world_size,
-            rank=self.rank,
-            shuffle=self.config.shuffle,
-            seed=self.seed,
-            drop_last=True,
-        )
-        dataloader = StatefulDataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            sampler=sampler,
-            collate_fn=collate_prompts,
-            drop_last=True,
-        )
-        if len(dataloader) == 0:
-            raise ValueError(
-                f"The dataset has {len(dataset)} prompts: fewer than batch_size x world_size = "
-                f"{self.batch_size * self.world_size}."
-            )
-        utils.log_rank_zero(
-            log,
-            f"{len(dataset)} prompts; global batch per step = batch_size {self.batch_size} x "
-            f"{self.world_size} rank(s) x group_size {self.group_size} = "
-            f"{self.batch_size * self.world_size * self.group_size} sequences",
-        )
-        return sampler, dataloader
 
     def _setup_validation(self, cfg: DictConfig) -> None:
         """Held-out prompts of this rank (every world_size-th, so ranks share the work), or None."""
@@ -810,7 +758,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         model_state = self._gather_model_state()
         training_state = capture_training_state(
             step=self.global_step, epoch=self.prompts.epoch, seed=self.seed, model=self._model,
-            optimizer=self._optimizer, lr_scheduler=self._lr_scheduler, dataloader=self._dataloader,
+            optimizer=self._optimizer, lr_scheduler=self._lr_scheduler, dataloader=self.prompts.dataloader,
             generator=self._generator, device=self._device, is_rank_zero=self._is_rank_zero,
             gather_objects=self._all_gather_objects, config=self._config_record,
         )

@@ -45,3 +45,12 @@ def test_dynamic_sampling_runs_more_rounds_on_new_prompts_until_the_batch_fills(
     generated, rounds = producer.collect(make_tiny_decoder(), stream.next())
     assert rounds == 3 and generated.num_groups == 6 and len(set(generated.prompts)) == 6  # new prompts each round
     assert FixedRollouts(generated).collect(None, None) == (generated, 1)
+
+
+def test_a_dataset_smaller_than_one_global_batch_is_refused():
+    import pytest
+
+    rows = [{"tokens": [1], "prompt": "p", "answer": "1"}] * 3
+    with pytest.raises(ValueError, match=r"The dataset has 3 prompts: fewer than batch_size x world_size = 4"):
+        PromptStream.over(rows, batch_size=2, world_size=2, rank=0, shuffle=False, seed=0)
+    assert len(PromptStream.over(rows, batch_size=1, world_size=2, rank=1, shuffle=False, seed=0)) == 1

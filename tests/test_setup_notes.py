@@ -5,7 +5,7 @@ import logging
 import sys
 
 import pytest
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 from torch import nn
 
 from tests.recipe_utils import write_config
@@ -37,24 +37,24 @@ def test_recipe_setup_logs_each_fallback_once(tmp_path, clean_env, one_thread, c
         for what, text in notes.items():
             assert caplog.text.count(text) == 1, what
 
-        # A model that cannot share prompts: the default falls back (said once); an explicit request fails.
-        recipe._model = nn.Linear(2, 2)
-        caplog.clear()
-        with caplog.at_level(logging.INFO):
-            recipe._check_training_layout(cfg)
-        assert recipe.share_prompt is False
-        assert caplog.text.count(
-            "Training layout: one row per sequence, because the model is a Linear, not a torchtune "
-            "TransformerDecoder (share_prompt_in_training is on by default"
-        ) == 1
-        recipe.share_prompt = True
-        with open_dict(cfg):
-            cfg.share_prompt_in_training = True
-        with pytest.raises(ValueError, match="share_prompt_in_training: true, but the model is a Linear, not a "
-                                             "torchtune TransformerDecoder. Set share_prompt_in_training: false."):
-            recipe._check_training_layout(cfg)
     finally:
         recipe.cleanup()
+
+
+def test_a_model_that_cannot_share_prompts_falls_back_unless_asked_for():
+    # The default falls back (with a note); a share_prompt_in_training written in the config fails.
+    from torchtune_grpo.setup_checks import training_layout
+
+    args = dict(share_prompt=True, max_prompt_length=128, max_response_length=24, group_size=4, micro_batch_size=8)
+    shared, note = training_layout(nn.Linear(2, 2), explicit=False, **args)
+    assert shared is False and note.startswith(
+        "Training layout: one row per sequence, because the model is a Linear, not a torchtune "
+        "TransformerDecoder (share_prompt_in_training is on by default"
+    )
+    with pytest.raises(ValueError, match="share_prompt_in_training: true, but the model is a Linear, not a "
+                                         "torchtune TransformerDecoder. Set share_prompt_in_training: false."):
+        training_layout(nn.Linear(2, 2), explicit=True, **args)
+    assert training_layout(nn.Linear(2, 2), explicit=True, **{**args, "share_prompt": False}) == (False, None)
 
 
 def test_off_policy_note_for_an_engine_with_its_own_logprobs():

@@ -15,7 +15,10 @@ from typing import Any, Callable, ContextManager, List, Optional
 import torch
 from torch import nn
 
-from torchtune_grpo.data import PromptBatch
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchtune_grpo.data import collate_prompts, PromptBatch
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.multiturn import MultiTurn
@@ -43,6 +46,29 @@ class PromptStream:
         self.sampler = sampler
         self.epoch = int(epoch)
         self._batches: Optional[Any] = None
+
+    @classmethod
+    def over(
+        cls, dataset: Any, *, batch_size: int, world_size: int, rank: int, shuffle: bool, seed: int
+    ) -> "PromptStream":
+        """This rank's share of ``dataset``: every ``world_size``-th prompt of each epoch's (seeded) order,
+        in batches of ``batch_size``; the last incomplete batch of an epoch is dropped on every rank alike.
+
+        Raises:
+            ValueError: when the dataset has fewer prompts than one global batch.
+        """
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+        )
+        loader = StatefulDataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_prompts, drop_last=True
+        )
+        if len(loader) == 0:
+            raise ValueError(
+                f"The dataset has {len(dataset)} prompts: fewer than batch_size x world_size = "
+                f"{batch_size * world_size}."
+            )
+        return cls(loader, sampler)
 
     def __len__(self) -> int:
         """Batches per epoch."""
