@@ -217,7 +217,7 @@ class RandomCheckpointer:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         with training.set_default_dtype(torch.bfloat16), device:
             model = getattr(importlib.import_module(module), fn)()
-        _random_init(model)
+        hf_random.random_init(model)
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         del model
         free_memory()
@@ -228,15 +228,6 @@ class RandomCheckpointer:
 
 
 # ------------------------------------------------------------------------------------------ models
-
-
-def _random_init(model: torch.nn.Module) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
 
 
 def is_hf(name: str) -> bool:
@@ -268,7 +259,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype, seed: int =
     torch.manual_seed(seed)
     with training.set_default_dtype(dtype), torch.device(device):
         model = getattr(importlib.import_module(module), fn)(**kwargs)
-    _random_init(model)
+    hf_random.random_init(model)
     return model
 
 
@@ -605,17 +596,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--min-prompt-len", type=int, default=100)
-    parser.add_argument("--max-prompt-len", type=int, default=160)
-    parser.add_argument("--response-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=32)
+    hf_random.add_workload_args(parser, steps=3)  # the same workload as benchmarks/gpu_trl.py
     parser.add_argument("--chunk-size", type=int, default=512)
-    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     parser.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"])
-    parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recipe-steps", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak; default: measured")
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="copy bandwidth; default: measured")
@@ -630,9 +613,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         args.models = list(dict.fromkeys("tiny_qwen3" if is_hf(m) else "tiny" for m in args.models))
         args.decode_batch = [1, 8]
         args.prompt_len, args.new_tokens, args.repeats = 16, 12, 1
-        args.prompts, args.group, args.min_prompt_len, args.max_prompt_len = 4, 4, 8, 16
-        args.response_len, args.micro_batch, args.chunk_size = 12, 8, 64
-        args.steps, args.recipe_steps = 2, 2
+        hf_random.use_tiny_workload(args)
+        args.chunk_size, args.steps, args.recipe_steps = 64, 2, 2
     device = torch.device(args.device)
     # Every decode shape and model is a new graph of the same function: stay compiled past dynamo's
     # default limit of 8 rather than silently falling back to eager.

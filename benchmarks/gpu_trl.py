@@ -132,22 +132,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: the tiny shape and batch")
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--min-prompt-len", type=int, default=100)
-    parser.add_argument("--max-prompt-len", type=int, default=160)
-    parser.add_argument("--response-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
-    parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=2)
+    hf_random.add_workload_args(parser, steps=2)  # the same workload as benchmarks/gpu_grpo.py
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "gpu_grpo_models"))
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.tiny:  # the same shapes as gpu_grpo.py --tiny
         args.model = "tiny_qwen3"
-        args.prompts, args.group, args.min_prompt_len, args.max_prompt_len = 4, 4, 8, 16
-        args.response_len, args.micro_batch, args.steps = 12, 8, 1
+        hf_random.use_tiny_workload(args)
+        args.steps = 1
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     result = run(args)

@@ -10,8 +10,12 @@ of directory ``tune download`` leaves, which this package reads through the one-
 Prompts are random token ids, so the directory's tokenizer (:func:`write_id_tokenizer`) maps each id ``i``
 to the word ``"i"`` and back (whitespace-separated): text and ids convert exactly both ways, for TRL's
 tokenize/decode round trip, and the reward can be computed on ids alone.
+
+Both sides of the step-time ratio also take their GRPO workload (batch, lengths, steps) from here
+(:func:`add_workload_args`, :func:`use_tiny_workload`), so the ratio compares the same batch.
 """
 
+import argparse
 from pathlib import Path
 from typing import Any, Dict, Union
 
@@ -38,6 +42,35 @@ def special_ids(vocab_size: int) -> "tuple[int, int]":
     if vocab_size > QWEN_STOP:
         return QWEN_PAD, QWEN_STOP
     return vocab_size - 2, vocab_size - 1
+
+
+def random_init(model: torch.nn.Module) -> None:
+    """Weights of a trained model's scale: norms 1, everything else N(0, 0.02)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+
+
+def add_workload_args(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The GRPO step's workload options (prompts x group, prompt and response lengths, micro-batch, steps)."""
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--min-prompt-len", type=int, default=100)
+    parser.add_argument("--max-prompt-len", type=int, default=160)
+    parser.add_argument("--response-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=steps)
+
+
+def use_tiny_workload(args: argparse.Namespace) -> None:
+    """The CPU rehearsal's workload (``--tiny``), the same on both sides."""
+    args.prompts, args.group, args.min_prompt_len, args.max_prompt_len = 4, 4, 8, 16
+    args.response_len, args.micro_batch = 12, 8
 
 
 def hf_config(shape: str):
@@ -68,12 +101,7 @@ def write_model_dir(shape: str, directory: Union[str, Path], device: str = "cpu"
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+    random_init(model)
     model.save_pretrained(directory)
     del model
     write_id_tokenizer(directory, SHAPES[shape]["vocab_size"])
