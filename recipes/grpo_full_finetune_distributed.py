@@ -24,6 +24,7 @@ of a step: setup, the step, then one section per stage (docs/architecture.md).
 """
 
 import dataclasses
+import math
 import os
 from itertools import chain
 import shutil
@@ -656,7 +657,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         if (broken := reduced[("nonfinite_weights",)]) > 0:
             raise NonFiniteError(advice(f"{int(broken)} weight tensor(s) hold NaN or inf after training step {step}"))
         loss = reduced[("update", "loss")]
-        if not torch.isfinite(torch.tensor(loss)):
+        if not math.isfinite(loss):
             if self.on_nonfinite == "stop":
                 raise NonFiniteError(advice(f"The loss is {loss} at training step {step}"))
             if self._is_rank_zero:

@@ -27,15 +27,12 @@ from torchtune_grpo.advantages import advantage_signal, RewardStats
 from torchtune_grpo.logprobs import TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.loss_masks import LossMasks
+from torchtune_grpo.metric_sums import one_process_sum
 from torchtune_grpo.packing import TrainingBatch
 from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.update import batch_logprobs, batch_token_logprobs, Experience
 
 __all__ = ["BuiltExperience", "ExperienceBuilder", "Reference"]
-
-
-def _local_sum(values: List[float]) -> List[float]:
-    return values
 
 
 def _local_gather(values: torch.Tensor) -> torch.Tensor:
@@ -115,7 +112,7 @@ class ExperienceBuilder:
         kl_in_reward: bool = False,
         reference: Optional[Reference] = None,
         update_needs_old_logprobs: bool = False,
-        all_reduce: Callable[[List[float]], List[float]] = _local_sum,
+        all_reduce: Callable[[List[float]], List[float]] = one_process_sum,
         all_gather: Callable[[torch.Tensor], torch.Tensor] = _local_gather,
     ) -> None:
         self.advantage = advantage

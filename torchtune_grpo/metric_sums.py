@@ -14,7 +14,7 @@ import enum
 import zlib
 from typing import Callable, Dict, Iterator, List, NamedTuple, Tuple, Union
 
-__all__ = ["Key", "Mean", "Reduce", "StepSums", "Std", "Value", "reduce_over_ranks"]
+__all__ = ["Key", "Mean", "Reduce", "StepSums", "Std", "Value", "one_process_sum", "reduce_over_ranks"]
 
 #: A quantity's name, e.g. ``("reward",)`` or ``("component", "format")``.
 Key = Tuple[str, ...]
@@ -75,6 +75,11 @@ class StepSums:
     def as_dict(self) -> Dict[Key, float]:
         """The local values (a copy)."""
         return dict(self._values)
+
+
+def one_process_sum(values: List[float]) -> List[float]:
+    """The sum over ranks of one process: the values themselves (the default ``all_reduce`` of the stages)."""
+    return values
 
 
 def _fingerprint(keys: List[Key]) -> float:

@@ -21,15 +21,12 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune_grpo.data import collate_prompts, PromptBatch
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.generation import GenerationEngine
+from torchtune_grpo.metric_sums import one_process_sum
 from torchtune_grpo.multiturn import MultiTurn
 from torchtune_grpo.rewards import RewardSet
 from torchtune_grpo.rollout import RolloutGroups, sample_and_score
 
 __all__ = ["FixedRollouts", "PromptStream", "RolloutProducer"]
-
-
-def _local_sum(values: List[float]) -> List[float]:
-    return values
 
 
 class PromptStream:
@@ -124,7 +121,7 @@ class RolloutProducer:
         dynamic: Optional[DynamicSampling] = None,
         multi_turn: Optional[MultiTurn] = None,
         generation_context: Callable[[], ContextManager] = nullcontext,
-        all_reduce_sum: Callable[[List[float]], List[float]] = _local_sum,
+        all_reduce_sum: Callable[[List[float]], List[float]] = one_process_sum,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer

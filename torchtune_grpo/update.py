@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtune_grpo.logprobs import TokenLogprobs
-from torchtune_grpo.metric_sums import StepSums
+from torchtune_grpo.metric_sums import one_process_sum, StepSums
 from torchtune_grpo.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.offpolicy import logprob_mismatch_sum
 from torchtune_grpo.packing import TrainingBatch
@@ -136,10 +136,6 @@ def batch_logprobs(
     ).logprobs
 
 
-def _local_sum(values: List[float]) -> List[float]:
-    return values  # one process: the local counts are the global ones
-
-
 class PolicyUpdate:
     """``ppo_epochs x ppo_mini_batches`` optimizer steps on an :class:`Experience` (see the module docstring).
 
@@ -183,7 +179,7 @@ class PolicyUpdate:
         micro_batch_size: int,
         clip_grad_norm: Optional[float] = None,
         world_size: int = 1,
-        all_reduce: Callable[[List[float]], List[float]] = _local_sum,
+        all_reduce: Callable[[List[float]], List[float]] = one_process_sum,
         temperature: float = 1.0,
         chunk_size: int = 512,
         on_nonfinite: str = "stop",
