@@ -383,7 +383,7 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
     from torchtune_grpo.advantages import GroupRelativeAdvantage
     from torchtune_grpo.generation import NativeGenerator
     from torchtune_grpo.loss import GRPOLoss
-    from torchtune_grpo.packing import TrainingBatch
+    from torchtune_grpo.training_batch import TrainingBatch
     from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
 
     policy = build_model(name, device, dtype, seed=0)

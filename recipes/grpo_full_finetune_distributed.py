@@ -147,7 +147,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # "reward": penalise each sequence's reward before the advantage (RLHF-PPO); "loss": GRPO's term.
         self.kl_in_reward = self.kl_coef > 0 and c.kl_placement == "reward"
         self.mask_truncated = c.mask_truncated_completions
-        # Training forwards compute each prompt once for its group's sequences (torchtune_grpo/packing.py).
+        # Training forwards compute each prompt once for its group's sequences (torchtune_grpo/training_batch.py).
         self.share_prompt = c.share_prompt_in_training
         self._dynamic = DynamicSampling(**dataclasses.asdict(c.dynamic_sampling))
         self.clip_grad_norm = c.clip_grad_norm
@@ -258,7 +258,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 )
                 self.seed = training.set_seed(seed=recipe_state["seed"])
         self._setup_models(cfg, base_checkpointer, resume_dir)
-        self.share_prompt, note = training_layout(  # prompts shared in training forwards (packing.py)
+        self.share_prompt, note = training_layout(  # prompts shared in training forwards (training_batch.py)
             self._model, share_prompt=self.share_prompt, explicit="share_prompt_in_training" in cfg,
             max_prompt_length=self.config.max_prompt_length, max_response_length=self.max_response_length,
             group_size=self.group_size, micro_batch_size=self.micro_batch_size,

@@ -2,7 +2,6 @@
 transformers loads with the trained model's logits), with named errors for broken directories."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

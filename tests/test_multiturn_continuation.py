@@ -15,7 +15,7 @@ import torchtune_grpo.generation._native as native
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.multiturn import EnvReply
-from torchtune_grpo.multiturn.rollout import run_episodes
+from torchtune_grpo.multiturn.episodes import run_episodes
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43], [20, 21]]  # left-padded to 6 in a batch
 STOPS = list(range(4, 97, 4))

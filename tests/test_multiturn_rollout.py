@@ -7,7 +7,7 @@ from tests.chat_templates import make_tokenizer_dir
 from torchtune_grpo.generation import GenerationEngine, Rollout
 from torchtune_grpo.models import hf_tokenizer
 from torchtune_grpo.multiturn import Calculator, EnvReply, ToolEnvironment
-from torchtune_grpo.multiturn.rollout import run_episodes
+from torchtune_grpo.multiturn.episodes import run_episodes
 from torchtune_grpo.multiturn.turns import ChatTurns
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'

@@ -1,7 +1,6 @@
 """Multi-turn token layout: the prompt, the model's sampled turns and the environment's replies, appended
 without re-tokenizing, give exactly the ids transformers' chat template gives the whole conversation."""
 
-import json
 
 import pytest
 

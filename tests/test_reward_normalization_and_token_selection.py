@@ -8,7 +8,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, write_config
 from torchtune_grpo.advantages import BatchStdAdvantage, GroupRelativeAdvantage, normalize_components
 from torchtune_grpo.step_metrics import step_metrics

@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.loss import GRPOLoss
-from torchtune_grpo.packing import TrainingBatch
+from torchtune_grpo.training_batch import TrainingBatch
 from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
 
 G = 3  # completions per prompt

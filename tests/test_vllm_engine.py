@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent(
     from torchtune_grpo.assets import asset_path, register_resolvers
     from torchtune_grpo.data import arithmetic_dataset
     from torchtune_grpo.generation import NativeGenerator, VLLMGenerator, WeightSyncCheck
-    from torchtune_grpo.packing import pack_sequences
+    from torchtune_grpo.training_batch import pack_sequences
     from torchtune_grpo.logprobs import sequence_logprobs
 
     register_resolvers()  # ${grpo_asset:...} in the config

@@ -14,7 +14,7 @@ from torchtune_grpo.generation import TuneToHFNames, VLLMGenerator, WeightSyncCh
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.loss import GRPOLoss
 from torchtune_grpo.offpolicy import logprob_mismatch_sum, tis_weights
-from torchtune_grpo.packing import response_values
+from torchtune_grpo.training_batch import response_values
 
 from tests.recipe_utils import run_script_expecting
 

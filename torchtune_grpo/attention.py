@@ -3,7 +3,7 @@
 torchtune's ``MultiHeadAttention.forward`` attends with a tensor mask (or causally) and a torchtune
 ``KVCache``. This project attends in two more ways:
 
-- training in the shared-prompt layout (:mod:`torchtune_grpo.packing`): the ``mask`` is an
+- training in the shared-prompt layout (:mod:`torchtune_grpo.training_batch`): the ``mask`` is an
   :class:`AttentionLayout`, an object that computes attention from the queries, keys and values itself;
 - generation with the native engine's static caches (:mod:`torchtune_grpo.generation`): the module's
   ``kv_cache`` is an :class:`EngineKVCache`, which writes at slots the engine chooses (and may attend itself).

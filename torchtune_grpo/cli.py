@@ -254,7 +254,7 @@ def _cmd_rejection_sample(args: argparse.Namespace) -> int:
     if cfg.get(split, None) is None:
         raise ValueError(f"{args.config} has no `{split}` dataset to sample prompts from")
     model, tokenizer, engine, rewards, generator = _build_policy(cfg, config, opts.get("checkpoint_dir"))
-    multi_turn = _multi_turn(config, tokenizer)  # before the prompts are tokenized: tools go into them
+    _multi_turn(config, tokenizer)  # before the prompts are tokenized: tools go into them
     prompts = _limit(tt_config.instantiate(cfg[split], tokenizer), opts.get("max_prompts"))
     max_per_prompt = opts.get("max_per_prompt")
     with tqdm(total=len(prompts), desc="rejection sampling", unit="prompt", file=sys.stderr) as bar:

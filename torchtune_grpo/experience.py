@@ -2,7 +2,7 @@
 
 The selected :class:`~torchtune_grpo.rollout.RolloutGroups` become an :class:`~torchtune_grpo.update.Experience`:
 
-1. the training layout (:class:`~torchtune_grpo.packing.TrainingBatch`; with ``share_prompt`` a micro-batch's
+1. the training layout (:class:`~torchtune_grpo.training_batch.TrainingBatch`; with ``share_prompt`` a micro-batch's
    completions of one prompt share one row, the prompt computed once);
 2. the loss mask: response tokens, minus the environment's tokens of multi-turn episodes (context, not
    actions), minus truncated completions with ``mask_truncated`` (DAPO's overlong filtering: they leave
@@ -28,7 +28,7 @@ from torchtune_grpo.logprobs import TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metric_sums import one_process_sum
-from torchtune_grpo.packing import TrainingBatch
+from torchtune_grpo.training_batch import TrainingBatch
 from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.update import batch_logprobs, batch_token_logprobs, Experience
 

@@ -12,7 +12,7 @@ from typing import Dict, Iterable, Optional, Tuple
 import torch
 from torch import nn
 
-from torchtune_grpo.packing import shared_prompt_unsupported, shared_row_length
+from torchtune_grpo.training_batch import shared_prompt_unsupported, shared_row_length
 
 __all__ = ["check_device", "check_output_dir", "check_state_dict_shapes", "training_layout"]
 

@@ -2,7 +2,7 @@
 
 :class:`Experience` is everything the update needs of the rows a step trains on, already in the
 training layout ``[N, T]`` (column ``j`` predicts token ``start + j + 1``, see
-:class:`~torchtune_grpo.packing.TrainingBatch`): the loss mask and kept sequences, advantages, the
+:class:`~torchtune_grpo.training_batch.TrainingBatch`): the loss mask and kept sequences, advantages, the
 old/reference/engine logprobs and any importance weights.
 
 :class:`PolicyUpdate` runs ``ppo_epochs`` passes over it; each pass splits the rows into
@@ -36,7 +36,7 @@ from torchtune_grpo.logprobs import TokenLogprobs
 from torchtune_grpo.metric_sums import one_process_sum, StepSums
 from torchtune_grpo.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.offpolicy import logprob_mismatch_sum
-from torchtune_grpo.packing import TrainingBatch
+from torchtune_grpo.training_batch import TrainingBatch
 from torchtune_grpo.step_metrics import LOSS_METRICS
 
 __all__ = [

@@ -3,7 +3,7 @@
 from torchtune_grpo.generation._engine import check_engine, GenerationEngine, GenerationSession
 from torchtune_grpo.generation._native import NativeGenerator
 from torchtune_grpo.generation._publisher import full_weights, WeightPublisher
-from torchtune_grpo.generation._rollout import Rollout, decode_responses
+from torchtune_grpo.generation._output import Rollout, decode_responses
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._vllm import VLLMGenerator
 from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncCheck, WeightSyncError

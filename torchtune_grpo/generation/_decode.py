@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torchtune.modules import TransformerDecoder
 
-from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._output import Rollout
 
 __all__ = ["can_skip_module_hooks", "to_rollout"]
 

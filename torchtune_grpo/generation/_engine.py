@@ -21,7 +21,7 @@ from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import nn
 
-from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._output import Rollout
 
 __all__ = ["GenerationEngine", "GenerationSession", "check_engine"]
 

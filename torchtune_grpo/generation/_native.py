@@ -9,7 +9,7 @@ from torchtune_grpo.attention import installable
 from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool
 from torchtune_grpo.generation._layouts import PerRowRollout, RolloutResources, SharedPrefixRollout
 from torchtune_grpo.generation._engine import GenerationEngine
-from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._session import NativeSession

@@ -34,7 +34,7 @@ from torch import nn
 
 from torchtune_grpo.generation._cache import attached_caches, attention_modules
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
-from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.logprobs import replace_unembed
 
 if TYPE_CHECKING:  # the engine imports this module: a type-only import, no cycle

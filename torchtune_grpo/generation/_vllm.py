@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.generation._engine import GenerationEngine
-from torchtune_grpo.generation._rollout import Rollout
+from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
 
 __all__ = ["VLLMGenerator"]

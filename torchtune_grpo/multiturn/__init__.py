@@ -11,7 +11,7 @@ from torchtune_grpo.multiturn.environment import (
     start_episodes,
     step_episodes,
 )
-from torchtune_grpo.multiturn.rollout import Episodes, MultiTurn, run_episodes
+from torchtune_grpo.multiturn.episodes import Episodes, MultiTurn, run_episodes
 from torchtune_grpo.multiturn.tools import (
     TOOL_ERROR_KINDS,
     Calculator,

@@ -25,9 +25,8 @@ import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from torchtune_grpo.text import to_plain  # re-exported: rewards use it on YAML arguments
 from torchtune_grpo.rewards._execution import (
     call_with_timeout,
     Outcome,
@@ -48,6 +47,7 @@ __all__ = [
     "RewardSet",
     "build_reward_set",
     "reward_name",
+    "to_plain",
 ]
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,13 @@ OPTION_KEYS = ("weight", "name", "timeout", "fallback", "per_sample", "concurren
 #: in per-sample mode) before its samples are scored with the fallback and counted: long enough for any
 #: sane reward on a large batch, short enough that a reward that never returns cannot hang a run forever.
 DEFAULT_REWARD_TIMEOUT = 300.0
+
+
+def to_plain(value: Any) -> Any:
+    """Converts OmegaConf containers (what YAML arguments arrive as) to plain dicts and lists."""
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
 #: A ``timeout`` that means "no limit" (``timeout: null`` in YAML): the call runs in the calling thread,
 #: as rewards without a timeout did before the default existed; a watchdog only logs while it runs long.
 NO_TIMEOUT = math.inf
