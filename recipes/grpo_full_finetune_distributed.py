@@ -49,7 +49,9 @@ from tqdm import tqdm
 
 from torchtune_grpo.algorithm_card import AlgorithmSpec, config_values, write_algorithm_card
 from torchtune_grpo.assets import register_resolvers
-from torchtune_grpo.checkpoint_manager import CheckpointManager, capture_training_state, restore_training_state
+from torchtune_grpo.checkpoint_manager import (
+    capture_training_state, CheckpointManager, restore_training_state, restored_rollouts,
+)
 from torchtune_grpo.checkpointer_facts import epoch_output_dir
 from torchtune_grpo.checkpointing import checkpoint_retention, model_files
 from torchtune_grpo.collectives import Collectives
@@ -70,12 +72,16 @@ from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
 from torchtune_grpo.producer import PromptStream, RolloutProducer
 from torchtune_grpo.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rewards import build_reward_set
+from torchtune_grpo.rollout_worker import WorkerSpec
 from torchtune_grpo.run_logs import RunLogs
-from torchtune_grpo.setup_checks import check_device, check_evaluation_keys, check_output_dir, training_layout
+from torchtune_grpo.setup_checks import (
+    check_device, check_evaluation_keys, check_generation_workers, check_output_dir, training_layout,
+)
 from torchtune_grpo.sharding import unsharded
 from torchtune_grpo.token_selection import HighEntropyTokens
 from torchtune_grpo.train_step import count_nonfinite_weights, GRPOStep, StepResult
 from torchtune_grpo.update import PolicyUpdate
+from torchtune_grpo.worker_rollouts import WorkerRollouts
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs
@@ -139,6 +145,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"generation.temperature must be > 0 for training, got {self.engine.temperature} "
                 f"({type(self.engine).__name__}'s): greedy groups hold G copies of one completion."
             )
+        check_generation_workers(c, self.engine)
         check_device(c.device)  # torchtune's get_device falls back to the CPU without a word
         device = utils.get_device(device=c.device)
         _init_distributed(device.type)
@@ -319,13 +326,25 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
+        rollouts = RolloutProducer(  # the step's scored rollouts (torchtune_grpo/producer.py)
+            engine=self.engine, tokenizer=self.tokenizer, rewards=rewards, prompts=self.prompts,
+            group_size=c.group_size, batch_size=c.batch_size, max_new_tokens=c.max_response_length,
+            generator=self._generator, dynamic=dynamic, multi_turn=multi_turn,
+            generation_context=self.generation_context, all_reduce_sum=self._dist.sum,
+        )
+        if c.generation_workers.enabled:  # rollouts (and the weights) through a worker process (docs/async.md)
+            rollouts = publisher = WorkerRollouts(
+                WorkerSpec(
+                    config=self._config_record, rank=self.rank, threads=c.generation_workers.threads, seed=self.seed,
+                    dtype=str(self._placement.precision.compute_dtype).removeprefix("torch."),
+                ),
+                self.prompts, max_staleness=c.generation_workers.max_staleness, timeout=c.generation_workers.timeout,
+                device=self._device, probe_prompt=dataset[0]["tokens"], chunk_size=c.logprob_chunk_size,
+                check=config.instantiate(c.weight_sync) if c.weight_sync is not None else WeightSyncCheck(),
+                vocab_size=self.model.tok_embeddings.num_embeddings,
+            )
         self.step = GRPOStep(
-            rollouts=RolloutProducer(  # the step's scored rollouts (torchtune_grpo/producer.py)
-                engine=self.engine, tokenizer=self.tokenizer, rewards=rewards, prompts=self.prompts,
-                group_size=c.group_size, batch_size=c.batch_size, max_new_tokens=c.max_response_length,
-                generator=self._generator, dynamic=dynamic, multi_turn=multi_turn,
-                generation_context=self.generation_context, all_reduce_sum=self._dist.sum,
-            ),
+            rollouts=rollouts,
             dynamic=dynamic,
             build_experience=ExperienceBuilder(  # selected rollouts -> the update's input (experience.py)
                 advantage=advantage, reward_weights=rewards.weights, group_size=c.group_size,
@@ -338,9 +357,12 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ),
             update=update, publisher=publisher, all_reduce=self._dist.all_reduce, batch_size=c.batch_size,
             log_completions=c.log_completions, on_nonfinite=c.on_nonfinite, device=self._device,
+            max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else 0,
         )
+        in_flight = None
         if recipe_state is not None:
             self.global_step, self.prompts.epoch = recipe_state["step"], recipe_state["epoch"]
+            in_flight = restored_rollouts(recipe_state, self.rank, self.world_size)
             restored_rng = restore_training_state(
                 recipe_state, model=self.model, optimizer=self.optimizer, lr_scheduler=lr_scheduler,
                 dataloader=self.prompts.dataloader, generator=self._generator, device=self._device, rank=self.rank,
@@ -358,12 +380,20 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             environment=None if multi_turn is None else (
                 f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
             ),
+            max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
             **loss_masks.formula_lines(),
         )
         if self._is_rank_zero:
             card = write_algorithm_card(spec, c.output_dir)
             log.info("Algorithm card (also in %s/algorithm_card.md):\n%s", c.output_dir, card)
-        if publisher is not None:
+        if c.generation_workers.enabled:
+            # Its weights, and the first max_staleness + 1 batches requested (or the checkpoint's in flight).
+            rollouts.start(self.model, self.global_step, in_flight=in_flight)
+            utils.log_rank_zero(
+                log, f"Generation worker started (max_staleness {c.generation_workers.max_staleness}); "
+                f"{'rollouts in flight restored' if in_flight else 'first batches requested'}"
+            )
+        elif publisher is not None:
             # The engine started from checkpoint_dir; a resumed or converted policy may differ from it.
             sync = publisher.publish(self.model, step=self.global_step)
             utils.log_rank_zero(log, f"Generation engine started, weights synced and checked: {sync}")
@@ -463,7 +493,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def train_step(self) -> StepResult:
         """One GRPO step on the next prompts, logged (what :meth:`train` repeats; public for benchmarks)."""
-        result = self.step(self.model, self.prompts.next(), self.global_step)
+        result = self.step(self.model, self.global_step)
         self.global_step += 1
         self._logs.step(self.global_step, result.metrics, result.samples)
         crash_point("logged", self.global_step)  # test-only (torchtune_grpo/crash_points.py)
@@ -501,6 +531,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             optimizer=self.optimizer, lr_scheduler=self.step.update.lr_scheduler, dataloader=self.prompts.dataloader,
             generator=self._generator, device=self._device, is_rank_zero=self._is_rank_zero,
             gather_objects=self._dist.gather_objects, config=self._config_record,
+            rollouts=self.step.rollouts.state_dict() if self.config.generation_workers.enabled else None,
         )
         if self._is_rank_zero:
             saved = self._checkpoints.write(step, model_state, training_state)
@@ -513,6 +544,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         """Close loggers, the generation engine and the process group; release the output directory."""
         self.sigterm.restore()
         self._logs.close()
+        if self.config.generation_workers.enabled:
+            self.step.rollouts.close()
         self.engine.close()  # vLLM's teardown uses (and destroys) the process group: it goes first
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -87,6 +87,8 @@ class AlgorithmSpec:
         ppo_mini_batch_shuffle (bool): groups reshuffled across mini-batches before every pass. Default is
             True.
         precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
+        max_staleness (Optional[int]): rollouts from generation workers at this bound (docs/async.md); None:
+            sampled by the trainer's own weights. Default is None.
     """
 
     world_size: int
@@ -123,6 +125,7 @@ class AlgorithmSpec:
     ppo_mini_batches: int = 1
     ppo_mini_batch_shuffle: bool = True
     precision: Optional[str] = None
+    max_staleness: Optional[int] = None
 
     @classmethod
     def from_components(
@@ -308,6 +311,21 @@ def _notes(s: AlgorithmSpec) -> List[str]:
             f"- Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and up to "
             f"{s.max_rounds} generation rounds are run to fill the batch; if they run out, zero-variance groups "
             "fill it (zero advantage)."
+        )
+    if s.max_staleness is not None:
+        k = s.max_staleness
+        corrected = (
+            "the loss corrects for it (truncated importance weights min(pi_old / mu, cap), or the rollout "
+            "correction above)" if (s.tis_cap is not None or s.rollout_correction) else
+            "nothing corrects for it (set loss.tis_cap or rollout_correction for the decoupled objective)"
+        )
+        notes.append(
+            f"- Asynchronous rollouts: a generation worker per process samples batch j with the weights after "
+            f"step max(start, j - 1 - {k}), so a sample is at most {k} training step(s) old when trained on "
+            f"(max_staleness = {k}). mu is the worker's policy (its log-probabilities of the sampled tokens); "
+            "pi_old is the trainer's policy at the start of the step (the proximal policy of decoupled PPO, "
+            "Fu et al. 2025, arXiv:2505.24298)"
+            + (f"; {corrected}." if k > 0 else "; at max_staleness 0 mu = pi_old.")
         )
     if s.optimizer:
         clip = f", gradient norm clipped to {_g(s.clip_grad_norm)}" if s.clip_grad_norm is not None else ""

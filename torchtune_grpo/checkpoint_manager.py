@@ -32,7 +32,9 @@ from torchtune_grpo.checkpointing import (
 from torchtune_grpo.run_logs import rewind_jsonl
 from torchtune_grpo.resume import load_resume_point, ResumePoint
 
-__all__ = ["CheckpointManager", "SavedCheckpoint", "capture_training_state", "restore_training_state"]
+__all__ = [
+    "CheckpointManager", "SavedCheckpoint", "capture_training_state", "restore_training_state", "restored_rollouts",
+]
 
 # The logs a resumed run cuts back to its checkpoint's step, so that each step appears once.
 _RUN_LOGS = ("metrics.jsonl", "completions.jsonl")
@@ -146,6 +148,7 @@ def capture_training_state(
     is_rank_zero: bool,
     gather_objects: Callable[[Any], List[Any]],
     config: Optional[Dict[str, Any]] = None,
+    rollouts: Optional[Any] = None,
 ) -> Dict[str, Any]:
     """Everything but the model weights that a resumed run needs to continue exactly (every rank calls it).
 
@@ -160,6 +163,8 @@ def capture_training_state(
         is_rank_zero (bool): whether this is rank 0 (it receives the full optimizer state).
         gather_objects (Callable[[Any], List[Any]]): every rank's object, in rank order (a collective).
         config (Optional[Dict[str, Any]]): the run's resolved config (a resume lists what changed).
+        rollouts (Optional[Any]): this rank's rollouts in flight (a generation worker's ``state_dict``; every
+            rank passes one or none). Default is None.
 
     Returns:
         Dict[str, Any]: ``recipe_state.pt``'s content (complete on rank 0).
@@ -182,6 +187,7 @@ def capture_training_state(
         "dataloader": dataloader.state_dict(),
         "rng": all_rng,
         "config": config,
+        "rollouts": gather_objects(rollouts) if rollouts is not None else None,
     }
 
 
@@ -219,3 +225,12 @@ def restore_training_state(
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state(rng["cuda"])
     return True
+
+
+def restored_rollouts(state: Dict[str, Any], rank: int, world_size: int) -> Optional[Any]:
+    """This rank's rollouts in flight from :func:`capture_training_state`'s output: None when there were none
+    (synchronous rollouts) or the world size changed (the workers then sample those batches again)."""
+    rollouts = state.get("rollouts")
+    if rollouts is None or state["world_size"] != world_size:
+        return None
+    return rollouts[rank]

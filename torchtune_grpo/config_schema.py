@@ -25,7 +25,9 @@ from torchtune_grpo.nonfinite import NONFINITE_POLICIES
 from torchtune_grpo.precision import PRECISIONS
 from torchtune_grpo.resume import BROKEN_CHECKPOINT_POLICIES
 
-__all__ = ["KL_PLACEMENTS", "DynamicSamplingConfig", "LoRARecipeConfig", "MultiTurnConfig", "RecipeConfig"]
+__all__ = [
+    "KL_PLACEMENTS", "DynamicSamplingConfig", "GenerationWorkersConfig", "LoRARecipeConfig", "MultiTurnConfig", "RecipeConfig",
+]
 
 #: Where a KL penalty goes: GRPO's term in the loss, or RLHF-PPO's penalty of each sequence's reward.
 KL_PLACEMENTS = ("loss", "reward")
@@ -42,6 +44,18 @@ class DynamicSamplingConfig(ConfigSchema):
     max_rounds: int = setting(4, ge=1, doc="generation rounds per step at most, each on `batch_size` new prompts",
                               why="generation rounds per step")
     rtol: float = setting(ZERO_VARIANCE_RTOL, ge=0, doc="relative tolerance of \"all rewards equal\"")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerationWorkersConfig(ConfigSchema):
+    """``generation_workers:`` (:class:`~torchtune_grpo.worker_rollouts.WorkerRollouts`; docs/async.md)."""
+
+    enabled: bool = setting(False, doc="generate on a worker process per trainer rank, overlapped with training")
+    max_staleness: int = setting(1, ge=0, why="training steps a sample may lag the trainer's weights",
+                                 doc="training steps a batch's weights may lag the trainer's (0: on-policy through "
+                                     "the worker; 1: one-step-off, deterministic)")
+    threads: int = setting(1, ge=1, doc="intra-op threads of each worker")
+    timeout: float = setting(600.0, gt=0, doc="seconds without a reply before the run stops naming the worker")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -168,6 +182,9 @@ class RecipeConfig(ConfigSchema):
     environment: Any = component("multi-turn episodes' environment ([multi_turn.md](multi_turn.md))", required=False)
     multi_turn: MultiTurnConfig = setting(factory=MultiTurnConfig, null=True,
                                           doc="multi-turn episode limits (needs `environment`)")
+    generation_workers: GenerationWorkersConfig = setting(
+        factory=GenerationWorkersConfig, null=True,
+        doc="asynchronous rollouts: generation on worker processes at a bounded staleness ([async.md](async.md))")
     # ---- faults (docs/recipe.md, "What survives what")
     on_nonfinite: str = setting("stop", choices=NONFINITE_POLICIES,
                                 doc="a NaN/inf gradient norm or loss: `stop` the run naming the step, or `skip` the "

@@ -5,8 +5,9 @@ epoch, the position restored on resume). :class:`RolloutProducer` turns a batch 
 current policy: one generation round, or with DAPO's dynamic sampling more rounds on new prompts until the
 batch can be filled; every rank runs the same number of rounds (they agree with one all-reduce per round).
 
-Today the producer runs on the trainer's own ranks, colocated and synchronous; it is the part that an
-asynchronous setup moves onto generation workers, with the trainer consuming its ``RolloutGroups``.
+The producer runs on the trainer's own ranks, colocated and synchronous;
+:class:`~torchtune_grpo.worker_rollouts.WorkerRollouts` (``generation_workers``) is the same part on a
+generation worker process, overlapped with training.
 """
 
 from contextlib import nullcontext
@@ -145,10 +146,11 @@ class RolloutProducer:
             generation_context=self.generation_context(), multi_turn=self.multi_turn,
         )
 
-    def collect(self, policy: nn.Module, batch: PromptBatch) -> "tuple[RolloutGroups, int]":
-        """The step's rounds: ``batch``'s, then (dynamic sampling) rounds on new prompts until every rank
-        has enough informative groups or ``max_rounds`` is reached. Returns the groups and the rounds run."""
-        rounds = [self.round(policy, batch)]
+    def collect(self, policy: nn.Module, batch: Optional[PromptBatch] = None) -> "tuple[RolloutGroups, int]":
+        """The step's rounds: ``batch``'s (default: the next prompts), then (dynamic sampling) rounds on new
+        prompts until every rank has enough informative groups or ``max_rounds`` is reached. Returns the
+        groups and the rounds run."""
+        rounds = [self.round(policy, batch if batch is not None else self.prompts.next())]
         while len(rounds) < self.dynamic.max_rounds:
             wanted = self.dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
             if self.all_reduce_sum([float(wanted)])[0] == 0:
@@ -169,5 +171,5 @@ class FixedRollouts:
     def __init__(self, rollouts: RolloutGroups) -> None:
         self.rollouts = rollouts
 
-    def collect(self, policy: nn.Module, batch: Any) -> "tuple[RolloutGroups, int]":
+    def collect(self, policy: nn.Module, batch: Any = None) -> "tuple[RolloutGroups, int]":
         return self.rollouts, 1

@@ -59,6 +59,9 @@ class RolloutGroups:
             ``env_error`` (0/1), ``injected_tokens`` and the environment's summed step infos. Default is None.
         environment_seconds (float): multi-turn episodes: time spent waiting for the environment (part of
             ``generation_seconds``). Default is 0.
+        weight_versions (Optional[List[int]]): per row, the training steps the weights that sampled it had
+            taken (a generation worker's, torchtune_grpo/worker_rollouts.py); None when sampled with the
+            trainer's current weights. Default is None.
     """
 
     group_size: int = field(metadata={"kind": "constant"})
@@ -78,6 +81,7 @@ class RolloutGroups:
     conversations: Optional[List[List[Dict[str, Any]]]] = field(default=None, metadata={"kind": "row"})
     episode_info: Optional[List[Dict[str, float]]] = field(default=None, metadata={"kind": "row"})
     environment_seconds: float = field(default=0.0, metadata={"kind": "total"})
+    weight_versions: Optional[List[int]] = field(default=None, metadata={"kind": "row"})
 
     # Each field's "kind" says how select and concat carry it, so a new field is one line here:
     # constant (the same in every part), group (one per prompt), row (one per completion: a list or a

@@ -27,15 +27,16 @@ from torchtune.training.lr_schedulers import get_lr
 
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.experience import ExperienceBuilder
-from torchtune_grpo.generation import WeightPublisher
-from torchtune_grpo.metric_sums import Key, reduce_over_ranks
+from torchtune_grpo.metric_sums import Key, Reduce, reduce_over_ranks, StepSums
 from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
 from torchtune_grpo.crash_points import crash_point
 from torchtune_grpo.data import PromptBatch
 from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.update import PolicyUpdate
 
-__all__ = ["GRPOStep", "StepResult", "count_nonfinite_weights", "trained_parameters"]
+__all__ = [
+    "GRPOStep", "StepResult", "count_nonfinite_weights", "staleness_metrics", "staleness_sums", "trained_parameters",
+]
 
 log = utils.get_logger("INFO")
 
@@ -62,32 +63,37 @@ class GRPOStep:
         dynamic (DynamicSampling): which groups are trained on.
         build_experience (ExperienceBuilder): selected rollouts -> the update's :class:`Experience`.
         update (PolicyUpdate): the policy update (its optimizer gives the logged learning rate).
-        publisher (Optional[WeightPublisher]): syncs an engine with its own weights (vLLM) after the update.
+        publisher (Optional[Any]): syncs an engine with its own weights (a :class:`WeightPublisher` for vLLM,
+            the :class:`~torchtune_grpo.worker_rollouts.WorkerRollouts` for a generation worker) after the
+            update: ``publish(policy, step) -> metrics``.
         all_reduce (Callable[[List[float], Reduce], List[float]]): elementwise reduction over ranks.
         batch_size (int): prompts per rank per step.
         log_completions (int): completions per step written to ``completions.jsonl``.
         on_nonfinite (str): ``stop`` or ``skip`` (torchtune_grpo/nonfinite.py).
         device (torch.device): for the peak-memory metric on CUDA.
+        max_staleness (int): a generation worker's bound (the staleness histogram's range). Default is 0.
     """
 
     rollouts: Any
     dynamic: DynamicSampling
     build_experience: ExperienceBuilder
     update: PolicyUpdate
-    publisher: Optional[WeightPublisher]
+    publisher: Optional[Any]
     all_reduce: Callable[..., List[float]]
     batch_size: int
     log_completions: int = 0
     on_nonfinite: str = "stop"
     device: torch.device = torch.device("cpu")
+    max_staleness: int = 0
 
-    def __call__(self, policy: nn.Module, batch: PromptBatch, step: int) -> StepResult:
-        """Train ``policy`` on ``batch``, as training step ``step + 1``.
+    def __call__(self, policy: nn.Module, step: int, batch: Optional[PromptBatch] = None) -> StepResult:
+        """Train ``policy`` on the rollouts of this step, as training step ``step + 1``.
 
         Args:
             policy (nn.Module): the trained model.
-            batch (PromptBatch): this rank's ``batch_size`` prompts.
             step (int): training steps done before this one.
+            batch (Optional[PromptBatch]): this rank's ``batch_size`` prompts; default: the producer draws
+                the next ones (a generation worker's were drawn when they were requested).
 
         Returns:
             StepResult: the step's metrics and logged completions.
@@ -97,6 +103,7 @@ class GRPOStep:
         """
         t0 = time.perf_counter()
         generated, num_rounds = self.rollouts.collect(policy, batch)  # sampled and scored
+        t_rollouts = time.perf_counter() - t0
         crash_point("rollout", step + 1)  # test-only (torchtune_grpo/crash_points.py)
         selection = self.dynamic.select(generated, self.batch_size)
         trained = generated.select(selection.indices)
@@ -111,6 +118,8 @@ class GRPOStep:
         zero_std = self.dynamic.informative(generated).logical_not()
         local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
         local.add(("nonfinite_weights",), count_nonfinite(trained_parameters(policy)))  # this rank's shards
+        if generated.weight_versions is not None:
+            local.merge(staleness_sums(generated.weight_versions, step, self.max_staleness))
         reduced = reduce_over_ranks(local, self.all_reduce)
         self._check_finite(reduced, stats.skipped_steps, step + 1)
         metrics = train_step_metrics(
@@ -124,6 +133,11 @@ class GRPOStep:
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
         )
         metrics["nonfinite/skipped_optimizer_steps"] = stats.skipped_steps
+        if generated.weight_versions is not None:  # sampled by a generation worker, overlapped with training
+            metrics.update(staleness_metrics(reduced, self.max_staleness))
+            # The worker's own generation and reward times overlap training: the trainer waited t_rollouts.
+            metrics["time/rollout_wait"] = t_rollouts
+            metrics["time/train"] = t_step - t_rollouts - (sync or {}).get("time/weight_sync", 0.0)
         return StepResult(metrics, sample_records(trained, exp.advantages, step + 1, self.log_completions))
 
     def _check_finite(self, reduced: Dict[Key, float], skipped_steps: int, step: int) -> None:
@@ -151,3 +165,37 @@ def count_nonfinite_weights(policy: nn.Module, all_reduce_sum: Callable[[List[fl
     """Trained weight tensors holding NaN or inf, over all ranks (a save refuses them)."""
     return int(all_reduce_sum([float(count_nonfinite(trained_parameters(policy)))])[0])
 
+
+
+def staleness_sums(versions: List[int], step: int, max_staleness: int) -> StepSums:
+    """One rank's staleness counts: rows sampled ``s`` steps behind the trainer's weights, ``s = 0 .. max``.
+
+    Args:
+        versions (List[int]): per row, the training steps of the weights that sampled it.
+        step (int): the trainer's training steps (its weights' version) when it trains on them.
+        max_staleness (int): the bound (every rank reduces the same keys: ``0 .. max_staleness``).
+
+    Returns:
+        StepSums: ``("staleness", s)`` counts and ``("staleness_max",)``.
+
+    Raises:
+        RuntimeError: if a row is staler than the bound (the schedule forbids it: a bug, not a setting).
+    """
+    staleness = [step - v for v in versions]
+    if staleness and (max(staleness) > max_staleness or min(staleness) < 0):
+        raise RuntimeError(f"rows sampled {max(staleness)} steps behind at step {step + 1}: bound {max_staleness}")
+    sums = StepSums()
+    for s in range(max_staleness + 1):
+        sums.add(("staleness", s), sum(1 for x in staleness if x == s))
+    sums.add(("staleness_max",), max(staleness, default=0), Reduce.MAX)
+    return sums
+
+
+def staleness_metrics(reduced: Dict[Key, float], max_staleness: int) -> Dict[str, float]:
+    """``staleness/mean``, ``staleness/max`` and the histogram ``staleness/fraction_<s>`` over all ranks' rows."""
+    counts = [reduced[("staleness", s)] for s in range(max_staleness + 1)]
+    rows = sum(counts) or 1.0
+    metrics = {"staleness/mean": sum(s * c for s, c in enumerate(counts)) / rows,
+               "staleness/max": reduced[("staleness_max",)]}
+    metrics.update({f"staleness/fraction_{s}": c / rows for s, c in enumerate(counts)})
+    return metrics

@@ -1,0 +1,148 @@
+"""Generation workers (torchtune_grpo/worker_rollouts.py, rollout_worker.py): rollouts from a process of their
+own at a bounded staleness, deterministic, resumable, and stopped with a named error when the worker dies."""
+
+import os
+import signal
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.recipe_utils import (
+    read_jsonl, recipe_in_process, run_in_process, run_tune, tune_command, tune_env, weights, with_overrides,
+    write_config,
+)
+from tests.conftest import REPO
+from torchtune_grpo.config_schema import RecipeConfig
+from torchtune_grpo.setup_checks import check_generation_workers
+from torchtune_grpo.train_step import staleness_metrics, staleness_sums
+from torchtune_grpo.worker_rollouts import WorkerError
+
+COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "entropy")
+
+
+def _workers(k: int) -> dict:
+    return {"enabled": True, "max_staleness": k}
+
+
+def _metrics(out: Path):
+    return [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
+
+
+def test_staleness_counts_by_hand():
+    sums = staleness_sums([4, 4, 3, 3, 3, 5], step=5, max_staleness=2)
+    assert sums[("staleness", 0)] == 1 and sums[("staleness", 1)] == 2 and sums[("staleness", 2)] == 3
+    reduced = {k: v for k, v in sums.items()}
+    metrics = staleness_metrics(reduced, 2)
+    assert metrics["staleness/max"] == 2
+    assert metrics["staleness/mean"] == pytest.approx((0 * 1 + 1 * 2 + 2 * 3) / 6)
+    assert metrics["staleness/fraction_2"] == pytest.approx(0.5)
+    with pytest.raises(RuntimeError, match="3 steps behind at step 6: bound 2"):
+        staleness_sums([2], step=5, max_staleness=2)
+
+
+def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
+    cfg = OmegaConf.load(write_config(tmp_path, generation_workers={"enabled": True, "max_staleness": -1}))
+    with pytest.raises(ValueError, match=r"generation_workers.max_staleness must be >= 0"):
+        RecipeConfig.from_cfg(cfg)
+
+    class Engine:
+        holds_weights = False
+
+    both = RecipeConfig.from_cfg(OmegaConf.load(write_config(
+        tmp_path, generation_workers=_workers(1), dynamic_sampling={"enabled": True}
+    )))
+    with pytest.raises(ValueError, match="generation_workers.enabled with dynamic_sampling.enabled is not supported"):
+        check_generation_workers(both, Engine())
+    Engine.holds_weights = True
+    only = RecipeConfig.from_cfg(OmegaConf.load(write_config(tmp_path, generation_workers=_workers(1))))
+    with pytest.raises(ValueError, match="with Engine \\(an engine holding its own weights\\) is not supported"):
+        check_generation_workers(only, Engine())
+
+
+def test_staleness_0_through_a_worker_is_the_synchronous_run(tmp_path, clean_env, one_thread):
+    # The worker samples with the trainer's weights of the same version, from the same RNG stream, and scores
+    # its tokens with the same forward: the run is the synchronous one, number for number.
+    runs = {}
+    for name, extra in (("sync", {}), ("worker", {"generation_workers": _workers(0)})):
+        (tmp_path / name).mkdir()
+        run_in_process(write_config(tmp_path / name, max_steps=3, save_every_n_steps=None, **extra))
+        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_3"))
+    (sync, sync_w), (worker, worker_w) = runs["sync"], runs["worker"]
+    for a, b in zip(sync, worker):
+        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
+        assert b["staleness/max"] == 0 and b["generation/logprob_mismatch"] == 0.0
+    assert all(torch.equal(sync_w[k], worker_w[k]) for k in sync_w)
+
+
+def _prompts_by_step(out: Path):
+    steps = {}
+    for row in read_jsonl(out / "completions.jsonl"):
+        steps.setdefault(row["step"], []).append(row["prompt"])
+    return {s: sorted(set(p)) for s, p in steps.items()}
+
+
+def test_one_step_off_is_deterministic_bounded_and_resumes_exactly_after_sigkill(tmp_path):
+    # 8 prompts, 2 per step: steps 1-4 are one epoch. Uninterrupted, then killed after step 3 (batch 4 in
+    # flight; no step-3 checkpoint: save_every 2) and resumed from step 2's checkpoint, whose in-flight batches
+    # 3 and 4 come from the checkpoint, not from new samples. Equal numbers in separate processes: deterministic.
+    overrides = dict(max_steps=4, save_every_n_steps=2, log_completions=64, generation_workers=_workers(1), batch_size=2,
+                     **{"dataset.num_samples": 8})
+    env = tune_env()
+    done = {}
+    for name in ("a", "killed"):
+        (tmp_path / name).mkdir()
+    for name in ("a",):
+        config = write_config(tmp_path / name, **overrides)
+        proc = subprocess.run(tune_command(config), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        done[name] = tmp_path / name / "out"
+    config = write_config(tmp_path / "killed", **overrides)
+    crash = {**env, "TORCHTUNE_GRPO_CRASH_AT": "logged:3"}
+    proc = subprocess.run(tune_command(config), cwd=tmp_path, env=crash, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    resumed = with_overrides(config, resume_from_checkpoint=True)
+    proc = subprocess.run(tune_command(resumed), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rollouts in flight restored" in proc.stdout + proc.stderr
+    done["resumed"] = tmp_path / "killed" / "out"
+
+    a = _metrics(done["a"])
+    assert [m["staleness/max"] for m in a] == [0, 1, 1, 1]  # batches 1 and 2 both from the initial weights
+    assert all(m["staleness/fraction_1"] == (0.0 if m["step"] == 1 else 1.0) for m in a)
+    for other in ("resumed",):
+        assert [{k: m[k] for k in COMPARED} for m in _metrics(done[other])] == [{k: m[k] for k in COMPARED} for m in a]
+        assert _prompts_by_step(done[other]) == _prompts_by_step(done["a"])
+        wa, wb = weights(done["a"] / "step_4"), weights(done[other] / "step_4")
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # Every prompt of the epoch trained exactly once, none dropped or repeated by the kill.
+    epoch = Counter(p for s in (1, 2, 3, 4) for p in _prompts_by_step(done["resumed"])[s])
+    assert len(epoch) == 8 and set(epoch.values()) == {1}
+
+
+def test_a_worker_that_dies_stops_the_run_naming_it(tmp_path, clean_env, one_thread):
+    config = write_config(tmp_path, max_steps=3, save_every_n_steps=None, generation_workers=_workers(1))
+    with recipe_in_process(config) as recipe:
+        card = (tmp_path / "out" / "algorithm_card.md").read_text()
+        assert "at most 1 training step(s) old when trained on (max_staleness = 1)" in card
+        assert "nothing corrects for it (set loss.tis_cap or rollout_correction" in card
+        pid = recipe.step.rollouts.pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WorkerError, match=rf"generation worker of rank 0 \(pid {pid}\) died with exit code -9"):
+            for _ in range(3):
+                recipe.train_step()
+
+
+def test_two_trainer_processes_with_multi_turn_episodes_in_their_workers(tmp_path):
+    # One worker per rank, each running tool-use episodes (the environment is built in the worker).
+    config = write_config(
+        tmp_path, base=REPO / "configs" / "tiny" / "multi_turn_cpu.yaml", max_steps=2, save_every_n_steps=None,
+        generation_workers=_workers(1),
+    )
+    run_tune(config, nproc=2, cwd=tmp_path)
+    metrics = _metrics(tmp_path / "out")
+    assert [m["staleness/max"] for m in metrics] == [0, 1]
+    assert all(m["episode/turns"] >= 1 and "generation/logprob_mismatch" in m for m in metrics)

@@ -1,0 +1,169 @@
+"""A generation worker: a process of its own that samples and scores rollouts with its own copy of the policy.
+
+The trainer side is :class:`~torchtune_grpo.worker_rollouts.WorkerRollouts`; this module is what runs in the
+worker process (``spawn``: nothing of the trainer's state is inherited). The worker builds the tokenizer,
+the model, the engine, the rewards and the multi-turn environment from the run's config, then serves its
+request queue in order (FIFO, which is what makes the schedule deterministic):
+
+- ``("weights", version, state_dict, probe)``: load weights version ``version`` (training steps taken); with
+  a ``probe`` (token ids), reply ``("probe", version, logprobs [L - 1])`` scored with the new weights;
+- ``("generate", index, batch, version)``: sample and score batch ``index`` with weights ``version`` (which
+  must be the loaded one), compute the behaviour log-probabilities of the sampled tokens with the same
+  weights, and reply ``("rollouts", index, RolloutGroups, version, generator_state, seconds)``;
+- ``("stop",)``: leave.
+
+A worker whose trainer died (SIGKILL: no goodbye) notices within seconds and leaves. Any exception is replied as ``("error", traceback)`` before the worker exits. The sampling generator is one
+stream, seeded like the synchronous recipe's (``seed + rank``) and consumed in batch order, so a worker run at
+``max_staleness: 0`` samples the same tokens as the synchronous recipe; its state after each batch goes back
+with the batch, for checkpoints.
+"""
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["WorkerSpec", "behaviour_logprobs", "worker_main"]
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its side (picklable: it crosses the ``spawn``).
+
+    Attributes:
+        config (Dict[str, Any]): the run's resolved config (a plain container).
+        rank (int): the trainer rank this worker serves.
+        threads (int): intra-op threads of the worker.
+        dtype (str): the compute dtype name (``float32``, ``bfloat16``) its model holds.
+        generator_state (Optional[torch.Tensor]): the sampling generator's state to start from (a resumed run);
+            None seeds it with ``seed + rank``.
+        seed (int): the run's seed.
+    """
+
+    config: Dict[str, Any]
+    rank: int
+    threads: int
+    dtype: str
+    seed: int
+    generator_state: Optional[torch.Tensor] = None
+
+
+def behaviour_logprobs(
+    model: torch.nn.Module, prompt_ids: List[List[int]], response_ids: List[List[int]], *, pad_id: int,
+    micro_batch_size: int, temperature: float, chunk_size: int, share_prompt: bool,
+) -> List[List[float]]:
+    """The log-probability of every response token under ``model`` (the weights that sampled it), per row.
+
+    Computed with the trainer's own layout and forward (:class:`~torchtune_grpo.training_batch.TrainingBatch`,
+    :func:`~torchtune_grpo.update.batch_logprobs`), so with the same weights the values equal the trainer's.
+
+    Returns:
+        List[List[float]]: one list per row, ``len(response_ids[i])`` values.
+    """
+    from torchtune_grpo.training_batch import TrainingBatch
+    from torchtune_grpo.update import batch_logprobs
+
+    layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=torch.device("cpu"))
+    lp = batch_logprobs(model, layout, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size)
+    mask = layout.response_mask.bool()
+    return [lp[i][mask[i]].tolist() for i in range(len(response_ids))]
+
+
+class _Worker:
+    """The worker's side, built in the worker process from a :class:`WorkerSpec`."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from omegaconf import OmegaConf
+        from torchtune import config as tt_config, training
+
+        from torchtune_grpo.assets import register_resolvers
+        from torchtune_grpo.config import build_multi_turn, RecipeConfig
+        from torchtune_grpo.model_setup import init_rope
+        from torchtune_grpo.rewards import build_reward_set
+
+        register_resolvers()
+        torch.set_num_threads(spec.threads)
+        cfg = OmegaConf.create(spec.config)
+        self.config = c = RecipeConfig.from_cfg(cfg)
+        self.tokenizer = tt_config.instantiate(cfg.tokenizer)
+        self.multi_turn = build_multi_turn(c)
+        if self.multi_turn is not None:
+            self.multi_turn.attach(self.tokenizer)
+        with training.set_default_dtype(getattr(torch, spec.dtype)):
+            self.model = tt_config.instantiate(cfg.model)
+        init_rope(self.model, torch.device("cpu"))
+        self.model.eval().requires_grad_(False)
+        self.engine = tt_config.instantiate(cfg.generation)
+        self.rewards = build_reward_set(cfg.reward_functions, fallback=c.reward_fallback)
+        self.generator = torch.Generator()
+        if spec.generator_state is not None:
+            self.generator.set_state(spec.generator_state)
+        else:
+            self.generator.manual_seed(spec.seed + spec.rank)
+        self.version: Optional[int] = None
+
+    def load(self, version: int, state: Dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state, strict=True)
+        self.version = version
+
+    def probe(self, tokens: List[int]) -> torch.Tensor:
+        from torchtune_grpo.logprobs import sequence_logprobs
+
+        with torch.no_grad():
+            return sequence_logprobs(self.model, torch.tensor([tokens]), chunk_size=self.config.logprob_chunk_size).logprobs[0]
+
+    def generate(self, batch: Any, version: int) -> Any:
+        from torchtune_grpo.rollout import sample_and_score
+
+        if version != self.version:  # the trainer's FIFO schedule guarantees it; anything else is a bug
+            raise RuntimeError(f"asked for weights version {version}, holding {self.version}")
+        c = self.config
+        groups = sample_and_score(
+            self.model, self.tokenizer, self.engine, batch, self.rewards, group_size=c.group_size,
+            max_new_tokens=c.max_response_length, generator=self.generator, multi_turn=self.multi_turn,
+        )
+        groups.engine_logprobs = behaviour_logprobs(
+            self.model, groups.prompt_ids, groups.response_ids, pad_id=self.tokenizer.pad_id,
+            micro_batch_size=c.micro_batch_size, temperature=float(self.engine.temperature),
+            chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training,
+        )
+        groups.weight_versions = [version] * len(groups.response_ids)
+        return groups
+
+
+def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
+    """The worker process: build, then serve ``requests`` in order until ``("stop",)`` (see the module docstring)."""
+    try:
+        worker = _Worker(spec)
+        replies.put(("ready", os.getpid()))
+        parent = mp.parent_process()
+        while True:
+            try:
+                message = requests.get(timeout=5.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():  # the trainer was killed: nothing to serve
+                    return
+                continue
+            kind = message[0]
+            if kind == "stop":
+                break
+            if kind == "weights":
+                _, version, state, probe = message
+                worker.load(version, state)
+                del state
+                if probe is not None:
+                    replies.put(("probe", version, worker.probe(probe)))
+            elif kind == "generate":
+                _, index, batch, version = message
+                t0 = time.perf_counter()
+                groups = worker.generate(batch, version)
+                replies.put(("rollouts", index, groups, version, worker.generator.get_state(), time.perf_counter() - t0))
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+    except BaseException:  # noqa: B902 - everything goes back to the trainer, which stops the run naming us
+        replies.put(("error", traceback.format_exc()))

@@ -1,0 +1,228 @@
+"""Rollouts from a generation worker, overlapped with training, at a bounded staleness (docs/async.md).
+
+:class:`WorkerRollouts` is the trainer rank's side of one generation worker process
+(:mod:`torchtune_grpo.rollout_worker`). It takes the place of both the synchronous
+:class:`~torchtune_grpo.producer.RolloutProducer` (``collect``) and the
+:class:`~torchtune_grpo.generation.WeightPublisher` (``publish``) in the step
+(:class:`~torchtune_grpo.train_step.GRPOStep`).
+
+The schedule, with ``k = max_staleness`` and the run starting (or resuming) after ``s`` training steps::
+
+    start:       weights s -> worker; requests for batches s+1 .. s+k+1, all with weights s
+    step j:      collect batch j  ->  train  ->  weights j -> worker  ->  request batch j+k+1 with weights j
+
+Batch ``j`` is therefore sampled from the weights after step ``max(s, j-1-k)`` whatever the timing: the
+worker serves its queue in order, and each request names the version it must use. So ``k = 0`` is today's
+on-policy step through a worker, ``k = 1`` the deterministic one-step-off mode (batch ``j+1`` is sampled while
+step ``j`` trains), and no sample is trained more than ``k`` steps after the weights that produced it. The
+worker's sampling stream is consumed in batch order, so runs are reproducible: at ``k = 0`` they equal the
+synchronous recipe's, at any ``k`` one run equals another with the same seed, and a resumed run the
+uninterrupted one (a checkpoint holds the rollouts in flight and the worker's stream state).
+
+Each batch comes back with the worker's log-probabilities of its sampled tokens (the behaviour policy), as
+an engine with its own weights (vLLM) gives them: the loss's ``tis_cap`` or ``rollout_correction`` correct
+for the staleness (decoupled PPO, Fu et al. 2025, arXiv:2505.24298: the proximal policy is the trainer's
+weights at the start of the step, the behaviour policy the worker's), and ``generation/logprob_mismatch``
+measures it.
+"""
+
+import queue
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+from torchtune_grpo.generation import full_weights, WeightSyncCheck
+from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.producer import PromptStream
+from torchtune_grpo.rollout import RolloutGroups
+from torchtune_grpo.rollout_worker import worker_main, WorkerSpec
+
+__all__ = ["WorkerError", "WorkerRollouts"]
+
+
+class WorkerError(RuntimeError):
+    """A generation worker died, failed or did not answer in time (the message names it)."""
+
+
+class WorkerRollouts:
+    """One trainer rank's generation worker: its schedule, weights and rollouts (see the module docstring).
+
+    Args:
+        spec (WorkerSpec): what the worker builds (config, rank, threads, dtype, seed).
+        prompts (PromptStream): this rank's prompts; batches are drawn when they are requested.
+        max_staleness (int): ``k``: training steps a batch's weights may lag the trainer's.
+        timeout (float): seconds to wait for a reply before the run stops naming the worker.
+        device (torch.device): the training device (weights are gathered there, then sent from the CPU).
+        check (WeightSyncCheck): every ``check.every_n_syncs`` versions the worker scores a probe with the
+            weights it loaded; a difference from the trainer's beyond ``check.tolerance`` stops the run.
+        probe_prompt (List[int]): token ids the probe starts from.
+        vocab_size (int): the model's vocabulary (random probe tokens).
+        chunk_size (int): positions per log-softmax chunk of the trainer's probe forward. Default is 512.
+    """
+
+    def __init__(
+        self, spec: WorkerSpec, prompts: PromptStream, *, max_staleness: int, timeout: float, device: torch.device,
+        check: WeightSyncCheck, probe_prompt: List[int], vocab_size: int, chunk_size: int = 512,
+    ) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"generation_workers.max_staleness must be >= 0, got {max_staleness}")
+        self.spec = spec
+        self.prompts = prompts
+        self.max_staleness = int(max_staleness)
+        self.timeout = float(timeout)
+        self.device = device
+        self.check = check
+        self.probe_prompt = list(probe_prompt)
+        self.vocab_size = int(vocab_size)
+        self.chunk_size = int(chunk_size)
+        self.name = f"generation worker of rank {spec.rank}"
+        self._process: Optional[Any] = None
+        self._ready: Dict[int, RolloutGroups] = {}  # batch index -> rollouts received, not yet collected
+        self._requested = 0  # batches requested so far (index of the last one)
+        self._collected = 0  # batches handed to the trainer
+        self._expected_probes: Dict[int, torch.Tensor] = {}
+        self._generator_state: Optional[torch.Tensor] = spec.generator_state
+        self._versions_published = 0
+        self.busy_seconds = 0.0
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self, model: nn.Module, step: int, in_flight: Optional[Dict[str, Any]] = None) -> None:
+        """Start the worker with the weights after ``step`` training steps and fill the pipeline.
+
+        Args:
+            model (nn.Module): the policy (every rank calls this: gathering FSDP2 weights is a collective).
+            step (int): training steps taken (a resumed run's).
+            in_flight (Optional[Dict[str, Any]]): a checkpoint's :meth:`state_dict` (its rollouts are not
+                sampled again).
+        """
+        ctx = mp.get_context("spawn")
+        self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        spec = self.spec
+        if in_flight is not None:
+            spec = WorkerSpec(**{**vars(spec), "generator_state": in_flight["generator_state"]})
+            self._ready = dict(in_flight["ready"])
+            self._requested = max(self._ready, default=step)
+        self._collected = step
+        self._requested = max(self._requested, step)
+        self._process = ctx.Process(target=worker_main, args=(spec, self._requests, self._replies), daemon=True,
+                                    name=f"grpo-generation-worker-{spec.rank}")
+        self._process.start()
+        self._wait_for("ready")
+        self._send_weights(model, step)
+        while self._requested < step + self.max_staleness + 1:
+            self._request(version=step)
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The worker process's id (None before :meth:`start` and after :meth:`close`)."""
+        return self._process.pid if self._process is not None else None
+
+    def close(self) -> None:
+        """Stop the worker (waits briefly, then terminates it)."""
+        if self._process is None:
+            return
+        if self._process.is_alive():
+            self._requests.put(("stop",))
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(timeout=10)
+        self._process = None
+
+    # ---------------------------------------------------------------------------------------- the step
+
+    def collect(self, policy: nn.Module, batch: Any = None) -> "tuple[RolloutGroups, int]":
+        """The next batch's rollouts (waits for the worker when it is not there yet): ``(groups, rounds=1)``.
+
+        ``batch`` must be None: the worker's prompts were drawn when they were requested.
+        """
+        if batch is not None:
+            raise ValueError("a generation worker samples the prompts it was sent; collect takes no batch")
+        index = self._collected + 1
+        while index not in self._ready:
+            self._receive()
+        self._collected = index
+        return self._ready.pop(index), 1
+
+    def publish(self, model: nn.Module, step: int) -> Dict[str, float]:
+        """Send the weights after ``step`` training steps, then request the batch they are for (every rank).
+
+        Returns:
+            Dict[str, float]: ``time/weight_sync`` (gathering and queueing the weights, the trainer's cost).
+        """
+        t0 = time.perf_counter()
+        self._send_weights(model, step)
+        self._request(version=step)
+        return {"time/weight_sync": time.perf_counter() - t0}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The rollouts in flight (waited for) and the worker's sampling state after them, for a checkpoint."""
+        while len(self._ready) < self._requested - self._collected:
+            self._receive()
+        return {"ready": dict(self._ready), "generator_state": self._generator_state}
+
+    # ---------------------------------------------------------------------------------------- internals
+
+    def _send_weights(self, model: nn.Module, step: int) -> None:
+        # Copies on the CPU: the optimizer changes the parameters in place while the worker reads them.
+        state = {name: t.detach().to("cpu", copy=True) for name, t in full_weights(model, self.device)}
+        probe = None
+        if self.check.due(self._versions_published):
+            probe = self.check.probe(self.vocab_size, prompt=self.probe_prompt)
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                self._expected_probes[step] = sequence_logprobs(
+                    model, torch.tensor([probe], device=self.device), chunk_size=self.chunk_size
+                ).logprobs[0].cpu()
+            model.train(was_training)
+        self._versions_published += 1
+        self._requests.put(("weights", step, state, probe))
+
+    def _request(self, version: int) -> None:
+        self._requested += 1
+        self._requests.put(("generate", self._requested, self.prompts.next(), version))
+
+    def _wait_for(self, kind: str) -> Any:
+        message = self._get()
+        if message[0] != kind:
+            raise WorkerError(f"{self.name}: expected {kind!r}, got {message[0]!r}")
+        return message
+
+    def _receive(self) -> None:
+        message = self._get()
+        if message[0] == "rollouts":
+            _, index, groups, version, generator_state, seconds = message
+            self._ready[index] = groups
+            self._generator_state = generator_state
+            self.busy_seconds += seconds
+        elif message[0] == "probe":
+            _, version, worker_logprobs = message
+            diff = self.check.measure(self._expected_probes.pop(version), worker_logprobs)
+            self.check.verify(self.check.reducible(diff), step=version)
+        else:
+            raise WorkerError(f"{self.name}: unexpected reply {message[0]!r}")
+
+    def _get(self) -> Any:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                message = self._replies.get(timeout=min(5.0, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise WorkerError(
+                        f"{self.name} (pid {self._process.pid}) died with exit code {self._process.exitcode}"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise WorkerError(
+                        f"{self.name} (pid {self._process.pid}) sent nothing for {self.timeout:g} s "
+                        "(generation_workers.timeout)"
+                    ) from None
+                continue
+            if message[0] == "error":
+                raise WorkerError(f"{self.name} failed:\n{message[1]}")
+            return message
