@@ -341,7 +341,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 self.prompts, max_staleness=c.generation_workers.max_staleness, timeout=c.generation_workers.timeout,
                 device=self._device, probe_prompt=dataset[0]["tokens"], chunk_size=c.logprob_chunk_size,
                 check=config.instantiate(c.weight_sync) if c.weight_sync is not None else WeightSyncCheck(),
-                vocab_size=self.model.tok_embeddings.num_embeddings,
+                vocab_size=self.model.tok_embeddings.num_embeddings, restarts=c.generation_workers.restarts,
             )
         self.step = GRPOStep(
             rollouts=rollouts,

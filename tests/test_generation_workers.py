@@ -123,15 +123,37 @@ def test_one_step_off_is_deterministic_bounded_and_resumes_exactly_after_sigkill
     assert len(epoch) == 8 and set(epoch.values()) == {1}
 
 
-def test_a_worker_that_dies_stops_the_run_naming_it(tmp_path, clean_env, one_thread):
-    config = write_config(tmp_path, max_steps=3, save_every_n_steps=None, generation_workers=_workers(1))
+def test_a_worker_that_dies_is_replaced_and_the_run_continues_unchanged(tmp_path, clean_env, one_thread):
+    # Killed while batches were in flight: the new worker gets the weights and requests the old one had not
+    # answered, from the sampling state after its last answer, so the run ends as an uninterrupted one.
+    ends = {}
+    for name in ("uninterrupted", "killed"):
+        (tmp_path / name).mkdir()
+        config = write_config(tmp_path / name, max_steps=3, save_every_n_steps=None, generation_workers=_workers(1))
+        log: list = []
+        with recipe_in_process(config, log=log) as recipe:
+            recipe.train_step()
+            if name == "killed":
+                os.kill(recipe.step.rollouts.pid, signal.SIGKILL)
+            recipe.train()
+        ends[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_3"))
+        assert ("died with exit code -9: starting a new one (1 of 3 restarts)" in "\n".join(log)) == (name == "killed")
+    (a, wa), (b, wb) = ends["uninterrupted"], ends["killed"]
+    assert [{k: m[k] for k in COMPARED} for m in a] == [{k: m[k] for k in COMPARED} for m in b]
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_a_worker_that_dies_with_no_restarts_left_stops_the_run_naming_it(tmp_path, clean_env, one_thread):
+    config = write_config(tmp_path, max_steps=3, save_every_n_steps=None,
+                          generation_workers={**_workers(1), "restarts": 0})
     with recipe_in_process(config) as recipe:
         card = (tmp_path / "out" / "algorithm_card.md").read_text()
         assert "at most 1 training step(s) old when trained on (max_staleness = 1)" in card
         assert "nothing corrects for it (set loss.tis_cap or rollout_correction" in card
         pid = recipe.step.rollouts.pid
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(WorkerError, match=rf"generation worker of rank 0 \(pid {pid}\) died with exit code -9"):
+        with pytest.raises(WorkerError, match=rf"generation worker of rank 0 \(pid {pid}\) died with exit code -9; "
+                                              r"generation_workers.restarts = 0 used up"):
             for _ in range(3):
                 recipe.train_step()
 

@@ -28,11 +28,12 @@ measures it.
 
 import queue
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from torchtune import utils
 
 from torchtune_grpo.generation import full_weights, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
@@ -41,6 +42,8 @@ from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.rollout_worker import worker_main, WorkerSpec
 
 __all__ = ["WorkerError", "WorkerRollouts"]
+
+log = utils.get_logger("INFO")
 
 
 class WorkerError(RuntimeError):
@@ -61,11 +64,14 @@ class WorkerRollouts:
         probe_prompt (List[int]): token ids the probe starts from.
         vocab_size (int): the model's vocabulary (random probe tokens).
         chunk_size (int): positions per log-softmax chunk of the trainer's probe forward. Default is 512.
+        restarts (int): times a worker that died or went silent is replaced before the run stops. The new
+            worker gets the weights and requests the old one had not answered, from the sampling state after
+            its last answer, so the run continues as if nothing happened. Default is 3.
     """
 
     def __init__(
         self, spec: WorkerSpec, prompts: PromptStream, *, max_staleness: int, timeout: float, device: torch.device,
-        check: WeightSyncCheck, probe_prompt: List[int], vocab_size: int, chunk_size: int = 512,
+        check: WeightSyncCheck, probe_prompt: List[int], vocab_size: int, chunk_size: int = 512, restarts: int = 3,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"generation_workers.max_staleness must be >= 0, got {max_staleness}")
@@ -87,6 +93,13 @@ class WorkerRollouts:
         self._generator_state: Optional[torch.Tensor] = spec.generator_state
         self._versions_published = 0
         self.busy_seconds = 0.0
+        self.restarts = int(restarts)
+        self.restarts_done = 0
+        # What a replacement worker needs: requests not answered yet (index -> (prompts, weights version)) and
+        # the CPU copies of every weights version they or the worker's next request use.
+        self._pending: Dict[int, Tuple[Any, int]] = {}
+        self._kept: Dict[int, Dict[str, torch.Tensor]] = {}
+        self._latest: Optional[int] = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -99,19 +112,13 @@ class WorkerRollouts:
             in_flight (Optional[Dict[str, Any]]): a checkpoint's :meth:`state_dict` (its rollouts are not
                 sampled again).
         """
-        ctx = mp.get_context("spawn")
-        self._requests, self._replies = ctx.Queue(), ctx.Queue()
-        spec = self.spec
         if in_flight is not None:
-            spec = WorkerSpec(**{**vars(spec), "generator_state": in_flight["generator_state"]})
+            self._generator_state = in_flight["generator_state"]
             self._ready = dict(in_flight["ready"])
             self._requested = max(self._ready, default=step)
         self._collected = step
         self._requested = max(self._requested, step)
-        self._process = ctx.Process(target=worker_main, args=(spec, self._requests, self._replies), daemon=True,
-                                    name=f"grpo-generation-worker-{spec.rank}")
-        self._process.start()
-        self._wait_for("ready")
+        self._spawn()
         self._send_weights(model, step)
         while self._requested < step + self.max_staleness + 1:
             self._request(version=step)
@@ -128,10 +135,49 @@ class WorkerRollouts:
         if self._process.is_alive():
             self._requests.put(("stop",))
             self._process.join(timeout=30)
-            if self._process.is_alive():
-                self._process.terminate()
-                self._process.join(timeout=10)
+        self._kill()
+
+    def _kill(self) -> None:
+        if self._process is not None and self._process.is_alive():
+            self._process.terminate()
+            self._process.join(timeout=10)
         self._process = None
+
+    def _spawn(self) -> None:
+        """A worker process from the sampling state after the last answered batch; waits until it is built."""
+        ctx = mp.get_context("spawn")
+        self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        spec = WorkerSpec(**{**vars(self.spec), "generator_state": self._generator_state})
+        self._process = ctx.Process(target=worker_main, args=(spec, self._requests, self._replies), daemon=True,
+                                    name=f"grpo-generation-worker-{spec.rank}")
+        self._process.start()
+        message = self._get(replace=False)
+        if message[0] != "ready":
+            raise WorkerError(f"{self.name}: expected 'ready', got {message[0]!r}")
+
+    def _replace(self, reason: str) -> None:
+        """A new worker in place of a dead or silent one, given everything the old one had not answered."""
+        while True:
+            if self.restarts_done >= self.restarts:
+                raise WorkerError(f"{reason}; generation_workers.restarts = {self.restarts} used up")
+            self.restarts_done += 1
+            log.warning(f"{reason}: starting a new one ({self.restarts_done} of {self.restarts} restarts)")
+            self._kill()
+            self._expected_probes.clear()  # the weights go again without probes
+            try:
+                self._spawn()
+                break
+            except WorkerError as error:  # died again while starting
+                reason = str(error)
+        sent = None
+        for index in sorted(self._pending):
+            batch, version = self._pending[index]
+            if version != sent:
+                self._requests.put(("weights", version, self._kept[version], None))
+                sent = version
+            self._requests.put(("generate", index, batch, version))
+        if self._latest is not None and self._latest != sent:
+            self._requests.put(("weights", self._latest, self._kept[self._latest], None))
 
     # ---------------------------------------------------------------------------------------- the step
 
@@ -181,23 +227,28 @@ class WorkerRollouts:
                 ).logprobs[0].cpu()
             model.train(was_training)
         self._versions_published += 1
+        self._kept[step], self._latest = state, step
+        self._forget_weights()
         self._requests.put(("weights", step, state, probe))
 
     def _request(self, version: int) -> None:
         self._requested += 1
-        self._requests.put(("generate", self._requested, self.prompts.next(), version))
+        batch = self.prompts.next()
+        self._pending[self._requested] = (batch, version)
+        self._requests.put(("generate", self._requested, batch, version))
 
-    def _wait_for(self, kind: str) -> Any:
-        message = self._get()
-        if message[0] != kind:
-            raise WorkerError(f"{self.name}: expected {kind!r}, got {message[0]!r}")
-        return message
+    def _forget_weights(self) -> None:
+        needed = {version for _, version in self._pending.values()} | {self._latest}
+        for version in [v for v in self._kept if v not in needed]:
+            del self._kept[version]
 
     def _receive(self) -> None:
         message = self._get()
         if message[0] == "rollouts":
             _, index, groups, version, generator_state, seconds = message
             self._ready[index] = groups
+            self._pending.pop(index, None)
+            self._forget_weights()
             self._generator_state = generator_state
             self.busy_seconds += seconds
         elif message[0] == "probe":
@@ -207,22 +258,30 @@ class WorkerRollouts:
         else:
             raise WorkerError(f"{self.name}: unexpected reply {message[0]!r}")
 
-    def _get(self) -> Any:
+    def _get(self, replace: bool = True) -> Any:
+        """The worker's next reply; a dead or silent worker is replaced (``replace``) or stops the run."""
         deadline = time.monotonic() + self.timeout
         while True:
             try:
                 message = self._replies.get(timeout=min(5.0, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
+                message = None
+            except (EOFError, OSError):  # the reply pipe broke: the worker was killed in the middle of a reply
+                message = None
+                self._process.join(timeout=5.0)
+            if message is None:
                 if not self._process.is_alive():
-                    raise WorkerError(
-                        f"{self.name} (pid {self._process.pid}) died with exit code {self._process.exitcode}"
-                    ) from None
-                if time.monotonic() >= deadline:
-                    raise WorkerError(
-                        f"{self.name} (pid {self._process.pid}) sent nothing for {self.timeout:g} s "
-                        "(generation_workers.timeout)"
-                    ) from None
+                    reason = f"{self.name} (pid {self._process.pid}) died with exit code {self._process.exitcode}"
+                elif time.monotonic() >= deadline:
+                    reason = (f"{self.name} (pid {self._process.pid}) sent nothing for {self.timeout:g} s "
+                              "(generation_workers.timeout)")
+                else:
+                    continue
+                if not replace:
+                    raise WorkerError(reason)
+                self._replace(reason)
+                deadline = time.monotonic() + self.timeout
                 continue
-            if message[0] == "error":
+            if message[0] == "error":  # an exception in the worker's code: a new worker would raise it again
                 raise WorkerError(f"{self.name} failed:\n{message[1]}")
             return message
