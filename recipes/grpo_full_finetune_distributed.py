@@ -337,6 +337,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 WorkerSpec(
                     config=self._config_record, rank=self.rank, threads=c.generation_workers.threads, seed=self.seed,
                     dtype=str(self._placement.precision.compute_dtype).removeprefix("torch."),
+                    config_class=f"{type(c).__module__}.{type(c).__qualname__}",
                 ),
                 self.prompts, max_staleness=c.generation_workers.max_staleness, timeout=c.generation_workers.timeout,
                 device=self._device, probe_prompt=dataset[0]["tokens"], chunk_size=c.logprob_chunk_size,

@@ -18,6 +18,7 @@ stream, seeded like the synchronous recipe's (``seed + rank``) and consumed in b
 with the batch, for checkpoints.
 """
 
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -43,6 +44,7 @@ class WorkerSpec:
         generator_state (Optional[torch.Tensor]): the sampling generator's state to start from (a resumed run);
             None seeds it with ``seed + rank``.
         seed (int): the run's seed.
+        config_class (str): the recipe's typed config class, by import path (the LoRA recipe's has its keys).
     """
 
     config: Dict[str, Any]
@@ -51,6 +53,7 @@ class WorkerSpec:
     dtype: str
     seed: int
     generator_state: Optional[torch.Tensor] = None
+    config_class: str = "torchtune_grpo.config_schema.RecipeConfig"
 
 
 def behaviour_logprobs(
@@ -82,14 +85,15 @@ class _Worker:
         from torchtune import config as tt_config, training
 
         from torchtune_grpo.assets import register_resolvers
-        from torchtune_grpo.config import build_multi_turn, RecipeConfig
+        from torchtune_grpo.config import build_multi_turn
         from torchtune_grpo.model_setup import init_rope
         from torchtune_grpo.rewards import build_reward_set
 
         register_resolvers()
         torch.set_num_threads(spec.threads)
         cfg = OmegaConf.create(spec.config)
-        self.config = c = RecipeConfig.from_cfg(cfg)
+        module, name = spec.config_class.rsplit(".", 1)
+        self.config = c = getattr(importlib.import_module(module), name).from_cfg(cfg)
         self.tokenizer = tt_config.instantiate(cfg.tokenizer)
         self.multi_turn = build_multi_turn(c)
         if self.multi_turn is not None:
