@@ -432,6 +432,18 @@ class TrainingBatch:
             return agreed_plan(prompt_lens, response_lens, all_reduce=all_reduce, **kw)
         return plan_micro_batches(prompt_lens, response_lens, num_micro_batches=num_micro_batches, **kw)
 
+    def real_tokens(self, rows: slice) -> int:
+        """Slots of a forward over ``rows`` that hold a real token (the rest of :meth:`padded_tokens` is
+        padding): ``prompt + response`` per sequence, or, shared, each row's prompt once and every response
+        but its last token."""
+        if self.prompt_ids is None:
+            return int(self.tokens[rows].numel())
+        if not self.share_prompt:
+            return sum(self.lengths[rows])
+        prompts = self.prompt_ids[rows]
+        once = sum(len(p) for i, p in enumerate(prompts) if i == 0 or prompts[i - 1] != p)  # one per row
+        return once + sum(max(len(r) - 1, 0) for r in self.response_ids[rows])
+
     def padded_tokens(self, rows: slice) -> int:
         """Tokens a forward over ``rows`` holds, padding included (for padding metrics and benchmarks)."""
         n = len(range(*rows.indices(len(self))))
