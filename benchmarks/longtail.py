@@ -4,7 +4,8 @@ Two halves of a GRPO step pay for the longest completion:
 
 - **update**: the same experience (scripted log-normal response lengths, median 64, capped at 1,024) trained
   by ``PolicyUpdate`` with ``micro_batch_size`` rows per forward (before) and with
-  ``max_tokens_per_micro_batch`` (after), in both training layouts (one row per sequence; shared prompts).
+  ``max_tokens_per_micro_batch`` (after), in both training layouts (one row per sequence, also packed into
+  shared rows; shared prompts).
   Printed: the padding fraction of the forwards' token slots (load-independent) and seconds per update;
 - **decode**: ``NativeGenerator`` with and without ``compact_decode`` on a near-uniform random model whose
   stop set makes lengths geometric with median ~64 (the same seed: the same tokens). Printed: decode
@@ -66,8 +67,8 @@ def padding(batch: TrainingBatch, mbs: List[slice]) -> float:
     return 1.0 - real / padded
 
 
-def update_case(model, prompts, responses, *, shared: bool, rows: int, budget, repeats: int) -> Dict[str, float]:
-    batch = TrainingBatch(prompts, responses, pad_id=0, share_prompt=shared)
+def update_case(model, prompts, responses, *, layout: Dict, rows: int, budget, repeats: int) -> Dict[str, float]:
+    batch = TrainingBatch(prompts, responses, pad_id=0, **layout)
     n = len(batch)
     if budget is None:
         mbs, ordered = [slice(i, min(i + rows, n)) for i in range(0, n, rows)], batch
@@ -136,14 +137,18 @@ def main() -> None:
     print("\nupdate (one optimizer step over all rows)")
     print("| layout | micro-batches | count | largest (slots) | padding | s/update | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for shared in (False, True):
-        before = update_case(model, prompts, responses, shared=shared, rows=args.rows, budget=None, repeats=args.repeats)
+    for name, layout, others in (
+        ("one row per sequence", dict(share_prompt=False), [("packed rows", dict(share_prompt=False, pack=True))]),
+        ("shared prompts", dict(share_prompt=True), []),
+    ):
+        before = update_case(model, prompts, responses, layout=layout, rows=args.rows, budget=None, repeats=args.repeats)
         budget = args.budget or before["budget"]
-        after = update_case(model, prompts, responses, shared=shared, rows=args.rows, budget=budget,
-                            repeats=args.repeats)
-        name = "shared prompts" if shared else "one row per sequence"
-        for label, r in ((f"{args.rows} rows", before), (f"<= {budget} tokens", after)):
-            print(f"| {name} | {label} | {r['micro_batches']} | {r['peak']} | {r['padding']:.1%} | "
+        cases = [(name, f"{args.rows} rows", before)]
+        for label, lay in [(name, layout)] + others:
+            r = update_case(model, prompts, responses, layout=lay, rows=args.rows, budget=budget, repeats=args.repeats)
+            cases.append((label, f"<= {budget} tokens", r))
+        for label, split, r in cases:
+            print(f"| {label} | {split} | {r['micro_batches']} | {r['peak']} | {r['padding']:.1%} | "
                   f"{r['seconds']:.2f} | {r['seconds'] / before['seconds']:.2f} |")
     print("\ndecode (native engine, fp32, shared-prefix cache)")
     gen_prompts = [prompts[i * args.group_size] for i in range(args.groups)]

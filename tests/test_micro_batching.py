@@ -117,8 +117,12 @@ def _experience(model, seed=0, num_groups=4):
     return prompts, responses
 
 
-def _batch_and_exp(model, prompts, responses, shared):
-    batch = TrainingBatch(prompts, responses, pad_id=0, share_prompt=shared)
+LAYOUTS = {"padded": dict(share_prompt=False), "shared": dict(share_prompt=True),
+           "packed": dict(share_prompt=False, pack=True)}
+
+
+def _batch_and_exp(model, prompts, responses, layout):
+    batch = TrainingBatch(prompts, responses, pad_id=0, **LAYOUTS[layout])
     n = len(batch)
     kept = torch.ones(n, dtype=torch.bool)
     kept[4] = False
@@ -131,11 +135,11 @@ def _batch_and_exp(model, prompts, responses, shared):
     )
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_no_grad_logprobs_do_not_depend_on_the_plan(shared):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_no_grad_logprobs_do_not_depend_on_the_plan(layout):
     model = make_tiny_decoder(scale=1.0)
     prompts, responses = _experience(model, seed=1)
-    batch = TrainingBatch(prompts, responses, 0, share_prompt=shared)
+    batch = TrainingBatch(prompts, responses, 0, **LAYOUTS[layout])
     ref = batch_token_logprobs(model, batch, micro_batch_size=len(batch), with_entropy=True)
     plan = batch.plan(max_tokens=40, max_rows=4)
     assert len(plan.sizes) > 3 and plan.order != sorted(plan.order)  # really reordered and split
@@ -149,14 +153,14 @@ def test_no_grad_logprobs_do_not_depend_on_the_plan(shared):
 AGG_MODES = {"token-mean": 0.1, "seq-mean-token-mean": 0.1, "seq-mean-token-sum": 0.01, "seq-mean-token-sum-norm": 0.1}
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_update_with_a_token_budget_equals_fixed_micro_batches(shared):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_update_with_a_token_budget_equals_fixed_micro_batches(layout):
     # Every aggregation mode, 2 mini-batches x 2 passes (off-policy steps clip), KL and an entropy bonus:
     # a token budget that sorts and splits each mini-batch gives the weights of one micro-batch per
     # mini-batch, and so do the plans when another rank forces more micro-batches than the budget needs.
     model = make_tiny_decoder(seed=4, scale=0.5).train()
     prompts, responses = _experience(model, seed=2)
-    exp = _batch_and_exp(model, prompts, responses, shared)
+    exp = _batch_and_exp(model, prompts, responses, layout)
     for mode, lr in AGG_MODES.items():
         results = []
         for max_tokens, others_need in ((None, 0), (60, 0), (60, 6)):

@@ -58,13 +58,16 @@ class _Unit(NamedTuple):
     completion: int  # the longest response's length
 
 
-def _cost(units: Sequence[_Unit], shared: bool) -> int:
+def _cost(units: Sequence[_Unit], shared: bool, packed: bool = False) -> int:
     """Tokens a forward over ``units`` holds, padding included (the layouts of training_batch.py).
 
     One row per sequence: ``rows x max(prompt + response)``. Shared prompts: one row per unit of ``P +
     M x C`` slots (``P`` the longest prompt, ``M`` the most sequences of a unit, ``C`` the longest response
-    minus one).
+    minus one). Packed rows (:mod:`~torchtune_grpo.packed_rows`): the sequences' own tokens (packing leaves
+    little padding, and what it leaves depends on the packing).
     """
+    if packed:
+        return sum(u.prompt + u.completion for u in units)
     if not shared:
         return sum(len(u.rows) for u in units) * max(u.prompt + u.completion for u in units)
     slots = max(u.prompt for u in units) + max(len(u.rows) for u in units) * max(
@@ -123,6 +126,7 @@ def plan_micro_batches(
     max_rows: int,
     prompt_ids: Optional[List[List[int]]] = None,
     num_micro_batches: Optional[int] = None,
+    packed: bool = False,
 ) -> MicroBatchPlan:
     """Assign ``N`` sequences to micro-batches of at most ``max_tokens`` tokens (padding included).
 
@@ -141,6 +145,8 @@ def plan_micro_batches(
         num_micro_batches (Optional[int]): exactly this many micro-batches (at least the budget's count, at
             most ``N``; e.g. the largest count over ranks): the costliest are halved until there are as many.
             Default is None (the budget's count).
+        packed (bool): the micro-batches are packed rows (one row per sequence otherwise; not with
+            ``prompt_ids``): their cost is their real tokens. Default is False.
 
     Returns:
         MicroBatchPlan: the row order and the micro-batch sizes.
@@ -152,12 +158,12 @@ def plan_micro_batches(
         part for u in _units(prompt_lens, response_lens, prompt_ids)
         for part in (_fit(u, response_lens, max_tokens, max_rows) if shared else [u])
     ]
-    units.sort(key=lambda u: (-_cost([u], shared), u.rows[0]))
+    units.sort(key=lambda u: (-_cost([u], shared), u.rows[0]))  # by length, whatever the layout
     bins: List[List[_Unit]] = []
     for u in units:
         if bins:
             grown = bins[-1] + [u]
-            if sum(len(x.rows) for x in grown) <= max_rows and _cost(grown, shared) <= max_tokens:
+            if sum(len(x.rows) for x in grown) <= max_rows and _cost(grown, shared, packed) <= max_tokens:
                 bins[-1] = grown
                 continue
         bins.append([u])
@@ -169,7 +175,7 @@ def plan_micro_batches(
             )
         while len(bins) < num_micro_batches:
             splittable = [i for i, b in enumerate(bins) if sum(len(u.rows) for u in b) > 1]
-            i = max(splittable, key=lambda j: (_cost(bins[j], shared), -j))
+            i = max(splittable, key=lambda j: (_cost(bins[j], shared, packed), -j))
             bins[i : i + 1] = list(_split(bins[i]))
     order = [r for b in bins for u in b for r in u.rows]
     return MicroBatchPlan(order, [sum(len(u.rows) for u in b) for b in bins])
@@ -207,13 +213,14 @@ def agreed_plan(
     max_tokens: int,
     max_rows: int,
     prompt_ids: Optional[List[List[int]]] = None,
+    packed: bool = False,
     all_reduce: Callable[[List[float]], List[float]],
 ) -> MicroBatchPlan:
     """:func:`plan_micro_batches` with the number of micro-batches agreed over ranks (one all-reduce).
 
     Every rank must hold the same number of rows ``N``.
     """
-    kw = dict(max_tokens=max_tokens, max_rows=max_rows, prompt_ids=prompt_ids)
+    kw = dict(max_tokens=max_tokens, max_rows=max_rows, prompt_ids=prompt_ids, packed=packed)
     local = plan_micro_batches(prompt_lens, response_lens, **kw)
     n = len(prompt_lens)
     (count,) = agreed_counts(all_reduce(count_histogram(len(local.sizes), n)), n)

@@ -40,6 +40,7 @@ from torchtune.modules import MultiHeadAttention, TransformerDecoder
 from torchtune_grpo.attention import AttentionLayout, install_attention, installable
 from torchtune_grpo.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
 from torchtune_grpo.micro_batching import agreed_plan, MicroBatchPlan, plan_micro_batches
+from torchtune_grpo.packed_rows import packed_layout, PackedLayout
 
 __all__ = [
     "SharedPromptMask",
@@ -327,6 +328,9 @@ class TrainingBatch:
         share_prompt (bool): compute each prompt once per group of sequences in the same micro-batch (see
             the module docstring); False lays out one row per sequence. Models that
             :func:`supports_shared_prompt` rejects use one row per sequence anyway. Default is True.
+        pack (bool): without ``share_prompt``: pack each micro-batch's sequences into rows as wide as its
+            longest, none attending to another (:mod:`~torchtune_grpo.packed_rows`); False pads one row per
+            sequence. Models :func:`supports_shared_prompt` rejects are not packed. Default is False.
         device (Optional[torch.device]): where the tensors go. Default is None (CPU).
 
     Attributes:
@@ -342,6 +346,7 @@ class TrainingBatch:
         pad_id: int,
         *,
         share_prompt: bool = True,
+        pack: bool = False,
         device: Optional[torch.device] = None,
     ) -> None:
         tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
@@ -353,8 +358,9 @@ class TrainingBatch:
         self.lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         self.pad_id = pad_id
         self.share_prompt = share_prompt
+        self.pack = pack and not share_prompt
         self.device = device
-        self._layouts: Dict[Tuple[int, int], SharedPromptLayout] = {}
+        self._layouts: Dict[Tuple[int, int], "SharedPromptLayout | PackedLayout"] = {}
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, start: int = 0) -> "TrainingBatch":
@@ -363,7 +369,7 @@ class TrainingBatch:
         batch.tokens, batch.start = tokens, start
         batch.response_mask = None
         batch.prompt_ids = batch.response_ids = batch.lengths = None
-        batch.pad_id, batch.share_prompt, batch.device = None, False, tokens.device
+        batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
         batch._layouts = {}
         return batch
 
@@ -424,7 +430,8 @@ class TrainingBatch:
             MicroBatchPlan: the row order and the micro-batch sizes.
         """
         kw = dict(
-            max_tokens=max_tokens, max_rows=max_rows, prompt_ids=self.prompt_ids if self.share_prompt else None
+            max_tokens=max_tokens, max_rows=max_rows, prompt_ids=self.prompt_ids if self.share_prompt else None,
+            packed=self.pack,
         )
         prompt_lens = [len(p) for p in self.prompt_ids]
         response_lens = [len(r) for r in self.response_ids]
@@ -438,6 +445,8 @@ class TrainingBatch:
         but its last token."""
         if self.prompt_ids is None:
             return int(self.tokens[rows].numel())
+        if self.pack:  # a response's last token is an input to nothing
+            return sum(len(p) + max(len(r) - 1, 0) for p, r in zip(self.prompt_ids[rows], self.response_ids[rows]))
         if not self.share_prompt:
             return sum(self.lengths[rows])
         prompts = self.prompt_ids[rows]
@@ -447,18 +456,20 @@ class TrainingBatch:
     def padded_tokens(self, rows: slice) -> int:
         """Tokens a forward over ``rows`` holds, padding included (for padding metrics and benchmarks)."""
         n = len(range(*rows.indices(len(self))))
-        if self.share_prompt and self.prompt_ids is not None:
+        if (self.share_prompt or self.pack) and self.prompt_ids is not None:
             return int(self.layout(rows).tokens.numel())
         if self.lengths is None:
             return n * self.tokens.size(1)
         return n * max(self.lengths[rows])
 
-    def layout(self, rows: slice) -> SharedPromptLayout:
-        """The shared-prompt layout of ``rows`` (built once, reused by every pass over the same rows)."""
+    def layout(self, rows: slice) -> "SharedPromptLayout | PackedLayout":
+        """The shared-prompt (or, with ``pack``, packed) layout of ``rows`` (built once, reused by every pass
+        over the same rows)."""
         key = (rows.start or 0, rows.stop if rows.stop is not None else len(self))
         if key not in self._layouts:
             a, b = key
-            self._layouts[key] = shared_prompt_layout(
+            build = packed_layout if self.pack else shared_prompt_layout
+            self._layouts[key] = build(
                 self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device
             )
         return self._layouts[key]
@@ -477,7 +488,8 @@ class TrainingBatch:
 
         Arguments as :func:`~torchtune_grpo.logprobs.sequence_logprobs`. One forward over the rows.
         """
-        shared = self.share_prompt and install_shared_prompt_attention(model)
+        # The shared-prompt and packed layouts run through the same attention replacement.
+        shared = (self.share_prompt or self.pack) and install_shared_prompt_attention(model)
         if shared:
             lay = self.layout(rows)
             max_len = getattr(model, "max_seq_len", None)
