@@ -262,6 +262,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             self._model, share_prompt=self.share_prompt, explicit="share_prompt_in_training" in cfg,
             max_prompt_length=self.config.max_prompt_length, max_response_length=self.max_response_length,
             group_size=self.group_size, micro_batch_size=self.micro_batch_size,
+            pack=self.config.pack_sequences_in_training,
         )
         if note:
             utils.log_rank_zero(log, note)
@@ -342,7 +343,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             advantage=self._advantage, reward_weights=self._rewards.weights, group_size=self.group_size,
             pad_id=self._tokenizer.pad_id, loss_masks=self._loss_masks, micro_batch_size=self.micro_batch_size,
             temperature=self._logprob_temperature, device=self._device, chunk_size=self.logprob_chunk_size,
-            share_prompt=self.share_prompt, max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
+            share_prompt=self.share_prompt, pack_sequences=self.config.pack_sequences_in_training,
+            max_tokens_per_micro_batch=self.config.max_tokens_per_micro_batch,
             mask_truncated=self.mask_truncated, kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator, kl_in_reward=self.kl_in_reward, reference=self._reference(),
             update_needs_old_logprobs=self._update.needs_old_logprobs,

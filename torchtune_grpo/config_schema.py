@@ -167,6 +167,10 @@ class RecipeConfig(ConfigSchema):
     share_prompt_in_training: bool = setting(
         True, doc="training and logprob forwards compute each prompt once for its group's completions "
                   "([configs.md](configs.md#training-layout-share_prompt_in_training)); same numbers as `false`")
+    pack_sequences_in_training: bool = setting(
+        False, doc="with one row per sequence (`share_prompt_in_training: false`, or a model that cannot share): "
+                   "several sequences per training row, none attending to another "
+                   "([configs.md](configs.md#packed-rows-pack_sequences_in_training)); same numbers")
     drop_pad_embedding_grad: bool = setting(False, doc="no gradient to the pad token's input embedding "
                                             "(transformers' `padding_idx`, TRL's behaviour)")
     weight_sync: Any = component("for engines holding their own weights (vLLM): `WeightSyncCheck` interval and "

@@ -80,6 +80,8 @@ class ExperienceBuilder:
         device (torch.device): the training device.
         chunk_size (int): positions per log-softmax chunk. Default is 512.
         share_prompt (bool): the shared-prompt training layout. Default is True.
+        pack_sequences (bool): without ``share_prompt``, pack several sequences per row
+            (:mod:`~torchtune_grpo.packed_rows`). Default is False.
         max_tokens_per_micro_batch (Optional[int]): logprob forwards by token budget (padding included,
             :mod:`~torchtune_grpo.micro_batching`; the same number on every rank); None: ``micro_batch_size``
             rows each. Default is None.
@@ -110,6 +112,7 @@ class ExperienceBuilder:
         device: torch.device,
         chunk_size: int = 512,
         share_prompt: bool = True,
+        pack_sequences: bool = False,
         max_tokens_per_micro_batch: Optional[int] = None,
         mask_truncated: bool = False,
         kl_coef: float = 0.0,
@@ -130,6 +133,7 @@ class ExperienceBuilder:
         self.device = device
         self.chunk_size = int(chunk_size)
         self.share_prompt = bool(share_prompt)
+        self.pack_sequences = bool(pack_sequences)
         self.max_tokens = None if max_tokens_per_micro_batch is None else int(max_tokens_per_micro_batch)
         self.mask_truncated = bool(mask_truncated)
         self.kl_coef = float(kl_coef)
@@ -218,7 +222,8 @@ class ExperienceBuilder:
         """
         n = len(trained.response_ids)
         layout = TrainingBatch(
-            trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt, device=self.device,
+            trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt,
+            pack=self.pack_sequences, device=self.device,
         )
         kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
         kept = kept.to(self.device)  # [N]
