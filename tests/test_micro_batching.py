@@ -41,22 +41,30 @@ def test_unshared_plan_by_hand():
         plan_micro_batches(prompts, responses, max_tokens=24, max_rows=8, num_micro_batches=2)
 
 
-def test_shared_plan_keeps_groups_whole():
-    # Three groups of 3 (prompt lengths 4, 2, 3) and their responses. A shared row costs P + M x (C - 1)
-    # with C the group's longest response: group A 4 + 3 x 5 = 19, B 2 + 3 x 1 = 5, C 3 + 3 x 9 = 30.
+def test_shared_plan_cuts_groups_only_where_cheaper():
+    # Three groups of 3 (prompt lengths 4, 2, 3). A shared row costs P + M x max(1, C - 1), C the longest
+    # response of the row. Each group's responses sorted longest first, cut where that is cheaper:
+    # A (rows 0, 2, 1: 6, 3, 2): whole 4 + 3 x 5 = 19; [0] + [2, 1] = (4 + 5) + (4 + 2 x 2) = 17: cut.
+    # B (rows 4, 5, 3: 2, 2, 1): whole 2 + 3 x 1 = 5, any cut pays the prompt again: whole.
+    # C (rows 6, 7, 8: 10, 1, 1): whole 3 + 3 x 9 = 30; [6] + [7, 8] = 12 + 5 = 17: cut.
     a, b, c = [1, 1, 1, 1], [2, 2], [3, 3, 3]
     prompt_ids = [a] * 3 + [b] * 3 + [c] * 3
     responses = [6, 2, 3, 1, 2, 2, 10, 1, 1]
     lens = [len(p) for p in prompt_ids]
-    # Budget 40: C (30) alone (C + A = 2 rows x (4 + 3 x 9) = 62); then A + B = 2 x (4 + 3 x 5) = 38.
+    # Units by cost: [6] 12, [0] 9, [2, 1] 8, B 5, [7, 8] 5. Budget 40: [6] + [0] = 2 x (4 + 1 x 9) = 26
+    # (26 - 12 <= 2 x 9); + [2, 1]: 3 x (4 + 2 x 9) > 40. [2, 1] + B = 2 x (4 + 3 x 2) = 20, but that adds
+    # 12 > 2 x 5 (padding B's short completions to 3): no. B + [7, 8] = 2 x (3 + 3 x 1) = 12.
+    # (Within a micro-batch the units go in prompt order: group A's [0] before C's [6].)
     plan = plan_micro_batches(lens, responses, max_tokens=40, max_rows=9, prompt_ids=prompt_ids)
-    assert plan.order == [6, 7, 8, 0, 1, 2, 3, 4, 5] and plan.sizes == [3, 6]
-    # Budget 20: group C (30) alone is over it, so it is split, longest first: [6] (3 + 1 x 9 = 12); adding
-    # row 7 keeps C = 10: 3 + 2 x 9 = 21 > 20, so [7, 8] (3 + 2 x 1 = 5). Units by cost: A 19, [6] 12, B 5,
-    # [7, 8] 5. A + [6] = 2 x (4 + 3 x 9) > 20, [6] + B = 2 x (3 + 3 x 9) > 20, B + [7, 8] = 2 x (3 + 3 x 1)
-    # = 12: group A whole, C's longest alone, then B with the rest of C.
+    assert plan.order == [0, 6, 2, 1, 4, 5, 3, 7, 8] and plan.sizes == [2, 2, 5]
+    # Budget 20: [6] + [0] = 26 > 20: [6] alone. [0] + [2, 1] share a prompt, so one row of 4 + 3 x 5 = 19:
+    # group A rejoined (the cut was cheaper only in separate rows).
     plan = plan_micro_batches(lens, responses, max_tokens=20, max_rows=9, prompt_ids=prompt_ids)
-    assert plan.order == [0, 1, 2, 6, 3, 4, 5, 7, 8] and plan.sizes == [3, 1, 5]
+    assert plan.order == [6, 0, 2, 1, 4, 5, 3, 7, 8] and plan.sizes == [1, 3, 5]
+    # One long completion among short ones: cut into [0] (4 + 29 = 33) and [1, 2, 3] (4 + 3 x 1 = 7); rejoined
+    # they would be one row of 4 + 4 x 29 = 120 (87 more for a part of 7), so they stay apart.
+    plan = plan_micro_batches([4] * 4, [30, 1, 1, 1], max_tokens=1000, max_rows=4, prompt_ids=[a] * 4)
+    assert plan.order == [0, 1, 2, 3] and plan.sizes == [1, 3]
 
 
 @pytest.mark.parametrize("shared", [False, True])

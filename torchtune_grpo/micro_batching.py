@@ -16,7 +16,7 @@ largest over ranks through the sum all-reduce the stages already have, and :func
 ``num_micro_batches`` splits the largest micro-batches until it has that many.
 """
 
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +56,7 @@ class _Unit(NamedTuple):
     rows: List[int]
     prompt: int  # the prompt's length
     completion: int  # the longest response's length
+    key: int = 0  # equal for units with equal prompts (the shared layout puts them in one row)
 
 
 def _cost(units: Sequence[_Unit], shared: bool, packed: bool = False) -> int:
@@ -70,41 +71,54 @@ def _cost(units: Sequence[_Unit], shared: bool, packed: bool = False) -> int:
         return sum(u.prompt + u.completion for u in units)
     if not shared:
         return sum(len(u.rows) for u in units) * max(u.prompt + u.completion for u in units)
-    slots = max(u.prompt for u in units) + max(len(u.rows) for u in units) * max(
-        max(1, u.completion - 1) for u in units
-    )
-    return len(units) * slots
+    # Units with equal prompts end up side by side (the order plan_micro_batches returns): one run of them.
+    runs = {}
+    for u in units:
+        runs[u.key] = runs.get(u.key, 0) + len(u.rows)
+    slots = max(u.prompt for u in units) + max(runs.values()) * max(max(1, u.completion - 1) for u in units)
+    return len(runs) * slots
 
 
 def _units(prompt_lens: List[int], response_lens: List[int], prompt_ids: Optional[List[List[int]]]) -> List[_Unit]:
     if prompt_ids is None:  # one row per sequence
         return [_Unit([i], p, r) for i, (p, r) in enumerate(zip(prompt_lens, response_lens))]
     units: List[_Unit] = []
+    keys: Dict[Tuple[int, ...], int] = {}
     for i, p in enumerate(prompt_ids):  # runs of equal consecutive prompts, as the shared layout groups them
         if units and prompt_ids[units[-1].rows[0]] == p:
             u = units[-1]
-            units[-1] = _Unit(u.rows + [i], u.prompt, max(u.completion, response_lens[i]))
+            units[-1] = u._replace(rows=u.rows + [i], completion=max(u.completion, response_lens[i]))
         else:
-            units.append(_Unit([i], len(p), response_lens[i]))
+            units.append(_Unit([i], len(p), response_lens[i], keys.setdefault(tuple(p), len(keys))))
     return units
 
 
-def _fit(unit: _Unit, response_lens: List[int], max_tokens: int, max_rows: int) -> List[_Unit]:
-    """``unit``, or (when it alone is over the budget or the row cap) its sequences, longest first, in
-    consecutive parts that fit (at least one sequence each)."""
-    if _cost([unit], True) <= max_tokens and len(unit.rows) <= max_rows:
-        return [unit]
+def _parts(unit: _Unit, response_lens: List[int], max_tokens: int, max_rows: int) -> List[_Unit]:
+    """A group split into parts of similar lengths, each with its prompt once (shared-prompt layout).
+
+    A shared row pads every completion to the group's longest: with long-tailed lengths one long completion
+    makes the whole group pay for it. The group's sequences, longest first, are cut into consecutive parts
+    minimising the total cost ``sum(P + M_part x C_part)`` (dynamic programming over the cut points), each
+    part within ``max_tokens`` unless it is one sequence, and within ``max_rows``. Where lengths are alike
+    the optimum is the whole group (the prompt computed once).
+    """
     rows = sorted(unit.rows, key=lambda i: (-response_lens[i], i))
-    parts: List[_Unit] = []
-    for i in rows:
-        if parts:
-            last = parts[-1]
-            grown = _Unit(last.rows + [i], last.prompt, last.completion)  # sorted: its completion stays
-            if len(grown.rows) <= max_rows and _cost([grown], True) <= max_tokens:
-                parts[-1] = grown
+    n = len(rows)
+    part = lambda a, b: _Unit(rows[a:b], unit.prompt, response_lens[rows[a]], unit.key)  # noqa: E731
+    best: List[float] = [0.0] + [float("inf")] * n  # best[b]: cheapest cover of rows[:b]
+    cut = [0] * (n + 1)
+    for b in range(1, n + 1):
+        for a in range(max(0, b - max_rows), b):
+            cost = _cost([part(a, b)], True)
+            if cost > max_tokens and b - a > 1:
                 continue
-        parts.append(_Unit([i], unit.prompt, response_lens[i]))
-    return parts
+            if best[a] + cost < best[b]:
+                best[b], cut[b] = best[a] + cost, a
+    parts, b = [], n
+    while b > 0:
+        parts.append(part(cut[b], b))
+        b = cut[b]
+    return parts[::-1]
 
 
 def _split(bin_: List[_Unit]) -> "tuple[List[_Unit], List[_Unit]]":
@@ -115,7 +129,7 @@ def _split(bin_: List[_Unit]) -> "tuple[List[_Unit], List[_Unit]]":
     u = bin_[0]
     half = (len(u.rows) + 1) // 2
     # The sorted order keeps the longest rows first; each half keeps the unit's prompt.
-    return [_Unit(u.rows[:half], u.prompt, u.completion)], [_Unit(u.rows[half:], u.prompt, u.completion)]
+    return [u._replace(rows=u.rows[:half])], [u._replace(rows=u.rows[half:])]
 
 
 def plan_micro_batches(
@@ -132,8 +146,10 @@ def plan_micro_batches(
 
     Deterministic: units (sequences, or groups with ``prompt_ids``) sorted by padded cost, longest first
     (ties by row), each added to the current micro-batch while it stays within ``max_tokens`` and
-    ``max_rows`` rows, else opening the next one. A unit over the budget on its own gets a micro-batch to
-    itself (a group is first split into parts that fit, longest sequences first).
+    ``max_rows`` rows and costs at most twice its own cost (else the padding it brings outweighs
+    the micro-batch saved), else opening the next one. A unit over the budget on its own gets a micro-batch to
+    itself. A group is first cut into parts of similar lengths where that is cheaper than padding every
+    completion to its longest (:func:`_parts`), each part with its prompt once.
 
     Args:
         prompt_lens (List[int]): ``N`` prompt lengths.
@@ -156,14 +172,16 @@ def plan_micro_batches(
     shared = prompt_ids is not None
     units = [
         part for u in _units(prompt_lens, response_lens, prompt_ids)
-        for part in (_fit(u, response_lens, max_tokens, max_rows) if shared else [u])
+        for part in (_parts(u, response_lens, max_tokens, max_rows) if shared else [u])
     ]
     units.sort(key=lambda u: (-_cost([u], shared), u.rows[0]))  # by length, whatever the layout
     bins: List[List[_Unit]] = []
     for u in units:
         if bins:
             grown = bins[-1] + [u]
-            if sum(len(x.rows) for x in grown) <= max_rows and _cost(grown, shared, packed) <= max_tokens:
+            cost = _cost(grown, shared, packed)
+            marginal_ok = cost - _cost(bins[-1], shared, packed) <= 2 * _cost([u], shared, packed)
+            if sum(len(x.rows) for x in grown) <= max_rows and cost <= max_tokens and marginal_ok:
                 bins[-1] = grown
                 continue
         bins.append([u])
@@ -177,7 +195,8 @@ def plan_micro_batches(
             splittable = [i for i, b in enumerate(bins) if sum(len(u.rows) for u in b) > 1]
             i = max(splittable, key=lambda j: (_cost(bins[j], shared, packed), -j))
             bins[i : i + 1] = list(_split(bins[i]))
-    order = [r for b in bins for u in b for r in u.rows]
+    # Within a micro-batch, units with equal prompts side by side (stable), as _cost assumes.
+    order = [r for b in bins for u in sorted(b, key=lambda u: u.key) for r in u.rows]
     return MicroBatchPlan(order, [sum(len(u.rows) for u in b) for b in bins])
 
 
