@@ -93,9 +93,10 @@ def update_case(model, prompts, responses, *, layout: Dict, rows: int, budget, r
             "peak": max(ordered.padded_tokens(s) for s in mbs), "budget": budget_out}
 
 
-def decode_case(model, prompts, *, group_size: int, max_len: int, compact: bool, repeats: int):
+def decode_case(model, prompts, *, group_size: int, max_len: int, compact: bool, repeats: int, median: int = 64):
     vocab = model.tok_embeddings.num_embeddings
-    stops = list(range(1, 1 + round(vocab * math.log(2) / 64)))  # P(stop) ~ ln 2 / 64 per token: median ~64
+    # P(stop) ~ ln 2 / median per token (near-uniform next-token distributions): geometric lengths
+    stops = list(range(1, 1 + round(vocab * math.log(2) / median)))
     row_steps = []
     hook = model.norm.register_forward_hook(lambda mod, inp, out: row_steps.append(inp[0].shape[0]))
     times, lengths = [], None
@@ -115,25 +116,7 @@ def decode_case(model, prompts, *, group_size: int, max_len: int, compact: bool,
             "row_steps": sum(row_steps[1:]), "lengths": sorted(lengths), "ids": out.response_ids}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=8)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--rows", type=int, default=8, help="micro_batch_size of the 'before' update")
-    parser.add_argument("--budget", type=int, default=None,
-                        help="max_tokens_per_micro_batch of the 'after' update; default: the largest 'before' "
-                             "micro-batch's token slots (the same peak activation memory)")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="1: 2 threads on 2 loaded cores were 5x slower")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"load average before: {os.getloadavg()}; {args.threads} threads; torch {torch.__version__}")
-    vocab = 2048
-    model = build_model(vocab, max_seq_len=8192)
-    prompts, responses = workload(args.groups, args.group_size, vocab, args.max_len)
-    lens = sorted(len(r) for r in responses)
-    print(f"{len(lens)} responses: median {lens[len(lens) // 2]}, max {lens[-1]}, mean {sum(lens) / len(lens):.0f}")
+def update_table(model, prompts, responses, args) -> None:
     print("\nupdate (one optimizer step over all rows)")
     print("| layout | micro-batches | count | largest (slots) | padding | s/update | ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -150,12 +133,14 @@ def main() -> None:
         for label, split, r in cases:
             print(f"| {label} | {split} | {r['micro_batches']} | {r['peak']} | {r['padding']:.1%} | "
                   f"{r['seconds']:.2f} | {r['seconds'] / before['seconds']:.2f} |")
+
+
+def decode_table(model, prompts, args) -> None:
     print("\ndecode (native engine, fp32, shared-prefix cache)")
     gen_prompts = [prompts[i * args.group_size] for i in range(args.groups)]
-    plain = decode_case(model.eval(), gen_prompts, group_size=args.group_size, max_len=args.max_len, compact=False,
-                        repeats=args.repeats)
-    compact = decode_case(model, gen_prompts, group_size=args.group_size, max_len=args.max_len, compact=True,
-                          repeats=args.repeats)
+    kw = dict(group_size=args.group_size, max_len=args.max_len, repeats=args.repeats, median=args.decode_median)
+    plain = decode_case(model.eval(), gen_prompts, compact=False, **kw)
+    compact = decode_case(model, gen_prompts, compact=True, **kw)
     lens = plain["lengths"]
     print(f"lengths: median {lens[len(lens) // 2]}, max {lens[-1]}; same tokens: {plain['ids'] == compact['ids']}")
     print("| decode | row-steps | s | tokens/s | ratio (time) |")
@@ -163,6 +148,32 @@ def main() -> None:
     for label, r in (("every row to the end", plain), ("compact_decode", compact)):
         print(f"| {label} | {r['row_steps']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
               f"{r['seconds'] / plain['seconds']:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=8, help="micro_batch_size of the 'before' update")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="max_tokens_per_micro_batch of the 'after' update; default: the largest 'before' "
+                             "micro-batch's token slots (the same peak activation memory)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-median", type=int, default=64, help="median completion length when decoding")
+    parser.add_argument("--decode-only", action="store_true", help="skip the update half")
+    parser.add_argument("--threads", type=int, default=1, help="1: 2 threads on 2 loaded cores were 5x slower")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"load average before: {os.getloadavg()}; {args.threads} threads; torch {torch.__version__}")
+    vocab = 2048
+    model = build_model(vocab, max_seq_len=8192)
+    prompts, responses = workload(args.groups, args.group_size, vocab, args.max_len)
+    lens = sorted(len(r) for r in responses)
+    print(f"{len(lens)} responses: median {lens[len(lens) // 2]}, max {lens[-1]}, mean {sum(lens) / len(lens):.0f}")
+    if not args.decode_only:
+        update_table(model, prompts, responses, args)
+    decode_table(model, prompts, args)
     print(f"\nload average after: {os.getloadavg()}")
 
 

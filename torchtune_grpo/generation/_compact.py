@@ -41,6 +41,7 @@ def compacting_decode_loop(
     stop_check_interval: int,
     generator: Optional[torch.Generator],
     min_drop_fraction: float = 0.25,
+    sample: Callable[..., torch.Tensor] = sample_tokens,
 ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Sample and feed back (``feed(token [n], t) -> logits [n, V]`` for the live rows) until all stop.
 
@@ -59,6 +60,9 @@ def compacting_decode_loop(
         generator (Optional[torch.Generator]): sampling RNG.
         min_drop_fraction (float): compact when at least this fraction of the decode batch has stopped.
             Default is 0.25.
+        sample (Callable[..., torch.Tensor]): :func:`~torchtune_grpo.generation.sample_tokens` or a
+            function with its signature (the engine passes its own, so one patch of it covers both loops).
+            Default is ``sample_tokens``.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``out [N, steps]`` and ``stopped [N]``, as the plain loop.
@@ -71,7 +75,7 @@ def compacting_decode_loop(
     steps = 0
     for t in range(max_new_tokens):
         full = live.numel() == n_all
-        token = sample_tokens(
+        token = sample(
             logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
             noise_rows=None if full else live, noise_batch=n_all,
         )  # [n]

@@ -80,7 +80,7 @@ class NativeGenerator(GenerationEngine):
             stop checks), so decode cost follows the live rows (:mod:`~torchtune_grpo.generation._compact`;
             the same random draws, tokens equal up to last-bit effects of the batch size on matrix
             products). Eager decoding only: a compiled step keeps its fixed shapes; multi-turn sessions keep
-            every row (their caches live on between turns). Default is False.
+            every row (their caches live on between turns). Default is True.
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class NativeGenerator(GenerationEngine):
         compile_decode: Optional[bool] = None,
         compile_mode: Optional[str] = None,
         compile_backend: str = "inductor",
-        compact_decode: bool = False,
+        compact_decode: bool = True,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -310,7 +310,8 @@ class NativeGenerator(GenerationEngine):
                     logits, lambda token, t: run.decode(model, token, t, direct), run.compact,
                     max_new_tokens=max_new_tokens, pad_id=pad_id, stop=stop, temperature=temperature,
                     top_k=self.top_k, top_p=self.top_p, stop_check_interval=self.stop_check_interval,
-                    generator=generator,
+                    # looked up at each call, so both loops sample through this module's sample_tokens
+                    generator=generator, sample=lambda logits, **kw: sample_tokens(logits, **kw),
                 )
             return self._decode_loop(
                 logits, lambda token, t: run.decode(model, token, t, direct), max_new_tokens, pad_id, stop,
