@@ -17,17 +17,15 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grpo_vs_trl as bench  # noqa: E402
+import grpo_vs_trl as bench  # benchmarks/ is on sys.path: this script's directory (harness.py)
 
-from torchtune_grpo.generation import NativeGenerator  # noqa: E402
+from torchtune_grpo.generation import NativeGenerator
 
 
 def main() -> None:

@@ -60,12 +60,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-for _p in (str(REPO), str(REPO / "recipes"), str(REPO / "benchmarks")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+import hf_random  # benchmarks/ is on sys.path: this script's directory (harness.py)
+from harness import recipe_module, REPO
 
-import hf_random  # noqa: E402  (benchmarks/ is not a package)
+# The GPU machine has no install of this project (scripts/gpu_check.sh): this checkout is imported.
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
 # name -> (module, builder, kwargs) for torchtune builders, or ("hf", shape, {}) for a random Hugging Face
 # directory of a hf_random.SHAPES shape.
@@ -381,10 +381,12 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
     from torchtune import modules, training
 
     from torchtune_grpo.advantages import GroupRelativeAdvantage
+    from torchtune_grpo.experience import ExperienceBuilder, Reference
     from torchtune_grpo.generation import NativeGenerator
     from torchtune_grpo.loss import GRPOLoss
-    from torchtune_grpo.training_batch import TrainingBatch
-    from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
+    from torchtune_grpo.loss_masks import LossMasks
+    from torchtune_grpo.rollout import RolloutGroups
+    from torchtune_grpo.update import PolicyUpdate
 
     policy = build_model(name, device, dtype, seed=0)
     ref = build_model(name, device, dtype, seed=0)  # the frozen initial policy (kl_coef > 0)
@@ -406,6 +408,12 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
     update = PolicyUpdate(
         policy, optimizer, loss_fn, micro_batch_size=mbs, clip_grad_norm=1.0, chunk_size=chunk,
     )
+    # The recipe's experience stage (layout, reference logprobs, advantages, masks), as the recipe builds it.
+    build_experience = ExperienceBuilder(
+        advantage=advantage, reward_weights=[1.0], group_size=g, pad_id=pad_id, loss_masks=LossMasks(None, None),
+        micro_batch_size=mbs, temperature=1.0, device=device, chunk_size=chunk, share_prompt=True, kl_coef=0.04,
+        kl_estimator="k3", reference=Reference(ref), update_needs_old_logprobs=update.needs_old_logprobs,
+    )
 
     def step(seed: int) -> Dict[str, Any]:
         prompts = random_prompts(args.prompts, args.min_prompt_len, args.max_prompt_len, vocab,
@@ -417,32 +425,25 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
                                   pad_id=pad_id, stop_tokens=[stop_id], generator=generator)
         sync(device)
         t1 = time.perf_counter()
-        rewards = torch.tensor(even_token_reward(rollout.response_ids))
-        adv = advantage(rewards, g).advantages.to(device)
-        layout = TrainingBatch(rollout.prompt_ids, rollout.response_ids, pad_id, share_prompt=True, device=device)
-        mask = layout.response_mask
-        n = len(layout)
-        sync(device)
-        t2 = time.perf_counter()
-        ref_lp = batch_logprobs(ref, layout, micro_batch_size=mbs, chunk_size=chunk)
+        rewards = torch.tensor(even_token_reward(rollout.response_ids), dtype=torch.float32)
+        n = len(rollout.response_ids)
+        groups = RolloutGroups(
+            group_size=g, prompts=[""] * (n // g), fields=[{} for _ in range(n // g)], prompt_ids=rollout.prompt_ids,
+            response_ids=rollout.response_ids, completions=[""] * n, truncated=rollout.truncated, rewards=rewards,
+        )
+        exp, _ = build_experience(policy, groups)
         sync(device)
         t3 = time.perf_counter()
-        policy.train()
-        stats = update(
-            Experience(
-                batch=layout, mask=mask, kept=torch.ones(n, dtype=torch.bool, device=device), advantages=adv,
-                old_logprobs=None, ref_logprobs=ref_lp, engine_logprobs=None,
-            )
-        )
+        stats = update(exp)
         loss_sum, grad_norm = stats.losses["loss"], stats.grad_norm
         sync(device)
         t4 = time.perf_counter()
-        times = {"generation": t1 - t0, "reward_pack": t2 - t1, "ref_logprobs": t3 - t2, "train": t4 - t3,
+        times = {"generation": t1 - t0, "experience": t3 - t1, "train": t4 - t3,
                  "step": t4 - t0}
         tok = count_tokens(rollout.prompt_ids, rollout.response_ids)
         resp = sum(len(r) for r in rollout.response_ids)
         return {**{f"time_{k}": v for k, v in times.items()}, "tokens": tok, "response_tokens": resp,
-                "padded_tokens": int(layout.tokens.numel()), "loss": float(loss_sum),
+                "padded_tokens": int(exp.batch.tokens.numel()), "loss": float(loss_sum),
                 "grad_norm": float(grad_norm), "reward_mean": float(rewards.mean())}
 
     t0 = time.perf_counter()
@@ -488,7 +489,7 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
     """The real recipe class on the shipped config, with synthetic tokenizer/checkpoint/data/reward."""
     from omegaconf import OmegaConf
 
-    import grpo_full_finetune_distributed as recipe_mod
+    recipe_mod = recipe_module()
 
     mod = __name__
     cfg = OmegaConf.load(REPO / RECIPE_CONFIGS[name])
@@ -529,10 +530,6 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
     if device.type != "cuda":
         cfg.generation.compile_backend = "aot_eager"
 
-    class BenchRecipe(recipe_mod.GRPOFullFinetuneRecipeDistributed):
-        def save_checkpoint(self, step: int) -> None:  # the benchmark writes no checkpoint
-            return None
-
     # A fresh one-process group each run: the recipe sets these, and with RANK set it would think it was
     # launched by torchrun (and leave the process at the end).
     env_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -541,7 +538,13 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        recipe_mod.run_recipe(BenchRecipe, cfg)
+        # The recipe's own steps through its public train_step(): train() without its checkpoint saves.
+        recipe = recipe_mod.GRPOFullFinetuneRecipeDistributed(cfg)
+        recipe.setup(cfg)
+        recipe.optimizer.zero_grad(set_to_none=True)
+        while recipe.global_step < recipe.total_steps:
+            recipe.train_step()
+        recipe.cleanup()
     finally:
         if torch.distributed.is_initialized():  # a failed run leaves its group behind
             torch.distributed.destroy_process_group()
@@ -724,8 +727,8 @@ def print_summary(results: Dict[str, Any]) -> None:
         m = r["median"]
         mfu = f" MFU train {r['mfu_train']:.1%} step {r['mfu_step']:.1%}" if "mfu_train" in r else ""
         peak = f" peak {r['peak_allocated_gib']:.1f} GiB" if r["peak_allocated_gib"] is not None else ""
-        print(f"grpo {r['model']:14s} step {m['time_step']:.2f} s (gen {m['time_generation']:.2f}, ref "
-              f"{m['time_ref_logprobs']:.2f}, train {m['time_train']:.2f}) {r['tokens_per_s']:.0f} tok/s{peak}{mfu}")
+        print(f"grpo {r['model']:14s} step {m['time_step']:.2f} s (gen {m['time_generation']:.2f}, experience "
+              f"{m['time_experience']:.2f}, train {m['time_train']:.2f}) {r['tokens_per_s']:.0f} tok/s{peak}{mfu}")
     for r in results["recipe"]:
         m = r["median"]
         print(f"recipe {r['model']:14s} step {m['time/step']:.2f} s (gen {m['time/generation']:.2f}, train "

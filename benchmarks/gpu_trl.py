@@ -23,7 +23,6 @@ excluded and the median of the rest reported. ``tokens/s`` counts prompt + compl
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,10 +30,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import hf_random  # noqa: E402  (benchmarks/ is not a package)
+import hf_random  # benchmarks/ is on sys.path: this script's directory (harness.py)
 
 
 def prompt_texts(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> List[str]:

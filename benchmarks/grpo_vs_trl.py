@@ -22,9 +22,9 @@ completion tokens of the step's sequences. Peak memory is the child process's pe
 from ``wait4``) and, separately, the peak RSS sampled while training (after the model is loaded).
 
 Our side runs the real recipe class (``GRPOFullFinetuneRecipeDistributed`` with its shipped defaults, as
-``tune run`` runs it on one process: a one-process group, the plain model) in-process in the child, with two
-benchmark-only changes: the step function is wrapped to take a timestamp, and the final checkpoint save is
-skipped (TRL saves nothing either).
+``tune run`` runs it on one process: a one-process group, the plain model) in-process in the child; the
+child runs the steps itself through the recipe's public ``train_step()`` (``train()`` without its
+checkpoint saves: TRL saves nothing either), taking a timestamp after each.
 """
 
 import argparse
@@ -32,15 +32,13 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import current_rss, loadavg, recipe_module, RssSampler, run_child as run_script, write_report
 
 # Stop tokens of the tiny tokenizer (<|im_end|>, <|endoftext|>) and its pad id (<|endoftext|>).
 STOP_TOKENS = [482, 480]
@@ -386,40 +384,6 @@ def recipe_config(
 # ------------------------------------------------------------------------------------- child processes
 
 
-class RssSampler:
-    """Samples this process's RSS every ``interval`` seconds in a thread; ``peak`` is the largest seen."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        import psutil
-
-        self._proc = psutil.Process()
-        self._interval = interval
-        self._stop = threading.Event()
-        self.peak = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            time.sleep(self._interval)
-
-    def __enter__(self) -> "RssSampler":
-        self.peak = self._proc.memory_info().rss
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-
-def _rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
-
-
 def run_ours(
     workload_dir: Path,
     steps: int,
@@ -435,36 +399,27 @@ def run_ours(
     import torch
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import grpo_full_finetune_distributed as recipe_module
-
     spec = json.loads((workload_dir / "workload.json").read_text())
     with tempfile.TemporaryDirectory() as out:
         cfg = OmegaConf.create(recipe_config(workload_dir, Path(out), spec, steps, device, dtype))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
-        recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+        recipe = recipe_module().GRPOFullFinetuneRecipeDistributed(cfg=cfg)
         recipe.setup(cfg=cfg)
         ends: List[float] = []
         cpu_ends: List[float] = []
         tokens: List[float] = []
         completion_tokens: List[float] = []
-        train_step = recipe._train_step
-
-        def timed_step(batch):
-            metrics, samples = train_step(batch)
-            ends.append(time.perf_counter())
-            cpu_ends.append(time.process_time())
-            n = spec["batch_size"] * spec["group_size"]
-            tokens.append(float(metrics["tokens_per_second"] * metrics["time/step"]))
-            completion_tokens.append(float(metrics["response_length/mean"] * n))
-            return metrics, samples
-
-        recipe._train_step = timed_step
-        recipe.save_checkpoint = lambda step: None  # benchmark: no checkpoint I/O (TRL saves none either)
-        rss_start = _rss()
+        rss_start = current_rss()
+        recipe.optimizer.zero_grad(set_to_none=True)  # as recipe.train(), without its checkpoint I/O (TRL saves none)
         start = time.perf_counter()
         with RssSampler() as sampler:
-            recipe.train()
+            while recipe.global_step < recipe.total_steps:
+                metrics = recipe.train_step().metrics
+                ends.append(time.perf_counter())
+                cpu_ends.append(time.process_time())
+                n = spec["batch_size"] * spec["group_size"]
+                tokens.append(float(metrics["tokens_per_second"] * metrics["time/step"]))
+                completion_tokens.append(float(metrics["response_length/mean"] * n))
         recipe.cleanup()
     result = {
         "side": "ours",
@@ -563,7 +518,7 @@ def run_trl(workload_dir: Path, steps: int, result_path: Path, device: str = "cp
             processing_class=tokenizer,
             callbacks=[Timer()],
         )
-        rss_start = _rss()
+        rss_start = current_rss()
         start = time.perf_counter()
         with RssSampler() as sampler:
             trainer.train()
@@ -607,32 +562,14 @@ def run_child(
     """
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
-        env = {
-            **os.environ,
-            "OMP_NUM_THREADS": str(threads),
-            "MKL_NUM_THREADS": str(threads),
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        }
-        cmd = [
-            python, str(Path(__file__).resolve()), f"_child_{side}", str(workload_dir), str(steps),
-            str(result_path), device, dtype, json.dumps(list(overrides or []) if side == "ours" else []),
+        args = [
+            f"_child_{side}", str(workload_dir), str(steps), str(result_path), device, dtype,
+            json.dumps(list(overrides or []) if side == "ours" else []),
         ]
-        wall = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        output = []
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            output.append(line.decode(errors="replace"))
-        _, status, rusage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.perf_counter() - wall
-        if proc.returncode != 0 or not result_path.exists():
-            sys.stderr.write("".join(output[-80:]))
-            raise RuntimeError(f"{side} run failed with exit code {proc.returncode}")
+        child = run_script(python, Path(__file__).resolve(), args, threads=threads)
         result = json.loads(result_path.read_text())
-    result["peak_rss"] = rusage.ru_maxrss * 1024  # KiB on Linux
-    result["wall"] = wall
+    result["peak_rss"] = child.peak_rss
+    result["wall"] = child.seconds
     return result
 
 
@@ -682,13 +619,6 @@ def flops_summary(params: int, side: Dict[str, Any], peak_tflops: Optional[float
     if peak_tflops:
         out["mfu"] = flops / side["step_time_median_s"] / (peak_tflops * 1e12)
     return out
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -753,11 +683,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             )
         report["workloads"][name] = entry
     report["machine"]["loadavg_after"] = loadavg()
-    print(json.dumps(report, indent=2))
-    print()
-    print(markdown_table(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    write_report(report, Path(args.json) if args.json else None, markdown_table(report))
 
 
 def markdown_table(report: Dict[str, Any]) -> str:

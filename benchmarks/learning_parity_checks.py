@@ -5,7 +5,7 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
 1. **Same rollouts, both updates.** Our recipe samples 2 prompts x 4 completions (48 tokens) of the
    benchmark's task with its own engine; the rewards are then fixed to a pattern that makes both groups
    informative. These rows (prompt ids, completion ids up to and including ``<|im_end|>``, rewards) go
-   (a) through our recipe's real step (``_train_step`` with the rollout stage replaced by these rows:
+   (a) through our recipe's real step (``train_step`` with the rollout stage replaced by these rows:
    packing, masks, advantages, loss, backward, clipping, AdamW) and (b) through TRL's
    ``GRPOTrainer._generate_and_score_completions`` (its generation replaced by the same rows: TRL's own
    padding, EOS mask, advantages) and ``compute_loss``, backward, clipping and AdamW, in TRL's environment
@@ -29,16 +29,13 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import learning_vs_trl as bench  # noqa: E402
+import learning_vs_trl as bench
+from harness import recipe_module, run_child
 
 GROUPS, G = 2, 4
 FIXED_REWARDS = [1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0]  # both groups informative, different advantages
@@ -54,15 +51,12 @@ def verdict(ok: bool) -> str:
 def build_recipe(model_dir: Path, task_dir: Path, out: Path):
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import grpo_full_finetune_distributed as recipe_module
-
     out.mkdir(parents=True, exist_ok=True)
     bench.write_seed_order(task_dir, 0, out)
     cfg = bench.recipe_config(model_dir, out / "train_order.jsonl", out / "ours_out", seed=0, steps=1)
     cfg.update(batch_size=GROUPS, group_size=G, micro_batch_size=GROUPS * G)
     cfg = OmegaConf.create(cfg)
-    recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe = recipe_module().GRPOFullFinetuneRecipeDistributed(cfg=cfg)
     recipe.setup(cfg=cfg)
     return recipe
 
@@ -81,20 +75,20 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
 
     from torchtune_grpo.update import batch_token_logprobs
 
-    model, opt = recipe._model, recipe._optimizer
+    model, opt = recipe.model, recipe.optimizer
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     captured: Dict[str, Any] = {}
-    inner_step = opt.step
 
-    def step_and_capture(*a, **kw):
-        captured["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}  # clipped
-        out = inner_step(*a, **kw)
+    # torch's optimizer hooks: the (clipped) gradients just before the step, the change and Adam's state after.
+    def grads_before_step(optimizer, args, kwargs):
+        captured["grads"] = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+    def delta_after_step(optimizer, args, kwargs):
         captured["delta"] = {k: p.detach() - before[k] for k, p in model.named_parameters()}
         captured["exp_avg_sq"] = {k: opt.state[p]["exp_avg_sq"].clone() for k, p in model.named_parameters()}
-        return out
 
-    opt.step = step_and_capture
-    inner_experience = recipe.build_experience
+    hooks = [opt.register_step_pre_hook(grads_before_step), opt.register_step_post_hook(delta_after_step)]
+    inner_experience = recipe.step.build_experience
 
     def experience_and_capture(policy, trained):
         exp, kl = inner_experience(policy, trained)
@@ -107,12 +101,17 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
         captured["advantages"] = exp.advantages.tolist()
         return exp, kl
 
-    recipe.build_experience = experience_and_capture
     from torchtune_grpo.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
 
-    recipe.rollouts = FixedRollouts(rollouts)
-    metrics, _ = recipe._train_step(recipe.prompts.next())
-    clip = float(recipe.clip_grad_norm)
+    # The step's stages are public parts (torchtune_grpo/train_step.py): this one replays fixed rollouts and
+    # records what the experience stage built.
+    recipe.step.rollouts = FixedRollouts(rollouts)
+    recipe.step.build_experience = experience_and_capture
+    metrics = recipe.train_step().metrics
+    recipe.step.build_experience = inner_experience
+    for hook in hooks:
+        hook.remove()
+    clip = float(recipe.config.clip_grad_norm)
     norm = float(metrics["grad_norm"])
     scale = max(norm / clip, 1.0)  # undo the clipping: raw gradients, comparable whatever the norms
     return {
@@ -288,21 +287,13 @@ def rollouts_from(data: Dict[str, Any], tokenizer, group_size: int = G):
     )
 
 
-def run_in_trl_env(python: str, args: List[str]) -> None:
-    """``python args...`` (TRL's environment) with this repository importable; its output shown if it fails."""
-    # Not the process-group variables our recipe set in this process: TRL would join that group.
-    dist_vars = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                 "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    proc = subprocess.run([python, *args], env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise RuntimeError("TRL side failed")
+def run_in_trl_env(python: str, script: Path, args: List[str]) -> None:
+    """``python script args...`` (TRL's environment) with this repository importable (benchmarks/harness.py)."""
+    run_child(python, script, args, threads=None)
 
 
 def run_trl_child(python: str, model_dir: Path, out: Path) -> None:
-    run_in_trl_env(python, [__file__, "_trl", str(model_dir), str(out / "rollouts.pt"), str(out / "trl_result.pt")])
+    run_in_trl_env(python, Path(__file__).resolve(), ["_trl", str(model_dir), str(out / "rollouts.pt"), str(out / "trl_result.pt")])
 
 
 def reference_update(model_dir: Path, data: Dict[str, Any], advantages: List[float]) -> Dict[str, Any]:
@@ -378,12 +369,12 @@ def sampling_check(recipe, prompt: List[int], samples: int, seed: int) -> List[s
         dof = torch.tensor(float(obs.numel() - 1), dtype=torch.float64)
         return float(torch.special.gammaincc(dof / 2, stat / 2))
 
-    model, tok = recipe._model, recipe._tokenizer
+    model, tok = recipe.model, recipe.tokenizer
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    with recipe._generation_context():
-        rollout = recipe._engine.generate(model, [prompt], group_size=samples, max_new_tokens=3, pad_id=tok.pad_id,
+    with recipe.generation_context():
+        rollout = recipe.engine.generate(model, [prompt], group_size=samples, max_new_tokens=3, pad_id=tok.pad_id,
                                           stop_tokens=[], generator=gen)
     seconds = time.perf_counter() - t0
     ids = torch.tensor([r[:3] for r in rollout.response_ids])  # [S, 3]
@@ -431,17 +422,17 @@ def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: i
     import torch
     from transformers import AutoModelForCausalLM
 
-    tok = recipe._tokenizer
+    tok = recipe.tokenizer
     stops = list(tok.stop_tokens)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     ours, theirs = [], []
-    model = recipe._model
+    model = recipe.model
     model.eval()
     t0 = time.perf_counter()
     for prompt in prompts:
-        with recipe._generation_context():
-            rollout = recipe._engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
+        with recipe.generation_context():
+            rollout = recipe.engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
                                               pad_id=tok.pad_id, stop_tokens=stops, generator=gen)
         ours += [(prompt, list(r)) for r in rollout.response_ids]
     t_ours = time.perf_counter() - t0
@@ -518,11 +509,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     if "defaults" in args.checks or "update" in args.checks:
         if args.reuse and (out / "trl_result.pt").exists():
             data = torch.load(out / "rollouts.pt")
-            rollouts = rollouts_from(data, recipe._tokenizer)
+            rollouts = rollouts_from(data, recipe.tokenizer)
             t0 = time.perf_counter()
         else:
             batch = recipe.prompts.next()
-            rollouts = recipe.rollouts.round(recipe._model, batch)  # our engine, our rewards; then rewards fixed below
+            rollouts = recipe.step.rollouts.round(recipe.model, batch)  # our engine, our rewards; then rewards fixed below
             rollouts.rewards = torch.tensor(FIXED_REWARDS[: len(rollouts.response_ids)])
             data = {"prompts": [bench.read_jsonl(out / "train_order.jsonl")[i]["prompt"] for i in range(GROUPS)],
                     "answers": [f["answer"] for f in rollouts.fields], "prompt_ids": rollouts.prompt_ids,
@@ -531,7 +522,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             torch.save(data, out / "rollouts.pt")
             t0 = time.perf_counter()
             run_trl_child(args.trl_python, model_dir, out)
-        eos = recipe._tokenizer.stop_tokens
+        eos = recipe.tokenizer.stop_tokens
         ended = [r[-1] in eos for r in rollouts.response_ids]
         report.append(f"     rollouts: lengths {[len(r) for r in rollouts.response_ids]}, ending with a stop token "
                       f"{ended} (stop tokens {eos}), completions {[c[:40] for c in rollouts.completions]}")
@@ -542,12 +533,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                       f"{time.perf_counter() - t0:.0f} s")
         report += compare_update(ours, trl, args.tol)
         report += compare_reference(ours, trl, ref)
-        s = recipe._engine
+        s = recipe.engine
         report.append(f"     defaults: ours NativeGenerator temperature={s.temperature} top_k={getattr(s, 'top_k', None)} "
                       f"top_p={getattr(s, 'top_p', None)}; TRL GRPOConfig defaults {trl['config_defaults']}; "
                       f"TRL generation config used {trl['generation_config']}; TRL AdamW {trl['adam']}; "
-                      f"ours AdamW {({k: v for k, v in recipe._optimizer.defaults.items() if k in ('lr', 'betas', 'eps', 'amsgrad')})}, "
-                      f"weight decay per group {sorted({g['weight_decay'] for g in recipe._optimizer.param_groups})}")
+                      f"ours AdamW {({k: v for k, v in recipe.optimizer.defaults.items() if k in ('lr', 'betas', 'eps', 'amsgrad')})}, "
+                      f"weight decay per group {sorted({g['weight_decay'] for g in recipe.optimizer.param_groups})}")
         for line in report:
             print(line, flush=True)
         del ours, trl, ref

@@ -4,7 +4,7 @@
 ``--groups`` prompts x ``--group-size`` completions of the benchmark's task from the base model, scored by
 the benchmark's reward), and the same batches then go, in order, through ``--steps`` updates of
 
-- our recipe (its real ``_train_step`` with the rollout stage replaced: advantages, loss, backward,
+- our recipe (its real ``train_step`` with the rollout stage replaced: advantages, loss, backward,
   clipping, AdamW), with the exact gradient (the default);
 - our recipe with ``drop_pad_embedding_grad: true`` (TRL's padding_idx behaviour, see docs/algorithms.md);
 - TRL's GRPOTrainer (its scoring, padding, loss, clipping and AdamW; its generation replaced), in TRL's
@@ -29,11 +29,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import learning_parity_checks as parity  # noqa: E402
-import learning_vs_trl as bench  # noqa: E402
+import learning_parity_checks as parity
+import learning_vs_trl as bench
+from harness import recipe_module
 
 EMBED = "model.embed_tokens.weight"
 
@@ -42,13 +40,10 @@ def build_recipe(model_dir: Path, out: Path, groups: int, group_size: int, steps
     """Our recipe on the benchmark's settings and seed-0 order, ``groups x group_size`` rows per step."""
     from omegaconf import OmegaConf
 
-    sys.path.insert(0, str(REPO / "recipes"))
-    import grpo_full_finetune_distributed as recipe_module
-
     cfg = bench.recipe_config(model_dir, out / "train_order.jsonl", out / "ours_out", seed=0, steps=steps)
     cfg.update(batch_size=groups, group_size=group_size, micro_batch_size=groups * group_size, **overrides)
     cfg = OmegaConf.create(cfg)
-    recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe = recipe_module().GRPOFullFinetuneRecipeDistributed(cfg=cfg)
     recipe.setup(cfg=cfg)
     return recipe
 
@@ -58,7 +53,7 @@ def sample_batches(recipe, out: Path, steps: int, groups: int) -> List[Dict[str,
     order = bench.read_jsonl(out / "train_order.jsonl")
     batches = []
     for k in range(steps):
-        r = recipe.rollouts.round(recipe._model, recipe.prompts.next())
+        r = recipe.step.rollouts.round(recipe.model, recipe.prompts.next())
         batches.append({
             "prompts": [order[k * groups + i]["prompt"] for i in range(groups)],
             "answers": [f["answer"] for f in r.fields], "prompt_ids": [list(p) for p in r.prompt_ids],
@@ -72,13 +67,13 @@ def replay_ours(recipe, batches: List[Dict[str, Any]], model_dir: Path, group_si
     """Our recipe's step on each batch in turn: per-step metrics and the total parameter change (HF names)."""
     from torchtune_grpo.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
 
-    before = {k: v.detach().clone() for k, v in recipe._model.named_parameters()}
+    before = {k: v.detach().clone() for k, v in recipe.model.named_parameters()}
     steps = []
     for data in batches:
-        recipe.rollouts = FixedRollouts(parity.rollouts_from(data, recipe._tokenizer, group_size))
-        metrics, _ = recipe._train_step(recipe.prompts.next())
+        recipe.step.rollouts = FixedRollouts(parity.rollouts_from(data, recipe.tokenizer, group_size))
+        metrics = recipe.train_step().metrics
         steps.append({k: float(metrics[k]) for k in ("loss", "grad_norm", "entropy")})
-    delta = {k: p.detach() - before[k] for k, p in recipe._model.named_parameters()}
+    delta = {k: p.detach() - before[k] for k, p in recipe.model.named_parameters()}
     return {"steps": steps, "delta": parity.hf_named(model_dir, delta)}
 
 
@@ -112,8 +107,8 @@ def replay_trl(model_dir: Path, batches_path: Path, result_path: Path, group_siz
 
 
 def run_trl_child(python: str, model_dir: Path, out: Path, group_size: int) -> None:
-    parity.run_in_trl_env(python, [__file__, "_trl", str(model_dir), str(out / "batches.pt"),
-                                   str(out / "trl_replay.pt"), str(group_size)])
+    parity.run_in_trl_env(python, Path(__file__).resolve(), ["_trl", str(model_dir), str(out / "batches.pt"),
+                                                         str(out / "trl_replay.pt"), str(group_size)])
 
 
 def compare(name: str, ours: Dict[str, Any], trl: Dict[str, Any], pad_id: int) -> List[str]:
@@ -173,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     report = [f"{args.steps} batches of {args.groups} x {args.group_size} sampled in {time.perf_counter() - t0:.0f} s; "
               f"mean reward {float(rewards.mean()):.3f}; informative groups {informative} of "
               f"{args.steps * args.groups}; mean length {sum(len(r) for b in batches for r in b['response_ids']) / rewards.numel():.1f}"]
-    pad_id = recipe._tokenizer.pad_id
+    pad_id = recipe.tokenizer.pad_id
     exact = replay_ours(recipe, batches, model_dir, args.group_size)  # the sampling left the weights as they were
     recipe.cleanup()
     recipe = build_recipe(model_dir, out, **shape, drop_pad_embedding_grad=True)

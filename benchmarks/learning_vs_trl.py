@@ -37,17 +37,14 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-import learning_report  # noqa: E402  (benchmarks/ is not a package)
+import learning_report
+from harness import read_jsonl, recipe_module, run_child
 
 SYSTEM_PROMPT = "Give only the final answer, as a number."
 TASK = {"operations": ["+"], "min_value": 0, "max_value": 20, "validation_fraction": 0.3}
@@ -98,11 +95,6 @@ def build_task(model_dir: Path, task_dir: Path) -> Dict[str, Any]:
                 }) + "\n")
         counts[name] = len(ds)
     return counts
-
-
-def read_jsonl(path: Path) -> List[Dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
 
 
 def write_seed_order(task_dir: Path, seed: int, run_dir: Path) -> Path:
@@ -176,27 +168,20 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
     ``overrides`` (dotted key -> value) change the recipe config, for ablations (``--ours-override``).
     """
     from omegaconf import OmegaConf
-    from torchtune import training
-
-    sys.path.insert(0, str(REPO / "recipes"))
-    import grpo_full_finetune_distributed as recipe_module
 
     cfg = OmegaConf.create(recipe_config(model_dir, run_dir / "train_order.jsonl", run_dir / "ours_out", seed, steps))
     for key, value in (overrides or {}).items():
         OmegaConf.update(cfg, key, value, force_add=True, merge=False)
-    recipe = recipe_module.GRPOFullFinetuneRecipeDistributed(cfg=cfg)
+    recipe = recipe_module().GRPOFullFinetuneRecipeDistributed(cfg=cfg)
     recipe.setup(cfg=cfg)
     records: List[Dict[str, Any]] = []
     checkpoints: List[Dict[str, Any]] = []
-    clock = {"start": None, "paused": 0.0}
-    train_step = recipe._train_step
-
-    def step_and_record(batch):
-        if clock["start"] is None:
-            clock["start"] = time.perf_counter()
-        metrics, samples = train_step(batch)
-        step = recipe.global_step + 1
-        elapsed = time.perf_counter() - clock["start"] - clock["paused"]
+    recipe.optimizer.zero_grad(set_to_none=True)  # as recipe.train(); this loop adds the evaluation checkpoints
+    start, paused = time.perf_counter(), 0.0
+    while recipe.global_step < recipe.total_steps:
+        metrics = recipe.train_step().metrics
+        step = recipe.global_step
+        elapsed = time.perf_counter() - start - paused
         records.append({
             "step": step, "reward": metrics["reward/mean"], "entropy": metrics.get("entropy"),
             "response_length": metrics["response_length/mean"], "grad_norm": metrics.get("grad_norm"),
@@ -204,18 +189,9 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
         })
         if due(step, steps, eval_every):
             t0 = time.perf_counter()
-            target = run_dir / "ckpt" / f"step_{step}"
-            written = recipe._checkpointer.save_checkpoint(
-                {training.MODEL_KEY: recipe._model.state_dict()}, epoch=step
-            )
-            shutil.move(str(written), str(target))
-            checkpoints.append({"step": step, "path": str(target), "elapsed": elapsed})
-            clock["paused"] += time.perf_counter() - t0
-        return metrics, samples
-
-    recipe._train_step = step_and_record
-    recipe.save_checkpoint = lambda step: None  # the evaluation checkpoints above are all we need
-    recipe.train()
+            recipe.save_checkpoint(step)  # {output_dir}/step_N: a Hugging Face directory
+            checkpoints.append({"step": step, "path": str(Path(cfg.output_dir) / f"step_{step}"), "elapsed": elapsed})
+            paused += time.perf_counter() - t0
     recipe.cleanup()
     (run_dir / "ours_result.json").write_text(json.dumps({"steps": records, "checkpoints": checkpoints}))
 
@@ -395,15 +371,7 @@ def run_eval(model_dir: Path, heldout: Path, checkpoints_file: Path, result: Pat
 
 def child(python: str, args: List[str], threads: int, log: Path) -> float:
     """Run ``python this_file args...`` with ``threads`` threads; its output goes to ``log``. Returns seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
-    with open(log, "ab") as f:
-        proc = subprocess.run([python, str(Path(__file__).resolve()), *args], env=env, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        sys.stderr.write(log.read_text(errors="replace")[-6000:])
-        raise RuntimeError(f"{args[0]} failed (exit {proc.returncode}); log: {log}")
-    return time.perf_counter() - t0
+    return run_child(python, Path(__file__).resolve(), args, threads=threads, log=log).seconds
 
 
 def evaluate(model_dir: Path, task_dir: Path, checkpoints: List[Dict[str, Any]], run_dir: Path, threads: int,

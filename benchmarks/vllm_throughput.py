@@ -33,8 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import grpo_vs_trl as bench  # noqa: E402
+import grpo_vs_trl as bench  # benchmarks/ is on sys.path: this script's directory (harness.py)
 
 # The grpo_vs_trl workloads, plus a bigger batch of the tiny model (where batching matters most).
 WORKLOADS = {

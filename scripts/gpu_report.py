@@ -173,12 +173,12 @@ def _grpo_tables(g: Dict[str, Any]) -> List[str]:
                   for d in g["decode"]]
         lines.append("")
     if g["grpo"]:
-        lines += ["| GRPO step | step s | generation s | ref s | train s | tokens/s | peak GiB | MFU train | MFU step |",
+        lines += ["| GRPO step | step s | generation s | experience s | train s | tokens/s | peak GiB | MFU train | MFU step |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in g["grpo"]:
             m = r["median"]
             lines.append(f"| {r['model']} | {_fmt(m['time_step'])} | {_fmt(m['time_generation'])} | "
-                         f"{_fmt(m['time_ref_logprobs'])} | {_fmt(m['time_train'])} | {_fmt(r['tokens_per_s'])} | "
+                         f"{_fmt(m['time_experience'])} | {_fmt(m['time_train'])} | {_fmt(r['tokens_per_s'])} | "
                          f"{_fmt(r['peak_allocated_gib'])} | {_fmt(r.get('mfu_train'))} | {_fmt(r.get('mfu_step'))} |")
         lines.append("")
     if g["recipe"]:

@@ -1,15 +1,34 @@
 """Shared fixtures: a tiny torchtune decoder built in code, paths to the shipped tiny config, one intra-op
 thread, and an environment restored after an in-process recipe."""
 
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
+from typing import Optional
 
 import pytest
 import torch
 from torchtune.models.qwen2 import qwen2
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str, module_name: Optional[str] = None) -> ModuleType:
+    """``benchmarks/NAME.py`` as a module, imported the way ``python benchmarks/NAME.py`` runs it: with
+    ``benchmarks/`` on ``sys.path`` (its shared ``harness`` and the other benchmark modules import from there).
+    Registered in ``sys.modules`` (as ``module_name``, default ``NAME``): components it defines are
+    instantiated by dotted path."""
+    directory = str(REPO / "benchmarks")
+    if directory not in sys.path:
+        sys.path.append(directory)  # after the repository: ``tests``/``torchtune_grpo`` resolve as before
+    spec = importlib.util.spec_from_file_location(module_name or name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 TINY_CONFIG = REPO / "configs" / "tiny" / "full_grpo_cpu.yaml"
 
 

@@ -1,15 +1,27 @@
-"""Helpers shared by the recipe tests: write a tiny config, run the recipe (`tune run` in a subprocess, or in
-this process), read results."""
+"""Helpers shared by the recipe tests: write a tiny config, run the recipe, read results.
+
+A recipe runs in a test one of two ways:
+
+- :func:`run_tune`: ``tune run`` in a subprocess, on 1 or N processes, exactly as a user runs it (launcher,
+  module lookup, exit codes);
+- :func:`recipe_in_process` (a context manager yielding the set-up recipe, for tests that drive or inspect
+  it through its public parts: ``train_step()``, ``step``, ``model``, ...) or :func:`run_in_process` (the
+  whole run, ``setup`` + ``train`` + ``cleanup``): in this process, without the launcher's start-up (10-20 s
+  of imports per ``tune run`` on 2 cores), the environment, thread count and process group restored after.
+
+Tests of the constructor's or ``setup``'s own errors build the class directly.
+"""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import load_file
 from torchtune import config as tt_config, training
 
@@ -95,22 +107,65 @@ def run_tune(
     return output
 
 
-def run_in_process(config_path: Path, *, lora: bool = False):
-    """The recipe's own code path as `tune run` drives it (setup, train, cleanup), in this process: no
-    launcher start-up (about 10-20 s of imports per `tune run` on 2 cores). Use with the ``clean_env`` and
-    ``one_thread`` fixtures. Returns the recipe object (after cleanup) for tests that inspect it."""
+def _recipe_class(lora: bool) -> type:
     if lora:
         from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed as Recipe
     else:
         from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed as Recipe
+    return Recipe
 
-    cfg = OmegaConf.load(config_path)
-    recipe = Recipe(cfg)
-    recipe.setup(cfg)
+
+@contextmanager
+def recipe_in_process(
+    config: Union[Path, DictConfig], *, lora: bool = False, log: Optional[List[str]] = None
+) -> Iterator[Any]:
+    """The recipe of ``config``, set up in this process; cleaned up on leaving the block.
+
+    One intra-op thread (as ``tune run`` gets, OMP_NUM_THREADS=1); afterwards the environment (the recipe sets
+    RANK, WORLD_SIZE and MASTER_* for its one-process group) and the thread count are restored and the
+    process group is gone, so several runs in one test each start as a fresh ``tune run`` would.
+
+    Args:
+        config (Union[Path, DictConfig]): the config file, or a loaded config.
+        lora (bool): the LoRA recipe instead of the full one. Default is False.
+        log (Optional[List[str]]): when given, the run's INFO log messages are appended (what ``tune run``
+            would print; module-scoped fixtures cannot use ``caplog``).
+
+    Yields:
+        the recipe, after ``setup``.
+    """
+    import logging
+
+    import torch.distributed as dist
+
+    saved_env, threads = dict(os.environ), torch.get_num_threads()
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: log.append(record.getMessage())
+    if log is not None:
+        logging.getLogger().addHandler(handler)
+    torch.set_num_threads(1)
     try:
-        recipe.train()
+        cfg = config if isinstance(config, DictConfig) else OmegaConf.load(config)
+        recipe = _recipe_class(lora)(cfg)
+        recipe.setup(cfg)
+        try:
+            yield recipe
+        finally:
+            recipe.cleanup()
     finally:
-        recipe.cleanup()
+        torch.set_num_threads(threads)
+        logging.getLogger().removeHandler(handler)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def run_in_process(config: Union[Path, DictConfig], *, lora: bool = False, log: Optional[List[str]] = None):
+    """The whole run (``setup``, ``train``, ``cleanup``) in this process (:func:`recipe_in_process`);
+    returns the recipe (after cleanup) for tests that inspect it."""
+    with recipe_in_process(config, lora=lora, log=log) as recipe:
+        recipe.train()
     return recipe
 
 
@@ -178,43 +233,6 @@ def with_overrides(config_path: Path, **overrides) -> Path:
         OmegaConf.update(cfg, key, value, force_add=True, merge=False)
     OmegaConf.save(cfg, config_path)
     return config_path
-
-
-def run_in_process_isolated(config_path: Path, *, lora: bool = False):
-    """:func:`run_in_process`, with the environment restored afterwards, so that several
-    in-process runs in one test each start as a fresh `tune run` would (the recipe sets RANK, WORLD_SIZE and
-    MASTER_* for its one-process group and destroys the group in ``cleanup``)."""
-    saved = dict(os.environ)
-    try:
-        return run_in_process(config_path, lora=lora)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def run_in_process_logged(config_path: Path, *, lora: bool = False) -> str:
-    """:func:`run_in_process_isolated` for module-scoped fixtures (which cannot use the function-scoped
-    ``clean_env`` and ``one_thread``): one intra-op thread, the environment and process group restored, and
-    the run's INFO log records returned as text (what `tune run` would print)."""
-    import logging
-
-    import torch.distributed as dist
-
-    records = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: records.append(record.getMessage())
-    root = logging.getLogger()
-    threads = torch.get_num_threads()
-    root.addHandler(handler)
-    torch.set_num_threads(1)
-    try:
-        run_in_process_isolated(config_path, lora=lora)
-    finally:
-        torch.set_num_threads(threads)
-        root.removeHandler(handler)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return "\n".join(records)
 
 
 def init_one_process_group() -> None:

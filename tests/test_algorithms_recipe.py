@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_in_process, run_tune, weights, write_config
+from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, recipe_in_process, run_in_process, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo"]
@@ -232,7 +232,6 @@ POLICY_PRESETS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(POLICY_PRESETS))
 def test_policy_preset_runs_two_steps_in_process(preset, tmp_path, clean_env, one_thread):
-    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 
     cfg = OmegaConf.load(REPO / "configs" / "algorithms" / f"{preset}_tiny.yaml")
     big = OmegaConf.load(REPO / "configs" / "qwen2_5" / f"1.5B_{preset}.yaml")
@@ -242,14 +241,10 @@ def test_policy_preset_runs_two_steps_in_process(preset, tmp_path, clean_env, on
     cfg.max_steps, cfg.save_every_n_steps = 2, None
     # The random tiny model scores 0 on format and correctness: a vowel reward gives nonzero advantages.
     cfg.reward_functions.append({"_component_": "tests._rewards.VowelFractionReward", "weight": 1.0})
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
-    recipe.setup(cfg)
-    try:
-        before = {k: v.detach().clone() for k, v in recipe._model.state_dict().items()}
+    with recipe_in_process(cfg) as recipe:
+        before = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
         recipe.train()
-        changed = [k for k, v in recipe._model.state_dict().items() if not torch.equal(v, before[k])]
-    finally:
-        recipe.cleanup()
+        changed = [k for k, v in recipe.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "no weight changed in 2 steps"
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]

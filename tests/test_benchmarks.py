@@ -6,23 +6,14 @@ load, and the prompts as text that the Hugging Face tokenizer turns back into ex
 """
 
 import copy
-import importlib.util
 import json
 
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import load_benchmark
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("grpo_vs_trl")
+bench = load_benchmark("grpo_vs_trl")
 
 
 def _small(name):

@@ -203,7 +203,7 @@ def test_bad_setting_fails_at_setup_naming_key_and_value(name, tmp_path, monkeyp
         with pytest.raises((ValueError, FileNotFoundError), match=case.message):
             recipe.setup(cfg)
         # Failed before a model existed (the shape check runs on the meta-device model, before any load).
-        assert not hasattr(recipe, "_model")
+        assert not hasattr(recipe, "model")
 
 
 def test_optional_components_switched_off_on_the_command_line(tmp_path, monkeypatch):

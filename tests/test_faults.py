@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.recipe_utils import read_jsonl, run_in_process_isolated, run_in_process_logged, weights, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from torchtune_grpo.checkpointing import RECIPE_STATE_FILE, save_failure
 from torchtune_grpo.nonfinite import NonFiniteError
 from torchtune_grpo.output_lock import LOCK_FILE, OutputDirBusy, OutputDirLock
@@ -92,7 +92,7 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_finite_checkpoints(
     cfg = write_config(tmp_path, **DIVERGING)
     with pytest.raises(NonFiniteError, match=r"The gradient norm is nan at training step 2 .*the optimizer step "
                        r"was not taken\. Usual causes: a learning rate far too high"):
-        run_in_process_isolated(cfg)
+        run_in_process(cfg)
     out = tmp_path / "out"
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_1"]
@@ -101,7 +101,7 @@ def test_a_diverging_run_stops_naming_the_step_and_keeps_its_finite_checkpoints(
 
 def test_on_nonfinite_skip_drops_the_bad_optimizer_steps_and_saves_finite_weights(tmp_path, clean_env, one_thread):
     cfg = write_config(tmp_path, on_nonfinite="skip", **DIVERGING)
-    run_in_process_isolated(cfg)
+    run_in_process(cfg)
     out = tmp_path / "out"
     metrics = read_jsonl(out / "metrics.jsonl")
     assert [m["nonfinite/skipped_optimizer_steps"] for m in metrics] == [0, 1, 1, 1, 1, 1]
@@ -118,7 +118,7 @@ def test_non_finite_weights_stop_the_run_whatever_on_nonfinite_says(tmp_path, cl
     cfg = write_config(tmp_path, max_steps=4, save_every_n_steps=1, on_nonfinite="skip",
                        optimizer={"_component_": "tests._faults.PoisonedAdamW", "lr": 1e-3, "poison_at": 2})
     with pytest.raises(NonFiniteError, match=r"1 weight tensor\(s\) hold NaN or inf after training step 2"):
-        run_in_process_isolated(cfg)
+        run_in_process(cfg)
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_1"]
     assert _all_finite(out / "step_1")
@@ -155,12 +155,14 @@ def test_resume_passes_over_unreadable_checkpoints_naming_each(tmp_path):
 
 def test_a_truncated_newest_recipe_state_resumes_from_the_previous_checkpoint(tmp_path, clean_env, one_thread):
     cfg = write_config(tmp_path, max_steps=4, save_every_n_steps=2)
-    run_in_process_isolated(cfg)
+    run_in_process(cfg)
     out = tmp_path / "out"
     state = out / "step_4" / RECIPE_STATE_FILE
     state.write_bytes(state.read_bytes()[:1000])
     cfg = write_config(tmp_path, max_steps=5, save_every_n_steps=2, resume_from_checkpoint=True)
-    log = run_in_process_logged(cfg)
+    lines: list = []
+    run_in_process(cfg, log=lines)
+    log = "\n".join(lines)
     assert f"{state} cannot be read (" in log and "not resumable, resuming from step_2 instead" in log
     assert f"Resuming from {out / 'step_2'}" in log
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]  # steps 3-4 trained again
@@ -191,7 +193,7 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp
     with pytest.raises(OSError, match=rf"No space left on device while writing the checkpoint of step 4 to "
                        rf"{out / '.step_4.staging'} \(RuntimeError: .*unexpected pos.*; 0\.0 MiB free\)\. .*The partial "
                        r"checkpoint was removed; the complete checkpoints \(step_2\) are intact") as caught:
-        run_in_process_isolated(cfg)
+        run_in_process(cfg)
     assert caught.value.errno == errno.ENOSPC
     assert not (out / ".step_4.staging").exists() and not (out / "epoch_4").exists()
     assert load_resume_point(str(out)).step == 2
@@ -199,7 +201,9 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp
     # A staging directory that a killed save left is removed when the next run starts (fresh or resumed).
     (out / ".step_9.staging").mkdir()
     (out / ".step_9.staging" / "model.safetensors").write_bytes(b"partial")
-    log = run_in_process_logged(write_config(tmp_path, max_steps=1, save_every_n_steps=None))
+    lines: list = []
+    run_in_process(write_config(tmp_path, max_steps=1, save_every_n_steps=None), log=lines)
+    log = "\n".join(lines)
     assert "removed the incomplete interrupted save .step_9.staging" in log
     assert not (out / ".step_9.staging").exists()
 

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tests.recipe_utils import write_config
+from tests.recipe_utils import recipe_in_process, write_config
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,6 @@ from tests.recipe_utils import write_config
 def test_one_process_trains_the_plain_model_unless_asked(
     tmp_path, clean_env, one_thread, caplog, monkeypatch, overrides, sharded, mode
 ):
-    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 
     if overrides.get("fsdp_cpu_offload"):
         # torchtune's shard_model offloads with pinned memory, which needs an accelerator (a CPU-only machine
@@ -41,18 +40,14 @@ def test_one_process_trains_the_plain_model_unless_asked(
     # The tiny config has kl_coef > 0: the frozen reference model goes through the same choice as the policy.
     cfg = OmegaConf.load(write_config(tmp_path, max_steps=1, **overrides))
     assert "fsdp_single_process" not in cfg or overrides  # the default case really relies on the default
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
-    assert recipe.world_size == 1
-    with caplog.at_level(logging.INFO):
-        recipe.setup(cfg)
-    try:
-        assert recipe._ref_model is not None
-        for model in (recipe._model, recipe._ref_model):
+    with caplog.at_level(logging.INFO), recipe_in_process(cfg) as recipe:
+        assert recipe.world_size == 1
+        reference = recipe.step.build_experience.reference
+        assert reference is not None and reference.model is not recipe.model
+        for model in (recipe.model, reference.model):
             params = dict(model.named_parameters())
             assert params
             for name, p in params.items():
                 assert isinstance(p, DTensor) == sharded, name
             assert isinstance(model, FSDPModule) == sharded
         assert f"One process: training {mode}" in caplog.text
-    finally:
-        recipe.cleanup()

@@ -67,9 +67,9 @@ def _run_recipe(tmp_path: Path, device: torch.device, steps: int, *, lora: bool 
     recipe = Recipe(cfg)
     recipe.setup(cfg)
     try:
-        before = {k: _dense(v) for k, v in recipe._model.state_dict().items()}
+        before = {k: _dense(v) for k, v in recipe.model.state_dict().items()}
         recipe.train()
-        after = {k: _dense(v) for k, v in recipe._model.state_dict().items()}
+        after = {k: _dense(v) for k, v in recipe.model.state_dict().items()}
     finally:
         recipe.cleanup()
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
@@ -195,7 +195,7 @@ def test_lora_and_qlora_steps(gpu_device, quantize_base, tmp_path, clean_env, on
     adapters = {k for k in before if "lora_a" in k or "lora_b" in k}
     assert adapters and all(after[k].abs().max() > 0 for k in adapters if "lora_b" in k)
     assert all(torch.equal(after[k], before[k]) for k in before if k not in adapters)
-    nf4 = [p for p in recipe._model.parameters() if isinstance(p, NF4Tensor)]
+    nf4 = [p for p in recipe.model.parameters() if isinstance(p, NF4Tensor)]
     assert bool(nf4) == quantize_base and all(p.device.type == gpu_device.type for p in nf4)
     record_property(f"{'qlora' if quantize_base else 'lora'}_step2_loss", rows[-1]["loss"])
 

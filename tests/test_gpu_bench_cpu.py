@@ -4,10 +4,8 @@ No timing is asserted: the benchmark measures, the tests only check that what it
 every part runs (on CPU, with the tiny model) so the script is ready when a GPU is.
 """
 
-import importlib.util
 import json
 import math
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,19 +13,13 @@ import pytest
 import torch
 from torchtune.models.qwen2 import qwen2
 
+from tests.conftest import load_benchmark
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu_grpo.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_grpo_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its components are instantiated by dotted path
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gg = _load()
+gg = load_benchmark("gpu_grpo", "gpu_grpo_under_test")
 
 
 def _model(tied: bool):

@@ -1,14 +1,11 @@
 """The pure aggregation of benchmarks/learning_vs_trl.py (benchmarks/learning_report.py): no model, no TRL."""
 
-import importlib.util
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import load_benchmark
 
-_spec = importlib.util.spec_from_file_location("learning_report", REPO / "benchmarks" / "learning_report.py")
-report = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(report)
+report = load_benchmark("learning_report")
 
 
 def _run(side, seed, evals, entropies):

@@ -23,7 +23,9 @@ from torchtune import config as tt_config, training
 from torchtune.modules.peft import get_adapter_params
 
 from tests.conftest import REPO
-from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, run_in_process, run_tune, weights, write_config
+from tests.recipe_utils import (
+    REQUIRED_METRICS, read_jsonl, recipe_in_process, run_in_process, run_tune, weights, write_config,
+)
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.lora import (
     load_nf4_base_weights,
@@ -101,7 +103,7 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
     cfg = write_config(tmp_path, base=LORA_CONFIG, max_steps=3, save_every_n_steps=2, seed=None)
     with caplog.at_level(logging.INFO):
         run_in_process(cfg, lora=True)
-    assert "Reference model: the base model (adapters disabled)" in caplog.text
+    assert "Reference model: the base model: the policy with its adapters disabled" in caplog.text
     out = tmp_path / "out"
     assert "policy with its adapters disabled (no second copy)" in (out / "algorithm_card.md").read_text()
 
@@ -247,55 +249,50 @@ def _dense(param: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
 def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, quantize_base):
-    from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
-
     # No LR warmup, so the first optimizer step already moves the adapters.
     path = write_config(
         tmp_path, base=LORA_CONFIG, max_steps=1, lr_scheduler=None, **{"model.quantize_base": quantize_base}
     )
-    cfg = OmegaConf.load(path)
-    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg)
-    recipe.setup(cfg)
-    model = recipe._model
-    adapter_names = set(get_adapter_params(model))
-    assert adapter_names and all("lora_a" in n or "lora_b" in n for n in adapter_names)
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names
-    base_before = {n: _dense(p) for n, p in model.named_parameters() if n not in adapter_names}
-    adapters_before = {n: _dense(p) for n, p in model.named_parameters() if n in adapter_names}
-    if not quantize_base:  # the base weights are the checkpoint's
-        asset = tune_state(ASSET, tmp_path / "scratch")
-        assert base_before.keys() == asset.keys()
-        assert all(torch.equal(base_before[k], asset[k]) for k in asset)
+    with recipe_in_process(path, lora=True) as recipe:
+        model = recipe.model
+        adapter_names = set(get_adapter_params(model))
+        assert adapter_names and all("lora_a" in n or "lora_b" in n for n in adapter_names)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == adapter_names
+        base_before = {n: _dense(p) for n, p in model.named_parameters() if n not in adapter_names}
+        adapters_before = {n: _dense(p) for n, p in model.named_parameters() if n in adapter_names}
+        if not quantize_base:  # the base weights are the checkpoint's
+            asset = tune_state(ASSET, tmp_path / "scratch")
+            assert base_before.keys() == asset.keys()
+            assert all(torch.equal(base_before[k], asset[k]) for k in asset)
 
-    metrics, _ = recipe._train_step(recipe.prompts.next())
-    assert metrics["grad_norm"] > 0
-    after = {n: _dense(p) for n, p in model.named_parameters()}
-    # Base weights did not move; the adapters did (every B was zero).
-    assert all(torch.equal(after[n], base_before[n]) for n in base_before)
-    assert all(after[n].abs().max() > 0 for n in adapters_before if "lora_b" in n)
+        metrics = recipe.train_step().metrics
+        assert metrics["grad_norm"] > 0
+        after = {n: _dense(p) for n, p in model.named_parameters()}
+        # Base weights did not move; the adapters did (every B was zero).
+        assert all(torch.equal(after[n], base_before[n]) for n in base_before)
+        assert all(after[n].abs().max() > 0 for n in adapters_before if "lora_b" in n)
 
-    # Only adapter parameters receive gradients.
-    tokens = torch.randint(0, 480, (4, 16), generator=torch.Generator().manual_seed(0))
-    model.train()
-    sequence_logprobs(model, tokens).logprobs.sum().backward()
-    assert {n for n, p in model.named_parameters() if p.grad is not None} == adapter_names
-    recipe._optimizer.zero_grad(set_to_none=True)
+        # Only adapter parameters receive gradients.
+        tokens = torch.randint(0, 480, (4, 16), generator=torch.Generator().manual_seed(0))
+        model.train()
+        sequence_logprobs(model, tokens).logprobs.sum().backward()
+        assert {n for n, p in model.named_parameters() if p.grad is not None} == adapter_names
+        recipe.optimizer.zero_grad(set_to_none=True)
 
-    # Reference logprobs (adapters disabled) are the base model's; the adapters are back on afterwards.
-    model.eval()
-    policy = recipe.build_experience.logprobs(model, tokens)
-    reference = recipe.build_experience.reference_logprobs(tokens)
-    base_model = tt_config.instantiate(OmegaConf.load(REPO / "configs" / "tiny" / "full_grpo_cpu.yaml").model)
-    base_model.load_state_dict(base_before)  # strict: exactly the base model's weights (dequantized NF4)
-    with torch.no_grad():
-        expected = sequence_logprobs(base_model.eval(), tokens).logprobs
-    torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
-    assert (policy - reference).abs().max() > 1e-4
-    torch.testing.assert_close(recipe.build_experience.logprobs(model, tokens), policy, atol=0, rtol=0)
+        # Reference logprobs (adapters disabled) are the base model's; the adapters are back on afterwards.
+        model.eval()
+        policy = recipe.step.build_experience.logprobs(model, tokens)
+        reference = recipe.step.build_experience.reference_logprobs(tokens)
+        base_model = tt_config.instantiate(OmegaConf.load(REPO / "configs" / "tiny" / "full_grpo_cpu.yaml").model)
+        base_model.load_state_dict(base_before)  # strict: exactly the base model's weights (dequantized NF4)
+        with torch.no_grad():
+            expected = sequence_logprobs(base_model.eval(), tokens).logprobs
+        torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
+        assert (policy - reference).abs().max() > 1e-4
+        torch.testing.assert_close(recipe.step.build_experience.logprobs(model, tokens), policy, atol=0, rtol=0)
 
-    recipe.kl_coef = 0.0  # no KL: no reference forward at all
-    assert recipe._reference() is None
-    recipe.cleanup()
+        # The reference is the policy itself, with its adapters switched off: no second copy of the weights.
+        assert recipe.step.build_experience.reference.model is model
 
 
 def test_engine_with_own_weights_is_refused_naming_it(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.hf_models import hf_components, hf_logits, make_model_dir
-from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
+from tests.recipe_utils import read_jsonl, recipe_in_process, run_in_process, weights, write_config
 from tests.conftest import REPO
 from torchtune_grpo.models import HFCheckpointer, hf_model
 
@@ -87,7 +87,6 @@ def test_qwen3_qlora_in_process_adapter_and_merged_model_load(tmp_path: Path, cl
     # QLoRA through the LoRA recipe (in process) with the directory builder on a tiny Qwen3 whose sizes NF4
     # can quantise: every adapted weight a multiple of 64 x 256 values (q/k/v/o 128 x 128, MLP 128 x 256,
     # output 512 x 128). The reference is our trained model, NF4 base weights and all.
-    from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
     from omegaconf import OmegaConf
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -105,15 +104,11 @@ def test_qwen3_qlora_in_process_adapter_and_merged_model_load(tmp_path: Path, cl
     config = write_config(tmp_path, base=REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", **components,
                           max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2, max_response_length=8)
     cfg = OmegaConf.load(config)
-    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg)
-    recipe.setup(cfg)
-    try:
+    with recipe_in_process(cfg, lora=True) as recipe:
         recipe.train()
         with torch.no_grad():
-            ours = recipe._model.eval()(_tokens())  # NF4 base (dequantised per matmul) + adapters
-        nf4 = {name: w.get_original_weight() for name, w in nf4_parameters(recipe._model)}
-    finally:
-        recipe.cleanup()
+            ours = recipe.model.eval()(_tokens())  # NF4 base (dequantised per matmul) + adapters
+        nf4 = {name: w.get_original_weight() for name, w in nf4_parameters(recipe.model)}
     assert len(nf4) == 2 * 7 + 1  # q, k, v, o, w1, w2, w3 in each of 2 layers, and the output projection
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from tests.chat_templates import make_tokenizer_dir
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, run_in_process, run_in_process_logged, run_tune, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_config
 from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
 from tests.test_lora_recipe import LORA_CONFIG
 
@@ -72,8 +72,9 @@ def one_process_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multi_turn_1proc")
     # In process: the recipe's setup/train/cleanup without the launcher (the runs compared with it below
     # go through `tune run`).
-    output = run_in_process_logged(multi_turn_config(tmp, **SCHEDULE))
-    return tmp / "out", output
+    log: list = []
+    run_in_process(multi_turn_config(tmp, **SCHEDULE), log=log)
+    return tmp / "out", "\n".join(log)
 
 
 def test_tool_episodes_train_and_log(one_process_run):

@@ -74,6 +74,6 @@ def test_the_recipe_sets_it_from_the_config(tmp_path, caplog, clean_env, one_thr
     cfg = write_config(tmp_path, max_steps=1, drop_pad_embedding_grad=True)
     with caplog.at_level(logging.INFO):
         recipe = run_in_process(cfg)
-    pad = recipe._tokenizer.pad_id
-    assert recipe._model.tok_embeddings.padding_idx == pad
+    pad = recipe.tokenizer.pad_id
+    assert recipe.model.tok_embeddings.padding_idx == pad
     assert f"drop_pad_embedding_grad: the pad token's (id {pad}) input embedding gets no gradient" in caplog.text

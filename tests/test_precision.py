@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.recipe_utils import read_jsonl, write_config
+from tests.recipe_utils import read_jsonl, recipe_in_process, write_config
 from torchtune_grpo.precision import PRECISIONS, Precision
 
 
@@ -22,19 +22,13 @@ def _weights(model):
 
 def _run(tmp_path: Path, dtype: str, steps: int, **overrides):
     """Train ``steps`` steps; returns (weights before, weights after, metrics, the policy's weight dtypes)."""
-    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
-
     tmp_path.mkdir(parents=True)
     cfg = OmegaConf.load(write_config(tmp_path, max_steps=steps, save_every_n_steps=None, dtype=dtype, **overrides))
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
-    recipe.setup(cfg)
-    try:
-        dtypes = {p.dtype for p in recipe._model.parameters()}
-        before = _weights(recipe._model)
+    with recipe_in_process(cfg) as recipe:
+        dtypes = {p.dtype for p in recipe.model.parameters()}
+        before = _weights(recipe.model)
         recipe.train()
-        after = _weights(recipe._model)
-    finally:
-        recipe.cleanup()
+        after = _weights(recipe.model)
     return before, after, read_jsonl(tmp_path / "out" / "metrics.jsonl"), dtypes
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.recipe_utils import read_jsonl, write_config
+from tests.recipe_utils import read_jsonl, recipe_in_process, write_config
 from torchtune_grpo.advantages import BatchStdAdvantage, GroupRelativeAdvantage, normalize_components
 from torchtune_grpo.step_metrics import step_metrics
 from torchtune_grpo.token_selection import HighEntropyTokens
@@ -110,21 +110,16 @@ def test_global_threshold_is_independent_of_the_split():
 def test_recipe_with_both_options_in_process(tmp_path, clean_env, one_thread):
     # GRPO on the tiny model with GDPO normalisation of its 3 rewards and only the top 30% entropy tokens:
     # the card states both, per-component stats are logged, weights move.
-    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 
     cfg = OmegaConf.load(write_config(
         tmp_path, max_steps=2, save_every_n_steps=None,
         advantage={"_component_": "torchtune_grpo.advantages.BatchStdAdvantage", "normalize_components": True},
         token_selection={"fraction": 0.3},
     ))
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
-    recipe.setup(cfg)
-    try:
-        before = {k: v.detach().clone() for k, v in recipe._model.state_dict().items()}
+    with recipe_in_process(cfg) as recipe:
+        before = {k: v.detach().clone() for k, v in recipe.model.state_dict().items()}
         recipe.train()
-        assert any(not torch.equal(v, before[k]) for k, v in recipe._model.state_dict().items())
-    finally:
-        recipe.cleanup()
+        assert any(not torch.equal(v, before[k]) for k, v in recipe.model.state_dict().items())
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     names = [r.get("name") or r._component_.rsplit(".", 1)[-1] for r in cfg.reward_functions]
     for m in metrics:

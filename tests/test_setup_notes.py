@@ -9,14 +9,13 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from tests.conftest import make_tiny_decoder
-from tests.recipe_utils import write_config
+from tests.recipe_utils import recipe_in_process, write_config
 from torchtune_grpo.generation import check_engine, VLLMGenerator
 from torchtune_grpo.offpolicy import off_policy_note
 from torchtune_grpo.rewards import MathAnswerReward
 
 
 def test_recipe_setup_logs_each_fallback_once(tmp_path, clean_env, one_thread, caplog):
-    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 
     # max_seq_len 160 fits one sequence (max_prompt_length 128 + max_response_length 24 = 152) but not a
     # shared-prompt row: 128 + min(group_size 4, micro_batch_size 8) x (24 - 1) = 220 slots.
@@ -24,10 +23,7 @@ def test_recipe_setup_logs_each_fallback_once(tmp_path, clean_env, one_thread, c
         tmp_path, max_steps=1, **{"model.max_seq_len": 160, "loss.tis_cap": 2.0, "eval_batch_size": 8}
     ))
     assert "share_prompt_in_training" not in cfg  # on by default
-    recipe = GRPOFullFinetuneRecipeDistributed(cfg)
-    with caplog.at_level(logging.INFO):
-        recipe.setup(cfg)
-    try:
+    with caplog.at_level(logging.INFO), recipe_in_process(cfg):
         notes = {
             "layout": "Training layout: a micro-batch whose shared-prompt row (prompt + 4 completions; longest "
                       "220) exceeds the model's max_seq_len 160 is computed one row per sequence",
@@ -37,9 +33,6 @@ def test_recipe_setup_logs_each_fallback_once(tmp_path, clean_env, one_thread, c
         }
         for what, text in notes.items():
             assert caplog.text.count(text) == 1, what
-
-    finally:
-        recipe.cleanup()
 
 
 def test_a_model_that_cannot_share_prompts_falls_back_unless_asked_for():

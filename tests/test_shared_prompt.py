@@ -186,7 +186,7 @@ def test_recipe_weights_match_unshared_training(tmp_path, clean_env, one_thread)
     # both under FSDP2 (fsdp_single_process: true); and shared prompts on the plain module
     # (fsdp_single_process: false, the default: no FSDP2 on one process). In process: the recipe's own
     # setup/train/cleanup, no launcher (the launcher and 2 processes: tests/test_algorithms_recipe.py).
-    from tests.recipe_utils import read_jsonl, run_in_process_isolated, weights, with_overrides
+    from tests.recipe_utils import read_jsonl, run_in_process, weights, with_overrides
     from tests.test_algorithms_recipe import _split_config, VARIANTS
 
     runs = {
@@ -198,7 +198,7 @@ def test_recipe_weights_match_unshared_training(tmp_path, clean_env, one_thread)
     for name, overrides in runs.items():
         run_dir = tmp_path / name
         run_dir.mkdir()
-        run_in_process_isolated(with_overrides(_split_config(run_dir, 4, 3 if name == "shared" else 16), **overrides))
+        run_in_process(with_overrides(_split_config(run_dir, 4, 3 if name == "shared" else 16), **overrides))
         out = run_dir / "out"
         results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
         results[name + "_metrics"] = read_jsonl(out / "metrics.jsonl")
@@ -222,17 +222,17 @@ def test_plain_module_on_one_process_resumes_exactly(tmp_path, clean_env, one_th
     import logging
     import shutil
 
-    from tests.recipe_utils import read_jsonl, run_in_process_isolated, weights, with_overrides, write_config
+    from tests.recipe_utils import read_jsonl, run_in_process, weights, with_overrides, write_config
 
     cfg = write_config(tmp_path, max_steps=2, save_every_n_steps=1, fsdp_single_process=False)
-    run_in_process_isolated(cfg)
+    run_in_process(cfg)
     out = tmp_path / "out"
     uninterrupted = weights(out / "step_2")
     shutil.rmtree(out / "step_2")
     metrics = read_jsonl(out / "metrics.jsonl")[:1]
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     with caplog.at_level(logging.INFO):
-        run_in_process_isolated(with_overrides(cfg, resume_from_checkpoint=True))
+        run_in_process(with_overrides(cfg, resume_from_checkpoint=True))
     assert f"Resuming from {out / 'step_1'}" in caplog.text
     resumed = weights(out / "step_2")
     for key in uninterrupted:

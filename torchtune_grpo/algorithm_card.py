@@ -10,12 +10,13 @@ Everything here is pure: plain values in, markdown out.
 """
 
 import math
+import os
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from torchtune_grpo.loss.grpo import ppo_formula_lines
 
-__all__ = ["AlgorithmSpec", "algorithm_card"]
+__all__ = ["AlgorithmSpec", "algorithm_card", "config_values", "write_algorithm_card"]
 
 _AGGREGATION = {
     "token-mean": ("L = (1 / M) * sum_i sum_t l_i,t", "every token weighs the same (DAPO)"),
@@ -371,3 +372,40 @@ def algorithm_card(spec: AlgorithmSpec) -> str:
         ]
     out += ["", *_notes(spec), ""]
     return "\n".join(out)
+
+
+def config_values(config: Any) -> Dict[str, Any]:
+    """The :class:`AlgorithmSpec` fields a recipe config decides by itself.
+
+    Args:
+        config (Any): a :class:`~torchtune_grpo.config_schema.RecipeConfig`.
+
+    Returns:
+        Dict[str, Any]: batch shape, update schedule, KL settings, clipping, masking.
+    """
+    kl_in_reward = config.kl_coef > 0 and config.kl_placement == "reward"
+    return dict(
+        batch_size=config.batch_size,
+        group_size=config.group_size,
+        micro_batch_size=config.micro_batch_size,
+        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+        ppo_epochs=config.ppo_epochs,
+        ppo_mini_batches=config.ppo_mini_batches,
+        ppo_mini_batch_shuffle=config.ppo_mini_batch_shuffle,
+        max_response_length=config.max_response_length,
+        kl_coef=config.kl_coef,
+        kl_estimator=config.kl_estimator,
+        kl_placement="reward" if kl_in_reward else "loss",
+        mask_truncated_completions=config.mask_truncated_completions,
+        clip_grad_norm=None if config.clip_grad_norm is None else float(config.clip_grad_norm),
+        on_nonfinite=config.on_nonfinite,
+    )
+
+
+def write_algorithm_card(spec: AlgorithmSpec, output_dir: str) -> str:
+    """Write ``{output_dir}/algorithm_card.md`` and return the card's text."""
+    card = algorithm_card(spec)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "algorithm_card.md"), "w", encoding="utf-8") as f:
+        f.write(card)
+    return card

@@ -20,15 +20,16 @@ Metrics (the keys the recipe logs, each prefixed ``eval/``):
 """
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence
 
 import torch
 
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.rollout import sample_and_score
 
-__all__ = ["EvalSums", "evaluate", "pass_at_k", "correctness_name"]
+__all__ = ["EvalSums", "HeldOutEvaluation", "evaluate", "pass_at_k", "correctness_name"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -212,3 +213,67 @@ def evaluate(
     finally:
         model.train(was_training)
     return sums
+
+
+class HeldOutEvaluation:
+    """Held-out evaluation during training: this rank's share of the validation prompts, evaluated with the
+    run's engine, rewards and episode settings; the metrics are global (summed over ranks), the same on
+    every rank.
+
+    Args:
+        prompts (Sequence[Dict[str, Any]]): this rank's validation items (every ``world_size``-th prompt).
+        tokenizer: the policy's tokenizer.
+        engine: the run's generation engine.
+        rewards: the run's :class:`~torchtune_grpo.rewards.RewardSet`.
+        num_prompts (int): validation prompts over all ranks (for the log line).
+        all_reduce_sum (Callable[[List[float]], List[float]]): sums a list over ranks.
+        every_n_steps (Optional[int]): evaluation period; None: only at step 0 and at the end.
+        seed (int): the run's seed; evaluation samples from its own stream (``seed + 7919 (rank + 1)``) so
+            it does not change the training samples drawn afterwards.
+        rank (int): this process's rank.
+        device (torch.device): the generator's device.
+        **settings (Any): the keyword arguments of :func:`evaluate` (``max_new_tokens``, ``num_samples``, ``k``,
+            ``correctness``, ``threshold``, ``batch_size``, ``multi_turn``).
+    """
+
+    def __init__(
+        self, prompts: Sequence[Dict[str, Any]], *, tokenizer, engine, rewards, num_prompts: int,
+        all_reduce_sum: Callable[[List[float]], List[float]], every_n_steps: Optional[int], seed: int, rank: int,
+        device: torch.device, **settings: Any,
+    ) -> None:
+        correctness_name(list(rewards.names), settings.get("correctness"))  # fails now, not at the first evaluation
+        self.prompts = list(prompts)
+        self._tokenizer, self._engine, self._rewards = tokenizer, engine, rewards
+        self.num_prompts = num_prompts
+        self.every_n_steps = every_n_steps
+        self._all_reduce_sum = all_reduce_sum
+        self._seed = seed + 7919 * (rank + 1)
+        self._device = device
+        self._settings = settings
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Whether to evaluate after training step ``step`` (the final evaluation is the caller's)."""
+        return bool(self.every_n_steps) and step < total_steps and step % int(self.every_n_steps) == 0
+
+    @torch.no_grad()
+    def __call__(self, model: torch.nn.Module, generation_context: Callable[[], ContextManager]) -> Dict[str, float]:
+        """Held-out metrics ``eval/*`` (greedy accuracy, mean reward, pass@k) and ``time/eval``.
+
+        Args:
+            model (torch.nn.Module): the policy (left in the mode it was in).
+            generation_context (Callable[[], ContextManager]): entered around generation (FSDP2 gathers).
+
+        Returns:
+            Dict[str, float]: the metrics, the same on every rank.
+        """
+        t0 = time.perf_counter()
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(self._seed)
+        with generation_context():
+            sums = evaluate(
+                model, self._tokenizer, self._engine, self.prompts, self._rewards, generator=generator, **self._settings
+            )
+        reduced = EvalSums.from_list(self._all_reduce_sum(sums.as_list()), k=sums.k, multi_turn=sums.multi_turn)
+        metrics = reduced.metrics()
+        metrics["time/eval"] = time.perf_counter() - t0
+        return metrics

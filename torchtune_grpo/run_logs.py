@@ -4,9 +4,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable
+from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["JsonlWriter", "rewind_jsonl"]
+__all__ = ["JsonlWriter", "RunLogs", "rewind_jsonl"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -75,3 +75,52 @@ def rewind_jsonl(path: "str | Path", step: int) -> int:
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)
     return removed
+
+
+class RunLogs:
+    """Rank 0's records of a run: ``metrics.jsonl`` (every step, every evaluation), ``completions.jsonl``
+    and the configured metric logger (every ``log_every_n_steps`` steps; evaluations always).
+
+    Args:
+        output_dir (str): the run's output directory.
+        metric_logger (Optional[Any]): a torchtune metric logger (``log_dict``, ``close``); None on the other
+            ranks, where nothing is written.
+        log_every_n_steps (int): the metric logger's period in steps. Default is 1.
+    """
+
+    def __init__(self, output_dir: str, metric_logger: Optional[Any], log_every_n_steps: int = 1) -> None:
+        self._logger = metric_logger
+        self._every = log_every_n_steps
+        self._metrics = self._completions = None
+        if metric_logger is not None:
+            self._metrics = JsonlWriter(os.path.join(output_dir, "metrics.jsonl"))
+            self._completions = JsonlWriter(os.path.join(output_dir, "completions.jsonl"))
+
+    def log_config(self, cfg: Any) -> None:
+        """Hand the run's config to the metric logger (rank 0)."""
+        if self._logger is not None:
+            self._logger.log_config(cfg)
+
+    def step(self, step: int, metrics: Dict[str, Any], samples: List[Dict[str, Any]]) -> None:
+        """Record training step ``step``: its metrics and its logged completions."""
+        if self._logger is None:
+            return
+        self._metrics.write({"step": step, **metrics})
+        self._completions.write_many(samples)
+        if step % self._every == 0:
+            self._logger.log_dict(metrics, step=step)
+
+    def evaluation(self, step: int, metrics: Dict[str, float]) -> None:
+        """Record a held-out evaluation after training step ``step`` (0: before training)."""
+        if self._logger is None:
+            return
+        self._metrics.write({"step": step, **metrics})
+        self._logger.log_dict(metrics, step=step)
+
+    def close(self) -> None:
+        """Close the files and the metric logger."""
+        if self._logger is None:
+            return
+        self._logger.close()
+        self._metrics.close()
+        self._completions.close()

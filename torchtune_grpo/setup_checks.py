@@ -7,11 +7,12 @@ Each raises naming the key, the value and what it found, before any weights are 
 
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
+from torchtune_grpo.evaluation import correctness_name
 from torchtune_grpo.training_batch import shared_prompt_unsupported, shared_row_length
 
 __all__ = ["check_device", "check_output_dir", "check_state_dict_shapes", "training_layout"]
@@ -167,3 +168,28 @@ def _shared_layout(
         f"{shown}) exceeds the model's max_seq_len {max_seq_len} is computed one row per sequence (same "
         "results, no prompt sharing for it)."
     )
+
+
+def check_evaluation_keys(
+    cfg: Any, has_validation: bool, reward_names: Sequence[str], eval_reward: Optional[str]
+) -> Optional[str]:
+    """Fail on an ``eval_reward`` that names no reward (before any model is built); without ``validation``,
+    say which ``eval_*`` keys go unused.
+
+    Args:
+        cfg (Any): the run's config (its keys).
+        has_validation (bool): whether ``validation`` is set.
+        reward_names (Sequence[str]): the reward components' names.
+        eval_reward (Optional[str]): the ``eval_reward`` key.
+
+    Returns:
+        Optional[str]: a note for the log, or None.
+
+    Raises:
+        ValueError: if ``eval_reward`` names no reward component.
+    """
+    if has_validation:
+        correctness_name(list(reward_names), eval_reward)
+        return None
+    unused = sorted(k for k in cfg if k.startswith("eval_") and cfg[k] is not None)
+    return f"No held-out evaluation (validation is not set): {unused} are not used." if unused else None

@@ -7,7 +7,7 @@ the weights again every token.
 """
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, FrozenSet, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ def shard_model(
     cpu_offload: bool,
     reshard_after_forward: bool = True,
     precision: Optional[Precision] = None,
+    ignored_params: FrozenSet[nn.Parameter] = frozenset(),
 ) -> None:
     """FSDP2 on the modules ``shard_conditions`` pick (innermost first), then the root.
 
@@ -43,6 +44,9 @@ def shard_model(
         cpu_offload (bool): offload parameters, gradients and optimizer state to CPU.
         reshard_after_forward (bool): free the unsharded parameters after each forward. Default is True.
         precision (Optional[Precision]): None or an unmixed precision: no casting. Default is None.
+        ignored_params (FrozenSet[nn.Parameter]): parameters FSDP2 leaves alone, held whole on every rank
+            (QLoRA's NF4 weights: torch's FSDP2 single-process path ignores NF4's all-gather extension, and
+            sharding NF4 needs every weight's block count to divide by the world size). Default is none.
 
     Raises:
         ValueError: if no module was picked.
@@ -50,6 +54,8 @@ def shard_model(
     kwargs = {"reshard_after_forward": reshard_after_forward}
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    if ignored_params:
+        kwargs["ignored_params"] = set(ignored_params)
     layer_kwargs, root_kwargs = dict(kwargs), dict(kwargs)
     if precision is not None and precision.mixed:
         layer_kwargs["mp_policy"] = MixedPrecisionPolicy(

@@ -1,0 +1,153 @@
+"""One GRPO training step, stage by stage: the object the recipes run ``total_steps`` times.
+
+::
+
+    prompts -> rollouts.collect  -> RolloutGroups   (sampled and scored; dynamic-sampling rounds)
+            -> dynamic.select    -> the groups trained on
+            -> build_experience  -> Experience      (layout, reference/old logprobs, advantages, masks)
+            -> update            -> UpdateStats     (micro-batched loss, backward, clipping, optimizer)
+            -> publisher         -> the engine's weights synced and checked (an engine with its own copy)
+            -> metrics           -> reduced over ranks by key, declared once (step_metrics.py)
+
+Each stage is a public, swappable part (:attr:`GRPOStep.rollouts` takes any object with
+``collect(policy, batch)``, e.g. :class:`~torchtune_grpo.producer.FixedRollouts` to replay rollouts), so
+tests and benchmarks run the recipe's real step without patching it.
+"""
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+from torchtune import utils
+from torchtune.training.lr_schedulers import get_lr
+
+from torchtune_grpo.dynamic_sampling import DynamicSampling
+from torchtune_grpo.experience import ExperienceBuilder
+from torchtune_grpo.generation import WeightPublisher
+from torchtune_grpo.metric_sums import Key, reduce_over_ranks
+from torchtune_grpo.nonfinite import advice, count_nonfinite, NonFiniteError
+from torchtune_grpo.crash_points import crash_point
+from torchtune_grpo.data import PromptBatch
+from torchtune_grpo.step_metrics import sample_records, step_sums, train_step_metrics
+from torchtune_grpo.update import PolicyUpdate
+
+__all__ = ["GRPOStep", "StepResult", "count_nonfinite_weights", "trained_parameters"]
+
+log = utils.get_logger("INFO")
+
+
+class StepResult(NamedTuple):
+    """What a step leaves: its metrics (global, the same on every rank) and this rank's logged completions.
+
+    Attributes:
+        metrics (Dict[str, Any]): ``reward/mean``, ``kl``, ``loss``, ``time/step``, ... (docs/metrics.md).
+        samples (List[Dict[str, Any]]): ``completions.jsonl`` rows (``log_completions`` per step).
+    """
+
+    metrics: Dict[str, Any]
+    samples: List[Dict[str, Any]]
+
+
+@dataclass
+class GRPOStep:
+    """One GRPO step on one rank's prompt batch, every stage a public part.
+
+    Attributes:
+        rollouts (Any): ``collect(policy, batch) -> (RolloutGroups, rounds)``
+            (:class:`~torchtune_grpo.producer.RolloutProducer`).
+        dynamic (DynamicSampling): which groups are trained on.
+        build_experience (ExperienceBuilder): selected rollouts -> the update's :class:`Experience`.
+        update (PolicyUpdate): the policy update (its optimizer gives the logged learning rate).
+        publisher (Optional[WeightPublisher]): syncs an engine with its own weights (vLLM) after the update.
+        all_reduce (Callable[[List[float], Reduce], List[float]]): elementwise reduction over ranks.
+        batch_size (int): prompts per rank per step.
+        log_completions (int): completions per step written to ``completions.jsonl``.
+        on_nonfinite (str): ``stop`` or ``skip`` (torchtune_grpo/nonfinite.py).
+        device (torch.device): for the peak-memory metric on CUDA.
+    """
+
+    rollouts: Any
+    dynamic: DynamicSampling
+    build_experience: ExperienceBuilder
+    update: PolicyUpdate
+    publisher: Optional[WeightPublisher]
+    all_reduce: Callable[..., List[float]]
+    batch_size: int
+    log_completions: int = 0
+    on_nonfinite: str = "stop"
+    device: torch.device = torch.device("cpu")
+
+    def __call__(self, policy: nn.Module, batch: PromptBatch, step: int) -> StepResult:
+        """Train ``policy`` on ``batch``, as training step ``step + 1``.
+
+        Args:
+            policy (nn.Module): the trained model.
+            batch (PromptBatch): this rank's ``batch_size`` prompts.
+            step (int): training steps done before this one.
+
+        Returns:
+            StepResult: the step's metrics and logged completions.
+
+        Raises:
+            NonFiniteError: on non-finite weights (always) or loss (``on_nonfinite: stop``).
+        """
+        t0 = time.perf_counter()
+        generated, num_rounds = self.rollouts.collect(policy, batch)  # sampled and scored
+        crash_point("rollout", step + 1)  # test-only (torchtune_grpo/crash_points.py)
+        selection = self.dynamic.select(generated, self.batch_size)
+        trained = generated.select(selection.indices)
+        exp, kl_penalty = self.build_experience(policy, trained)
+        stats = self.update(exp, step=step)
+        crash_point("update", step + 1)
+        # The engine (vLLM) samples the next step from the weights just updated.
+        sync = self.publisher.publish(policy, step=step + 1) if self.publisher is not None else None
+        t_step = time.perf_counter() - t0
+
+        # This rank's sums, reduced over ranks by key, then the declared metrics (step_metrics.py).
+        zero_std = self.dynamic.informative(generated).logical_not()
+        local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
+        local.add(("nonfinite_weights",), count_nonfinite(trained_parameters(policy)))  # this rank's shards
+        reduced = reduce_over_ranks(local, self.all_reduce)
+        self._check_finite(reduced, stats.skipped_steps, step + 1)
+        metrics = train_step_metrics(
+            reduced,
+            rounds=num_rounds,  # the same on every rank
+            lr=get_lr(self.update.optimizer),
+            step_seconds=t_step,
+            rollout=generated,
+            weight_sync=sync,
+            grad_norm=stats.grad_norm,
+            peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
+        )
+        metrics["nonfinite/skipped_optimizer_steps"] = stats.skipped_steps
+        return StepResult(metrics, sample_records(trained, exp.advantages, step + 1, self.log_completions))
+
+    def _check_finite(self, reduced: Dict[Key, float], skipped_steps: int, step: int) -> None:
+        # ``reduced`` is global, so every rank raises at the same step (torchtune_grpo/nonfinite.py).
+        if (broken := reduced[("nonfinite_weights",)]) > 0:
+            raise NonFiniteError(advice(f"{int(broken)} weight tensor(s) hold NaN or inf after training step {step}"))
+        loss = reduced[("update", "loss")]
+        if not math.isfinite(loss):
+            if self.on_nonfinite == "stop":
+                raise NonFiniteError(advice(f"The loss is {loss} at training step {step}"))
+            utils.log_rank_zero(log, f"Step {step}: the loss is {loss} (on_nonfinite=skip)", level=logging.WARNING)
+        if skipped_steps:
+            utils.log_rank_zero(
+                log, f"Step {step}: {skipped_steps} optimizer step(s) skipped, non-finite gradient norm "
+                "(on_nonfinite=skip; metric nonfinite/skipped_optimizer_steps)"
+            )
+
+
+def trained_parameters(policy: nn.Module) -> List[torch.Tensor]:
+    """The parameters the optimizer changes (frozen ones, NF4 included, cannot turn non-finite)."""
+    return [p for p in policy.parameters() if p.requires_grad]
+
+
+def count_nonfinite_weights(policy: nn.Module, all_reduce_sum: Callable[[List[float]], List[float]]) -> int:
+    """Trained weight tensors holding NaN or inf, over all ranks (a save refuses them)."""
+    return int(all_reduce_sum([float(count_nonfinite(trained_parameters(policy)))])[0])
+
