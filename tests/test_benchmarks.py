@@ -80,7 +80,7 @@ def test_summary_excludes_the_warmup_step_and_takes_medians():
 def test_longtail_benchmark_runs_and_reports(monkeypatch, capsys):
     # benchmarks/longtail.py on a tiny workload: every table printed, padding fractions in range, and the
     # compacting decode samples the same tokens as the plain loop.
-    longtail = _load("longtail")
+    longtail = load_benchmark("longtail")
     argv = ["longtail.py", "--groups", "2", "--group-size", "4", "--max-len", "48", "--rows", "4", "--repeats", "1"]
     monkeypatch.setattr("sys.argv", argv)
     threads = torch.get_num_threads()
