@@ -3,10 +3,11 @@
 With a fixed number of rows per micro-batch, every forward pads its rows to the longest sequence in it: with
 long-tailed completion lengths (a 40-token answer next to a 4,000-token one) most of the compute goes to
 padding. :func:`plan_micro_batches` sorts the sequences by length (longest first) and fills each
-micro-batch while the tokens its forward holds, padding included, stay within ``max_tokens``: short
-sequences travel together, long ones alone. In the shared-prompt layout the unit is a group (the
-consecutive sequences of one prompt, whose prompt is computed once), split only when it alone exceeds the
-budget.
+micro-batch while the tokens its forward holds, padding included, stay within ``max_tokens`` (and a
+sequence adds at most twice its own tokens): short sequences travel together, long ones alone. In the
+shared-prompt layout the unit is a group (the consecutive sequences of one prompt, whose prompt is computed
+once), cut into parts of similar lengths where that costs fewer tokens than padding every completion to
+the group's longest. Packed rows (:mod:`~torchtune_grpo.packed_rows`) are costed by their real tokens.
 
 The split changes nothing but floating-point summation order: every loss term is a sum over tokens divided
 by the mini-batch's global counts (:mod:`torchtune_grpo.update`), so any assignment of rows to micro-batches
@@ -20,7 +21,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["MicroBatchPlan", "agreed_counts", "count_histogram", "plan_micro_batches"]
+__all__ = ["MicroBatchPlan", "agreed_counts", "agreed_plan", "count_histogram", "plan_micro_batches"]
 
 
 class MicroBatchPlan(NamedTuple):
