@@ -261,7 +261,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         share_prompt, note = training_layout(  # prompts shared in training forwards (training_batch.py)
             self.model, share_prompt=c.share_prompt_in_training, explicit="share_prompt_in_training" in cfg,
             max_prompt_length=c.max_prompt_length, max_response_length=c.max_response_length,
-            group_size=c.group_size, micro_batch_size=c.micro_batch_size,
+            group_size=c.group_size, micro_batch_size=c.micro_batch_size, pack=c.pack_sequences_in_training,
         )
         if note:
             utils.log_rank_zero(log, note)
@@ -318,7 +318,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         update = PolicyUpdate(
             self.model, self.optimizer, loss_fn, lr_scheduler=lr_scheduler, ppo_epochs=c.ppo_epochs,
             ppo_mini_batches=c.ppo_mini_batches, group_size=c.group_size, seed=self.seed,
-            shuffle=c.ppo_mini_batch_shuffle, micro_batch_size=c.micro_batch_size, clip_grad_norm=c.clip_grad_norm,
+            shuffle=c.ppo_mini_batch_shuffle, micro_batch_size=c.micro_batch_size,
+            max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, clip_grad_norm=c.clip_grad_norm,
             world_size=self.world_size, all_reduce=self._dist.sum, temperature=temperature,
             chunk_size=c.logprob_chunk_size, on_nonfinite=c.on_nonfinite,
         )
@@ -351,7 +352,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 advantage=advantage, reward_weights=rewards.weights, group_size=c.group_size,
                 pad_id=self.tokenizer.pad_id, loss_masks=loss_masks, micro_batch_size=c.micro_batch_size,
                 temperature=temperature, device=self._device, chunk_size=c.logprob_chunk_size,
-                share_prompt=share_prompt, mask_truncated=c.mask_truncated_completions, kl_coef=c.kl_coef,
+                share_prompt=share_prompt, pack_sequences=c.pack_sequences_in_training,
+                max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
+                mask_truncated=c.mask_truncated_completions, kl_coef=c.kl_coef,
                 kl_estimator=c.kl_estimator, kl_in_reward=kl_in_reward, reference=reference,
                 update_needs_old_logprobs=update.needs_old_logprobs, all_reduce=self._dist.sum,
                 all_gather=self._dist.gather_cat,

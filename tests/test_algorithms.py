@@ -157,6 +157,12 @@ def test_card_batch_arithmetic():
     assert "| optimizer steps per generation round | 8 | ppo_epochs 2 x ppo_mini_batches 4; update 1 is on-policy" in mini
     assert "up to 7 update(s) stale (each pass splits the rollouts into 4 disjoint mini-batches" in mini
     assert "| prompts consumed per step | 8 | one generation round per step |" in mini
+    # A token budget: at least ceil(32 / 5) = 7 micro-batches (the row cap), at most one per sequence.
+    budget = algorithm_card(_spec(micro_batch_size=5, max_tokens_per_micro_batch=4096))
+    assert (
+        "| micro-batches per process per optimizer step | 7 to 32 | by length: up to max_tokens_per_micro_batch "
+        "4096 tokens (padding included) and micro_batch_size 5 sequences each"
+    ) in budget
 
 
 @pytest.mark.parametrize(

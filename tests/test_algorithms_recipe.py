@@ -39,11 +39,12 @@ VARIANTS = [
 ]
 
 
-def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int) -> Path:
+def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int, **overrides) -> Path:
     # Deterministic rollouts (tests/_engines.py) and shuffle=False: rank r of W takes prompts r, r+W, ...,
     # so W processes x batch_size b train on the same global set of prompts as 1 process x W*b.
     return write_config(
         run_dir,
+        **overrides,
         vowel_reward=False,
         max_steps=len(VARIANTS),
         save_every_n_steps=1,
@@ -78,13 +79,16 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int) -> Path
 @pytest.mark.slow
 def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path, caplog, clean_env, one_thread):
     # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches (both in process);
-    # C = 2 processes of 8 sequences, 1 micro-batch each (`tune run`). Weights after every step must agree.
-    runs = {"A": (1, 4, 16), "B": (1, 4, 4), "C": (2, 2, 8)}
+    # C = 2 processes of 8 sequences (`tune run`) and D = 1 process, both with token-budget micro-batches
+    # (max_tokens_per_micro_batch: sorted by length, groups split where one is over the budget, and on 2
+    # processes as many micro-batches on each rank). Weights after every step must agree.
+    budget = {"max_tokens_per_micro_batch": 96}  # a shared row of 4 completions is ~130 tokens here
+    runs = {"A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, budget), "D": (1, 4, 16, budget)}
     results = {}
-    for name, (nproc, batch_size, mbs) in runs.items():
+    for name, (nproc, batch_size, mbs, overrides) in runs.items():
         run_dir = tmp_path / name
         run_dir.mkdir()
-        config = _split_config(run_dir, batch_size, mbs)
+        config = _split_config(run_dir, batch_size, mbs, **overrides)
         if nproc == 1:
             caplog.clear()
             os.environ.pop("MASTER_PORT", None)  # each one-process group picks a free port
@@ -109,14 +113,14 @@ def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path, c
         prev = before if k == 0 else results["A"][k - 1]
         step_change = max((results["A"][k][key] - prev[key]).abs().max().item() for key in prev)
         assert step_change > 5e-4, f"step {k + 1} ({variant}) barely moved the weights: {step_change}"
-        for other in ("B", "C"):
+        for other in ("B", "C", "D"):
             for key, value in results["A"][k].items():
                 torch.testing.assert_close(
                     results[other][k][key], value, atol=1e-5, rtol=0,
                     msg=lambda m: f"run {other}, step {k + 1} ({variant}), {key}: {m}",
                 )
     # Logged losses are global too (sums of micro-batch and rank contributions).
-    for other in ("B", "C"):
+    for other in ("B", "C", "D"):
         for ma, mo in zip(metrics, results[other + "_metrics"]):
             for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "reward/mean",
                         "rollout_correction/masked_fraction", "rollout_correction/kl"):

@@ -75,3 +75,22 @@ def test_summary_excludes_the_warmup_step_and_takes_medians():
     assert summary["step_time_median_s"] == 1.0  # intervals 1, 2, 1; the 10 s first step is excluded
     assert summary["tokens_per_s"] == 100.0
     assert summary["peak_rss_gib"] == 1.0
+
+
+def test_longtail_benchmark_runs_and_reports(monkeypatch, capsys):
+    # benchmarks/longtail.py on a tiny workload: every table printed, padding fractions in range, and the
+    # compacting decode samples the same tokens as the plain loop.
+    longtail = load_benchmark("longtail")
+    argv = ["longtail.py", "--groups", "2", "--group-size", "4", "--max-len", "48", "--rows", "4", "--repeats", "1"]
+    monkeypatch.setattr("sys.argv", argv)
+    threads = torch.get_num_threads()
+    try:
+        longtail.main()
+    finally:
+        torch.set_num_threads(threads)  # main() sets its own
+    out = capsys.readouterr().out
+    assert "| packed rows | <= " in out and "| shared prompts | <= " in out
+    assert "same tokens: True" in out and "| compact_decode |" in out
+    paddings = [float(line.split("|")[5].strip().rstrip("%")) for line in out.splitlines() if line.endswith("|")
+                and "%" in line]
+    assert len(paddings) == 5 and all(0 <= p < 100 for p in paddings)

@@ -135,7 +135,11 @@ def test_continuation_equals_recomputing_every_history(share_prefill, sampling, 
     results = []
     for cls in (NativeGenerator, Resend):
         sampled_logprobs.clear()
-        engine = turn_marking(cls, sampled_logprobs)(temperature=temperature, share_prefill=share_prefill)
+        # compact_decode off: the recorded per-step logprobs need every row at every step (a session never
+        # compacts, but Resend's generate would; the compacting loop's equality: test_generation_compact.py).
+        engine = turn_marking(cls, sampled_logprobs)(
+            temperature=temperature, share_prefill=share_prefill, compact_decode=False
+        )
         eps = episodes(engine, model, group_size=group_size, seed=seed)
         results.append((eps, logprobs_per_episode(eps, sampled_logprobs)))
     (cont, cont_lps), (ref, ref_lps) = results

@@ -8,6 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 from torch import nn
 
+from tests.conftest import make_tiny_decoder
 from tests.recipe_utils import recipe_in_process, write_config
 from torchtune_grpo.generation import check_engine, VLLMGenerator
 from torchtune_grpo.offpolicy import off_policy_note
@@ -48,6 +49,13 @@ def test_a_model_that_cannot_share_prompts_falls_back_unless_asked_for():
                                          "torchtune TransformerDecoder. Set share_prompt_in_training: false."):
         training_layout(nn.Linear(2, 2), explicit=True, **args)
     assert training_layout(nn.Linear(2, 2), explicit=True, **{**args, "share_prompt": False}) == (False, None)
+    # Packed rows are for one row per sequence: used where prompts cannot be shared, said not used where they are.
+    assert training_layout(nn.Linear(2, 2), explicit=False, pack=True, **args)[0] is False
+    shared, note = training_layout(make_tiny_decoder(), explicit=False, pack=True, **args)
+    assert shared is True and note == (
+        "pack_sequences_in_training: not used, prompts are shared (share_prompt_in_training); packed rows are for "
+        "one row per sequence."
+    )
 
 
 def test_off_policy_note_for_an_engine_with_its_own_logprobs():

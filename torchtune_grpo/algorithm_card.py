@@ -89,6 +89,8 @@ class AlgorithmSpec:
         precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
         max_staleness (Optional[int]): rollouts from generation workers at this bound (docs/async.md); None:
             sampled by the trainer's own weights. Default is None.
+        max_tokens_per_micro_batch (Optional[int]): micro-batches by token budget (their number then
+            depends on the lengths). Default is None (``micro_batch_size`` rows each).
     """
 
     world_size: int
@@ -126,6 +128,7 @@ class AlgorithmSpec:
     ppo_mini_batch_shuffle: bool = True
     precision: Optional[str] = None
     max_staleness: Optional[int] = None
+    max_tokens_per_micro_batch: Optional[int] = None
 
     @classmethod
     def from_components(
@@ -187,6 +190,22 @@ def _off_policy(epochs: int, k: int) -> str:
     )
 
 
+def _micro_row(s: AlgorithmSpec, local: int, micro: int) -> Tuple[str, str, str]:
+    if s.max_tokens_per_micro_batch is None:
+        return (
+            "micro-batches per process per optimizer step",
+            str(micro),
+            f"ceil({local} / micro_batch_size {s.micro_batch_size}): gradient accumulation, same update",
+        )
+    return (
+        "micro-batches per process per optimizer step",
+        f"{micro} to {local}",
+        f"by length: up to max_tokens_per_micro_batch {s.max_tokens_per_micro_batch} tokens (padding included) "
+        f"and micro_batch_size {s.micro_batch_size} sequences each, as many on every process; gradient "
+        "accumulation, same update",
+    )
+
+
 def _batch_table(s: AlgorithmSpec) -> List[str]:
     k = s.ppo_mini_batches
     round_prompts = s.batch_size * s.world_size  # per generation round
@@ -220,11 +239,7 @@ def _batch_table(s: AlgorithmSpec) -> List[str]:
             str(seqs),
             f"{prompts} prompts x G {s.group_size}; the loss is normalised over all of them",
         ),
-        (
-            "micro-batches per process per optimizer step",
-            str(micro),
-            f"ceil({local} / micro_batch_size {s.micro_batch_size}): gradient accumulation, same update",
-        ),
+        _micro_row(s, local, micro),
         (
             "optimizer steps per generation round",
             str(s.ppo_epochs * k),
@@ -391,6 +406,7 @@ def config_values(config: Any) -> Dict[str, Any]:
         batch_size=config.batch_size,
         group_size=config.group_size,
         micro_batch_size=config.micro_batch_size,
+        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
         ppo_epochs=config.ppo_epochs,
         ppo_mini_batches=config.ppo_mini_batches,
         ppo_mini_batch_shuffle=config.ppo_mini_batch_shuffle,

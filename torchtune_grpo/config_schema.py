@@ -140,6 +140,12 @@ class RecipeConfig(ConfigSchema):
     micro_batch_size: Optional[int] = setting(
         None, ge=1, null=False, shown="`batch_size x group_size`", why="sequences per forward/backward",
         doc="sequences per forward/backward (training and log-probability passes); memory only")
+    max_tokens_per_micro_batch: Optional[int] = setting(
+        None, ge=1, why="tokens per forward/backward, padding included (null: `micro_batch_size` rows each)",
+        doc="micro-batches by tokens, not rows: sequences sorted by length and packed up to this many tokens per "
+            "forward, padding included (a group's shared prompt kept together); `micro_batch_size` then caps the "
+            "rows of one; null: `micro_batch_size` rows in rollout order "
+            "([configs.md](configs.md#token-budget-micro-batches-max_tokens_per_micro_batch)); same numbers")
     kl_coef: float = setting(0.0, ge=0, why="weight of the KL penalty (0: none)",
                              doc="weight of the KL penalty to the initial model; 0 loads no reference model. "
                                  "Top level only")
@@ -177,6 +183,10 @@ class RecipeConfig(ConfigSchema):
     share_prompt_in_training: bool = setting(
         True, doc="training and logprob forwards compute each prompt once for its group's completions "
                   "([configs.md](configs.md#training-layout-share_prompt_in_training)); same numbers as `false`")
+    pack_sequences_in_training: bool = setting(
+        False, doc="with one row per sequence (`share_prompt_in_training: false`, or a model that cannot share): "
+                   "several sequences per training row, none attending to another "
+                   "([configs.md](configs.md#packed-rows-pack_sequences_in_training)); same numbers")
     drop_pad_embedding_grad: bool = setting(False, doc="no gradient to the pad token's input embedding "
                                             "(transformers' `padding_idx`, TRL's behaviour)")
     weight_sync: Any = component("for engines holding their own weights (vLLM): `WeightSyncCheck` interval and "

@@ -28,6 +28,7 @@ from torchtune_grpo.logprobs import TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.loss_masks import LossMasks
 from torchtune_grpo.metric_sums import one_process_sum
+from torchtune_grpo.micro_batching import MicroBatchPlan
 from torchtune_grpo.training_batch import TrainingBatch
 from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.update import batch_logprobs, batch_token_logprobs, Experience
@@ -74,11 +75,16 @@ class ExperienceBuilder:
         group_size (int): completions per prompt.
         pad_id (int): the tokenizer's pad id.
         loss_masks (LossMasks): rollout correction and token selection.
-        micro_batch_size (int): rows per logprob forward.
+        micro_batch_size (int): rows per logprob forward (with ``max_tokens_per_micro_batch``: at most).
         temperature (float): the sampling temperature the logprobs are computed at (> 0).
         device (torch.device): the training device.
         chunk_size (int): positions per log-softmax chunk. Default is 512.
         share_prompt (bool): the shared-prompt training layout. Default is True.
+        pack_sequences (bool): without ``share_prompt``, pack several sequences per row
+            (:mod:`~torchtune_grpo.packed_rows`). Default is False.
+        max_tokens_per_micro_batch (Optional[int]): logprob forwards by token budget (padding included,
+            :mod:`~torchtune_grpo.micro_batching`; the same number on every rank); None: ``micro_batch_size``
+            rows each. Default is None.
         mask_truncated (bool): DAPO's overlong filtering. Default is False.
         kl_coef (float): weight of the KL penalty (0: none). Default is 0.
         kl_estimator (str): ``k1``, ``k2`` or ``k3``. Default is ``"k3"``.
@@ -106,6 +112,8 @@ class ExperienceBuilder:
         device: torch.device,
         chunk_size: int = 512,
         share_prompt: bool = True,
+        pack_sequences: bool = False,
+        max_tokens_per_micro_batch: Optional[int] = None,
         mask_truncated: bool = False,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
@@ -125,6 +133,8 @@ class ExperienceBuilder:
         self.device = device
         self.chunk_size = int(chunk_size)
         self.share_prompt = bool(share_prompt)
+        self.pack_sequences = bool(pack_sequences)
+        self.max_tokens = None if max_tokens_per_micro_batch is None else int(max_tokens_per_micro_batch)
         self.mask_truncated = bool(mask_truncated)
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
@@ -134,16 +144,29 @@ class ExperienceBuilder:
         self.all_reduce = all_reduce
         self.all_gather = all_gather
 
-    def logprobs(self, model: nn.Module, layout: "TrainingBatch | torch.Tensor", start: int = 0) -> torch.Tensor:
-        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``), no grad."""
+    def logprobs(
+        self, model: nn.Module, layout: "TrainingBatch | torch.Tensor", start: int = 0,
+        plan: Optional[MicroBatchPlan] = None,
+    ) -> torch.Tensor:
+        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``), no grad;
+        micro-batches of ``plan`` (:meth:`plan`) when given."""
         if isinstance(layout, torch.Tensor):
             layout = TrainingBatch.from_tokens(layout, start)
         return batch_logprobs(
             model, layout, micro_batch_size=self.micro_batch_size, temperature=self.temperature,
-            chunk_size=self.chunk_size,
+            chunk_size=self.chunk_size, plan=plan,
         )
 
-    def reference_logprobs(self, layout: "TrainingBatch | torch.Tensor", start: int = 0) -> Optional[torch.Tensor]:
+    def plan(self, layout: TrainingBatch) -> Optional[MicroBatchPlan]:
+        """The token-budget micro-batches of ``layout`` (one all-reduce agrees on their number), or None
+        without ``max_tokens_per_micro_batch``."""
+        if self.max_tokens is None:
+            return None
+        return layout.plan(max_tokens=self.max_tokens, max_rows=self.micro_batch_size, all_reduce=self.all_reduce)
+
+    def reference_logprobs(
+        self, layout: "TrainingBatch | torch.Tensor", start: int = 0, plan: Optional[MicroBatchPlan] = None
+    ) -> Optional[torch.Tensor]:
         """Reference logprobs ``[N, T]`` of ``layout`` (in eval mode, inside the reference's context); None
         without a reference."""
         if self.reference is None:
@@ -153,24 +176,31 @@ class ExperienceBuilder:
         model.eval()
         try:
             with self.reference.context():
-                return self.logprobs(model, layout, start)
+                return self.logprobs(model, layout, start, plan)
         finally:
             model.train(was_training)
 
-    def old_logprobs(self, policy: nn.Module, layout: TrainingBatch, has_engine_logprobs: bool) -> TokenLogprobs:
+    def needs_old_logprobs(self, has_engine_logprobs: bool) -> bool:
+        """Whether anything needs ``pi_old``'s logprobs before the update (see :meth:`old_logprobs`)."""
+        return (
+            self.update_needs_old_logprobs or self.kl_in_reward
+            or self.loss_masks.needs_old_logprobs(has_engine_logprobs)
+        )
+
+    def old_logprobs(
+        self, policy: nn.Module, layout: TrainingBatch, has_engine_logprobs: bool,
+        plan: Optional[MicroBatchPlan] = None,
+    ) -> TokenLogprobs:
         """``pi_old``'s logprobs (and, for token selection, entropy) ``[N, T]``; None fields when not needed.
 
         With a single optimizer step the old policy *is* the current one (ratio 1): no extra forward,
         unless the KL penalty in the reward or a loss mask needs ``pi_old`` before the update.
         """
-        if not (
-            self.update_needs_old_logprobs or self.kl_in_reward
-            or self.loss_masks.needs_old_logprobs(has_engine_logprobs)
-        ):
+        if not self.needs_old_logprobs(has_engine_logprobs):
             return TokenLogprobs(None, None)
         return batch_token_logprobs(
             policy, layout, micro_batch_size=self.micro_batch_size, temperature=self.temperature,
-            chunk_size=self.chunk_size, with_entropy=self.loss_masks.needs_entropy,
+            chunk_size=self.chunk_size, with_entropy=self.loss_masks.needs_entropy, plan=plan,
         )
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -192,7 +222,8 @@ class ExperienceBuilder:
         """
         n = len(trained.response_ids)
         layout = TrainingBatch(
-            trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt, device=self.device,
+            trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt,
+            pack=self.pack_sequences, device=self.device,
         )
         kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
         kept = kept.to(self.device)  # [N]
@@ -201,13 +232,16 @@ class ExperienceBuilder:
             actions = actions & layout.response_values(trained.action_mask).bool()
         mask = actions & kept.unsqueeze(1)  # [N, T]
 
-        ref_logprobs = self.reference_logprobs(layout)  # [N, T] or None
         # [N, T] the engine's sampling logprobs (vLLM; TIS, rollout correction, logprob_mismatch) or None
         engine_logprobs = None
         if trained.engine_logprobs is not None:
             engine_logprobs = layout.response_values(trained.engine_logprobs)
+        plan = None  # token-budget micro-batches of the no-grad forwards (one all-reduce), when any runs
+        if self.reference is not None or self.needs_old_logprobs(engine_logprobs is not None):
+            plan = self.plan(layout)
+        ref_logprobs = self.reference_logprobs(layout, plan=plan)  # [N, T] or None
         policy.train()
-        old = self.old_logprobs(policy, layout, engine_logprobs is not None)  # pi_old [N, T] (+ entropy)
+        old = self.old_logprobs(policy, layout, engine_logprobs is not None, plan)  # pi_old [N, T] (+ entropy)
         rewards, components = advantage_signal(  # the weighted sum, or GDPO's normalised components
             self.advantage, trained.rewards, trained.per_component, self.reward_weights, self.group_size
         )

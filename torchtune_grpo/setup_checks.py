@@ -106,6 +106,7 @@ def training_layout(
     max_response_length: int,
     group_size: int,
     micro_batch_size: int,
+    pack: bool = False,
 ) -> Tuple[bool, Optional[str]]:
     """Whether training forwards share each prompt across its group's rows, and what to tell the user.
 
@@ -122,6 +123,8 @@ def training_layout(
         max_response_length (int): the response budget.
         group_size (int): completions per prompt.
         micro_batch_size (int): rows per forward.
+        pack (bool): ``pack_sequences_in_training`` (packed rows are for one row per sequence: with prompts
+            shared, the note says it is not used). Default is False.
 
     Returns:
         Tuple[bool, Optional[str]]: the layout to use, and a note to log (None: nothing to say).
@@ -129,6 +132,21 @@ def training_layout(
     Raises:
         ValueError: ``share_prompt_in_training: true`` written in the config, with a model that cannot.
     """
+    shared, note = _shared_layout(
+        model, share_prompt, explicit, max_prompt_length, max_response_length, group_size, micro_batch_size
+    )
+    if pack and shared:
+        note = (note + " " if note else "") + (
+            "pack_sequences_in_training: not used, prompts are shared (share_prompt_in_training); packed rows "
+            "are for one row per sequence."
+        )
+    return shared, note
+
+
+def _shared_layout(
+    model: nn.Module, share_prompt: bool, explicit: bool, max_prompt_length: Optional[int],
+    max_response_length: int, group_size: int, micro_batch_size: int,
+) -> Tuple[bool, Optional[str]]:
     if not share_prompt:
         return False, None
     reason = shared_prompt_unsupported(model)

@@ -30,7 +30,7 @@ aggregation therefore do not depend on the layout.
 """
 
 import copy
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +39,8 @@ from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
 from torchtune_grpo.attention import AttentionLayout, install_attention, installable
 from torchtune_grpo.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
+from torchtune_grpo.micro_batching import agreed_plan, MicroBatchPlan, plan_micro_batches
+from torchtune_grpo.packed_rows import packed_layout, PackedLayout
 
 __all__ = [
     "SharedPromptMask",
@@ -326,6 +328,9 @@ class TrainingBatch:
         share_prompt (bool): compute each prompt once per group of sequences in the same micro-batch (see
             the module docstring); False lays out one row per sequence. Models that
             :func:`supports_shared_prompt` rejects use one row per sequence anyway. Default is True.
+        pack (bool): without ``share_prompt``: pack each micro-batch's sequences into rows as wide as its
+            longest, none attending to another (:mod:`~torchtune_grpo.packed_rows`); False pads one row per
+            sequence. Models :func:`supports_shared_prompt` rejects are not packed. Default is False.
         device (Optional[torch.device]): where the tensors go. Default is None (CPU).
 
     Attributes:
@@ -341,6 +346,7 @@ class TrainingBatch:
         pad_id: int,
         *,
         share_prompt: bool = True,
+        pack: bool = False,
         device: Optional[torch.device] = None,
     ) -> None:
         tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
@@ -348,10 +354,13 @@ class TrainingBatch:
         self.tokens = tokens.to(device)
         self.response_mask = response_mask[:, self.start + 1 :].to(device)
         self.prompt_ids, self.response_ids = prompt_ids, response_ids
+        # [N] real tokens per unshared row: a forward over some rows is cut to their longest.
+        self.lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         self.pad_id = pad_id
         self.share_prompt = share_prompt
+        self.pack = pack and not share_prompt
         self.device = device
-        self._layouts: Dict[Tuple[int, int], SharedPromptLayout] = {}
+        self._layouts: Dict[Tuple[int, int], "SharedPromptLayout | PackedLayout"] = {}
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, start: int = 0) -> "TrainingBatch":
@@ -359,8 +368,8 @@ class TrainingBatch:
         batch = cls.__new__(cls)
         batch.tokens, batch.start = tokens, start
         batch.response_mask = None
-        batch.prompt_ids = batch.response_ids = None
-        batch.pad_id, batch.share_prompt, batch.device = None, False, tokens.device
+        batch.prompt_ids = batch.response_ids = batch.lengths = None
+        batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
         batch._layouts = {}
         return batch
 
@@ -393,15 +402,74 @@ class TrainingBatch:
         if self.prompt_ids is not None:
             batch.prompt_ids = [self.prompt_ids[i] for i in rows]
             batch.response_ids = [self.response_ids[i] for i in rows]
+            batch.lengths = [self.lengths[i] for i in rows]
         batch._layouts = {}
         return batch
 
-    def layout(self, rows: slice) -> SharedPromptLayout:
-        """The shared-prompt layout of ``rows`` (built once, reused by every pass over the same rows)."""
+    def plan(
+        self,
+        *,
+        max_tokens: int,
+        max_rows: int,
+        all_reduce: Optional[Callable[[List[float]], List[float]]] = None,
+        num_micro_batches: Optional[int] = None,
+    ) -> MicroBatchPlan:
+        """Token-budget micro-batches of this batch's rows (:mod:`~torchtune_grpo.micro_batching`).
+
+        Units and costs follow this batch's layout: groups in the shared-prompt layout, sequences otherwise.
+
+        Args:
+            max_tokens (int): tokens per forward, padding included.
+            max_rows (int): sequences per micro-batch at most.
+            all_reduce (Optional[Callable[[List[float]], List[float]]]): sums floats over ranks; the number
+                of micro-batches is then the largest over ranks. Default is None (this rank's own count,
+                or ``num_micro_batches``).
+            num_micro_batches (Optional[int]): exactly this many (without ``all_reduce``). Default is None.
+
+        Returns:
+            MicroBatchPlan: the row order and the micro-batch sizes.
+        """
+        kw = dict(
+            max_tokens=max_tokens, max_rows=max_rows, prompt_ids=self.prompt_ids if self.share_prompt else None,
+            packed=self.pack,
+        )
+        prompt_lens = [len(p) for p in self.prompt_ids]
+        response_lens = [len(r) for r in self.response_ids]
+        if all_reduce is not None:
+            return agreed_plan(prompt_lens, response_lens, all_reduce=all_reduce, **kw)
+        return plan_micro_batches(prompt_lens, response_lens, num_micro_batches=num_micro_batches, **kw)
+
+    def real_tokens(self, rows: slice) -> int:
+        """Slots of a forward over ``rows`` that hold a real token (the rest of :meth:`padded_tokens` is
+        padding): ``prompt + response`` per sequence, or, shared, each row's prompt once and every response
+        but its last token."""
+        if self.prompt_ids is None:
+            return int(self.tokens[rows].numel())
+        if self.pack:  # a response's last token is an input to nothing
+            return sum(len(p) + max(len(r) - 1, 0) for p, r in zip(self.prompt_ids[rows], self.response_ids[rows]))
+        if not self.share_prompt:
+            return sum(self.lengths[rows])
+        prompts = self.prompt_ids[rows]
+        once = sum(len(p) for i, p in enumerate(prompts) if i == 0 or prompts[i - 1] != p)  # one per row
+        return once + sum(max(len(r) - 1, 0) for r in self.response_ids[rows])
+
+    def padded_tokens(self, rows: slice) -> int:
+        """Tokens a forward over ``rows`` holds, padding included (for padding metrics and benchmarks)."""
+        n = len(range(*rows.indices(len(self))))
+        if (self.share_prompt or self.pack) and self.prompt_ids is not None:
+            return int(self.layout(rows).tokens.numel())
+        if self.lengths is None:
+            return n * self.tokens.size(1)
+        return n * max(self.lengths[rows])
+
+    def layout(self, rows: slice) -> "SharedPromptLayout | PackedLayout":
+        """The shared-prompt (or, with ``pack``, packed) layout of ``rows`` (built once, reused by every pass
+        over the same rows)."""
         key = (rows.start or 0, rows.stop if rows.stop is not None else len(self))
         if key not in self._layouts:
             a, b = key
-            self._layouts[key] = shared_prompt_layout(
+            build = packed_layout if self.pack else shared_prompt_layout
+            self._layouts[key] = build(
                 self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device
             )
         return self._layouts[key]
@@ -420,21 +488,34 @@ class TrainingBatch:
 
         Arguments as :func:`~torchtune_grpo.logprobs.sequence_logprobs`. One forward over the rows.
         """
-        shared = self.share_prompt and install_shared_prompt_attention(model)
+        # The shared-prompt and packed layouts run through the same attention replacement.
+        shared = (self.share_prompt or self.pack) and install_shared_prompt_attention(model)
         if shared:
             lay = self.layout(rows)
             max_len = getattr(model, "max_seq_len", None)
             shared = max_len is None or lay.tokens.size(1) <= max_len  # else: one row per sequence
         if not shared:
+            tokens = self.tokens[rows]  # [n, L]
+            if self.lengths is not None:
+                # Cut to these rows' longest sequence: the rest is padding after every real token, which
+                # causal attention never lets a real token see.
+                tokens = tokens[:, : max(max(self.lengths[rows]), self.start + 2)]
             out = sequence_logprobs(
-                model, self.tokens[rows], start=self.start, temperature=temperature, chunk_size=chunk_size,
+                model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
                 with_entropy=with_entropy, entropy_grad=entropy_grad,
             )
             if self.response_mask is None:
                 return out
             # The same convention as the shared layout: 0 wherever no response token is predicted.
             keep = self.response_mask[rows]
-            zero = lambda t: None if t is None else torch.where(keep, t, torch.zeros_like(t))  # noqa: E731
+            grow = self.width - out.logprobs.size(1)  # back to the batch's T columns
+
+            def zero(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+                if t is None:
+                    return None
+                t = F.pad(t, (0, grow))
+                return torch.where(keep, t, torch.zeros_like(t))
+
             return TokenLogprobs(zero(out.logprobs), zero(out.entropy))
         n, width = self.tokens[rows].size(0), self.width
 

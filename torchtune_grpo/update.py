@@ -34,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtune_grpo.logprobs import TokenLogprobs
 from torchtune_grpo.metric_sums import one_process_sum, StepSums
+from torchtune_grpo.micro_batching import agreed_counts, count_histogram, MicroBatchPlan
 from torchtune_grpo.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.offpolicy import logprob_mismatch_sum
 from torchtune_grpo.training_batch import TrainingBatch
@@ -114,25 +115,36 @@ def micro_batches(n: int, size: int, start: int = 0) -> List[slice]:
 @torch.no_grad()
 def batch_token_logprobs(
     model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
-    chunk_size: int = 512, with_entropy: bool = False,
+    chunk_size: int = 512, with_entropy: bool = False, plan: Optional[MicroBatchPlan] = None,
 ) -> TokenLogprobs:
-    """Logprobs ``[N, T]`` (and entropy ``[N, T]``) of every row of ``batch`` under ``model``, no grad."""
+    """Logprobs ``[N, T]`` (and entropy ``[N, T]``) of every row of ``batch`` under ``model``, no grad.
+
+    Micro-batches of ``micro_batch_size`` rows in order, or those of a token-budget ``plan``
+    (:meth:`TrainingBatch.plan`; results come back in the batch's row order either way).
+    """
+    ordered, mbs = batch, micro_batches(len(batch), micro_batch_size)
+    if plan is not None:
+        ordered, mbs = batch.select(plan.order), plan.slices()
     outs = [
-        batch.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                       entropy_grad=False)
-        for mb in micro_batches(len(batch), micro_batch_size)
+        ordered.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                         entropy_grad=False)
+        for mb in mbs
     ]
+    logprobs = torch.cat([o.logprobs for o in outs])
     entropy = torch.cat([o.entropy for o in outs]) if with_entropy else None
-    return TokenLogprobs(torch.cat([o.logprobs for o in outs]), entropy)
+    if plan is not None:
+        logprobs = plan.restore(logprobs)
+        entropy = plan.restore(entropy) if entropy is not None else None
+    return TokenLogprobs(logprobs, entropy)
 
 
 def batch_logprobs(
     model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
-    chunk_size: int = 512,
+    chunk_size: int = 512, plan: Optional[MicroBatchPlan] = None,
 ) -> torch.Tensor:
     """Logprobs ``[N, T]`` of every row of ``batch`` under ``model``, micro-batch by micro-batch, no grad."""
     return batch_token_logprobs(
-        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size
+        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size, plan=plan
     ).logprobs
 
 
@@ -153,7 +165,11 @@ class PolicyUpdate:
         seed (int): seeds the per-step shuffle of groups across mini-batches. Default is 0.
         shuffle (bool): shuffle the groups across mini-batches before every pass (with more than one
             mini-batch); False keeps the rollout order. Default is True.
-        micro_batch_size (int): rows per forward/backward.
+        micro_batch_size (int): rows per forward/backward (with ``max_tokens_per_micro_batch``: at most).
+        max_tokens_per_micro_batch (Optional[int]): micro-batches by tokens instead (padding included; see
+            :mod:`~torchtune_grpo.micro_batching`): each mini-batch's rows sorted by length and packed up to
+            this many tokens per forward, as many micro-batches on every rank (the largest count). None:
+            ``micro_batch_size`` rows in rollout order. Default is None.
         clip_grad_norm (Optional[float]): clip the total gradient norm to this. Default is None.
         world_size (int): processes sharing the global batch (FSDP2 averages their gradients). Default is 1.
         all_reduce (Callable[[List[float]], List[float]]): sums a list of floats over all ranks (the recipe's
@@ -177,6 +193,7 @@ class PolicyUpdate:
         seed: int = 0,
         shuffle: bool = True,
         micro_batch_size: int,
+        max_tokens_per_micro_batch: Optional[int] = None,
         clip_grad_norm: Optional[float] = None,
         world_size: int = 1,
         all_reduce: Callable[[List[float]], List[float]] = one_process_sum,
@@ -196,6 +213,7 @@ class PolicyUpdate:
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         self.micro_batch_size = int(micro_batch_size)
+        self.max_tokens = None if max_tokens_per_micro_batch is None else int(max_tokens_per_micro_batch)
         self.clip_grad_norm = clip_grad_norm
         self.world_size = int(world_size)
         self.all_reduce = all_reduce
@@ -262,7 +280,17 @@ class PolicyUpdate:
             for rows in slices
             for v in (ex.mask[rows].sum().item(), ex.kept[rows].sum().item())
         ]
+        plans = [[self._plan(ex, rows) for rows in slices] for ex in passes] if self.max_tokens else None
+        if plans is not None:  # the micro-batch counts ride on the same all-reduce (their largest is used)
+            size = slices[0].stop - slices[0].start
+            local += [v for row in plans for p in row for v in count_histogram(len(p.sizes), size)]
         counts = self.all_reduce(local)
+        if plans is not None:
+            agreed = agreed_counts(counts[2 * len(passes) * len(slices) :], size)
+            for e, ex in enumerate(passes):
+                for m, rows in enumerate(slices):
+                    if len(plans[e][m].sizes) != agreed[e * len(slices) + m]:
+                        plans[e][m] = self._plan(ex, rows, agreed[e * len(slices) + m])
         stats: Dict[str, Any] = dict.fromkeys(LOSS_METRICS, 0.0)
         mismatch = 0.0
         grad_norm, skipped = None, 0
@@ -270,7 +298,13 @@ class PolicyUpdate:
         for e, ex in enumerate(passes):
             for m, rows in enumerate(slices):
                 i = 2 * (e * len(slices) + m)
-                out = self._accumulate(ex, rows, counts[i], counts[i + 1], stats)
+                if plans is None:
+                    sub, mbs = ex, micro_batches(rows.stop, self.micro_batch_size, rows.start)
+                else:  # the mini-batch's rows in the plan's order: each micro-batch a slice of them
+                    plan = plans[e][m]
+                    sub = ex.select(torch.tensor([rows.start + r for r in plan.order], dtype=torch.long))
+                    mbs = plan.slices()
+                out = self._accumulate(sub, mbs, counts[i], counts[i + 1], stats)
                 if e == 0 and ex.engine_logprobs is not None:
                     mismatch = mismatch + out / max(total_tokens, 1)
                 grad_norm, stepped = self._optimizer_step(step, e, m)
@@ -279,9 +313,18 @@ class PolicyUpdate:
             stats["generation/logprob_mismatch"] = mismatch
         return UpdateStats(stats, grad_norm, skipped)
 
-    def _accumulate(self, exp: Experience, rows: slice, num_tokens: float, num_seqs: float, stats: Dict[str, Any]):
-        """Forward/backward over the micro-batches of ``rows``; adds to ``stats``, returns the mismatch sum."""
-        mbs = micro_batches(rows.stop, self.micro_batch_size, rows.start)
+    def _plan(self, exp: Experience, rows: slice, num_micro_batches: Optional[int] = None) -> MicroBatchPlan:
+        """The token-budget micro-batches of mini-batch ``rows`` (indices relative to ``rows.start``)."""
+        sub = exp.batch
+        if (rows.start, rows.stop) != (0, len(exp)):
+            sub = sub.select(list(range(rows.start, rows.stop)))
+        return sub.plan(max_tokens=self.max_tokens, max_rows=self.micro_batch_size, num_micro_batches=num_micro_batches)
+
+    def _accumulate(
+        self, exp: Experience, mbs: List[slice], num_tokens: float, num_seqs: float, stats: Dict[str, Any]
+    ):
+        """Forward/backward over the micro-batches ``mbs`` (row slices of ``exp``) of one optimizer step; adds
+        to ``stats``, returns the mismatch sum."""
         mismatch = 0.0
         for i, mb in enumerate(mbs):
             # Reduce-scatter gradients only after the last micro-batch.

@@ -235,6 +235,7 @@ class SharedPrefixRollout:
         self.completion_slots = torch.arange(c_window, device=device) if self.compiled else None
         self.step = torch.zeros((), dtype=torch.long, device=device)
         self.lean: Optional[bool] = None  # decided at the first decode step (needs `direct`)
+        self.decode_group = group_size  # decode rows per prompt row of the caches (1 after a ragged compact)
         # A session's later turns: per-row write slots over the same storage.
         self.storage, self.p_window, self.c_window = (pk, pv, ck, cv), p_window, c_window
         self.all_completion_slots = torch.arange(c_window, device=device)
@@ -268,6 +269,30 @@ class SharedPrefixRollout:
             self.completion_slots, direct, self.lean,
         )
         return logits.clone()  # a CUDA graph's output is overwritten by the next replay
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only decode rows ``keep`` (``[n']`` long, ascending indices into the current rows) in the
+        decode caches and per-row state (a one-shot rollout's compacting decode, ``_compact.py``).
+
+        When ``keep`` is whole groups, their prompts stay shared; otherwise each kept row gets its own copy
+        of its prompt's keys/values (groups of one), so the batch can shrink to exactly the live rows.
+        """
+        g = self.decode_group
+        rows = keep.tolist()
+        whole = len(rows) % g == 0 and all(
+            rows[j] == rows[j - j % g] + j % g and rows[j - j % g] % g == 0 for j in range(len(rows))
+        )
+        prompts = keep[::g] // g if whole else keep // g  # [n' / g or n'] prompt rows to keep
+        pw, cw = self.p_window, self.c_window
+        for cache in self.decode_caches:
+            cache.prefix_k = cache.prefix_k[:, :, :pw].index_select(0, prompts)
+            cache.prefix_v = cache.prefix_v[:, :, :pw].index_select(0, prompts)
+            cache.k_cache = cache.k_cache[:, :, :cw].index_select(0, keep)
+            cache.v_cache = cache.v_cache[:, :, :cw].index_select(0, keep)
+            cache.batch_size = keep.numel()
+        self.prefix_mask = self.prefix_mask.index_select(0, prompts)
+        self.lengths = self.lengths.index_select(0, keep)
+        self.decode_group = g if whole else 1
 
     def extend_caches(self, c: torch.Tensor) -> List[SharedPrefixKVCache]:
         """Caches that write an :meth:`extend` forward's tokens at completion indices ``c`` (``[N, s]``)."""
@@ -397,6 +422,16 @@ class PerRowRollout:
             model, token, self.pos, self.pad, self.valid, self.slot_ids, self.write_slot, direct, self.mask_dtype
         )
         return logits.clone() if self.compiled else logits  # a CUDA graph's output is overwritten next replay
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only decode rows ``keep`` (``[n']`` long, ascending indices into the current rows) in the
+        decode caches and per-row state (a one-shot rollout's compacting decode, ``_compact.py``)."""
+        for cache in self.decode_caches:
+            cache.k_cache = cache.k_cache.index_select(0, keep)
+            cache.v_cache = cache.v_cache.index_select(0, keep)
+            cache.batch_size = keep.numel()
+        self.pad = self.pad.index_select(0, keep)
+        self.valid = self.valid.index_select(0, keep)
 
     def extend_caches(self, c: torch.Tensor) -> List[SlotKVCache]:
         """Caches that write an :meth:`extend` forward's tokens at completion indices ``c`` (``[N, s]``)."""

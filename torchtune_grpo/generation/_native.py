@@ -10,6 +10,7 @@ from torchtune_grpo.generation._cache import attached_caches, attention_modules,
 from torchtune_grpo.generation._layouts import PerRowRollout, RolloutResources, SharedPrefixRollout
 from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._session import NativeSession
@@ -75,6 +76,14 @@ class NativeGenerator(GenerationEngine):
         compile_mode (Optional[str]): ``torch.compile`` mode; None uses ``"reduce-overhead"`` (CUDA
             graphs) on CUDA and the default mode elsewhere. Default is None.
         compile_backend (str): ``torch.compile`` backend. Default is ``"inductor"``.
+        compact_decode (bool): rows that stopped leave the decode batch (their KV cache rows dropped at the
+            stop checks), so decode cost follows the live rows (:mod:`~torchtune_grpo.generation._compact`;
+            the same random draws, tokens equal up to last-bit effects of the batch size on matrix
+            products). Eager decoding only: a compiled step keeps its fixed shapes; multi-turn sessions keep
+            every row (their caches live on between turns). Memory: a compaction copies the live rows'
+            caches into new tensors while the engine's storage stays allocated (up to ~1.75x the KV cache
+            during a rollout), and in the shared-prefix layout a group that lost some rows gives each live
+            row its own copy of the prompt's keys/values (at most the per-row layout's size). Default is True.
     """
 
     def __init__(
@@ -89,6 +98,7 @@ class NativeGenerator(GenerationEngine):
         compile_decode: Optional[bool] = None,
         compile_mode: Optional[str] = None,
         compile_backend: str = "inductor",
+        compact_decode: bool = True,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -105,6 +115,7 @@ class NativeGenerator(GenerationEngine):
         self.compile_decode = compile_decode
         self.compile_mode = compile_mode
         self.compile_backend = compile_backend
+        self.compact_decode = bool(compact_decode)
         self.cache = KVCachePool(cache_len_multiple)
         self._unembeds: Dict[int, _LastPositionLogits] = {}
         self._compiled: Dict[str, Callable[..., torch.Tensor]] = {}
@@ -226,7 +237,10 @@ class NativeGenerator(GenerationEngine):
             run = self._new_rollout(model, attns, prompts, group_size, max_new_tokens, pad_id)
             stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.prompt.device)
             try:
-                out, done = self._first_turn(model, attns, run, max_new_tokens, pad_id, stop, temperature, generator)
+                out, done = self._first_turn(
+                    model, attns, run, max_new_tokens, pad_id, stop, temperature, generator,
+                    compact=self.compact_decode and not run.compiled,
+                )
             finally:
                 if not self.reuse_cache:
                     self.cache.release()
@@ -282,14 +296,26 @@ class NativeGenerator(GenerationEngine):
         stop: torch.Tensor,
         temperature: float,
         generator: Optional[torch.Generator],
+        compact: bool = False,
     ) -> "tuple[torch.Tensor, torch.Tensor]":
-        """Prefill the prompts and decode every row: ``out [N, steps]`` and whether each row stopped ``[N]``."""
+        """Prefill the prompts and decode every row: ``out [N, steps]`` and whether each row stopped ``[N]``.
+
+        With ``compact``, rows that stopped leave the decode batch (``_compact.py``; one-shot rollouts
+        only: the caches are changed)."""
         with attached_caches(attns, run.prefill_caches):
             logits = run.prefill(model)  # [N, V]
         # The prefill ran through the model's own forward (FSDP's root hooks included); decode steps may
         # skip per-layer hooks once every parameter is gathered.
         direct = can_skip_module_hooks(model)
         with attached_caches(attns, run.decode_caches):
+            if compact:
+                return compacting_decode_loop(
+                    logits, lambda token, t: run.decode(model, token, t, direct), run.compact,
+                    max_new_tokens=max_new_tokens, pad_id=pad_id, stop=stop, temperature=temperature,
+                    top_k=self.top_k, top_p=self.top_p, stop_check_interval=self.stop_check_interval,
+                    # looked up at each call, so both loops sample through this module's sample_tokens
+                    generator=generator, sample=lambda logits, **kw: sample_tokens(logits, **kw),
+                )
             return self._decode_loop(
                 logits, lambda token, t: run.decode(model, token, t, direct), max_new_tokens, pad_id, stop,
                 temperature, generator,

@@ -14,6 +14,8 @@ def sample_tokens(
     top_k: Optional[int] = None,
     top_p: float = 1.0,
     generator: Optional[torch.Generator] = None,
+    noise_rows: Optional[torch.Tensor] = None,
+    noise_batch: Optional[int] = None,
 ) -> torch.Tensor:
     """Draw one token per row.
 
@@ -24,6 +26,11 @@ def sample_tokens(
         top_p (float): keep the smallest set of tokens whose probability mass reaches ``top_p``.
             Default is 1.0 (all).
         generator (Optional[torch.Generator]): RNG for reproducible sampling. Default is None.
+        noise_rows (Optional[torch.Tensor]): ``[N]`` long: ``logits`` are these rows of a batch of
+            ``noise_batch`` rows. The noise is drawn for the whole batch and these rows taken, so a row's
+            draw does not depend on which rows are still decoded (a compacting decode loop gives the same
+            samples as the full batch). Default is None (``logits`` is the whole batch).
+        noise_batch (Optional[int]): the whole batch's rows, with ``noise_rows``. Default is None.
 
     Returns:
         torch.Tensor: sampled ids, shape ``[N]``, int64.
@@ -49,6 +56,9 @@ def sample_tokens(
     # E = -log U, U ~ Uniform[0, 1): the same distribution as ``exponential_``, which is 4-6x slower on
     # CPU (at V = 32k it cost as much as a 100M-parameter decode step's attention). U = 0 gives E = inf,
     # so p / E = 0, never a NaN.
-    noise = torch.rand(probs.shape, dtype=probs.dtype, device=probs.device, generator=generator)
+    shape = probs.shape if noise_rows is None else (noise_batch, probs.size(-1))
+    noise = torch.rand(shape, dtype=probs.dtype, device=probs.device, generator=generator)
+    if noise_rows is not None:
+        noise = noise.index_select(0, noise_rows)
     noise = noise.log_().neg_()
     return (probs / noise).argmax(dim=-1)

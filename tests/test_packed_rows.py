@@ -1,0 +1,96 @@
+"""Packed rows (torchtune_grpo/packed_rows.py, `pack_sequences_in_training`): several sequences per row,
+document-masked, positions restarting per sequence; logprobs, entropies and gradients equal to one padded row
+per sequence (fp32), for two model families, any micro-batch split and under activation checkpointing; a
+token-budget plan of packed rows bounds the real tokens. The update's split-independence with packed rows:
+tests/test_micro_batching.py (layout "packed")."""
+
+import random
+
+import pytest
+import torch
+from torchtune import training
+from torchtune.modules import TransformerSelfAttentionLayer
+
+from tests.conftest import make_tiny_decoder
+from tests.test_shared_prompt import _llama_tiny, _logprobs_and_grads
+from torchtune_grpo.packed_rows import packed_layout
+from torchtune_grpo.training_batch import TrainingBatch
+
+
+def test_layout_by_hand():
+    # Sequences (prompt + response[:-1]): 0 = [1, 2 | 7] (3 slots), 1 = [1, 2 | 8, 8] (4 slots),
+    # 2 = [3 | ] (1 slot: a one-token response is predicted at the prompt's last token). Width 4 = the
+    # longest; first-fit decreasing: seq 1 fills row 0, seqs 0 and 2 share row 1.
+    prompts = [[1, 2], [1, 2], [3]]
+    responses = [[7, 9], [8, 8, 9], [5]]
+    # start = min prompt length - 1 = 0; T = longest unshared row (5) - 1 - 0 = 4.
+    lay = packed_layout(prompts, responses, pad_id=0, start=0, width=4)
+    assert lay.tokens.tolist() == [[1, 2, 8, 8], [1, 2, 7, 3]]
+    assert lay.input_pos.tolist() == [[0, 1, 2, 3], [0, 1, 2, 0]]  # positions restart per sequence
+    # seq 1's tokens 8, 8, 9 predicted at row 0 slots 1, 2, 3; seq 0's 7, 9 at row 1 slots 1, 2; seq 2's 5
+    # at row 1 slot 3 (its prompt's only token).
+    assert sorted(zip(lay.dst.tolist(), lay.src.tolist(), lay.targets.tolist())) == [
+        (0 * 4 + 1, 4 + 1, 7), (0 * 4 + 2, 4 + 2, 9),
+        (1 * 4 + 1, 1, 8), (1 * 4 + 2, 2, 8), (1 * 4 + 3, 3, 9),
+        (2 * 4 + 0, 4 + 3, 5),
+    ]
+    m = lay.mask.mask[1, 0].int().tolist()  # row 1: seq 0 in slots 0-2, seq 2 in slot 3
+    assert m == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+
+
+def _long_tailed(seed, vocab, groups=3, g=4):
+    rng = random.Random(seed)
+    prompts, responses = [], []
+    for _ in range(groups):
+        p = [rng.randrange(1, vocab) for _ in range(rng.randint(2, 9))]
+        for _ in range(g):
+            prompts.append(p)
+            responses.append([rng.randrange(1, vocab) for _ in range(min(60, int(rng.lognormvariate(1.6, 1.0)) + 1))])
+    return prompts, responses
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama3_2"])
+@pytest.mark.parametrize("micro_batch_size", [12, 5])
+def test_logprobs_entropy_and_gradients_match_padded_rows(family, micro_batch_size):
+    model = make_tiny_decoder(scale=1.0).train() if family == "qwen2" else _llama_tiny()
+    prompts, responses = _long_tailed(0, 97)
+    n = len(prompts)
+    mbs = [slice(i, min(i + micro_batch_size, n)) for i in range(0, n, micro_batch_size)]
+    padded = TrainingBatch(prompts, responses, 0, share_prompt=False)
+    packed = TrainingBatch(prompts, responses, 0, share_prompt=False, pack=True)
+    assert sum(packed.layout(s).tokens.size(0) for s in mbs) < n  # really several sequences per row
+    lp_a, ent_a, grads_a = _logprobs_and_grads(model, padded, mbs)
+    lp_b, ent_b, grads_b = _logprobs_and_grads(model, packed, mbs)
+    mask = padded.response_mask
+    assert (lp_b[~mask] == 0).all() and (lp_b[mask] != 0).all()
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-6)
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_activation_checkpointing_recomputes_the_packed_layout():
+    prompts, responses = _long_tailed(1, 97, groups=2)
+    mbs = [slice(0, len(prompts))]
+    reference = _logprobs_and_grads(make_tiny_decoder(scale=1.0).train(), TrainingBatch(prompts, responses, 0, share_prompt=False), mbs)
+    model = make_tiny_decoder(scale=1.0).train()
+    training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    lp, _, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0, share_prompt=False, pack=True), mbs)
+    torch.testing.assert_close(lp, reference[0], atol=1e-5, rtol=1e-6)
+    for (name, g), g_ckpt in zip(reference[2].items(), grads.values()):
+        torch.testing.assert_close(g_ckpt, g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_packing_removes_padding_and_a_plan_bounds_real_tokens():
+    prompts, responses = _long_tailed(2, 97, groups=4)
+    padded = TrainingBatch(prompts, responses, 0, share_prompt=False)
+    packed = TrainingBatch(prompts, responses, 0, share_prompt=False, pack=True)
+    every = slice(0, len(prompts))
+    assert packed.real_tokens(every) == sum(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    waste = lambda b: 1 - b.real_tokens(every) / b.padded_tokens(every)  # noqa: E731
+    assert waste(packed) < 0.5 * waste(padded), (waste(packed), waste(padded))
+    plan = packed.plan(max_tokens=80, max_rows=16)
+    ordered = packed.select(plan.order)
+    for s in plan.slices():
+        # The packed cost is the real tokens: within the budget unless a sequence alone exceeds it.
+        assert ordered.real_tokens(s) <= 80 or s.stop - s.start == 1

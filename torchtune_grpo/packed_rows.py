@@ -1,0 +1,145 @@
+"""Packed rows: several sequences in one training row, none attending to another (document masking).
+
+In the one-row-per-sequence layout every row of a forward is padded to the longest sequence in it. With
+long-tailed lengths (a 1,000-token completion next to 40-token ones) most of the forward is padding, even
+after token-budget micro-batching sorts the lengths (:mod:`~torchtune_grpo.micro_batching`). Packing puts
+the sequences of a micro-batch one after another into rows as wide as its longest sequence::
+
+    [ seq 3 (prompt + response[:-1]) | seq 7 | seq 1 | pad ]
+    [ seq 0                                      | seq 5   ]
+
+Each sequence keeps its own position ids (from 0) and attends causally to itself only: a
+:class:`PackedMask` (an :class:`~torchtune_grpo.attention.AttentionLayout`, carried through the same
+attention replacement as the shared-prompt layout) gives scaled-dot-product attention a block-diagonal
+causal mask. Every logprob is the same function of the same inputs as in the unpacked layout (tested in fp32,
+gradients included). A sequence is never split across rows (the row width is the longest sequence), so no
+state crosses a row boundary. Attention costs ``rows x width^2`` per forward (the padded layout's is
+``sequences x width^2``): no more than the padded layout.
+"""
+
+from typing import List, NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from torchtune_grpo.attention import AttentionLayout
+
+__all__ = ["PackedMask", "PackedLayout", "packed_layout"]
+
+
+class PackedMask(AttentionLayout):
+    """Block-diagonal causal attention over the sequences packed into each row (a plain object).
+
+    Args:
+        segments (torch.Tensor): ``[R, S]`` long: which sequence of its row each slot belongs to; ``-1`` for
+            padding (a pad slot attends to itself only, so no softmax row is empty).
+    """
+
+    def __init__(self, segments: torch.Tensor) -> None:
+        s = segments.size(1)
+        same = segments[:, :, None] == segments[:, None, :]  # [R, S, S]
+        causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+        eye = torch.eye(s, dtype=torch.bool, device=segments.device)
+        self.mask = ((same & causal) | eye)[:, None]  # [R, 1, S, S]
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor:
+        """``q [R, h, S, d]``, ``k, v [R, h_kv, S, d]`` -> ``[R, h, S, d]``."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, dropout_p=dropout_p, enable_gqa=q.size(1) != k.size(1)
+        )
+
+
+class PackedLayout(NamedTuple):
+    """One micro-batch's sequences packed into rows (fields as ``training_batch.SharedPromptLayout``).
+
+    Attributes:
+        tokens (torch.Tensor): ``[R, S]`` long, padded with the pad id.
+        input_pos (torch.Tensor): ``[R, S]`` long position ids, from 0 in each sequence.
+        mask (PackedMask): the attention layout.
+        src (torch.Tensor): ``[K]`` long: flat ``R x S`` index of the hidden state predicting each response
+            token.
+        targets (torch.Tensor): ``[K]`` long: the response tokens.
+        dst (torch.Tensor): ``[K]`` long: flat index into the micro-batch's ``[n, T]`` result.
+    """
+
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    mask: PackedMask
+    src: torch.Tensor
+    targets: torch.Tensor
+    dst: torch.Tensor
+
+
+def _rows(lengths: List[int], width: int) -> List[List[int]]:
+    """First-fit decreasing: sequence indices per row, each row's lengths summing to at most ``width``."""
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(width - lengths[i])
+    return rows
+
+
+def packed_layout(
+    prompt_ids: List[List[int]],
+    response_ids: List[List[int]],
+    pad_id: int,
+    start: int,
+    width: int,
+    device: Optional[torch.device] = None,
+) -> PackedLayout:
+    """Pack ``n`` sequences into rows as wide as the longest (deterministic first-fit decreasing).
+
+    A sequence occupies ``prompt + response[:-1]`` (a response's last token is an input to nothing).
+
+    Args:
+        prompt_ids (List[List[int]]): ``n`` non-empty prompts.
+        response_ids (List[List[int]]): ``n`` responses.
+        pad_id (int): padding id.
+        start (int): the result's first column predicts token ``start + 1`` of each ``prompt + response``.
+        width (int): ``T``, columns of the result.
+        device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+
+    Returns:
+        PackedLayout: the packed rows and the gather/scatter indices of every response token.
+    """
+    seqs = [p + r[:-1] if r else list(p) for p, r in zip(prompt_ids, response_ids)]
+    lengths = [len(s) for s in seqs]
+    s_width = max(lengths)
+    rows = _rows(lengths, s_width)
+    tokens = torch.full((len(rows), s_width), pad_id, dtype=torch.long)
+    input_pos = torch.zeros((len(rows), s_width), dtype=torch.long)
+    segments = torch.full((len(rows), s_width), -1, dtype=torch.long)
+    src, targets, dst = [], [], []
+    for row, members in enumerate(rows):
+        at = 0
+        for seg, i in enumerate(members):
+            n = lengths[i]
+            tokens[row, at : at + n] = torch.tensor(seqs[i], dtype=torch.long)
+            input_pos[row, at : at + n] = torch.arange(n)
+            segments[row, at : at + n] = seg
+            k, p_len = len(response_ids[i]), len(prompt_ids[i])
+            if k:
+                # Response token t is predicted at the sequence's position p_len - 1 + t.
+                src.append(row * s_width + at + p_len - 1 + torch.arange(k))
+                targets.append(torch.tensor(response_ids[i], dtype=torch.long))
+                dst.append(i * width + p_len - 1 - start + torch.arange(k))
+            at += n
+    empty = torch.zeros(0, dtype=torch.long)
+    cat = lambda parts: torch.cat(parts) if parts else empty  # noqa: E731
+    return PackedLayout(
+        tokens=tokens.to(device),
+        input_pos=input_pos.to(device),
+        mask=PackedMask(segments.to(device)),
+        src=cat(src).to(device),
+        targets=cat(targets).to(device),
+        dst=cat(dst).to(device),
+    )
