@@ -72,7 +72,6 @@ from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
 from torchtune_grpo.producer import PromptStream, RolloutProducer
 from torchtune_grpo.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rewards import build_reward_set
-from torchtune_grpo.rollout_worker import WorkerSpec
 from torchtune_grpo.run_logs import RunLogs
 from torchtune_grpo.setup_checks import (
     check_device, check_evaluation_keys, check_generation_workers, check_output_dir, training_layout,
@@ -334,16 +333,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             generation_context=self.generation_context, all_reduce_sum=self._dist.sum,
         )
         if c.generation_workers.enabled:  # rollouts (and the weights) through a worker process (docs/async.md)
-            rollouts = publisher = WorkerRollouts(
-                WorkerSpec(
-                    config=self._config_record, rank=self.rank, threads=c.generation_workers.threads, seed=self.seed,
-                    dtype=str(self._placement.precision.compute_dtype).removeprefix("torch."),
-                    config_class=f"{type(c).__module__}.{type(c).__qualname__}",
-                ),
-                self.prompts, max_staleness=c.generation_workers.max_staleness, timeout=c.generation_workers.timeout,
-                device=self._device, probe_prompt=dataset[0]["tokens"], chunk_size=c.logprob_chunk_size,
-                check=config.instantiate(c.weight_sync) if c.weight_sync is not None else WeightSyncCheck(),
-                vocab_size=self.model.tok_embeddings.num_embeddings, restarts=c.generation_workers.restarts,
+            rollouts = publisher = WorkerRollouts.from_config(
+                c, self._config_record, self.prompts, rank=self.rank, seed=self.seed, device=self._device,
+                dtype=self._placement.precision.compute_dtype, probe_prompt=dataset[0]["tokens"],
+                vocab_size=self.model.tok_embeddings.num_embeddings,
             )
         self.step = GRPOStep(
             rollouts=rollouts,

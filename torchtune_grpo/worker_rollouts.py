@@ -101,6 +101,36 @@ class WorkerRollouts:
         self._kept: Dict[int, Dict[str, torch.Tensor]] = {}
         self._latest: Optional[int] = None
 
+    @classmethod
+    def from_config(
+        cls, config: Any, config_record: Dict[str, Any], prompts: PromptStream, *, rank: int, seed: int,
+        device: torch.device, dtype: torch.dtype, probe_prompt: List[int], vocab_size: int,
+    ) -> "WorkerRollouts":
+        """The worker of one trainer rank as a recipe config (``generation_workers``, ``weight_sync``) asks.
+
+        Args:
+            config (Any): the typed recipe config (its class is rebuilt in the worker).
+            config_record (Dict[str, Any]): the resolved config as a plain container (what the worker builds from).
+            prompts (PromptStream): this rank's prompts.
+            rank (int), seed (int): the rank and the run's seed.
+            device (torch.device): the training device.
+            dtype (torch.dtype): the compute dtype the worker's model holds.
+            probe_prompt (List[int]), vocab_size (int): for the weight check's probe.
+        """
+        from torchtune import config as tt_config
+
+        workers = config.generation_workers
+        spec = WorkerSpec(
+            config=config_record, rank=rank, threads=workers.threads, seed=seed,
+            dtype=str(dtype).removeprefix("torch."), config_class=f"{type(config).__module__}.{type(config).__qualname__}",
+        )
+        check = tt_config.instantiate(config.weight_sync) if config.weight_sync is not None else WeightSyncCheck()
+        return cls(
+            spec, prompts, max_staleness=workers.max_staleness, timeout=workers.timeout, device=device, check=check,
+            probe_prompt=probe_prompt, vocab_size=vocab_size, chunk_size=config.logprob_chunk_size,
+            restarts=workers.restarts,
+        )
+
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def start(self, model: nn.Module, step: int, in_flight: Optional[Dict[str, Any]] = None) -> None:
