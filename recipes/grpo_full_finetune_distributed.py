@@ -298,6 +298,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 probe_prompt=dataset[0]["tokens"],  # the same on every rank and every check
                 device=self._device, all_reduce_max=lambda x: self._all_reduce([x], Reduce.MAX)[0],
                 chunk_size=self.logprob_chunk_size,
+                trainer_dtype=self._precision.compute_dtype,  # the engine's dtype follows it unless set
             )
         self._setup_validation(cfg)
 

@@ -52,7 +52,6 @@ from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed, ch
 from torchtune_grpo.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
 from torchtune_grpo.config import LoRARecipeConfig
 from torchtune_grpo.experience import Reference
-from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.precision import Precision
 from torchtune_grpo.lora import (
     ADAPTER_TORCHTUNE_FILE,
@@ -87,17 +86,6 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         self._precision = Precision.from_name("bf16_pure" if self.config.dtype == "bf16" else self.config.dtype)
 
     # ------------------------------------------------------------------------------------------ setup
-
-    def _check_engine(self, engine: GenerationEngine, cfg: DictConfig) -> GenerationEngine:
-        if engine.holds_weights:
-            # Its weight sync sends full weights under Hugging Face names; LoRA would need the adapters merged
-            # into the base weights first, which is not written yet.
-            raise ValueError(
-                f"generation: {cfg.generation._component_} is not supported by grpo_lora_finetune_distributed "
-                "yet (engines with their own copy of the weights need merged LoRA weights at every sync). "
-                "Use torchtune_grpo.generation.NativeGenerator, or the full fine-tuning recipe."
-            )
-        return engine
 
     def _setup_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Path]) -> None:
         # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.
