@@ -325,8 +325,12 @@ class VLLMGenerator(GenerationEngine):
             RuntimeError: when the engine already runs (vLLM sizes its adapter slots at start-up).
             ValueError: for adapted modules vLLM's LoRA cannot serve (naming them; ``lora_sync: merge``).
         """
+        if self._lora is not None and vllm_lora_rank(hparams.rank) <= vllm_lora_rank(self._lora.rank):
+            check_adapter_targets(hparams)
+            return  # already started with room for these adapters (a second publisher on this engine)
         if self._llm is not None:
-            raise RuntimeError("VLLMGenerator.enable_lora: the engine has already started without LoRA support")
+            raise RuntimeError("VLLMGenerator.enable_lora: the engine has already started without LoRA support "
+                               f"for rank {hparams.rank}")
         check_adapter_targets(hparams)
         self._lora = hparams
         self._adapters = AdapterVersions(self.hf_config)
@@ -353,9 +357,14 @@ class VLLMGenerator(GenerationEngine):
         return self._adapters.last_bytes
 
     @property
-    def _lora_request(self):
-        """The adapter version rollouts and probes use (None: the base weights alone)."""
+    def lora_request(self):
+        """The ``vllm.lora.request.LoRARequest`` rollouts and probes use (None: the base weights alone)."""
         return None if self._adapters is None else self._adapters.current
+
+    @property
+    def adapter_staging_dir(self) -> Optional[Path]:
+        """Where adapter versions are staged for vLLM (empty between syncs); None without adapter sync."""
+        return None if self._adapters is None else self._adapters.staging_dir
 
     @torch.no_grad()
     def prompt_logprobs(self, tokens: List[int]) -> torch.Tensor:
@@ -372,7 +381,7 @@ class VLLMGenerator(GenerationEngine):
         self.wake_up()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         (out,) = self.llm.generate(
-            [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=self._lora_request
+            [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=self.lora_request
         )
         # Position 0 has no prediction (None); position t holds a dict with at least tokens[t].
         values = [out.prompt_logprobs[t][tok].logprob for t, tok in enumerate(tokens) if t > 0]
@@ -443,7 +452,7 @@ class VLLMGenerator(GenerationEngine):
         ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
-            lora_request=self._lora_request,
+            lora_request=self.lora_request,
         )
         self.sleep()
         return _to_rollout(prompts, outputs, group_size, set(stop))

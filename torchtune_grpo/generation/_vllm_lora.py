@@ -5,7 +5,9 @@ vLLM's public LoRA API loads an adapter from a PEFT directory (``LoRARequest(nam
 written to a staging directory, in ``/dev/shm`` where it exists (RAM, not disk), loaded, and deleted right
 away: between syncs nothing is left on the file system, and the staging root goes at :meth:`close`.
 
-Versions: version ``v`` is ``LoRARequest("policy-v<v>", v + 1, ...)`` (vLLM ids start at 1). The previous
+Versions: each load gets the next vLLM adapter id (1, 2, ...; never reused in one engine: vLLM skips
+loading an id it already holds, so a reused id would silently keep serving the old adapter) and the name
+``policy-v<version>-<id>``. The previous
 version is removed from the engine once the new one is loaded: with colocated engines no rollout is in
 flight during a sync, so no request can still use it. (Out-of-process generation workers that keep rollouts
 running across a sync would keep ``max_staleness + 1`` versions instead, as TRL's async trainer does.)
@@ -66,6 +68,7 @@ class AdapterVersions:
             staging_root = "/dev/shm"
         self._root = Path(tempfile.mkdtemp(prefix="grpo-lora-", dir=staging_root))
         self.current = None  # the LoRARequest rollouts use
+        self._last_id = 0
         self.last_bytes = 0
 
     @property
@@ -104,9 +107,12 @@ class AdapterVersions:
         """
         from vllm.lora.request import LoRARequest
 
-        directory = self._root / f"v{version}"
+        directory = self._root / f"v{version}-{self._last_id + 1}"
         self._peft_files(directory, adapter, hparams)
-        request = LoRARequest(lora_name=f"policy-v{version}", lora_int_id=version + 1, lora_path=str(directory))
+        self._last_id += 1
+        request = LoRARequest(
+            lora_name=f"policy-v{version}-{self._last_id}", lora_int_id=self._last_id, lora_path=str(directory)
+        )
         try:
             if not llm.llm_engine.add_lora(request):
                 raise RuntimeError(f"vLLM did not load adapter version {version} from {directory}")
