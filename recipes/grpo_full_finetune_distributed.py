@@ -405,6 +405,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             environment=None if self._multi_turn is None else (
                 f"{type(self._multi_turn.environment).__name__}, at most {self._multi_turn.max_turns} turns"
             ),
+            weight_sync=self._publisher.describe(self._model) if self._publisher is not None else None,
             **self._loss_masks.formula_lines(),
         )
         if self._is_rank_zero:

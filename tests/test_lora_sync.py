@@ -177,3 +177,21 @@ def test_vllm_adapter_limits_are_named():
     check_adapter_targets(LoRAHyperparams(8, 16.0, ["q_proj", "w1"]))
     with pytest.raises(ValueError, match=r"output projection .*lora_sync: merge"):
         check_adapter_targets(LoRAHyperparams(8, 16.0, ["q_proj", "output"]))
+
+
+def test_the_algorithm_card_states_the_lora_sync():
+    from torchtune_grpo.algorithm_card import algorithm_card, AlgorithmSpec
+
+    policy = _lora_policy()
+    adapter = _publisher(LoRACopyEngine(policy)).describe(policy)
+    assert adapter.startswith("its own copy of the base weights (sent once) plus the LoRA adapter (rank 4, alpha 8)")
+    assert "(lora_sync: adapter); checked after every 1 sync(s)" in adapter
+
+    class MergeEngine(LoRACopyEngine):
+        lora_sync = "merge"
+
+    merge = _publisher(MergeEngine(policy)).describe(policy)
+    assert "W + (alpha / r) B A computed in fp32 and cast to float32 once (lora_sync: merge)" in merge
+    spec = AlgorithmSpec(world_size=1, batch_size=2, group_size=4, micro_batch_size=8, ppo_epochs=1,
+                         max_response_length=16, advantage="A", weight_sync=merge)
+    assert f"- Generation engine weights: {merge}." in algorithm_card(spec)

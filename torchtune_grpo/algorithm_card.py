@@ -86,6 +86,8 @@ class AlgorithmSpec:
         ppo_mini_batch_shuffle (bool): groups reshuffled across mini-batches before every pass. Default is
             True.
         precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
+        weight_sync (Optional[str]): how an engine with its own weights (vLLM) gets the policy
+            (``WeightPublisher.describe``). Default is None (the engine samples with the trainer's model).
     """
 
     world_size: int
@@ -122,6 +124,7 @@ class AlgorithmSpec:
     ppo_mini_batches: int = 1
     ppo_mini_batch_shuffle: bool = True
     precision: Optional[str] = None
+    weight_sync: Optional[str] = None
 
     @classmethod
     def from_components(
@@ -315,6 +318,8 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         notes.append(f"- Optimizer: {s.optimizer}{clip}; an optimizer step with a NaN/inf gradient norm is {nonfinite}.")
     if s.precision:
         notes.append(f"- Precision: {s.precision}.")
+    if s.weight_sync:
+        notes.append(f"- Generation engine weights: {s.weight_sync}.")
     return notes
 
 

@@ -125,6 +125,31 @@ class WeightPublisher:
         metrics["generation/sync_bytes"] = float(sent)
         return metrics
 
+    def describe(self, model: nn.Module) -> str:
+        """What every sync sends and how it is checked, for the algorithm card."""
+        lora = lora_model(model)
+        dtype = str(self.trainer_dtype or torch.float32).removeprefix("torch.")
+        if lora is None:
+            what = "its own copy, every weight sent after every optimizer step"
+        elif getattr(self.engine, "lora_sync", "merge") == "adapter":
+            what = (
+                f"its own copy of the base weights (sent once) plus the LoRA adapter (rank {lora.rank}, alpha "
+                f"{lora.alpha:g}), sent alone after every optimizer step as a new adapter version "
+                "(lora_sync: adapter)"
+            )
+        else:
+            what = (
+                "its own copy, sent after every optimizer step with the LoRA adapter merged: W + (alpha / r) B A "
+                f"computed in fp32 and cast to {dtype} once (lora_sync: merge)"
+            )
+        check = self.check
+        checked = (
+            "never checked" if check.every_n_syncs == 0
+            else f"checked after every {check.every_n_syncs} sync(s) against the trainer's log-probabilities "
+            f"(tolerance {check.tolerance:g})"
+        )
+        return f"{what}; {checked}"
+
     # ------------------------------------------------------------------------------------------ LoRA
 
     def _start(self, model: nn.Module) -> None:
