@@ -8,16 +8,19 @@ non-zero adapters; the time and bytes of each way the weights can reach the engi
 - ``merge``: every weight, the adapter merged in fp32 (``lora_sync: merge``);
 - ``full``: every weight of a plain model (the full fine-tuning recipe's sync).
 
-``steps``: the LoRA recipe through ``tune run`` for a few steps with the vLLM engine and with the native
+``steps``: the LoRA (or, ``--recipe full``, the full fine-tuning) recipe through ``tune run`` for a few steps with the vLLM engine and with the native
 engine on the same model and prompts; per-step ``time/generation``, ``time/train`` (everything but
 generation, rewards and the sync: experience and update), ``time/weight_sync``, and the response tokens
 trained, so the update can be compared per token (the two engines sample different completions).
 
     python benchmarks/lora_vllm_sync.py sync MODEL_DIR [--repeats 3]
-    python benchmarks/lora_vllm_sync.py steps MODEL_DIR --engine vllm|native [--steps 3]
+    python benchmarks/lora_vllm_sync.py steps MODEL_DIR --engine vllm|native [--recipe lora|full] [--steps 3]
 
-``MODEL_DIR``: a Hugging Face directory, e.g. SmolLM2-135M (``benchmarks/smollm2.py``) or a llama100m-shaped
-random model (``python -c "import hf_random; hf_random.write_model_dir('llama100m', DIR)"`` in benchmarks/).
+    python benchmarks/lora_vllm_sync.py llama100m DIR      # writes the llama100m-shaped random model
+
+``MODEL_DIR``: a Hugging Face directory, e.g. SmolLM2-135M (``benchmarks/smollm2.py``) or the llama100m
+shape of ``grpo_vs_trl.WORKLOADS`` as a random Llama directory (``llama100m``; no tokenizer: ``sync`` needs
+none).
 """
 
 import argparse
@@ -52,7 +55,8 @@ def sync(model_dir: str, repeats: int) -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo")
     from torchtune_grpo.generation import VLLMGenerator, WeightPublisher, WeightSyncCheck
-    from torchtune_grpo.generation._lora_sync import base_weights, merged_weights
+    from torchtune_grpo.generation._lora_sync import adapter_weights, base_weights, merged_weights
+    from torchtune_grpo.lora import lora_hyperparams
     from torchtune_grpo.models import HFCheckpointer, lora_hf_model
 
     cpu = torch.device("cpu")
@@ -80,36 +84,50 @@ def sync(model_dir: str, repeats: int) -> dict:
                     p.add_(1e-3 * torch.randn_like(p))
         adapter_runs.append(publisher.publish(model, step=step))
     scale = LORA["lora_alpha"] / LORA["lora_rank"]
-    merge_s, full_s = [], []
-    for _ in range(repeats):
+    hparams = lora_hyperparams(model)
+    adapter_s, merge_s, full_s = [], [], []
+    for i in range(repeats):
+        # the adapter alone, without the check: gather + PEFT files + vLLM add_lora (+ old version removed)
+        adapter_s.append(_timed(lambda: engine.load_adapter(adapter_weights(model, cpu), hparams,
+                                                            version=repeats + 1 + i))[0])
         # merged weights, loaded without an adapter: what lora_sync: merge sends every step
         merge_s.append(_timed(lambda: engine.load_weights(merged_weights(model, cpu, torch.float32, scale)))[0])
         # every weight as it is (the base): what the full fine-tuning recipe sends, with no merge arithmetic
         full_s.append(_timed(lambda: engine.load_weights(base_weights(model, cpu, torch.float32)))[0])
     merged_bytes = sum(t.numel() * t.element_size() for _, t in merged_weights(model, cpu, torch.float32, scale))
     out["adapter"] = {
+        "load_s": statistics.median(adapter_s),
         "sync_s_with_check": statistics.median(r["time/weight_sync"] for r in adapter_runs),
         "bytes": adapter_runs[-1]["generation/sync_bytes"],
         "sync_logprob_diff_max": max(r["generation/sync_logprob_diff"] for r in adapter_runs),
     }
     out["merge"] = {"load_s": statistics.median(merge_s), "bytes": merged_bytes}
     out["full"] = {"load_s": statistics.median(full_s), "bytes": merged_bytes}
+    out["check_s"] = _timed(lambda: publisher.check.measure(
+        torch.zeros(63), engine.prompt_logprobs(check.probe(engine.vocab_size))))[0]  # the engine's half of a check
     out["bytes_ratio_adapter_over_full"] = out["adapter"]["bytes"] / merged_bytes
     out["loadavg_1min_end"] = os.getloadavg()[0]
     engine.close()
     return out
 
 
-def steps(model_dir: str, engine: str, n: int) -> dict:
+def steps(model_dir: str, engine: str, n: int, recipe: str) -> dict:
     sys.path.insert(0, str(REPO))
     from omegaconf import OmegaConf
 
-    work = Path(tempfile.mkdtemp(prefix=f"lora_{engine}_"))
-    cfg = OmegaConf.load(REPO / "configs" / "tiny" / "lora_vllm_grpo_cpu.yaml")
+    work = Path(tempfile.mkdtemp(prefix=f"{recipe}_{engine}_"))
+    base = "lora_vllm_grpo_cpu.yaml" if recipe == "lora" else "vllm_grpo_cpu.yaml"
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / base)
     cfg.output_dir = str(work / "out")
     cfg.checkpointer = {"_component_": "torchtune_grpo.models.HFCheckpointer", "checkpoint_dir": model_dir,
                         "output_dir": "${output_dir}"}
-    cfg.model = {"_component_": "torchtune_grpo.models.lora_hf_model", "path": model_dir, "max_seq_len": 512, **LORA}
+    if recipe == "lora":
+        cfg.model = {"_component_": "torchtune_grpo.models.lora_hf_model", "path": model_dir, "max_seq_len": 512,
+                     **LORA}
+    else:
+        cfg.model = {"_component_": "torchtune_grpo.models.hf_model", "path": model_dir, "max_seq_len": 512}
+        cfg.generation.pop("dtype")  # the trainer's (the default this issue introduced)
+        cfg.optimizer.lr = 1e-6
     cfg.tokenizer = {"_component_": "torchtune_grpo.models.hf_tokenizer", "path": model_dir}
     cfg.dataset.prompt_style = "chat"
     cfg.update({"batch_size": 4, "group_size": 8, "micro_batch_size": 32, "max_response_length": 48, "max_steps": n,
@@ -122,7 +140,8 @@ def steps(model_dir: str, engine: str, n: int) -> dict:
     OmegaConf.save(cfg, work / "config.yaml")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "recipes"), str(REPO)])}
     t0 = time.perf_counter()
-    proc = subprocess.run(["tune", "run", "grpo_lora_finetune_distributed", "--config", str(work / "config.yaml")],
+    name = "grpo_lora_finetune_distributed" if recipe == "lora" else "grpo_full_finetune_distributed"
+    proc = subprocess.run([str(Path(sys.executable).parent / "tune"), "run", name, "--config", str(work / "config.yaml")],
                           cwd=work, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
@@ -133,21 +152,45 @@ def steps(model_dir: str, engine: str, n: int) -> dict:
     per_step = [{k: r[k] for k in keys if k in r} for r in rows]
     for r in per_step:  # trained tokens: batch x G responses of mean length
         r["train_s_per_1k_response_tokens"] = 1000 * r["time/train"] / (32 * r["response_length/mean"])
-    return {"engine": engine, "model_dir": model_dir, "wall_s": time.perf_counter() - t0,
+    return {"recipe": recipe, "engine": engine, "model_dir": model_dir, "wall_s": time.perf_counter() - t0,
             "loadavg_1min_end": os.getloadavg()[0], "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "steps": per_step}
 
 
+def write_llama100m(directory: str) -> dict:
+    """grpo_vs_trl's llama100m shape (12 layers, 768 wide, 12/4 heads, tied 32k vocabulary) as a random Llama
+    Hugging Face directory (std 0.02, fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=4096,
+                         rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02)
+    model.save_pretrained(directory)
+    return {"written": directory}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["sync", "steps"])
+    parser.add_argument("what", choices=["sync", "steps", "llama100m"])
     parser.add_argument("model_dir")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--engine", choices=["vllm", "native"], default="vllm")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--recipe", choices=["lora", "full"], default="lora")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = sync(args.model_dir, args.repeats) if args.what == "sync" else steps(args.model_dir, args.engine, args.steps)
+    if args.what == "llama100m":
+        result = write_llama100m(args.model_dir)
+    elif args.what == "sync":
+        result = sync(args.model_dir, args.repeats)
+    else:
+        result = steps(args.model_dir, args.engine, args.steps, args.recipe)
     text = json.dumps(result, indent=1)
     print(text, flush=True)
     if args.out:

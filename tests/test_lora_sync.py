@@ -8,6 +8,7 @@ tests/test_vllm_lora.py.)
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,41 @@ def test_the_algorithm_card_states_the_lora_sync():
     spec = AlgorithmSpec(world_size=1, batch_size=2, group_size=4, micro_batch_size=8, ppo_epochs=1,
                          max_response_length=16, advantage="A", weight_sync=merge)
     assert f"- Generation engine weights: {merge}." in algorithm_card(spec)
+
+
+def test_adapter_versions_stage_peft_files_load_them_and_drop_the_previous(tmp_path):
+    # A stand-in for vllm.LLM's engine: records what add_lora found on disk and which ids were removed.
+    from torchtune_grpo.generation._vllm_lora import AdapterVersions
+
+    class Engine:
+        def __init__(self):
+            self.added, self.removed = [], []
+
+        def add_lora(self, request):
+            files = sorted(p.name for p in Path(request.lora_path).iterdir())
+            self.added.append((request.lora_name, request.lora_int_id, files))
+            return True
+
+        def remove_lora(self, lora_id):
+            self.removed.append(lora_id)
+            return True
+
+    class LLM:
+        llm_engine = Engine()
+
+    policy = _lora_policy()
+    hf = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 128}
+    versions = AdapterVersions(hf, staging_root=str(tmp_path))
+    llm = LLM()
+    for version in (0, 1):
+        versions.load(llm, adapter_weights(policy, CPU), lora_hyperparams(policy), version)
+    assert llm.llm_engine.added == [
+        ("policy-v0-1", 1, ["adapter_config.json", "adapter_model.safetensors"]),
+        ("policy-v1-2", 2, ["adapter_config.json", "adapter_model.safetensors"]),
+    ]
+    assert llm.llm_engine.removed == [1]  # version 0 dropped once version 1 is in
+    assert versions.current.lora_int_id == 2 and list(versions.staging_dir.iterdir()) == []  # read, then deleted
+    versions.forget()  # vLLM's weight reload unloads adapters: serve none rather than a missing id
+    assert versions.current is None
+    versions.close()
+    assert not versions.staging_dir.exists()

@@ -105,6 +105,7 @@ SCRIPT = textwrap.dedent(
     adapter = engine_probe(engine.lora_request)
     base_only = engine_probe(None)
     engine.load_weights(merged_weights(model, torch.device("cpu"), torch.float32, 16 / 8))
+    out["adapters_after_base_load"] = [sorted(engine.llm.llm_engine.list_loras()), engine.lora_request is None]
     merged = engine_probe(None)
     out["adapter_vs_trainer"] = (adapter - trainer).abs().max().item()
     out["merged_vs_trainer"] = (merged - trainer).abs().max().item()
@@ -174,6 +175,8 @@ def test_adapter_only_sync_equals_merged_sync_in_logprobs(lora_engine_run):
     assert out["adapter_vs_merged"] < 1e-4
     # The adapter matters (so the equalities above are not trivially about the base model).
     assert out["base_vs_trainer"] > 1e-2
+    # vLLM's in-place weight reload unloads every adapter: the engine then serves none (not a stale id).
+    assert out["adapters_after_base_load"] == [[], True]
 
 
 def test_a_stale_adapter_and_qlora_through_vllm(lora_engine_run):

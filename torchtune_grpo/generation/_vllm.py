@@ -316,6 +316,12 @@ class VLLMGenerator(GenerationEngine):
         )
         llm.apply_model(_reprocess_tied_lm_head)
         llm.reset_prefix_cache()
+        if self._adapters is not None:
+            # The in-place reload unloads every LoRA adapter (vLLM 0.32, measured: list_loras() is empty
+            # afterwards). Forget the current version rather than point rollouts at one vLLM no longer
+            # holds (it would try to re-read its deleted staging files); the publisher sends the adapter
+            # after every base load, and the sync check fails a run where none follows.
+            self._adapters.forget()
         return count
 
     def enable_lora(self, hparams: LoRAHyperparams) -> None:

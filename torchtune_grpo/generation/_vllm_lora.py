@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional
 
@@ -67,6 +68,8 @@ class AdapterVersions:
         if staging_root is None and os.access("/dev/shm", os.W_OK):
             staging_root = "/dev/shm"
         self._root = Path(tempfile.mkdtemp(prefix="grpo-lora-", dir=staging_root))
+        # Also at interpreter exit, for a run that stops on an exception before close().
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._root), ignore_errors=True)
         self.current = None  # the LoRARequest rollouts use
         self._last_id = 0
         self.last_bytes = 0
@@ -124,6 +127,10 @@ class AdapterVersions:
         self.last_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
         return request
 
+    def forget(self) -> None:
+        """After the engine unloaded every adapter (vLLM's in-place weight reload does): serve none."""
+        self.current = None
+
     def close(self) -> None:
         """Remove the staging root."""
-        shutil.rmtree(self._root, ignore_errors=True)
+        self._cleanup()
