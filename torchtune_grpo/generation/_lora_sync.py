@@ -45,12 +45,9 @@ _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."
 
 def lora_model(model: nn.Module) -> Optional[LoRAHyperparams]:
     """``model``'s LoRA rank, alpha and targets, or None when it has no LoRA layers (full fine-tuning)."""
-    try:
-        return lora_hyperparams(model)
-    except ValueError as error:
-        if "no LoRA layers" in str(error):
-            return None
-        raise
+    if not any(isinstance(m, LoRALinear) for m in model.modules()):
+        return None
+    return lora_hyperparams(model)
 
 
 def is_adapter_key(name: str) -> bool:

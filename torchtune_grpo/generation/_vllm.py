@@ -5,7 +5,8 @@ its own prompts, exactly like the native engine; no prompts or completions cross
 a full copy of the weights, refreshed from the trainer after every optimizer step without touching the
 disk: the recipe gathers the FSDP2 shards parameter by parameter and hands them to :meth:`load_weights`,
 which renames them to Hugging Face names (torchtune's converters) and loads them into vLLM's model object
-in place.
+in place. A LoRA policy sends the base once and then only its adapter, served through vLLM's LoRA support
+as a new adapter version after every step (:meth:`load_adapter`, ``lora_sync``; docs/lora.md).
 
 vLLM is imported on first use, so configs and tests that only build the component need no vLLM.
 """
