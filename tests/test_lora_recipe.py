@@ -298,9 +298,10 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
     recipe.cleanup()
 
 
-def test_an_engine_with_its_own_weights_is_accepted(tmp_path):
+def test_an_engine_with_its_own_weights_is_accepted(tmp_path, clean_env):
     # It used to be refused ("LoRA + vLLM"); the publisher now sends it the base once and then the adapter
-    # (tests/test_vllm_lora_recipe.py runs it). Constructing the recipe starts no engine.
+    # (tests/test_vllm_lora_recipe.py runs it). Constructing the recipe starts no engine, but it does
+    # create the one-process group (clean_env destroys it, so later in-process runs can make theirs).
     from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 
     cfg = OmegaConf.load(write_config(tmp_path, base=LORA_CONFIG, max_steps=1))
