@@ -111,7 +111,7 @@ def sync(model_dir: str, repeats: int) -> dict:
     return out
 
 
-def steps(model_dir: str, engine: str, n: int, recipe: str) -> dict:
+def steps(model_dir: str, engine: str, n: int, recipe: str, lora_sync: str = "adapter") -> dict:
     sys.path.insert(0, str(REPO))
     from omegaconf import OmegaConf
 
@@ -137,6 +137,8 @@ def steps(model_dir: str, engine: str, n: int, recipe: str) -> dict:
         cfg.loss.pop("tis_cap")
     else:
         cfg.generation.max_model_len = 512
+        if recipe == "lora":
+            cfg.generation.lora_sync = lora_sync
     OmegaConf.save(cfg, work / "config.yaml")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "recipes"), str(REPO)])}
     t0 = time.perf_counter()
@@ -152,7 +154,8 @@ def steps(model_dir: str, engine: str, n: int, recipe: str) -> dict:
     per_step = [{k: r[k] for k in keys if k in r} for r in rows]
     for r in per_step:  # trained tokens: batch x G responses of mean length
         r["train_s_per_1k_response_tokens"] = 1000 * r["time/train"] / (32 * r["response_length/mean"])
-    return {"recipe": recipe, "engine": engine, "model_dir": model_dir, "wall_s": time.perf_counter() - t0,
+    return {"recipe": recipe, "engine": engine, "lora_sync": lora_sync if recipe == "lora" else None,
+            "model_dir": model_dir, "wall_s": time.perf_counter() - t0,
             "loadavg_1min_end": os.getloadavg()[0], "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "steps": per_step}
 
@@ -183,6 +186,7 @@ def main() -> None:
     parser.add_argument("--engine", choices=["vllm", "native"], default="vllm")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--recipe", choices=["lora", "full"], default="lora")
+    parser.add_argument("--lora-sync", choices=["adapter", "merge"], default="adapter")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.what == "llama100m":
@@ -190,7 +194,7 @@ def main() -> None:
     elif args.what == "sync":
         result = sync(args.model_dir, args.repeats)
     else:
-        result = steps(args.model_dir, args.engine, args.steps, args.recipe)
+        result = steps(args.model_dir, args.engine, args.steps, args.recipe, args.lora_sync)
     text = json.dumps(result, indent=1)
     print(text, flush=True)
     if args.out:
