@@ -5,6 +5,7 @@
   before its first rollout: the start-up check compares it with the trainer's resumed policy.
 - Two processes, QLoRA, multi-turn episodes: one engine per rank holding the dequantised NF4 base plus the
   adapter, each checked against the trainer's NF4 model.
+- Two processes, LoRA, ``lora_sync: merge``: full merged weights from the FSDP2 shards, checked.
 - A stale adapter sync stops the run after step 1 (in process, with an in-test engine that keeps its own LoRA
   copy and drops adapter versions after the first: no vLLM engine starts for a run meant to stop).
 
@@ -93,6 +94,25 @@ def test_qlora_on_two_processes_with_multi_turn_episodes(tmp_path: Path):
         assert r["generation/logprob_mismatch"] < 1e-4, r  # over the model's tokens of every turn
         assert r["generation/sync_bytes"] == _adapter_bytes(config), r
     assert max(r["episode/turns"] for r in rows) > 1  # histories were continued through the adapter
+
+
+@pytest.mark.slow
+def test_lora_merge_sync_on_two_processes(tmp_path: Path):
+    # lora_sync: merge: every sync sends every weight with the adapter merged (fp32), gathered from the FSDP2
+    # shards on both ranks; the checks pass and the card says what is sent.
+    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"generation.lora_sync": "merge"})
+    output = run_tune(config, nproc=2, cwd=tmp_path, recipe=RECIPE)
+    assert "2 rank(s)" in output
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    base_bytes = sum(p.numel() * 4 for n, p in tt_config.instantiate(OmegaConf.load(config).model).named_parameters()
+                     if "lora_" not in n)
+    for r in rows:
+        assert r["generation/sync_logprob_diff"] < 1e-4, r
+        assert r["generation/logprob_mismatch"] < 1e-4, r
+        assert r["generation/sync_bytes"] == base_bytes, r  # every base weight (merged), no adapter
+    card = (tmp_path / "out" / "algorithm_card.md").read_text()
+    assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
 
 
 class StaleAdapterGenerator(NativeGenerator):
