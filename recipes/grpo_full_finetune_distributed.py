@@ -302,6 +302,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 self.engine, config.instantiate(c.weight_sync) if c.weight_sync is not None else WeightSyncCheck(),
                 probe_prompt=dataset[0]["tokens"],  # the same on every rank and every check
                 device=self._device, all_reduce_max=self._dist.max, chunk_size=c.logprob_chunk_size,
+                trainer_dtype=self._placement.precision.compute_dtype,  # the engine's dtype follows it unless set
             )
         self.evaluation = self._held_out_evaluation(cfg, rewards, multi_turn)
         lr_scheduler = None
@@ -378,6 +379,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
             ),
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
+            weight_sync=publisher.describe(self.model) if publisher is not None else None,
             **loss_masks.formula_lines(),
         )
         if self._is_rank_zero:

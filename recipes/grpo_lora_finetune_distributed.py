@@ -43,7 +43,6 @@ from grpo_full_finetune_distributed import checkpoint_source, GRPOFullFinetuneRe
 from torchtune_grpo.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
 from torchtune_grpo.config import LoRARecipeConfig
 from torchtune_grpo.experience import Reference
-from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.lora import ADAPTER_TORCHTUNE_FILE, save_adapter
 from torchtune_grpo.lora_setup import build_lora_model
 from torchtune_grpo.precision import Precision
@@ -54,7 +53,7 @@ MERGED_DIR = "merged"  # step_N/merged: the Hugging Face model with the adapter 
 class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     """GRPO with LoRA/QLoRA adapters and FSDP2. See the module docstring and ``docs/lora.md``.
 
-    Overrides only the full recipe's hooks: :meth:`precision`, :meth:`check_engine`, :meth:`build_models`,
+    Overrides only the full recipe's hooks: :meth:`precision`, :meth:`build_models`,
     :meth:`gather_model_state` and :meth:`write_model_files`.
 
     Args:
@@ -68,17 +67,6 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         # Every weight stays in the compute dtype (frozen base; adapters train at LoRA's larger rates), so
         # dtype: bf16 is bf16_pure here (torchtune_grpo/precision.py).
         return Precision.from_name("bf16_pure" if config.dtype == "bf16" else config.dtype)
-
-    def check_engine(self, engine: GenerationEngine, cfg: DictConfig) -> GenerationEngine:
-        if engine.holds_weights:
-            # Its weight sync sends full weights under Hugging Face names; LoRA would need the adapters merged
-            # into the base weights first, which is not written yet.
-            raise ValueError(
-                f"generation: {cfg.generation._component_} is not supported by grpo_lora_finetune_distributed "
-                "yet (engines with their own copy of the weights need merged LoRA weights at every sync). "
-                "Use torchtune_grpo.generation.NativeGenerator, or the full fine-tuning recipe."
-            )
-        return engine
 
     def build_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Path]) -> Models:
         # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.

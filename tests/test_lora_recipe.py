@@ -295,15 +295,16 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
         assert recipe.step.build_experience.reference.model is model
 
 
-def test_engine_with_own_weights_is_refused_naming_it(tmp_path):
-    # The vLLM engine syncs full weights under HF names; LoRA needs merged weights, not written yet: the recipe
-    # must say so at construction, not fail at the first sync with a converter's "unexpected key".
+def test_an_engine_with_its_own_weights_is_accepted(tmp_path, clean_env):
+    # It used to be refused ("LoRA + vLLM"); the publisher now sends it the base once and then the adapter
+    # (tests/test_vllm_lora_recipe.py runs it). Constructing the recipe starts no engine, but it does
+    # create the one-process group (clean_env destroys it, so later in-process runs can make theirs).
     from grpo_lora_finetune_distributed import GRPOLoRAFinetuneRecipeDistributed
 
     cfg = OmegaConf.load(write_config(tmp_path, base=LORA_CONFIG, max_steps=1))
     cfg.generation = {"_component_": "torchtune_grpo.generation.VLLMGenerator", "model": "unused"}
-    with pytest.raises(ValueError, match="VLLMGenerator is not supported by grpo_lora_finetune_distributed"):
-        GRPOLoRAFinetuneRecipeDistributed(cfg)
+    recipe = GRPOLoRAFinetuneRecipeDistributed(cfg)
+    assert recipe.engine.holds_weights and recipe.engine.lora_sync == "adapter"
 
 
 def test_non_lora_model_is_refused():

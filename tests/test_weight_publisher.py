@@ -63,3 +63,45 @@ def test_a_stale_engine_stops_the_run():
             p.mul_(1.5)
     with pytest.raises(WeightSyncError):
         publisher.publish(policy, step=7)
+
+
+class Bf16Engine(CopyEngine):
+    """A correctly synced engine that computes in bf16 while the trainer computes in fp32 (issue 28: vLLM's
+    ``dtype: auto`` resolved to bf16 on CPU for an fp32 run)."""
+
+    compute_dtype = torch.bfloat16
+
+    def prompt_logprobs(self, tokens):
+        with torch.no_grad():
+            return sequence_logprobs(self.model.to(torch.bfloat16), torch.tensor([tokens])).logprobs[0].float()
+
+
+def test_a_dtype_mismatch_is_named_as_such_not_as_stale_weights():
+    policy = make_tiny_decoder(seed=0)
+    publisher = WeightPublisher(Bf16Engine(policy), WeightSyncCheck(tolerance=1e-5), probe_prompt=[3, 5, 7, 11, 13],
+                                device=torch.device("cpu"), all_reduce_max=lambda x: x,
+                                trainer_dtype=torch.float32)
+    with pytest.raises(WeightSyncError) as error:
+        publisher.publish(policy, step=0)  # every weight arrived: only the precision differs
+    message = str(error.value)
+    assert "The engine computes in bfloat16 and the trainer in float32" in message, message
+    assert "generation.dtype" in message and "stale" not in message
+
+
+def test_the_same_dtype_on_both_sides_keeps_the_stale_weights_message():
+    check = WeightSyncCheck(tolerance=1e-3)
+    with pytest.raises(WeightSyncError, match="stale") as error:
+        check.verify(0.3, step=2, trainer_dtype=torch.float32, engine_dtype=torch.float32)
+    assert "computes in" not in str(error.value)
+
+
+def test_the_vllm_engine_dtype_follows_the_trainer_unless_set():
+    from torchtune_grpo.generation import VLLMGenerator
+
+    unset, fixed = VLLMGenerator(model="/nonexistent"), VLLMGenerator(model="/nonexistent", dtype="bf16")
+    for engine in (unset, fixed):  # the publisher tells the engine before it starts (nothing is built here)
+        WeightPublisher(engine, WeightSyncCheck(), probe_prompt=[1, 2], device=torch.device("cpu"),
+                        all_reduce_max=lambda x: x, trainer_dtype=torch.float32)
+    assert unset.dtype == "float32"  # was vLLM's "auto": bf16 on CPU for an fp32 checkpoint
+    assert fixed.dtype == "bfloat16"  # set in the config: kept
+    assert VLLMGenerator(model="/nonexistent").dtype is None and unset.compute_dtype is None  # not started

@@ -91,6 +91,8 @@ class AlgorithmSpec:
             sampled by the trainer's own weights. Default is None.
         max_tokens_per_micro_batch (Optional[int]): micro-batches by token budget (their number then
             depends on the lengths). Default is None (``micro_batch_size`` rows each).
+        weight_sync (Optional[str]): how an engine with its own weights (vLLM) gets the policy
+            (``WeightPublisher.describe``). Default is None (the engine samples with the trainer's model).
     """
 
     world_size: int
@@ -129,6 +131,7 @@ class AlgorithmSpec:
     precision: Optional[str] = None
     max_staleness: Optional[int] = None
     max_tokens_per_micro_batch: Optional[int] = None
+    weight_sync: Optional[str] = None
 
     @classmethod
     def from_components(
@@ -349,6 +352,8 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         notes.append(f"- Optimizer: {s.optimizer}{clip}; an optimizer step with a NaN/inf gradient norm is {nonfinite}.")
     if s.precision:
         notes.append(f"- Precision: {s.precision}.")
+    if s.weight_sync:
+        notes.append(f"- Generation engine weights: {s.weight_sync}.")
     return notes
 
 

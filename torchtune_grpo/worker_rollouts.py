@@ -235,6 +235,11 @@ class WorkerRollouts:
         self._request(version=step)
         return {"time/weight_sync": time.perf_counter() - t0}
 
+    def describe(self, model: nn.Module) -> str:
+        """The algorithm card's line on how the worker gets the policy."""
+        return (f"a full CPU copy of the weights sent to the generation worker after every training step "
+                f"(max_staleness {self.max_staleness}; docs/async.md)")
+
     def state_dict(self) -> Dict[str, Any]:
         """The rollouts in flight (waited for) and the worker's sampling state after them, for a checkpoint."""
         while len(self._ready) < self._requested - self._collected:

@@ -5,7 +5,8 @@ its own prompts, exactly like the native engine; no prompts or completions cross
 a full copy of the weights, refreshed from the trainer after every optimizer step without touching the
 disk: the recipe gathers the FSDP2 shards parameter by parameter and hands them to :meth:`load_weights`,
 which renames them to Hugging Face names (torchtune's converters) and loads them into vLLM's model object
-in place.
+in place. A LoRA policy sends the base once and then only its adapter, served through vLLM's LoRA support
+as a new adapter version after every step (:meth:`load_adapter`, ``lora_sync``; docs/lora.md).
 
 vLLM is imported on first use, so configs and tests that only build the component need no vLLM.
 """
@@ -21,7 +22,10 @@ from torch import nn
 
 from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
+from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
+from torchtune_grpo.lora import LoRAHyperparams
 
 __all__ = ["VLLMGenerator"]
 
@@ -69,8 +73,10 @@ class VLLMGenerator(GenerationEngine):
         temperature (float): sampling temperature; 0 is greedy. Default is 1.0.
         top_k (Optional[int]): sample among the ``top_k`` most likely tokens. Default is None (all).
         top_p (float): nucleus sampling mass. Default is 1.0 (off).
-        dtype (str): weights and activations: ``fp32``/``bf16``/``fp16`` (the recipe's names) or vLLM's
-            (``float32``, ``bfloat16``, ``auto``). Default is ``"auto"`` (the checkpoint's).
+        dtype (Optional[str]): weights and activations: ``fp32``/``bf16``/``fp16`` (the recipe's names) or
+            vLLM's (``float32``, ``bfloat16``, ``auto``: the checkpoint's). Default is None: the trainer's
+            compute dtype (the recipe's ``dtype``), so that both sides score tokens alike; outside a recipe,
+            ``auto``.
         max_model_len (Optional[int]): longest prompt + completion, in tokens. Default is None (the
             model's ``max_position_embeddings``).
         gpu_memory_utilization (float): CUDA: fraction of the GPU vLLM may use (weights, activations, KV
@@ -84,6 +90,10 @@ class VLLMGenerator(GenerationEngine):
         enforce_eager (Optional[bool]): no CUDA graphs / ``torch.compile``. Default is None (eager on CPU,
             where compiling costs more than it saves for small models; graphs on CUDA).
         seed (int): the engine's base seed (each request gets its own from the recipe). Default is 0.
+        lora_sync (str): how a LoRA policy (``grpo_lora_finetune_distributed``) reaches the engine:
+            ``adapter`` (the base weights once, then only the adapter after every optimizer step, served by
+            vLLM's LoRA support as a new adapter version) or ``merge`` (full weights with the adapter merged
+            in fp32, cast once, at every step). Ignored for full fine-tuning. Default is ``"adapter"``.
         engine_kwargs (Optional[Dict[str, Any]]): further ``vllm.LLM`` arguments (e.g.
             ``max_num_seqs``). Default is None.
     """
@@ -98,7 +108,7 @@ class VLLMGenerator(GenerationEngine):
         temperature: float = 1.0,
         top_k: Optional[int] = None,
         top_p: float = 1.0,
-        dtype: str = "auto",
+        dtype: Optional[str] = None,
         max_model_len: Optional[int] = None,
         gpu_memory_utilization: float = 0.3,
         kv_cache_memory_gib: Optional[float] = None,
@@ -106,6 +116,7 @@ class VLLMGenerator(GenerationEngine):
         sleep_level: int = 1,
         enforce_eager: Optional[bool] = None,
         seed: int = 0,
+        lora_sync: str = "adapter",
         engine_kwargs: Optional[Dict[str, Any]] = None,
     ) -> None:
         if temperature < 0:
@@ -114,6 +125,8 @@ class VLLMGenerator(GenerationEngine):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if top_k is not None and top_k <= 0:
             raise ValueError(f"top_k must be positive or null, got {top_k}")
+        if lora_sync not in LORA_SYNC_MODES:
+            raise ValueError(f"lora_sync must be one of {list(LORA_SYNC_MODES)}, got {lora_sync!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         # Nothing is read here: configs are built (and tested) without the downloaded model.
@@ -122,7 +135,7 @@ class VLLMGenerator(GenerationEngine):
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = float(top_p)
-        self.dtype = _DTYPES.get(str(dtype), str(dtype))
+        self.dtype: Optional[str] = None if dtype is None else _DTYPES.get(str(dtype), str(dtype))
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.kv_cache_memory_gib = kv_cache_memory_gib
@@ -135,6 +148,9 @@ class VLLMGenerator(GenerationEngine):
         self._asleep = False
         self._sleep_mode = False
         self._to_hf_names: Optional[TuneToHFNames] = None
+        self.lora_sync = lora_sync
+        self._lora: Optional[LoRAHyperparams] = None  # set by enable_lora (adapter sync)
+        self._adapters: Optional[AdapterVersions] = None
 
     # ------------------------------------------------------------------------------------- the engine
 
@@ -161,6 +177,22 @@ class VLLMGenerator(GenerationEngine):
             self._to_hf_names = TuneToHFNames(self.hf_config)
         return self._to_hf_names(name, tensor)
 
+    def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
+        """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).
+
+        vLLM's ``auto`` is the checkpoint's dtype, or bf16 for fp32 checkpoints on CPU: an fp32 run would
+        then sample from (and be checked against) a bf16 copy of its weights.
+        """
+        if self.dtype is None:
+            self.dtype = str(dtype).removeprefix("torch.")
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype vLLM computes in (its resolution of ``dtype``); None before the engine starts."""
+        if self._llm is None:
+            return None
+        return self._llm.llm_engine.model_config.dtype
+
     @property
     def vocab_size(self) -> int:
         """Rows of the model's embedding table (what probe token ids are drawn from)."""
@@ -184,7 +216,7 @@ class VLLMGenerator(GenerationEngine):
         kwargs: Dict[str, Any] = dict(
             model=self.model_path,
             skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer is the only one
-            dtype=self.dtype,
+            dtype=self.dtype or "auto",
             seed=self.seed,
             logprobs_mode="processed_logprobs",  # the sampled distribution (after temperature/top-k/p)
             generation_config="vllm",  # no sampling defaults from the model's generation_config.json
@@ -212,6 +244,11 @@ class VLLMGenerator(GenerationEngine):
         self._sleep_mode = sleep
         if sleep:
             kwargs["enable_sleep_mode"] = True
+        if self._lora is not None:
+            # One adapter per request batch (every rollout uses the current version); the CPU cache holds
+            # the new version and the previous one until load_adapter removes it.
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(self._lora.rank), max_loras=1,
+                          max_cpu_loras=2)
         if dist.is_available() and dist.is_initialized():
             # Join the trainer's process group (RANK/LOCAL_RANK from the launcher) instead of starting
             # vLLM's own; with tensor_parallel_size 1 every rank is an independent engine.
@@ -226,6 +263,9 @@ class VLLMGenerator(GenerationEngine):
         recipe calls this last, then destroys the group only if it still exists. Without an explicit
         close, the same teardown runs at interpreter exit, after the group is gone, and fails.
         """
+        if self._adapters is not None:
+            self._adapters.close()
+            self._adapters = None
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
@@ -277,7 +317,61 @@ class VLLMGenerator(GenerationEngine):
         )
         llm.apply_model(_reprocess_tied_lm_head)
         llm.reset_prefix_cache()
+        if self._adapters is not None:
+            # The in-place reload unloads every LoRA adapter (vLLM 0.32, measured: list_loras() is empty
+            # afterwards). Forget the current version rather than point rollouts at one vLLM no longer
+            # holds (it would try to re-read its deleted staging files); the publisher sends the adapter
+            # after every base load, and the sync check fails a run where none follows.
+            self._adapters.forget()
         return count
+
+    def enable_lora(self, hparams: LoRAHyperparams) -> None:
+        """Start the engine with LoRA support for adapters like ``hparams`` (adapter sync; before it starts).
+
+        Raises:
+            RuntimeError: when the engine already runs (vLLM sizes its adapter slots at start-up).
+            ValueError: for adapted modules vLLM's LoRA cannot serve (naming them; ``lora_sync: merge``).
+        """
+        if self._lora is not None and vllm_lora_rank(hparams.rank) <= vllm_lora_rank(self._lora.rank):
+            check_adapter_targets(hparams)
+            return  # already started with room for these adapters (a second publisher on this engine)
+        if self._llm is not None:
+            raise RuntimeError("VLLMGenerator.enable_lora: the engine has already started without LoRA support "
+                               f"for rank {hparams.rank}")
+        check_adapter_targets(hparams)
+        self._lora = hparams
+        self._adapters = AdapterVersions(self.hf_config)
+
+    @torch.no_grad()
+    def load_adapter(self, adapter: Dict[str, torch.Tensor], hparams: LoRAHyperparams, *, version: int) -> int:
+        """Serve ``adapter`` on top of the engine's base weights from now on, as adapter version ``version``.
+
+        Args:
+            adapter (Dict[str, torch.Tensor]): every LoRA A ``[r, in]`` and B ``[out, r]`` matrix, full, under
+                torchtune names.
+            hparams (LoRAHyperparams): rank, alpha and targets (``adapter_config.json``).
+            version (int): the publisher's version number; each gets its own vLLM adapter id.
+
+        Returns:
+            int: the adapter's size in bytes.
+        """
+        if self._adapters is None:
+            raise RuntimeError("VLLMGenerator.load_adapter: call enable_lora before the engine starts")
+        llm = self.llm
+        self.wake_up()
+        self._adapters.load(llm, adapter, hparams, version)
+        llm.reset_prefix_cache()  # keys and values of the previous version must not be reused
+        return self._adapters.last_bytes
+
+    @property
+    def lora_request(self):
+        """The ``vllm.lora.request.LoRARequest`` rollouts and probes use (None: the base weights alone)."""
+        return None if self._adapters is None else self._adapters.current
+
+    @property
+    def adapter_staging_dir(self) -> Optional[Path]:
+        """Where adapter versions are staged for vLLM (empty between syncs); None without adapter sync."""
+        return None if self._adapters is None else self._adapters.staging_dir
 
     @torch.no_grad()
     def prompt_logprobs(self, tokens: List[int]) -> torch.Tensor:
@@ -293,7 +387,9 @@ class VLLMGenerator(GenerationEngine):
 
         self.wake_up()
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        (out,) = self.llm.generate([{"prompt_token_ids": list(tokens)}], params, use_tqdm=False)
+        (out,) = self.llm.generate(
+            [{"prompt_token_ids": list(tokens)}], params, use_tqdm=False, lora_request=self.lora_request
+        )
         # Position 0 has no prediction (None); position t holds a dict with at least tokens[t].
         values = [out.prompt_logprobs[t][tok].logprob for t, tok in enumerate(tokens) if t > 0]
         return torch.tensor(values, dtype=torch.float64)
@@ -362,7 +458,8 @@ class VLLMGenerator(GenerationEngine):
             for seed in self._seeds(len(prompts), generator)
         ]
         outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
+            lora_request=self.lora_request,
         )
         self.sleep()
         return _to_rollout(prompts, outputs, group_size, set(stop))

@@ -166,7 +166,14 @@ class WeightSyncCheck:
         """
         return math.inf if math.isnan(diff) else diff
 
-    def verify(self, diff: float, *, step: int) -> None:
+    def verify(
+        self,
+        diff: float,
+        *,
+        step: int,
+        trainer_dtype: Optional[torch.dtype] = None,
+        engine_dtype: Optional[torch.dtype] = None,
+    ) -> None:
         """Raise :class:`WeightSyncError` when ``diff`` (from :meth:`measure`) exceeds the tolerance.
 
         Under several processes the recipe passes the largest difference over all ranks (of
@@ -176,6 +183,10 @@ class WeightSyncCheck:
         Args:
             diff (float): the largest probe log-probability difference.
             step (int): the trainer's step (optimizer steps taken so far), for the message.
+            trainer_dtype (Optional[torch.dtype]): what the trainer computes in. Default is None (unknown).
+            engine_dtype (Optional[torch.dtype]): what the engine computes in. Default is None (unknown).
+                When both are known and differ, the message blames the dtypes, not stale weights: a bf16
+                engine scoring an fp32 trainer's probe differs by up to ~0.5 with every weight in place.
 
         Raises:
             WeightSyncError: when ``diff > tolerance`` or ``diff`` is NaN or infinite.
@@ -186,11 +197,26 @@ class WeightSyncCheck:
             f"differ from the trainer's by up to {diff:.3g}" if math.isfinite(diff)
             else "are not finite (NaN or inf) on at least one rank"
         )
-        raise WeightSyncError(
+        head = (
             f"Weight sync check failed after step {step}: the generation engine's log-probabilities of the "
             f"probe sequence {what} (tolerance {self.tolerance:g}). "
-            "The engine is sampling from weights that are not the trainer's: stale (a weight sync that did "
-            "not reach the engine) or mis-converted (parameter names or layout). Its rollouts would be "
+        )
+        if trainer_dtype is not None and engine_dtype is not None and trainer_dtype != engine_dtype:
+            raise WeightSyncError(
+                head + f"The engine computes in {_dtype_name(engine_dtype)} and the trainer in "
+                f"{_dtype_name(trainer_dtype)}: the two score tokens differently even with the same weights. "
+                f"Set generation.dtype to the trainer's ({_dtype_name(trainer_dtype)}), or leave it unset (it "
+                "then follows the trainer's dtype); or, to sample in the lower precision on purpose, raise "
+                "weight_sync.tolerance to the difference you accept. See docs/vllm.md."
+            )
+        raise WeightSyncError(
+            head + "The engine is sampling from weights that are not the trainer's: stale (a weight sync that "
+            "did not reach the engine) or mis-converted (parameter names or layout). Its rollouts would be "
             "off-policy with no other sign. If this is only numerical noise (bf16, different kernels), "
             "raise weight_sync.tolerance; see docs/vllm.md."
         )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
