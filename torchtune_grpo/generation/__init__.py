@@ -5,6 +5,7 @@ from torchtune_grpo.generation._native import NativeGenerator
 from torchtune_grpo.generation._publisher import full_weights, WeightPublisher
 from torchtune_grpo.generation._output import Rollout, decode_responses
 from torchtune_grpo.generation._sampling import sample_tokens
+from torchtune_grpo.generation._transformers import TransformersGenerator
 from torchtune_grpo.generation._vllm import VLLMGenerator
 from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncCheck, WeightSyncError
 
@@ -13,6 +14,7 @@ __all__ = [
     "GenerationSession",
     "NativeGenerator",
     "Rollout",
+    "TransformersGenerator",
     "TuneToHFNames",
     "VLLMGenerator",
     "WeightPublisher",

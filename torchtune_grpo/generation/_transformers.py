@@ -1,0 +1,149 @@
+"""An engine that samples with transformers' ``generate`` from the trainer's current weights.
+
+:class:`TransformersGenerator` is the sampler TRL's GRPOTrainer uses, as an engine of this recipe: at every
+``generate`` call it copies the trainer's (gathered) weights into a Hugging Face model of the same directory
+and samples with ``model.generate`` (multinomial, temperature, top-k/top-p as configured). It serves two
+purposes: a reference sampler, to tell whether a difference in learning comes from the native engine's
+sampling or from the update (docs/benchmarks.md), and generation for architectures transformers knows and
+the native engine's KV-cache path does not.
+
+Its samples come from the trainer's weights of the moment (like the native engine, ``holds_weights`` is
+False: no weight sync, no sampling logprobs of its own). It decodes one batch with left padding and no
+prefix caching, so it is slower than the native engine; it is a reference, not the default.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torchtune_grpo.generation._engine import GenerationEngine
+from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._publisher import full_weights
+from torchtune_grpo.generation._weight_sync import TuneToHFNames
+from torchtune_grpo.models import read_hf_config
+
+__all__ = ["TransformersGenerator"]
+
+
+class TransformersGenerator(GenerationEngine):
+    """Sampling with transformers' ``generate`` from the trainer's weights (see the module docstring).
+
+    Args:
+        model (str): the Hugging Face model directory the policy was built from (its ``config.json``).
+        temperature (float): sampling temperature (> 0). Default is 1.0.
+        top_k (Optional[int]): keep the k most likely tokens; None: all. Default is None.
+        top_p (float): nucleus sampling mass; 1.0: all. Default is 1.0.
+        dtype (Optional[str]): the Hugging Face model's dtype; None: the trainer's weights' dtype. Default is None.
+    """
+
+    holds_weights = False
+
+    def __init__(
+        self, model: str, temperature: float = 1.0, top_k: Optional[int] = None, top_p: float = 1.0,
+        dtype: Optional[str] = None,
+    ) -> None:
+        if not temperature > 0:
+            raise ValueError(f"TransformersGenerator samples: temperature must be > 0, got {temperature}")
+        self.model_dir = str(model)
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.top_p = float(top_p)
+        self.dtype = dtype
+        self._hf: Optional[nn.Module] = None
+        self._names: Optional[TuneToHFNames] = None
+
+    def check_available(self) -> None:
+        """Fail now if transformers cannot build the model of ``model``'s ``config.json``."""
+        read_hf_config(self.model_dir)
+
+    def _hf_model(self, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        if self._hf is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            config = AutoConfig.from_pretrained(self.model_dir)
+            dtype = getattr(torch, self.dtype) if self.dtype else dtype
+            self._hf = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+            self._names = TuneToHFNames(read_hf_config(self.model_dir))
+        return self._hf
+
+    @torch.no_grad()
+    def _load(self, policy: nn.Module, device: torch.device) -> nn.Module:
+        """The Hugging Face model holding the policy's current weights (every rank gathers: a collective)."""
+        hf = None
+        loaded: Dict[str, torch.Tensor] = {}
+        for name, tensor in full_weights(policy, device):
+            if hf is None:
+                hf = self._hf_model(tensor.dtype if tensor.is_floating_point() else torch.float32, device)
+            hf_name, value = self._names(name, tensor)
+            loaded[hf_name] = value
+        missing, unexpected = hf.load_state_dict(loaded, strict=False)
+        tied = {"lm_head.weight"} if getattr(hf.config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise ValueError(f"TransformersGenerator: weights do not fit {self.model_dir}: missing "
+                             f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        return hf
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: nn.Module,
+        prompts: List[List[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+        generator: Optional[torch.Generator] = None,
+        temperature: Optional[float] = None,
+    ) -> Rollout:
+        """``group_size`` sampled completions of each prompt, each cut after its first stop token.
+
+        Args:
+            model (nn.Module): the trainer's policy (torchtune; plain or FSDP2-sharded).
+            prompts (List[List[int]]): prompt token ids.
+            group_size (int): completions per prompt.
+            max_new_tokens (int): the response budget.
+            pad_id (int): the padding id.
+            stop_tokens (Sequence[int]): ids that end a completion (kept as its last token).
+            generator (Optional[torch.Generator]): seeds the sampling (transformers draws from torch's global
+                RNG: a seed drawn from ``generator`` is used inside a forked RNG, so the global stream is left
+                alone). Default is None.
+            temperature (Optional[float]): overrides the engine's; 0 is greedy. Default is None.
+
+        Returns:
+            Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]`` (no stop token within the
+            budget); no logprobs (the trainer computes them from the same weights).
+        """
+        device = next(model.parameters()).device
+        hf = self._load(model, device)
+        temp = self.temperature if temperature is None else float(temperature)
+        rows = [list(p) for p in prompts for _ in range(group_size)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+        for i, r in enumerate(rows):  # left padding: every row's last prompt token in the last column
+            ids[i, width - len(r):] = torch.tensor(r, device=device)
+            mask[i, width - len(r):] = 1
+        options: Dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, eos_token_id=list(stop_tokens), pad_token_id=pad_id,
+            do_sample=temp > 0, num_beams=1,
+        )
+        if temp > 0:
+            options.update(temperature=temp, top_k=self.top_k or 0, top_p=self.top_p)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item()) if generator is not None else None
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            out = hf.generate(input_ids=ids, attention_mask=mask, **options)
+        stops = set(int(t) for t in stop_tokens)
+        responses, truncated = [], []
+        for row in out[:, width:].tolist():
+            cut = next((j for j, t in enumerate(row) if t in stops), None)
+            responses.append(row[: cut + 1] if cut is not None else row[:max_new_tokens])
+            truncated.append(cut is None)
+        return Rollout(rows, responses, torch.tensor(truncated, dtype=torch.bool))
+
+    def close(self) -> None:
+        self._hf = None
