@@ -57,8 +57,9 @@ from torchtune_grpo.checkpointing import checkpoint_retention, model_files
 from torchtune_grpo.collectives import Collectives
 from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
 from torchtune_grpo.crash_points import crash_point
+from torchtune_grpo.diagnostics import StepDiagnostics
 from torchtune_grpo.dynamic_sampling import DynamicSampling
-from torchtune_grpo.evaluation import HeldOutEvaluation
+from torchtune_grpo.evaluation import correctness_name, HeldOutEvaluation
 from torchtune_grpo.experience import ExperienceBuilder, Reference
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
 from torchtune_grpo.loss_masks import LossMasks
@@ -235,6 +236,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         rewards = build_reward_set(cfg.reward_functions, fallback=c.reward_fallback)
         if note := check_evaluation_keys(cfg, c.validation is not None, rewards.names, c.eval_reward):
             utils.log_rank_zero(log, note)
+        correct = correctness_name(rewards.names, c.eval_reward) if c.step_diagnostics else None  # fails now
         advantage = instantiate_component(cfg, "advantage")
         kl_in_reward = c.kl_coef > 0 and c.kl_placement == "reward"
         loss_fn = instantiate_component(
@@ -327,7 +329,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
-        rollouts = RolloutProducer(  # the step's scored rollouts (torchtune_grpo/producer.py)
+        rollouts = producer = RolloutProducer(  # the step's scored rollouts (torchtune_grpo/producer.py)
             engine=self.engine, tokenizer=self.tokenizer, rewards=rewards, prompts=self.prompts,
             group_size=c.group_size, batch_size=c.batch_size, max_new_tokens=c.max_response_length,
             generator=self._generator, dynamic=dynamic, multi_turn=multi_turn,
@@ -350,13 +352,17 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
                 mask_truncated=c.mask_truncated_completions, kl_coef=c.kl_coef,
                 kl_estimator=c.kl_estimator, kl_in_reward=kl_in_reward, reference=reference,
-                update_needs_old_logprobs=update.needs_old_logprobs, all_reduce=self._dist.sum,
+                update_needs_old_logprobs=update.needs_old_logprobs or c.step_diagnostics, all_reduce=self._dist.sum,
                 all_gather=self._dist.gather_cat,
             ),
             update=update, publisher=publisher, all_reduce=self._dist.all_reduce, batch_size=c.batch_size,
             log_completions=c.log_completions, on_nonfinite=c.on_nonfinite, device=self._device,
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else 0,
         )
+        if c.step_diagnostics:  # closed-loop diagnostics (torchtune_grpo/diagnostics.py)
+            self.step.diagnostics = StepDiagnostics(
+                correct, c.eval_threshold, greedy=producer.greedy, logprobs=self.step.build_experience.logprobs
+            )
         in_flight = None
         if recipe_state is not None:
             self.global_step, self.prompts.epoch = recipe_state["step"], recipe_state["epoch"]

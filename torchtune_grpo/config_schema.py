@@ -194,6 +194,9 @@ class RecipeConfig(ConfigSchema):
     environment: Any = component("multi-turn episodes' environment ([multi_turn.md](multi_turn.md))", required=False)
     multi_turn: MultiTurnConfig = setting(factory=MultiTurnConfig, null=True,
                                           doc="multi-turn episode limits (needs `environment`)")
+    step_diagnostics: bool = setting(False, doc="log closed-loop diagnostics every step: KL before -> after on the step's "
+                                     "samples, sampled vs greedy accuracy (`eval_reward`, `eval_threshold`); "
+                                     "2 extra forwards and a greedy round per step")
     generation_workers: GenerationWorkersConfig = setting(
         factory=GenerationWorkersConfig, null=True,
         doc="asynchronous rollouts: generation on worker processes at a bounded staleness ([async.md](async.md))")

@@ -146,6 +146,15 @@ class RolloutProducer:
             generation_context=self.generation_context(), multi_turn=self.multi_turn,
         )
 
+    def greedy(self, policy: nn.Module, batch: PromptBatch) -> RolloutGroups:
+        """One greedy completion of each prompt of ``batch``, scored (diagnostics; the training RNG untouched)."""
+        policy.eval()
+        return sample_and_score(
+            policy, self.tokenizer, self.engine, batch, self.rewards, group_size=1, temperature=0.0,
+            max_new_tokens=self.max_new_tokens, generator=torch.Generator(device=self.generator.device).manual_seed(0),
+            generation_context=self.generation_context(), multi_turn=self.multi_turn,
+        )
+
     def collect(self, policy: nn.Module, batch: Optional[PromptBatch] = None) -> "tuple[RolloutGroups, int]":
         """The step's rounds: ``batch``'s (default: the next prompts), then (dynamic sampling) rounds on new
         prompts until every rank has enough informative groups or ``max_rounds`` is reached. Returns the

@@ -66,6 +66,12 @@ def declared_metrics(reduced: Mapping[Key, float]) -> Dict[str, Metric]:
         metrics["episode/generated_tokens"] = Mean(("episode", "generated_tokens"), _N)
     if ("rollout_correction", "tokens") in reduced:
         metrics.update(CORRECTION_METRICS)
+    if ("advantage_abs",) in reduced:
+        metrics["advantage/abs_mean"] = Mean(("advantage_abs",), ("trained",))
+    if ("diagnostics", "tokens") in reduced:  # step_diagnostics (torchtune_grpo/diagnostics.py)
+        metrics["diagnostics/kl_step"] = Mean(("diagnostics", "kl_sum"), ("diagnostics", "tokens"))
+        metrics["diagnostics/sampled_accuracy"] = Mean(("diagnostics", "sampled_correct"), _N)
+        metrics["diagnostics/greedy_accuracy"] = Mean(("diagnostics", "greedy_correct"), ("diagnostics", "prompts"))
     for key in reduced:
         if key[0] == "component":
             metrics[f"reward/{key[1]}/mean"] = Mean(key, _N)

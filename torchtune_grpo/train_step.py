@@ -25,6 +25,7 @@ from torch import nn
 from torchtune import utils
 from torchtune.training.lr_schedulers import get_lr
 
+from torchtune_grpo.diagnostics import advantage_sums, StepDiagnostics
 from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.experience import ExperienceBuilder
 from torchtune_grpo.metric_sums import Key, Reduce, reduce_over_ranks, StepSums
@@ -72,6 +73,7 @@ class GRPOStep:
         on_nonfinite (str): ``stop`` or ``skip`` (torchtune_grpo/nonfinite.py).
         device (torch.device): for the peak-memory metric on CUDA.
         max_staleness (int): a generation worker's bound (the staleness histogram's range). Default is 0.
+        diagnostics (Optional[StepDiagnostics]): closed-loop diagnostics (``step_diagnostics``). Default is None.
     """
 
     rollouts: Any
@@ -85,6 +87,7 @@ class GRPOStep:
     on_nonfinite: str = "stop"
     device: torch.device = torch.device("cpu")
     max_staleness: int = 0
+    diagnostics: Optional[StepDiagnostics] = None
 
     def __call__(self, policy: nn.Module, step: int, batch: Optional[PromptBatch] = None) -> StepResult:
         """Train ``policy`` on the rollouts of this step, as training step ``step + 1``.
@@ -107,8 +110,11 @@ class GRPOStep:
         crash_point("rollout", step + 1)  # test-only (torchtune_grpo/crash_points.py)
         selection = self.dynamic.select(generated, self.batch_size)
         trained = generated.select(selection.indices)
+        diagnosed = self.diagnostics.before_update(policy, generated) if self.diagnostics is not None else None
         exp, kl_penalty = self.build_experience(policy, trained)
         stats = self.update(exp, step=step)
+        if diagnosed is not None:
+            diagnosed.merge(self.diagnostics.after_update(policy, exp, exp.old_logprobs))
         crash_point("update", step + 1)
         # The engine (vLLM) samples the next step from the weights just updated.
         sync = self.publisher.publish(policy, step=step + 1) if self.publisher is not None else None
@@ -118,6 +124,9 @@ class GRPOStep:
         zero_std = self.dynamic.informative(generated).logical_not()
         local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
         local.add(("nonfinite_weights",), count_nonfinite(trained_parameters(policy)))  # this rank's shards
+        local.merge(advantage_sums(exp.advantages))
+        if diagnosed is not None:
+            local.merge(diagnosed)
         if generated.weight_versions is not None:
             local.merge(staleness_sums(generated.weight_versions, step, self.max_staleness))
         reduced = reduce_over_ranks(local, self.all_reduce)
