@@ -1,0 +1,27 @@
+"""Tasks and environments from the ecosystem: reasoning-gym, OpenEnv and verifiers (docs/environments.md).
+
+Each adapter is a YAML ``_component_`` of the kind the recipe already builds (a prompt dataset, a reward, a
+multi-turn environment), and each library is an optional extra imported only when its adapter is used:
+``pip install "torchtune-grpo[reasoning-gym]"`` (or ``[openenv]``, ``[verifiers]``); a missing one raises
+:class:`MissingExtraError` naming the extra.
+"""
+
+from torchtune_grpo.envs._extras import EXTRAS, MissingExtraError, require
+from torchtune_grpo.envs._reasoning_gym import (
+    ReasoningGymReward,
+    TaskSpec,
+    parse_tasks,
+    reasoning_gym_dataset,
+    reasoning_gym_rows,
+)
+
+__all__ = [
+    "EXTRAS",
+    "MissingExtraError",
+    "ReasoningGymReward",
+    "TaskSpec",
+    "parse_tasks",
+    "reasoning_gym_dataset",
+    "reasoning_gym_rows",
+    "require",
+]
