@@ -6,7 +6,9 @@ multi-turn environment), and each library is an optional extra imported only whe
 :class:`MissingExtraError` naming the extra.
 """
 
+from torchtune_grpo.envs._episode_reward import EpisodeInfoReward
 from torchtune_grpo.envs._extras import EXTRAS, MissingExtraError, require
+from torchtune_grpo.envs._openenv import OpenEnvEnvironment, local_server, openenv_dataset
 from torchtune_grpo.envs._reasoning_gym import (
     ReasoningGymReward,
     TaskSpec,
@@ -17,9 +19,13 @@ from torchtune_grpo.envs._reasoning_gym import (
 
 __all__ = [
     "EXTRAS",
+    "EpisodeInfoReward",
     "MissingExtraError",
+    "OpenEnvEnvironment",
     "ReasoningGymReward",
     "TaskSpec",
+    "local_server",
+    "openenv_dataset",
     "parse_tasks",
     "reasoning_gym_dataset",
     "reasoning_gym_rows",
