@@ -24,13 +24,21 @@ def extras_root() -> Path:
     return Path(os.environ.get("TORCHTUNE_GRPO_EXTRAS") or REPO / ".venv" / "extras")
 
 
+# verifiers pins older versions of packages the venv has (openai < 3): its folder goes first on sys.path, as
+# PYTHONPATH puts it first in the processes a test starts. The others only hold what the venv lacks.
+FIRST = {"verifiers"}
+
+
 def add_to_path(name: str) -> bool:
-    """Puts the extra's folder on ``sys.path`` and ``PYTHONPATH`` (after what is there) if it exists."""
+    """Puts the extra's folder on ``sys.path`` and ``PYTHONPATH`` if it exists."""
     folder = extras_root() / name
     if not folder.is_dir():
         return False
     if str(folder) not in sys.path:
-        sys.path.append(str(folder))  # appended: the venv's own packages win over any copy in the folder
+        if name in FIRST:
+            sys.path.insert(0, str(folder))
+        else:
+            sys.path.append(str(folder))  # after the venv's own packages
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(folder) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join(paths + [str(folder)])

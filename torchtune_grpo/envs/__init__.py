@@ -9,6 +9,14 @@ multi-turn environment), and each library is an optional extra imported only whe
 from torchtune_grpo.envs._episode_reward import EpisodeInfoReward
 from torchtune_grpo.envs._extras import EXTRAS, MissingExtraError, require
 from torchtune_grpo.envs._openenv import OpenEnvEnvironment, local_server, openenv_dataset
+from torchtune_grpo.envs._verifiers import (
+    UNSUPPORTED as UNSUPPORTED_VERIFIERS_FEATURES,
+    UnsupportedVerifiersFeature,
+    VerifiersEnvironment,
+    VerifiersReward,
+    load_taskset,
+    verifiers_dataset,
+)
 from torchtune_grpo.envs._reasoning_gym import (
     ReasoningGymReward,
     TaskSpec,
@@ -24,10 +32,16 @@ __all__ = [
     "OpenEnvEnvironment",
     "ReasoningGymReward",
     "TaskSpec",
+    "UNSUPPORTED_VERIFIERS_FEATURES",
+    "UnsupportedVerifiersFeature",
+    "VerifiersEnvironment",
+    "VerifiersReward",
+    "load_taskset",
     "local_server",
     "openenv_dataset",
     "parse_tasks",
     "reasoning_gym_dataset",
     "reasoning_gym_rows",
     "require",
+    "verifiers_dataset",
 ]
