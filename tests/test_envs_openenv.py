@@ -17,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tests.extras import use_extra
+from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
 
 use_extra("openenv")
@@ -71,7 +71,7 @@ app = create_app(Faulty, Act, Obs, env_name="faulty", max_concurrent_envs=64)
 def faulty_app(tmp_path, monkeypatch):
     (tmp_path / "faulty_env.py").write_text(FAULTY_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))  # local_server passes sys.path to the server process
-    app = f"faulty_env:app"
+    app = "faulty_env:app"
     yield app
     proc = _openenv._servers.pop(app, None)
     if proc is not None and proc.poll() is None:
@@ -161,7 +161,8 @@ def test_exactly_one_server_address():
         OpenEnvEnvironment(base_url="http://127.0.0.1:1", app="x:app")
 
 
-def test_tiny_config_trains_against_the_bundled_server(tmp_path: Path):
+def test_tiny_config_trains_against_the_bundled_server(tmp_path: Path, monkeypatch):
+    extra_pythonpath(monkeypatch, "openenv")
     cfg = OmegaConf.load(REPO / "configs" / "tiny" / "openenv_cpu.yaml")
     cfg.output_dir = str(tmp_path / "out")
     cfg.max_steps, cfg.save_every_n_steps = 2, 2

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tests.extras import use_extra
+from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
 from torchtune_grpo.rewards import RewardBatch, RewardSample, build_reward_set
 
@@ -102,7 +102,8 @@ def test_bad_task_mixes_are_refused_by_name(tasks, message):
         reasoning_gym_rows(tasks, num_samples=4, validation_size=0)
 
 
-def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path):
+def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch):
+    extra_pythonpath(monkeypatch, "reasoning-gym")
     cfg = OmegaConf.load(CONFIG)
     cfg.output_dir = str(tmp_path / "out")
     cfg.max_steps, cfg.save_every_n_steps = 2, 2

@@ -14,7 +14,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.conftest import TINY_CONFIG
-from tests.extras import use_extra
+from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
 
 use_extra("verifiers")
@@ -230,7 +230,7 @@ def _config(tmp_path: Path, multi_turn: bool) -> Path:
 
 @pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
 def test_recipe_trains_on_a_verifiers_taskset(tasksets, tmp_path, monkeypatch, multi_turn):
-    monkeypatch.setenv("PYTHONPATH", f"{tasksets}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    extra_pythonpath(monkeypatch, "verifiers", str(tasksets))
     run_tune(_config(tmp_path, multi_turn), cwd=tmp_path)
     steps = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
