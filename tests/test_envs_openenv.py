@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests._env_runs import check_resume_equals_uninterrupted, check_two_processes
 from tests.conftest import REPO
 from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
@@ -174,3 +175,13 @@ def test_tiny_config_trains_against_the_bundled_server(tmp_path: Path, monkeypat
     for r in steps:
         assert r["reward/environment/errors"] == 0 and r["episode/turns"] >= 1
         assert "reward/correctness/mean" in r
+
+
+@pytest.mark.slow
+def test_resume_and_two_processes(tmp_path: Path, monkeypatch):
+    # every process starts its own server for the app; a resumed run resets its episodes with the same seeds
+    extra_pythonpath(monkeypatch, "openenv")
+    cfg = OmegaConf.load(REPO / "configs" / "tiny" / "openenv_cpu.yaml")
+    check_resume_equals_uninterrupted(cfg, tmp_path)
+    steps = check_two_processes(cfg, tmp_path)
+    assert all(m["reward/environment/errors"] == 0 for m in steps)

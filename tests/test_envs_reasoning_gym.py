@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests._env_runs import check_resume_equals_uninterrupted, check_two_processes
 from tests.conftest import REPO
 from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
@@ -121,3 +122,13 @@ def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch):
     evals = [r for r in rows if "eval/accuracy" in r]
     assert len(evals) >= 2  # step 0 and the end
     assert (tmp_path / "out" / "step_2").is_dir()
+
+
+@pytest.mark.slow
+def test_resume_and_two_processes(tmp_path: Path, monkeypatch):
+    extra_pythonpath(monkeypatch, "reasoning-gym")
+    cfg = OmegaConf.load(CONFIG)
+    cfg.validation = None  # evaluation is covered above; here the training data's order and rewards
+    check_resume_equals_uninterrupted(cfg, tmp_path)
+    steps = check_two_processes(cfg, tmp_path)
+    assert all(f"reward_by_group/{g}/mean" in m for m in steps for g in ("sum2", "sum3", "basic_arithmetic"))

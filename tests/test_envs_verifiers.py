@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from tests._env_runs import check_resume_equals_uninterrupted, check_two_processes
 from tests.conftest import TINY_CONFIG
 from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
@@ -237,3 +238,12 @@ def test_recipe_trains_on_a_verifiers_taskset(tasksets, tmp_path, monkeypatch, m
     assert all("reward/correctness/mean" in r and r["reward/correctness/errors"] == 0 for r in steps)
     if multi_turn:
         assert all(r["reward/environment/errors"] == 0 and r["episode/turns"] >= 1 for r in steps)
+
+
+@pytest.mark.slow
+def test_resume_and_two_processes(tasksets, tmp_path: Path, monkeypatch):
+    extra_pythonpath(monkeypatch, "verifiers", str(tasksets))
+    cfg = OmegaConf.load(_config(tmp_path, multi_turn=True))
+    check_resume_equals_uninterrupted(cfg, tmp_path)
+    steps = check_two_processes(cfg, tmp_path)
+    assert all(m["reward/environment/errors"] == 0 for m in steps)
