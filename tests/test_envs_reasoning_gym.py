@@ -7,7 +7,6 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from tests._env_runs import check_resume_equals_uninterrupted, check_two_processes
@@ -20,7 +19,7 @@ use_extra("reasoning-gym")
 
 import reasoning_gym  # noqa: E402 - after its folder is on the path
 
-from torchtune_grpo.envs import ReasoningGymReward, parse_tasks, reasoning_gym_dataset, reasoning_gym_rows  # noqa: E402
+from torchtune_grpo.envs import ReasoningGymReward, reasoning_gym_dataset, reasoning_gym_rows  # noqa: E402
 
 CONFIG = REPO / "configs" / "tiny" / "reasoning_gym_cpu.yaml"
 MIX = [

@@ -13,7 +13,8 @@ Here, through OpenEnv's own client (``openenv.core.GenericEnvClient``, observati
   ``env_reward`` (scored by :class:`~torchtune_grpo.envs.EpisodeInfoReward`); ``done`` ends the episode.
 - Either names the server by ``base_url`` or by ``app`` (``module:attribute`` of an OpenEnv app, such as the
   bundled :mod:`torchtune_grpo.envs.openenv_arithmetic`): then each process starts one uvicorn server for it on a
-  free local port, shared by every component that names the same app, and stops it at exit.
+  free local port, shared by every component that names the same app, starts it again when a new episode finds
+  it dead, and stops it at exit.
 
 Failures never end the run: a time-out, a server that closed the session or died, a server error or an
 observation without the expected text raises inside the environment call, which the rollout turns into an
@@ -213,6 +214,7 @@ class OpenEnvEnvironment:
     ) -> None:
         self._client_cls = require("openenv", "torchtune_grpo.envs.OpenEnvEnvironment").GenericEnvClient
         self.base_url = _server_url(base_url, app, "environment")
+        self.app = app
         self.action_key, self.observation_key, self.seed_key = action_key, observation_key, seed_key
         self.check_reset = check_reset
         self.connect_timeout, self.message_timeout = float(connect_timeout), float(message_timeout)
@@ -253,6 +255,8 @@ class OpenEnvEnvironment:
         self._close_leftovers()
         session = next(self._ids)
         try:
+            if self.app is not None:  # a server this process runs: started again if it died
+                self.base_url = local_server(self.app)
             client = self._client_cls(base_url=self.base_url, connect_timeout_s=self.connect_timeout,
                                       message_timeout_s=self.message_timeout)
             with self._lock:
