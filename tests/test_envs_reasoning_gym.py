@@ -76,9 +76,13 @@ def test_reward_is_the_tasks_own_scorer():
     batch = RewardBatch([""] * len(rows), completions, [[]] * len(rows), rows)
     assert reward(batch) == expected
     assert sum(expected) == pytest.approx(len(rows) - 20)  # the right ones score 1, the wrong ones 0
-    # no <answer> block: no answer; answer_tag=None scores the whole completion
+    # no <answer> block: no answer; extract=None scores the whole completion, last_number the prose's last number
     assert reward.score_one(RewardSample("", rows[1]["answer"], [], rows[1])) == 0.0
-    assert ReasoningGymReward(answer_tag=None).score_one(RewardSample("", f" {rows[1]['answer']}\n", [], rows[1])) == 1.0
+    assert ReasoningGymReward(extract=None).score_one(RewardSample("", f" {rows[1]['answer']}\n", [], rows[1])) == 1.0
+    prose = f"The final answer is {rows[1]['answer']}."
+    assert ReasoningGymReward(extract="last_number").score_one(RewardSample("", prose, [], rows[1])) == 1.0
+    with pytest.raises(ValueError, match="extract must be one of"):
+        ReasoningGymReward(extract="first_word")
 
 
 def test_reward_on_a_foreign_row_fails_that_sample_only():

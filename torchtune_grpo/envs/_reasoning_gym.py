@@ -8,7 +8,8 @@ partial credit included for some tasks). Nothing is downloaded.
   task may appear several times with different difficulty settings), formats them with the project's prompt
   styles and keeps everything the scorer needs in the row (``rg_entry``, ``rg_source``, ``rg_config``).
 - :class:`ReasoningGymReward` extracts the answer (``<answer>...</answer>`` by default, reasoning-gym's own
-  extraction) and calls the task's ``score_answer`` on it: no re-implementation of any scorer.
+  extraction; or the last number, for models that answer in prose) and calls the task's ``score_answer`` on it:
+  no re-implementation of any scorer.
 
 Splits: ``"validation"`` draws from a seed stream of its own, and ``"train"`` drops every problem whose question
 is one of the validation split's (same ``seed`` and ``validation_size``), so held-out accuracy is measured on
@@ -23,6 +24,7 @@ import logging
 import random
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
+from torchtune_grpo.answers import EXTRACT_MODES, extract_answer
 from torchtune_grpo.data import PromptDataset
 from torchtune_grpo.envs._extras import require
 from torchtune_grpo.rewards import Reward, RewardSample
@@ -257,24 +259,29 @@ class ReasoningGymReward(Reward):
     works for any mix of tasks and for multi-turn episodes (it scores the final answer).
 
     Args:
-        answer_tag (Optional[str]): the answer is the text of the last ``<answer_tag>...</answer_tag>`` block
-            (reasoning-gym's ``extract_answer``); no block scores as no answer. None scores the whole completion,
-            stripped. Default is ``"answer"``.
+        extract (Optional[str]): what the scorer sees: ``"answer_tag"``, the text of the last
+            ``<answer_tag>...</answer_tag>`` block (reasoning-gym's own ``extract_answer``; no block is no answer);
+            ``"last_number"`` or ``"boxed"`` (:func:`torchtune_grpo.answers.extract_answer`, for models that answer
+            in prose); None, the whole completion, stripped. Default is ``"answer_tag"``.
+        answer_tag (str): the tag of ``extract="answer_tag"``. Default is ``"answer"``.
         name (str): the component's name (metrics ``reward/<name>/mean``; the ``eval_reward`` of held-out
             accuracy). Default is ``"reasoning_gym"``.
 
     Raises:
-        ValueError: (per sample, so that sample gets the fallback) when a row lacks the ``rg_*`` columns.
+        ValueError: for an unknown ``extract``; (per sample, so that sample gets the fallback) when a row lacks
+            the ``rg_*`` columns.
     """
 
     name = "reasoning_gym"
 
-    def __init__(self, answer_tag: Optional[str] = "answer", name: str = "reasoning_gym") -> None:
+    def __init__(self, extract: Optional[str] = "answer_tag", answer_tag: str = "answer", name: str = "reasoning_gym") -> None:
+        if extract not in (None, *EXTRACT_MODES):
+            raise ValueError(f"ReasoningGymReward extract must be one of {EXTRACT_MODES} or null, got {extract!r}")
         self._rg = require("reasoning-gym", "torchtune_grpo.envs.ReasoningGymReward")
         from reasoning_gym.utils import extract_answer  # public module of the installed package
 
-        self._extract = extract_answer
-        self.answer_tag = answer_tag
+        self._extract_tag = extract_answer
+        self.extract, self.answer_tag = extract, answer_tag
         self.name = name
         self._scorers: Dict[str, Any] = {}
 
@@ -287,10 +294,12 @@ class ReasoningGymReward(Reward):
         return self._scorers[key]
 
     def answer(self, completion: str) -> Optional[str]:
-        """The answer the scorer sees: the tagged block's text, or the stripped completion (``answer_tag=None``)."""
-        if self.answer_tag is None:
+        """The answer the scorer sees (see ``extract``); None when there is none."""
+        if self.extract is None:
             return completion.strip()
-        return self._extract(completion, tag_name=self.answer_tag)
+        if self.extract == "answer_tag":
+            return self._extract_tag(completion, tag_name=self.answer_tag)
+        return extract_answer(completion, self.extract)
 
     def score_one(self, sample: RewardSample) -> float:
         missing = [k for k in ("rg_source", "rg_entry") if k not in sample.fields]
