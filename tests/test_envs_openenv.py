@@ -7,6 +7,9 @@ run. Needs the openenv extra (tests/extras.py: CI installs it; a missing extra f
 """
 
 import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -121,6 +124,35 @@ def test_server_death_mid_episode_is_a_counted_failure_then_restart(faulty_app):
     again = start_episodes(env, [{"seed": 1}], timeout=60)
     assert again[0].error == "" and env.base_url != first_url
     assert step_episodes(env, [again[0].value], [_say("fine")], timeout=30)[0].value.done
+
+
+def test_server_ends_with_a_process_that_exits_without_cleanup(faulty_app, tmp_path):
+    # the recipe's workers end with os._exit, which runs no atexit handler: the server must still go
+    script = (
+        "import os, sys\n"
+        "from torchtune_grpo.envs import _openenv\n"
+        f"_openenv.local_server({faulty_app!r})\n"
+        f"print(_openenv._servers[{faulty_app!r}].pid, flush=True)\n"
+        "os._exit(0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    pid = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.2)
+    assert not _alive(pid), f"the OpenEnv server {pid} outlived its process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie (exited, not yet reaped by init) counts as gone
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_reset_must_reproduce_the_prompt(faulty_app):

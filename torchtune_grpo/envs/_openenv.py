@@ -89,6 +89,25 @@ _urls: Dict[str, str] = {}
 _servers_lock = threading.Lock()
 
 
+# The server process: uvicorn, plus a watcher that ends it once its parent is gone. atexit alone is not enough:
+# the recipe's worker processes end with os._exit (docs/distributed.md), which runs no exit handler, and a
+# parent killed by a signal runs none either.
+_SERVE = """
+import os, sys, threading, time
+import uvicorn
+
+parent = os.getppid()
+
+def watch():
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+threading.Thread(target=watch, daemon=True).start()
+uvicorn.run(sys.argv[1], host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,6 +130,8 @@ atexit.register(_stop_servers)
 def local_server(app: str, startup_timeout: float = 60.0) -> str:
     """The URL of this process's server for ``app``, started on first use (uvicorn on a free local port).
 
+    The server ends with this process (at exit, or within a second of its death, however it died).
+
     Args:
         app (str): the OpenEnv app as uvicorn names it, ``module:attribute``
             (``torchtune_grpo.envs.openenv_arithmetic:app``); the module must import in a fresh interpreter
@@ -129,7 +150,7 @@ def local_server(app: str, startup_timeout: float = 60.0) -> str:
             return _urls[app]
         port = _free_port()
         logfile = tempfile.NamedTemporaryFile(prefix="openenv-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+        cmd = [sys.executable, "-c", _SERVE, app, str(port)]
         proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_timeout
@@ -138,7 +159,7 @@ def local_server(app: str, startup_timeout: float = 60.0) -> str:
                 proc.kill()
                 with open(logfile.name, errors="replace") as f:
                     tail = f.read()[-3000:]
-                raise RuntimeError(f"the OpenEnv server for app {app!r} ({' '.join(cmd)}) did not start:\n{tail}")
+                raise RuntimeError(f"the OpenEnv server for app {app!r} (uvicorn on port {port}) did not start:\n{tail}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                     if response.status == 200:
