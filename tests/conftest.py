@@ -32,6 +32,17 @@ def load_benchmark(name: str, module_name: Optional[str] = None) -> ModuleType:
 TINY_CONFIG = REPO / "configs" / "tiny" / "full_grpo_cpu.yaml"
 
 
+def _reasoning_gym_on_path() -> None:
+    # Shipped configs use reasoning-gym components (tests/test_configs.py builds their rewards) and it
+    # conflicts with nothing, so its extra's folder is on every test's path (tests/extras.py).
+    from tests.extras import add_to_path
+
+    add_to_path("reasoning-gym")
+
+
+_reasoning_gym_on_path()
+
+
 def make_tiny_decoder(seed: int = 0, vocab_size: int = 97, scale: float = 4.0):
     """A 2-layer Qwen2-shaped decoder with weights scaled up so greedy outputs vary by prompt."""
     torch.manual_seed(seed)

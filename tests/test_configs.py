@@ -218,7 +218,12 @@ def test_real_config(name: str, tmp_path: Path):
         assert len(ours) == len(hf_params)
 
 
-MULTI_TURN_CONFIGS = [_name(p) for p in ALL_CONFIGS if "environment" in OmegaConf.load(p)]
+# Configs of the ecosystem adapters (torchtune_grpo.envs: an OpenEnv server...) build and train in their own
+# tests (tests/test_envs_*.py): building their environment starts a server.
+MULTI_TURN_CONFIGS = [
+    _name(p) for p in ALL_CONFIGS
+    if "environment" in (cfg := OmegaConf.load(p)) and not cfg.environment._component_.startswith("torchtune_grpo.envs.")
+]
 
 
 def test_multi_turn_configs_found():

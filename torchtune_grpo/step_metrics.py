@@ -73,7 +73,11 @@ def declared_metrics(reduced: Mapping[Key, float]) -> Dict[str, Metric]:
         metrics["diagnostics/sampled_accuracy"] = Mean(("diagnostics", "sampled_correct"), _N)
         metrics["diagnostics/greedy_accuracy"] = Mean(("diagnostics", "greedy_correct"), ("diagnostics", "prompts"))
     for key in reduced:
-        if key[0] == "component":
+        if key[0] == "group" and key[2] != "completions":
+            # a dataset's metric groups (reasoning-gym tasks...): means over that group's completions only
+            name = "mean" if key[2] == "reward" else f"{key[3]}/mean"
+            metrics[f"reward_by_group/{key[1]}/{name}"] = Mean(key, ("group", key[1], "completions"))
+        elif key[0] == "component":
             metrics[f"reward/{key[1]}/mean"] = Mean(key, _N)
         elif key[0] == "errors":
             metrics[f"reward/{key[1]}/errors"] = Value(key)
@@ -126,9 +130,27 @@ def rollout_sums(generated: RolloutGroups, zero_std: torch.Tensor, selection: Gr
         sums.add(("episode", "generated_tokens"), lengths.sum().item() - sums[("episode", "injected_tokens")])
     for name, values in generated.per_component.items():
         sums.add(("component", name), values.double().sum().item())
+    _add_group_sums(sums, generated, total)
     for name, count in generated.errors.items():
         sums.add(("errors", name), count)
     return sums
+
+
+def _add_group_sums(sums: StepSums, generated: RolloutGroups, total: torch.Tensor) -> None:
+    """Per-group reward sums of datasets whose rows name a ``metric_group`` (e.g. the task of a reasoning-gym
+    mix) and list every group in ``metric_groups``: every group of that list gets its keys, 0 when no row of
+    it was generated here, so all ranks reduce the same keys whatever their prompts were."""
+    declared = {g for f in generated.fields for g in (f.get("metric_groups") or ())}
+    if not declared:
+        return
+    G = generated.group_size
+    for g in sorted(declared):
+        rows = [i for i, f in enumerate(generated.fields) if f.get("metric_group") == g]
+        idx = torch.tensor([r * G + j for r in rows for j in range(G)], dtype=torch.long)
+        sums.add(("group", g, "completions"), idx.numel())
+        sums.add(("group", g, "reward"), total[idx].sum().item() if idx.numel() else 0.0)
+        for name, values in generated.per_component.items():
+            sums.add(("group", g, "component", name), values.double()[idx].sum().item() if idx.numel() else 0.0)
 
 
 def step_metrics(reduced: Mapping[Key, float]) -> Dict[str, float]:
