@@ -23,7 +23,7 @@ from tests.recipe_utils import read_jsonl, run_tune
 
 use_extra("openenv")
 
-from torchtune_grpo.envs import EpisodeInfoReward, OpenEnvEnvironment, local_server, openenv_dataset  # noqa: E402
+from torchtune_grpo.envs import EpisodeInfoReward, OpenEnvEnvironment, openenv_dataset  # noqa: E402
 from torchtune_grpo.envs import _openenv  # noqa: E402 - its server registry, to stop a server on purpose
 from torchtune_grpo.multiturn import start_episodes, step_episodes  # noqa: E402
 from torchtune_grpo.rewards import RewardSample  # noqa: E402
