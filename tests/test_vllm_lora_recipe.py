@@ -97,10 +97,12 @@ def test_qlora_on_two_processes_with_multi_turn_episodes(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_lora_merge_sync_on_two_processes(tmp_path: Path):
-    # lora_sync: merge: every sync sends every weight with the adapter merged (fp32), gathered from the FSDP2
-    # shards on both ranks; the checks pass and the card says what is sent.
-    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"generation.lora_sync": "merge"})
+@pytest.mark.parametrize("lora_sync", ["merge", "adapter"])
+def test_lora_sync_on_two_processes(tmp_path: Path, lora_sync: str):
+    # merge: every sync sends every weight with the adapter merged (fp32), gathered from the FSDP2 shards on
+    # both ranks; adapter: the base once, then each rank's engine gets the adapter alone. The checks pass and
+    # the card says what is sent.
+    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"generation.lora_sync": lora_sync})
     output = run_tune(config, nproc=2, cwd=tmp_path, recipe=RECIPE)
     assert "2 rank(s)" in output
     rows = _rows(tmp_path)
@@ -110,9 +112,26 @@ def test_lora_merge_sync_on_two_processes(tmp_path: Path):
     for r in rows:
         assert r["generation/sync_logprob_diff"] < 1e-4, r
         assert r["generation/logprob_mismatch"] < 1e-4, r
-        assert r["generation/sync_bytes"] == base_bytes, r  # every base weight (merged), no adapter
+        # merge: every base weight (merged), no adapter; adapter: the adapter alone
+        assert r["generation/sync_bytes"] == (base_bytes if lora_sync == "merge" else _adapter_bytes(config)), r
     card = (tmp_path / "out" / "algorithm_card.md").read_text()
-    assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
+    assert f"(lora_sync: {lora_sync})" in card
+    if lora_sync == "merge":
+        assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
+
+
+def test_qlora_with_vllm_on_one_process(tmp_path: Path):
+    # The engine holds the NF4 base dequantised as the trainer's forward computes it; the adapter alone follows.
+    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"model.quantize_base": True})
+    output = run_tune(config, cwd=tmp_path, recipe=RECIPE)
+    assert "with NF4 base weights (QLoRA)" in output and "Generation engine started, weights synced and checked" in output
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["generation/sync_logprob_diff"] < 1e-4, r
+        assert r["generation/logprob_mismatch"] < 1e-4, r
+        assert r["generation/sync_bytes"] == _adapter_bytes(config), r
+    assert rows[1]["grad_norm"] > 0
 
 
 class StaleAdapterGenerator(NativeGenerator):
