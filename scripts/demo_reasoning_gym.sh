@@ -17,6 +17,7 @@ MODEL="${DEMO_MODEL:-/tmp/smollm2-135m}"
 OUT="${DEMO_OUT:-/tmp/torchtune_grpo/demo_reasoning_gym_seed$SEED}"
 python "$REPO/benchmarks/smollm2.py" "$MODEL" > /dev/null   # reuses a complete directory
 rm -rf "$OUT"
+mkdir -p "$(dirname "$OUT")"
 start=$(date +%s)
 # shellcheck disable=SC2086 # DEMO_ARGS is a list of overrides
 tune run grpo_full_finetune_distributed --config "$REPO/configs/smollm2/135M_reasoning_gym_grpo.yaml" \

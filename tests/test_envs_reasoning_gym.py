@@ -106,11 +106,19 @@ def test_bad_task_mixes_are_refused_by_name(tasks, message):
         reasoning_gym_rows(tasks, num_samples=4, validation_size=0)
 
 
-def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch, engine: str):
+    # The adapters are a dataset and a reward: any engine samples for them (vLLM: its own weights, synced).
     extra_pythonpath(monkeypatch, "reasoning-gym")
     cfg = OmegaConf.load(CONFIG)
     cfg.output_dir = str(tmp_path / "out")
     cfg.max_steps, cfg.save_every_n_steps = 2, 2
+    if engine == "vllm":
+        cfg.generation = {
+            "_component_": "torchtune_grpo.generation.VLLMGenerator", "model": "${checkpointer.checkpoint_dir}",
+            "temperature": 1.0, "max_model_len": cfg.max_prompt_length + cfg.max_response_length,
+            "kv_cache_memory_gib": 0.25,
+        }
     path = tmp_path / "config.yaml"
     OmegaConf.save(cfg, path)
     run_tune(path, cwd=tmp_path)
@@ -122,6 +130,8 @@ def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch):
         for label in ("sum2", "sum3", "basic_arithmetic"):
             assert f"reward_by_group/{label}/mean" in r and f"reward_by_group/{label}/reasoning_gym/mean" in r
         assert "reward/reasoning_gym/mean" in r
+        if engine == "vllm":
+            assert r["generation/sync_logprob_diff"] < 1e-3 and r["generation/logprob_mismatch"] < 1e-3, r
     evals = [r for r in rows if "eval/accuracy" in r]
     assert len(evals) >= 2  # step 0 and the end
     assert (tmp_path / "out" / "step_2").is_dir()
