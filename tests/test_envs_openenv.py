@@ -192,11 +192,17 @@ def test_exactly_one_server_address():
         OpenEnvEnvironment(base_url="http://127.0.0.1:1", app="x:app")
 
 
-def test_tiny_config_trains_against_the_bundled_server(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("engine", ["native", "vllm"])
+def test_tiny_config_trains_against_the_bundled_server(tmp_path: Path, monkeypatch, engine: str):
+    # Episodes go through the project's rollout, so any engine samples them (vLLM: re-sent histories).
     extra_pythonpath(monkeypatch, "openenv")
     cfg = OmegaConf.load(REPO / "configs" / "tiny" / "openenv_cpu.yaml")
     cfg.output_dir = str(tmp_path / "out")
     cfg.max_steps, cfg.save_every_n_steps = 2, 2
+    if engine == "vllm":
+        cfg.generation = {"_component_": "torchtune_grpo.generation.VLLMGenerator", "model": "${checkpointer.checkpoint_dir}", "temperature": 1.0,
+            "max_model_len": cfg.max_prompt_length + cfg.max_response_length, "kv_cache_memory_gib": 0.25}
+
     path = tmp_path / "config.yaml"
     OmegaConf.save(cfg, path)
     run_tune(path, cwd=tmp_path)

@@ -211,8 +211,12 @@ def test_unknown_taskset_is_verifiers_own_error(tasksets):
         load_taskset("tt_vf_nothing")
 
 
-def _config(tmp_path: Path, multi_turn: bool) -> Path:
+def _config(tmp_path: Path, multi_turn: bool, engine: str = "native") -> Path:
     cfg = OmegaConf.load(TINY_CONFIG)
+    if engine == "vllm":  # the episodes go through the project's rollout: any engine samples them
+        cfg.generation = {"_component_": "torchtune_grpo.generation.VLLMGenerator",
+                          "model": "${checkpointer.checkpoint_dir}", "temperature": 1.0, "max_model_len": 256,
+                          "kv_cache_memory_gib": 0.25}
     cfg.output_dir = str(tmp_path / "out")
     cfg.max_steps, cfg.save_every_n_steps = 2, 2
     cfg.max_response_length = 32
@@ -229,10 +233,11 @@ def _config(tmp_path: Path, multi_turn: bool) -> Path:
     return path
 
 
-@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "multi_turn"])
-def test_recipe_trains_on_a_verifiers_taskset(tasksets, tmp_path, monkeypatch, multi_turn):
+@pytest.mark.parametrize("multi_turn, engine", [(False, "native"), (True, "native"), (True, "vllm")],
+                         ids=["single_turn", "multi_turn", "multi_turn_vllm"])
+def test_recipe_trains_on_a_verifiers_taskset(tasksets, tmp_path, monkeypatch, multi_turn, engine):
     extra_pythonpath(monkeypatch, "verifiers", str(tasksets))
-    run_tune(_config(tmp_path, multi_turn), cwd=tmp_path)
+    run_tune(_config(tmp_path, multi_turn, engine), cwd=tmp_path)
     steps = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert len(steps) == 2 and all(math.isfinite(r["loss"]) for r in steps)
     assert all("reward/correctness/mean" in r and r["reward/correctness/errors"] == 0 for r in steps)
