@@ -28,7 +28,7 @@ from torchtune_grpo.answers import EXTRACT_MODES, extract_answer
 from torchtune_grpo.data import PromptDataset
 from torchtune_grpo.envs._extras import require
 from torchtune_grpo.rewards import Reward, RewardSample
-from torchtune_grpo.rewards._base import to_plain
+from torchtune_grpo.rewards import to_plain
 
 __all__ = ["ReasoningGymReward", "TaskSpec", "parse_tasks", "reasoning_gym_dataset", "reasoning_gym_rows"]
 

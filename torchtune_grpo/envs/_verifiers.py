@@ -33,7 +33,7 @@ from torchtune_grpo.data import PromptDataset
 from torchtune_grpo.envs._extras import require
 from torchtune_grpo.multiturn import EnvReply, Tool, ToolEnvironment
 from torchtune_grpo.rewards import Reward, RewardSample
-from torchtune_grpo.rewards._base import to_plain
+from torchtune_grpo.rewards import to_plain
 
 __all__ = ["UNSUPPORTED", "UnsupportedVerifiersFeature", "VerifiersEnvironment", "VerifiersReward", "load_taskset", "verifiers_dataset"]
 

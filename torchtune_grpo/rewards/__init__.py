@@ -16,6 +16,7 @@ from torchtune_grpo.rewards._base import (
     RewardSet,
     build_reward_set,
     reward_name,
+    to_plain,
 )
 from torchtune_grpo.rewards._length import SoftOverlongPunishment
 from torchtune_grpo.rewards._code import CODE_EXTRACT_MODES, CodeExecutionReward, extract_code
@@ -93,6 +94,7 @@ __all__ = [
     "parse_score",
     "python_reward",
     "reward_name",
+    "to_plain",
     "rubric_fields",
     "run_python_program",
     "run_python_tests",
