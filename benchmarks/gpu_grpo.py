@@ -342,9 +342,15 @@ def measure_decode(
     run(args.new_tokens)  # warm-up: compilation, CUDA-graph capture, cache allocation
     warmup_s = time.perf_counter() - t0
     full = median([run(args.new_tokens) for _ in range(args.repeats)])
+    # A one-token run sizes its KV cache for one token: its first call allocates (and, compiled, may
+    # record a new CUDA graph), which once made the "prefill" longer than the whole generation (H200).
+    run(1)
     first = median([run(1) for _ in range(args.repeats)])
     steps = args.new_tokens - 1
-    decode_s = max(full - first, 1e-9)
+    if full <= first:
+        raise RuntimeError(f"decode time not measurable: {args.new_tokens} tokens took {full:.4f} s, "
+                           f"the prefill alone {first:.4f} s")
+    decode_s = full - first
     tps = rows * steps / decode_s
     out = {
         "rows": rows,

@@ -69,7 +69,8 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert tests["test_fsdp2_on_one_device_matches_the_plain_model"]["figures"]["fsdp2_vs_plain_max_weight_diff"] <= 1e-5
     # Every benchmark part, on the tiny stand-in of the Qwen3 shapes read from its Hugging Face directory.
     first, second = report["grpo"]
-    assert [(d["rows"], d["compiled"]) for d in first["decode"]] == [(1, True), (8, True), (1, False), (8, False)]
+    # The check's decode part is the compiled step only (eager at one row was measured once: docs/gpu.md).
+    assert [(d["rows"], d["compiled"]) for d in first["decode"]] == [(1, True), (8, True)]
     assert first["grpo"][0]["model"] == "tiny_qwen3" and first["grpo"][0]["rows"] == 16
     assert [r["model"] for r in first["recipe"] + second["recipe"]] == ["tiny_qwen3", "tiny_qwen3"]
     assert report["trl"]["rows"] == 16 and report["trl"]["median_step_s"] > 0
