@@ -65,6 +65,11 @@ SETTINGS = {
 }
 
 
+# Per-step quantities recorded beside reward/entropy/length when the recipe logs them (torchtune_grpo/diagnostics.py).
+DIAGNOSTICS = ("zero_std_fraction", "advantage/abs_mean", "diagnostics/kl_step", "diagnostics/sampled_accuracy",
+               "diagnostics/greedy_accuracy")
+
+
 # ------------------------------------------------------------------------------------------------ task
 
 
@@ -186,6 +191,9 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
             "step": step, "reward": metrics["reward/mean"], "entropy": metrics.get("entropy"),
             "response_length": metrics["response_length/mean"], "grad_norm": metrics.get("grad_norm"),
             "seconds": metrics["time/step"], "elapsed": elapsed,
+            # the closed-loop diagnostics (issue "the late learning gap"; kl_step and the accuracies need
+            # --ours-override step_diagnostics=true)
+            **{key: metrics[key] for key in DIAGNOSTICS if key in metrics},
         })
         if due(step, steps, eval_every):
             t0 = time.perf_counter()
@@ -249,7 +257,7 @@ def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: i
             if logs and "reward" in logs and records and records[-1]["step"] == state.global_step:
                 records[-1].update(reward=logs["reward"], entropy=logs.get("entropy"),
                                    response_length=logs.get("completions/mean_length"),
-                                   grad_norm=logs.get("grad_norm"))
+                                   grad_norm=logs.get("grad_norm"), zero_std_fraction=logs.get("frac_reward_zero_std"))
 
     with tempfile.TemporaryDirectory() as out:
         args = trl.GRPOConfig(
