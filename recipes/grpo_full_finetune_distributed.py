@@ -339,7 +339,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             rollouts = publisher = WorkerRollouts.from_config(
                 c, self._config_record, self.prompts, rank=self.rank, seed=self.seed, device=self._device,
                 dtype=self._placement.precision.compute_dtype, probe_prompt=dataset[0]["tokens"],
-                vocab_size=self.model.tok_embeddings.num_embeddings,
+                vocab_size=self.model.tok_embeddings.num_embeddings, dynamic=dynamic, all_reduce_sum=self._dist.sum,
             )
         self.step = GRPOStep(
             rollouts=rollouts,

@@ -2,6 +2,7 @@
 own at a bounded staleness, deterministic, resumable, and stopped with a named error when the worker dies."""
 
 import os
+import shutil
 import signal
 import subprocess
 from collections import Counter
@@ -52,11 +53,6 @@ def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
     class Engine:
         holds_weights = False
 
-    both = RecipeConfig.from_cfg(OmegaConf.load(write_config(
-        tmp_path, generation_workers=_workers(1), dynamic_sampling={"enabled": True}
-    )))
-    with pytest.raises(ValueError, match="generation_workers.enabled with dynamic_sampling.enabled is not supported"):
-        check_generation_workers(both, Engine())
     Engine.holds_weights = True
     only = RecipeConfig.from_cfg(OmegaConf.load(write_config(tmp_path, generation_workers=_workers(1))))
     with pytest.raises(ValueError, match="with Engine \\(an engine holding its own weights\\) is not supported"):
@@ -76,6 +72,51 @@ def test_staleness_0_through_a_worker_is_the_synchronous_run(tmp_path, clean_env
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
         assert b["staleness/max"] == 0 and b["generation/logprob_mismatch"] == 0.0
     assert all(torch.equal(sync_w[k], worker_w[k]) for k in sync_w)
+
+
+def _dynamic(tmp_path: Path, **overrides) -> Path:
+    # Half of the prompts get a zero-variance reward (tests/_rewards.py): dynamic sampling drops their groups
+    # and takes more batches; 24 prompts / batch 4 = 6 batches per epoch, so the extra ones roll over epochs.
+    return write_config(
+        tmp_path, vowel_reward=False, reward_functions=[{"_component_": "tests._rewards.HalfPromptsVowelReward"}],
+        dynamic_sampling={"enabled": True, "max_rounds": 3}, **{"dataset.num_samples": 24}, **overrides,
+    )
+
+
+def test_dynamic_sampling_through_a_worker_at_staleness_0_is_the_synchronous_run(tmp_path, clean_env, one_thread):
+    # The extra batches are requested when needed, with the current weights, in the stream's order: the
+    # synchronous recipe's rounds, number for number.
+    runs = {}
+    for name, extra in (("sync", {}), ("worker", {"generation_workers": _workers(0)})):
+        (tmp_path / name).mkdir()
+        run_in_process(_dynamic(tmp_path / name, max_steps=3, save_every_n_steps=None, **extra))
+        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_3"))
+    (sync, sync_w), (worker, worker_w) = runs["sync"], runs["worker"]
+    assert sum(m["dynamic_sampling/rounds"] for m in sync) > len(sync)  # extra rounds ran
+    keys = COMPARED + ("dynamic_sampling/rounds", "dynamic_sampling/groups_dropped")
+    assert [{k: m[k] for k in keys} for m in worker] == [{k: m[k] for k in keys} for m in sync]
+    assert all(m["staleness/max"] == 0 for m in worker)
+    assert all(torch.equal(sync_w[k], worker_w[k]) for k in sync_w)
+
+
+def test_dynamic_sampling_one_step_off_stays_bounded_and_resumes_exactly(tmp_path, clean_env, one_thread):
+    # Extra batches come from the prefetch first; the pipeline is refilled with the new weights after the
+    # update. A checkpoint keeps how many batches were taken, so a resume continues the same stream.
+    cfg = _dynamic(tmp_path, max_steps=4, save_every_n_steps=2, generation_workers=_workers(1))
+    run_in_process(cfg)
+    out = tmp_path / "out"
+    first = _metrics(out)
+    assert sum(m["dynamic_sampling/rounds"] for m in first) > len(first)
+    assert all(m["staleness/max"] <= 1 for m in first) and any(m["staleness/max"] == 1 for m in first)
+    uninterrupted = weights(out / "step_4")
+    shutil.rmtree(out / "step_4")  # resume from step 2's checkpoint, its batches in flight restored
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:2]))
+    os.environ.pop("MASTER_PORT", None)
+    run_in_process(with_overrides(cfg, resume_from_checkpoint=True))
+    keys = COMPARED + ("dynamic_sampling/rounds", "staleness/max")
+    assert [{k: m[k] for k in keys} for m in _metrics(out)] == [{k: m[k] for k in keys} for m in first]
+    resumed = weights(out / "step_4")
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 
 
 def _prompts_by_step(out: Path):

@@ -199,19 +199,14 @@ def check_generation_workers(config: Any, engine: Any) -> None:
     """Refuse, naming the key, what generation workers do not support yet (before any process group).
 
     Args:
-        config (Any): the typed config (``generation_workers``, ``dynamic_sampling``).
+        config (Any): the typed config (``generation_workers``).
         engine (Any): the configured generation engine.
 
     Raises:
-        ValueError: for dynamic sampling or an engine that holds its own weights, with workers on.
+        ValueError: for an engine that holds its own weights, with workers on.
     """
     if not config.generation_workers.enabled:
         return
-    if config.dynamic_sampling.enabled:
-        raise ValueError(
-            "generation_workers.enabled with dynamic_sampling.enabled is not supported yet (extra rounds would "
-            "need the worker's stream of prompts to branch); turn one of them off"
-        )
     if engine.holds_weights:
         raise ValueError(
             f"generation_workers.enabled with {type(engine).__name__} (an engine holding its own weights) is not "

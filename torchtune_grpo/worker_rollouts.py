@@ -19,6 +19,17 @@ worker's sampling stream is consumed in batch order, so runs are reproducible: a
 synchronous recipe's, at any ``k`` one run equals another with the same seed, and a resumed run the
 uninterrupted one (a checkpoint holds the rollouts in flight and the worker's stream state).
 
+With DAPO's dynamic sampling (``dynamic_sampling.enabled``), a step that needs more informative groups takes
+the next batches of the stream: those already sampled ahead (the prefetch), and when none is left, a batch
+requested at once with the newest weights (sampled on-policy). Since a step may take several batches, the
+pipeline is refilled twice: after the step's batches are collected, to ``k`` in flight with the weights the
+worker holds (``j - 1`` at step ``j``: sampled while the trainer updates), and after the update to ``k + 1``
+with the new weights ``j``. Each step takes at least one batch, so a batch requested with weights ``v`` while
+``n`` are in flight is trained by step ``v + n`` at the latest: ``n <= k`` with ``v = j - 1`` and ``n <= k + 1``
+with ``v = j`` both keep the bound. Prompts are used in the stream's order, and at ``k = 0`` the run is the
+synchronous recipe's with dynamic sampling, number for number. (Without dynamic sampling a step takes one
+batch, so the first refill never requests anything and the schedule above is unchanged.)
+
 Each batch comes back with the worker's log-probabilities of its sampled tokens (the behaviour policy), as
 an engine with its own weights (vLLM) gives them: the loss's ``tis_cap`` or ``rollout_correction`` correct
 for the staleness (decoupled PPO, Fu et al. 2025, arXiv:2505.24298: the proximal policy is the trainer's
@@ -28,15 +39,17 @@ measures it.
 
 import queue
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 from torchtune import utils
 
+from torchtune_grpo.dynamic_sampling import DynamicSampling
 from torchtune_grpo.generation import full_weights, WeightSyncCheck
 from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.metric_sums import one_process_sum
 from torchtune_grpo.producer import PromptStream
 from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.rollout_worker import worker_main, WorkerSpec
@@ -67,14 +80,23 @@ class WorkerRollouts:
         restarts (int): times a worker that died or went silent is replaced before the run stops. The new
             worker gets the weights and requests the old one had not answered, from the sampling state after
             its last answer, so the run continues as if nothing happened. Default is 3.
+        dynamic (Optional[DynamicSampling]): dynamic sampling (more batches of the stream per step while a
+            rank lacks informative groups); None is one batch per step. Default is None.
+        batch_size (int): prompts (groups) per rank per step, what dynamic sampling fills. Default is 0.
+        all_reduce_sum (Callable[[List[float]], List[float]]): sums floats over ranks (every rank takes the
+            same number of batches). Default is one process.
     """
 
     def __init__(
         self, spec: WorkerSpec, prompts: PromptStream, *, max_staleness: int, timeout: float, device: torch.device,
         check: WeightSyncCheck, probe_prompt: List[int], vocab_size: int, chunk_size: int = 512, restarts: int = 3,
+        dynamic: Optional[DynamicSampling] = None, batch_size: int = 0,
+        all_reduce_sum: Callable[[List[float]], List[float]] = one_process_sum,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"generation_workers.max_staleness must be >= 0, got {max_staleness}")
+        if dynamic is not None and dynamic.enabled and batch_size < 1:
+            raise ValueError(f"dynamic sampling through a worker needs batch_size >= 1, got {batch_size}")
         self.spec = spec
         self.prompts = prompts
         self.max_staleness = int(max_staleness)
@@ -95,6 +117,9 @@ class WorkerRollouts:
         self.busy_seconds = 0.0
         self.restarts = int(restarts)
         self.restarts_done = 0
+        self.dynamic = dynamic if dynamic is not None else DynamicSampling()
+        self.batch_size = int(batch_size)
+        self.all_reduce_sum = all_reduce_sum
         # What a replacement worker needs: requests not answered yet (index -> (prompts, weights version)) and
         # the CPU copies of every weights version they or the worker's next request use.
         self._pending: Dict[int, Tuple[Any, int]] = {}
@@ -105,6 +130,7 @@ class WorkerRollouts:
     def from_config(
         cls, config: Any, config_record: Dict[str, Any], prompts: PromptStream, *, rank: int, seed: int,
         device: torch.device, dtype: torch.dtype, probe_prompt: List[int], vocab_size: int,
+        dynamic: Optional[DynamicSampling] = None, all_reduce_sum: Callable[[List[float]], List[float]] = one_process_sum,
     ) -> "WorkerRollouts":
         """The worker of one trainer rank as a recipe config (``generation_workers``, ``weight_sync``) asks.
 
@@ -116,6 +142,7 @@ class WorkerRollouts:
             device (torch.device): the training device.
             dtype (torch.dtype): the compute dtype the worker's model holds.
             probe_prompt (List[int]), vocab_size (int): for the weight check's probe.
+            dynamic (Optional[DynamicSampling]), all_reduce_sum: dynamic sampling and the sum over ranks.
         """
         from torchtune import config as tt_config
 
@@ -128,7 +155,7 @@ class WorkerRollouts:
         return cls(
             spec, prompts, max_staleness=workers.max_staleness, timeout=workers.timeout, device=device, check=check,
             probe_prompt=probe_prompt, vocab_size=vocab_size, chunk_size=config.logprob_chunk_size,
-            restarts=workers.restarts,
+            restarts=workers.restarts, dynamic=dynamic, batch_size=config.batch_size, all_reduce_sum=all_reduce_sum,
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -142,16 +169,16 @@ class WorkerRollouts:
             in_flight (Optional[Dict[str, Any]]): a checkpoint's :meth:`state_dict` (its rollouts are not
                 sampled again).
         """
+        # Batch indices count the batches collected; with dynamic sampling a step may take several.
+        self._collected = self._requested = step
         if in_flight is not None:
             self._generator_state = in_flight["generator_state"]
             self._ready = dict(in_flight["ready"])
-            self._requested = max(self._ready, default=step)
-        self._collected = step
-        self._requested = max(self._requested, step)
+            self._collected = in_flight.get("collected", step)
+            self._requested = max(self._ready, default=self._collected)
         self._spawn()
         self._send_weights(model, step)
-        while self._requested < step + self.max_staleness + 1:
-            self._request(version=step)
+        self._top_up(version=step)
 
     @property
     def pid(self) -> Optional[int]:
@@ -212,17 +239,31 @@ class WorkerRollouts:
     # ---------------------------------------------------------------------------------------- the step
 
     def collect(self, policy: nn.Module, batch: Any = None) -> "tuple[RolloutGroups, int]":
-        """The next batch's rollouts (waits for the worker when it is not there yet): ``(groups, rounds=1)``.
+        """The step's rollouts (waits for the worker when they are not there yet): ``(groups, rounds)``.
 
+        One batch, or with dynamic sampling the next batches of the stream until every rank has enough
+        informative groups or ``max_rounds`` batches were taken (see the module docstring).
         ``batch`` must be None: the worker's prompts were drawn when they were requested.
         """
         if batch is not None:
             raise ValueError("a generation worker samples the prompts it was sent; collect takes no batch")
+        rounds = [self._next_batch()]
+        while len(rounds) < self.dynamic.max_rounds:
+            wanted = self.dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
+            if self.all_reduce_sum([float(wanted)])[0] == 0:
+                break
+            if self._requested == self._collected:  # nothing sampled ahead: now, with the current weights
+                self._request(version=self._latest)
+            rounds.append(self._next_batch())
+        self._top_up(version=self._latest, in_flight=self.max_staleness)  # sampled while the trainer updates
+        return RolloutGroups.concat(rounds), len(rounds)
+
+    def _next_batch(self) -> RolloutGroups:
         index = self._collected + 1
         while index not in self._ready:
             self._receive()
         self._collected = index
-        return self._ready.pop(index), 1
+        return self._ready.pop(index)
 
     def publish(self, model: nn.Module, step: int) -> Dict[str, float]:
         """Send the weights after ``step`` training steps, then request the batch they are for (every rank).
@@ -232,7 +273,7 @@ class WorkerRollouts:
         """
         t0 = time.perf_counter()
         self._send_weights(model, step)
-        self._request(version=step)
+        self._top_up(version=step)
         return {"time/weight_sync": time.perf_counter() - t0}
 
     def describe(self, model: nn.Module) -> str:
@@ -244,7 +285,7 @@ class WorkerRollouts:
         """The rollouts in flight (waited for) and the worker's sampling state after them, for a checkpoint."""
         while len(self._ready) < self._requested - self._collected:
             self._receive()
-        return {"ready": dict(self._ready), "generator_state": self._generator_state}
+        return {"ready": dict(self._ready), "generator_state": self._generator_state, "collected": self._collected}
 
     # ---------------------------------------------------------------------------------------- internals
 
@@ -265,6 +306,12 @@ class WorkerRollouts:
         self._kept[step], self._latest = state, step
         self._forget_weights()
         self._requests.put(("weights", step, state, probe))
+
+    def _top_up(self, version: int, in_flight: Optional[int] = None) -> None:
+        """Requests with weights ``version`` until ``in_flight`` (default ``max_staleness + 1``) batches are."""
+        target = self.max_staleness + 1 if in_flight is None else in_flight
+        while self._requested - self._collected < target:
+            self._request(version=version)
 
     def _request(self, version: int) -> None:
         self._requested += 1
