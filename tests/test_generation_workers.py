@@ -211,10 +211,13 @@ def test_two_trainer_processes_with_multi_turn_episodes_in_their_workers(tmp_pat
     assert all(m["episode/turns"] >= 1 and "generation/logprob_mismatch" in m for m in metrics)
 
 
-def test_lora_through_a_worker_samples_with_the_trainers_adapter(tmp_path, clean_env, one_thread):
-    # The worker builds the LoRA model (the LoRA recipe's config class) and gets base + adapter weights.
+@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
+def test_lora_through_a_worker_samples_with_the_trainers_adapter(quantize_base, tmp_path, clean_env, one_thread):
+    # The worker builds the LoRA model (the LoRA recipe's config class) and gets base + adapter weights; with
+    # QLoRA it quantizes the base it receives to NF4 as the trainer did, so both sample from the same model.
     config = write_config(tmp_path, base=REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", max_steps=2,
-                          save_every_n_steps=None, lr_scheduler=None, generation_workers=_workers(0))
+                          save_every_n_steps=None, lr_scheduler=None, generation_workers=_workers(0),
+                          **{"model.quantize_base": quantize_base})
     run_in_process(config, lora=True)
     metrics = _metrics(tmp_path / "out")
     assert [m["generation/logprob_mismatch"] for m in metrics] == [0.0, 0.0]  # the adapter moved after step 1

@@ -92,6 +92,11 @@ class _Worker:
         register_resolvers()
         torch.set_num_threads(spec.threads)
         cfg = OmegaConf.create(spec.config)
+        if cfg.model.get("quantize_base", False):
+            # QLoRA: the trainer's state dict holds its NF4 base weights dequantized; quantizing them again
+            # here would not give the same values back (3e-4 apart in logprobs on the tiny model), so the
+            # worker keeps them as they come, and samples from exactly the trainer's function.
+            cfg.model.quantize_base = False
         module, name = spec.config_class.rsplit(".", 1)
         self.config = c = getattr(importlib.import_module(module), name).from_cfg(cfg)
         self.tokenizer = tt_config.instantiate(cfg.tokenizer)
