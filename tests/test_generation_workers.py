@@ -17,7 +17,8 @@ from tests.recipe_utils import (
     write_config,
 )
 from tests.conftest import REPO
-from torchtune_grpo.config_schema import RecipeConfig
+from torchtune_grpo.config_schema import LoRARecipeConfig, RecipeConfig
+from torchtune_grpo.generation import WeightSyncError
 from torchtune_grpo.setup_checks import check_generation_workers
 from torchtune_grpo.train_step import staleness_metrics, staleness_sums
 from torchtune_grpo.worker_rollouts import WorkerError
@@ -54,9 +55,13 @@ def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
         holds_weights = False
 
     Engine.holds_weights = True
-    only = RecipeConfig.from_cfg(OmegaConf.load(write_config(tmp_path, generation_workers=_workers(1))))
-    with pytest.raises(ValueError, match="with Engine \\(an engine holding its own weights\\) is not supported"):
-        check_generation_workers(only, Engine())
+    lora = LoRARecipeConfig.from_cfg(OmegaConf.load(write_config(
+        tmp_path, base=REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", generation_workers=_workers(1)
+    )))
+    with pytest.raises(ValueError, match="generation_workers.enabled with Engine in the LoRA recipe is not supported"):
+        check_generation_workers(lora, Engine())
+    check_generation_workers(RecipeConfig.from_cfg(OmegaConf.load(write_config(tmp_path, generation_workers=_workers(1)))),
+                             Engine())  # the full recipe takes it (vLLM in the worker)
 
 
 def test_staleness_0_through_a_worker_is_the_synchronous_run(tmp_path, clean_env, one_thread):
@@ -117,6 +122,36 @@ def test_dynamic_sampling_one_step_off_stays_bounded_and_resumes_exactly(tmp_pat
     assert [{k: m[k] for k in keys} for m in _metrics(out)] == [{k: m[k] for k in keys} for m in first]
     resumed = weights(out / "step_4")
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+WEIGHT_SYNC = {"_component_": "torchtune_grpo.generation.WeightSyncCheck", "every_n_syncs": 1, "tolerance": 1e-3}
+
+
+def _copy_engine(name: str) -> dict:
+    return {"generation": {"_component_": f"tests._copy_engines.{name}", "model": "${model}"}, "weight_sync": WEIGHT_SYNC}
+
+
+def test_an_engine_holding_its_own_weights_runs_in_the_worker_as_in_the_trainer(tmp_path, clean_env, one_thread):
+    # CopyGenerator holds its own weights as vLLM does: in the worker it is the only copy (the worker builds no
+    # model), each version goes into it through load_weights, and the probe check scores it there. At
+    # max_staleness 0 the run is the synchronous one with the same engine, number for number.
+    runs = {}
+    for name, extra in (("sync", {}), ("worker", {"generation_workers": _workers(0)})):
+        (tmp_path / name).mkdir()
+        run_in_process(write_config(tmp_path / name, max_steps=2, save_every_n_steps=None,
+                                    **_copy_engine("CopyGenerator"), **extra))
+        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_2"))
+    (sync, sync_w), (worker, worker_w) = runs["sync"], runs["worker"]
+    assert [{k: m[k] for k in COMPARED} for m in worker] == [{k: m[k] for k in COMPARED} for m in sync]
+    assert all(torch.equal(sync_w[k], worker_w[k]) for k in sync_w)
+
+
+def test_a_worker_engine_whose_sync_is_broken_stops_the_run(tmp_path, clean_env, one_thread):
+    # The worker scores the probe with the weights its engine holds: a sync that never reaches it is caught.
+    config = write_config(tmp_path, max_steps=3, save_every_n_steps=None, lr_scheduler=None,  # step 1 moves
+                          generation_workers=_workers(0), **_copy_engine("StaleCopyGenerator"))
+    with pytest.raises(WeightSyncError, match="Weight sync check failed after step 1"):
+        run_in_process(config)
 
 
 def _prompts_by_step(out: Path):

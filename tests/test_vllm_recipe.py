@@ -16,65 +16,23 @@ multi-turn checks ride on the two runs here instead of starting engines of their
 import importlib.util
 import logging
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Tuple
 
 import pytest
 import torch
 from omegaconf import OmegaConf
-from torchtune import config as tt_config
 
 from tests.conftest import REPO
 from tests.hf_models import hf_components, make_model_dir
 from tests.recipe_utils import read_jsonl, run_in_process, run_tune, weights, write_config
 from tests.test_models_recipe import check_trained_directory
 from torchtune_grpo.assets import asset_path
-from torchtune_grpo.generation import NativeGenerator, WeightSyncError
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.generation import WeightSyncError
 from torchtune_grpo.multiturn import EnvReply
 
 VLLM_CONFIG = REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"
 # No warm-up: the first optimizer step already moves the weights (lr 0 at a warm-up's first step would
 # leave them unchanged, and a stale engine could not be told apart after step 1).
 TRAIN = dict(max_steps=3, save_every_n_steps=None, lr_scheduler=None)
-
-
-class StaleCopyGenerator(NativeGenerator):
-    """An engine that, like vLLM, samples from its own copy of the weights (``holds_weights``), synced by the
-    recipe, but whose sync is broken: the weights reach it once, before training, and never again.
-
-    Later calls consume the weights (every rank must: they are gathered collectively from the FSDP shards)
-    and drop them, as a sync into the wrong object, or one that was skipped, would. The copy is built from
-    the run's ``model`` config (random until the first sync) and scored as the sync check asks.
-
-    Args:
-        model (Dict[str, Any]): the run's model component (``${model}``).
-        **kwargs: :class:`~torchtune_grpo.generation.NativeGenerator`'s.
-    """
-
-    holds_weights = True
-
-    def __init__(self, model: Dict[str, Any], **kwargs):
-        super().__init__(**kwargs)
-        self._copy = tt_config.instantiate(OmegaConf.create(model)).eval()
-        self._synced_once = False
-
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
-        state = dict(weights)
-        if not self._synced_once:
-            self._copy.load_state_dict(state)
-            self._synced_once = True
-        return len(state)
-
-    def prompt_logprobs(self, tokens: List[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return sequence_logprobs(self._copy, torch.tensor([tokens])).logprobs[0]  # [len(tokens) - 1]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._copy.tok_embeddings.num_embeddings
-
-    def generate(self, model, prompts, **kwargs):
-        return super().generate(self._copy, prompts, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +80,7 @@ def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path, cle
     vllm_cfg = OmegaConf.load(VLLM_CONFIG)
     config = write_config(
         tmp_path, **TRAIN, weight_sync=OmegaConf.to_container(vllm_cfg.weight_sync),
-        generation={"_component_": "tests.test_vllm_recipe.StaleCopyGenerator", "model": "${model}"},
+        generation={"_component_": "tests._copy_engines.StaleCopyGenerator", "model": "${model}"},
     )
     with caplog.at_level(logging.INFO), pytest.raises(WeightSyncError) as error:
         run_in_process(config)
@@ -178,3 +136,17 @@ def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path:
     assert max(r["episode/turns"] for r in rows) > 1 and max(r["episode/injected_tokens"] for r in rows) > 0
     record = next(c for c in read_jsonl(tmp_path / "out" / "completions.jsonl") if len(c["conversation"]) > 1)
     assert record["conversation"][1] == {"role": "user", "content": "Go on."}
+
+
+def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path):
+    # vLLM in the worker process (its only copy of the weights, loaded with the in-place reload after every
+    # step), one step off: batch 1 comes from the initial weights the trainer also holds, so the engine's
+    # sampling logprobs match the trainer's; later batches are one version behind, within the bound.
+    config = write_config(tmp_path, base=VLLM_CONFIG, **TRAIN, generation_workers={"enabled": True, "max_staleness": 1})
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation worker started (max_staleness 1)" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # sampled by older weights

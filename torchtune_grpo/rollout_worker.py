@@ -12,6 +12,11 @@ request queue in order (FIFO, which is what makes the schedule deterministic):
   weights, and reply ``("rollouts", index, RolloutGroups, version, generator_state, seconds)``;
 - ``("stop",)``: leave.
 
+With an engine that holds its own weights (vLLM, ``VLLMGenerator``), the worker builds no model of its own:
+the weights go into the engine through its in-place reload (``load_weights``, the synchronous recipe's
+verified sync), the probe is scored by the engine (``prompt_logprobs``), and the behaviour log-probabilities
+are the engine's own for its sampled tokens.
+
 A worker whose trainer died (SIGKILL: no goodbye) notices within seconds and leaves. Any exception is replied as ``("error", traceback)`` before the worker exits. The sampling generator is one
 stream, seeded like the synchronous recipe's (``seed + rank``) and consumed in batch order, so a worker run at
 ``max_staleness: 0`` samples the same tokens as the synchronous recipe; its state after each batch goes back
@@ -103,11 +108,17 @@ class _Worker:
         self.multi_turn = build_multi_turn(c)
         if self.multi_turn is not None:
             self.multi_turn.attach(self.tokenizer)
-        with training.set_default_dtype(getattr(torch, spec.dtype)):
-            self.model = tt_config.instantiate(cfg.model)
-        init_rope(self.model, torch.device("cpu"))
-        self.model.eval().requires_grad_(False)
         self.engine = tt_config.instantiate(cfg.generation)
+        self.model: Optional[torch.nn.Module] = None
+        if self.engine.holds_weights:  # vLLM: the engine holds the only copy; it computes as the trainer does
+            follow = getattr(self.engine, "follow_trainer_dtype", None)
+            if follow is not None:
+                follow(getattr(torch, spec.dtype))
+        else:
+            with training.set_default_dtype(getattr(torch, spec.dtype)):
+                self.model = tt_config.instantiate(cfg.model)
+            init_rope(self.model, torch.device("cpu"))
+            self.model.eval().requires_grad_(False)
         self.rewards = build_reward_set(cfg.reward_functions, fallback=c.reward_fallback)
         self.generator = torch.Generator()
         if spec.generator_state is not None:
@@ -117,12 +128,17 @@ class _Worker:
         self.version: Optional[int] = None
 
     def load(self, version: int, state: Dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state, strict=True)
+        if self.model is None:
+            self.engine.load_weights(state.items())
+        else:
+            self.model.load_state_dict(state, strict=True)
         self.version = version
 
     def probe(self, tokens: List[int]) -> torch.Tensor:
         from torchtune_grpo.logprobs import sequence_logprobs
 
+        if self.model is None:
+            return self.engine.prompt_logprobs(tokens)
         with torch.no_grad():
             return sequence_logprobs(self.model, torch.tensor([tokens]), chunk_size=self.config.logprob_chunk_size).logprobs[0]
 
@@ -136,17 +152,19 @@ class _Worker:
             self.model, self.tokenizer, self.engine, batch, self.rewards, group_size=c.group_size,
             max_new_tokens=c.max_response_length, generator=self.generator, multi_turn=self.multi_turn,
         )
-        groups.engine_logprobs = behaviour_logprobs(
-            self.model, groups.prompt_ids, groups.response_ids, pad_id=self.tokenizer.pad_id,
-            micro_batch_size=c.micro_batch_size, temperature=float(self.engine.temperature),
-            chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training,
-        )
+        if self.model is not None:  # an engine with its own weights returned its logprobs already
+            groups.engine_logprobs = behaviour_logprobs(
+                self.model, groups.prompt_ids, groups.response_ids, pad_id=self.tokenizer.pad_id,
+                micro_batch_size=c.micro_batch_size, temperature=float(self.engine.temperature),
+                chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training,
+            )
         groups.weight_versions = [version] * len(groups.response_ids)
         return groups
 
 
 def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
     """The worker process: build, then serve ``requests`` in order until ``("stop",)`` (see the module docstring)."""
+    worker = None
     try:
         worker = _Worker(spec)
         replies.put(("ready", os.getpid()))
@@ -176,3 +194,6 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
                 raise ValueError(f"unknown request {kind!r}")
     except BaseException:  # noqa: B902 - everything goes back to the trainer, which stops the run naming us
         replies.put(("error", traceback.format_exc()))
+    finally:
+        if worker is not None:
+            worker.engine.close()  # vLLM's engine core shuts down with its process

@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from torchtune_grpo.config_schema import LoRARecipeConfig
 from torchtune_grpo.evaluation import correctness_name
 from torchtune_grpo.training_batch import shared_prompt_unsupported, shared_row_length
 
@@ -199,16 +200,17 @@ def check_generation_workers(config: Any, engine: Any) -> None:
     """Refuse, naming the key, what generation workers do not support yet (before any process group).
 
     Args:
-        config (Any): the typed config (``generation_workers``).
+        config (Any): the typed config (``generation_workers``; the LoRA recipe's :class:`LoRARecipeConfig`).
         engine (Any): the configured generation engine.
 
     Raises:
-        ValueError: for an engine that holds its own weights, with workers on.
+        ValueError: for LoRA with an engine that holds its own weights (vLLM), with workers on.
     """
     if not config.generation_workers.enabled:
         return
-    if engine.holds_weights:
+    if engine.holds_weights and isinstance(config, LoRARecipeConfig):
         raise ValueError(
-            f"generation_workers.enabled with {type(engine).__name__} (an engine holding its own weights) is not "
-            "supported yet: the workers run torchtune_grpo.generation.NativeGenerator"
+            f"generation_workers.enabled with {type(engine).__name__} in the LoRA recipe is not supported yet "
+            "(the worker would need the adapter sync): use torchtune_grpo.generation.NativeGenerator in the "
+            "workers, or turn generation_workers off to use LoRA with vLLM in the trainer's process"
         )
