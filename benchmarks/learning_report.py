@@ -149,7 +149,7 @@ def seed_noise_rows(runs: Sequence[Dict[str, Any]], windows: Sequence[tuple]) ->
     return rows
 
 
-def _cell(s: Dict[str, float], digits: int = 2) -> str:
+def cell(s: Dict[str, float], digits: int = 2) -> str:
     if not s["n"]:
         return "-"
     text = f"{s['mean']:.{digits}f}"
@@ -182,7 +182,7 @@ def markdown_report(runs: Sequence[Dict[str, Any]], note: str = "") -> str:
                 cells.append("-")
                 continue
             clock = "" if math.isnan(a["elapsed"]) else f" ({a['elapsed']:.0f} s)"
-            cells.append(f"{_cell(a)}{clock}")
+            cells.append(f"{cell(a)}{clock}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
 
     grid = seconds_grid(runs)
@@ -195,7 +195,7 @@ def markdown_report(runs: Sequence[Dict[str, Any]], note: str = "") -> str:
     lines.append("|---|" + "---|" * len(sides))
     by_time = {s: accuracy_by_seconds(runs, s, grid) for s in sides}
     for t in grid:
-        lines.append(f"| {t:.0f} | " + " | ".join(_cell(by_time[s][t]) for s in sides) + " |")
+        lines.append(f"| {t:.0f} | " + " | ".join(cell(by_time[s][t]) for s in sides) + " |")
 
     last_step = max(eval_steps(runs), default=0)
     noise = seed_noise_rows(runs, [(last_step, last_step), (5, last_step)])
@@ -214,7 +214,7 @@ def markdown_report(runs: Sequence[Dict[str, Any]], note: str = "") -> str:
     first = 1
     for last in bounds:
         for s in sides:
-            cells = [_cell(train_metric_window(runs, s, k, first, last), 3 if k != "seconds" else 1)
+            cells = [cell(train_metric_window(runs, s, k, first, last), 3 if k != "seconds" else 1)
                      for k in TRAIN_KEYS]
             lines.append(f"| {first}-{last} | {SIDE_LABELS[s]} | " + " | ".join(cells) + " |")
         first = last + 1

@@ -1,0 +1,169 @@
+"""The late learning gap's cross-over (issue "the late learning gap against TRL"): several arms of
+``benchmarks/learning_vs_trl.py``, compared seed by seed.
+
+Every arm is a set of runs (``runs.json`` of ``learning_vs_trl.py``) with the benchmark's settings; a seed
+fixes the train prompts' order on every arm, so arms are compared **paired**, seed by seed (the difference of
+two arms' scores on one seed has the prompt order's part of the noise removed). Arms, e.g.:
+
+- ``native``: our recipe with its native engine (the existing runs);
+- ``transformers``: our recipe sampling with transformers' ``generate`` (``TransformersGenerator``, the sampler
+  TRL uses), everything else the same;
+- ``trl``: TRL's GRPOTrainer.
+
+    python benchmarks/learning_crossover.py \
+        --arm native=benchmarks/results/learning_vs_trl/runs_recorded.json:ours \
+        --arm native=benchmarks/results/learning_vs_trl/runs.json:ours \
+        --arm trl=benchmarks/results/learning_vs_trl/runs_recorded.json:trl \
+        --arm trl=benchmarks/results/learning_vs_trl/runs.json:trl \
+        --arm transformers=results/crossover/transformers/runs.json:ours --out results/crossover
+
+``--arm NAME=FILE:SIDE`` adds the runs of ``FILE`` whose ``side`` is ``SIDE`` to arm ``NAME`` (repeatable; a
+seed given twice keeps the first). Output (``crossover.md``): held-out accuracy per arm and evaluation step;
+each pair of arms' paired differences (step 30 and the mean over steps 5-30) with an exact sign-flip test
+over seeds; and, for arms with per-step logs, the closed-loop diagnostics per 5-step window with the first
+window where two arms part by more than twice the standard error of their seed-paired difference.
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import learning_report
+
+DIAGNOSTICS = ("reward", "entropy", "response_length", "zero_std_fraction", "advantage/abs_mean",
+               "diagnostics/kl_step", "diagnostics/sampled_accuracy", "diagnostics/greedy_accuracy", "grad_norm")
+WINDOWS = [(1, 5), (6, 10), (11, 15), (16, 20), (21, 25), (26, 30)]
+
+
+def load_arms(specs: Sequence[str]) -> Dict[str, Dict[int, Dict[str, Any]]]:
+    """``NAME=FILE:SIDE`` specs -> arm name -> seed -> run (the first run of a seed wins)."""
+    arms: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        path, _, side = rest.rpartition(":")
+        if not name or not path or not side:
+            raise ValueError(f"--arm {spec!r}: expected NAME=FILE:SIDE")
+        for run in json.loads(Path(path).read_text()):
+            if run["side"] == side:
+                arms.setdefault(name, {}).setdefault(int(run["seed"]), run)
+    return arms
+
+
+def sign_flip_test(diffs: Sequence[float]) -> Dict[str, float]:
+    """Exact two-sided sign-flip test of ``mean(diffs) = 0`` for paired differences (one per seed).
+
+    Under the null the sign of each seed's difference is a coin flip; the p-value is the fraction of the
+    ``2^n`` sign assignments whose mean is at least as far from 0 as the one seen (Fisher 1935). 5 seeds give
+    32 assignments, so the smallest possible p is 2/32 = 0.0625.
+    """
+    observed = abs(statistics.fmean(diffs))
+    as_large = total = 0
+    for signs in itertools.product((1, -1), repeat=len(diffs)):
+        total += 1
+        as_large += abs(statistics.fmean(s * d for s, d in zip(signs, diffs))) >= observed - 1e-12
+    return {"diff": statistics.fmean(diffs), "p": as_large / total, "n": len(diffs)}
+
+
+def accuracy_at(run: Dict[str, Any], step: int) -> Optional[float]:
+    return next((e["accuracy"] for e in run["evals"] if e["step"] == step), None)
+
+
+def window_mean(run: Dict[str, Any], key: str, first: int, last: int) -> Optional[float]:
+    vals = [s[key] for s in run.get("steps", []) if isinstance(s, dict) and first <= s["step"] <= last
+            and s.get(key) is not None]
+    return statistics.fmean(vals) if vals else None
+
+
+def paired(a: Dict[int, Dict[str, Any]], b: Dict[int, Dict[str, Any]], score) -> List[Tuple[int, float]]:
+    """``(seed, score(a) - score(b))`` for the seeds both arms ran and both scored."""
+    out = []
+    for seed in sorted(set(a) & set(b)):
+        x, y = score(a[seed]), score(b[seed])
+        if x is not None and y is not None:
+            out.append((seed, x - y))
+    return out
+
+
+def parting(a, b, key: str) -> Optional[Tuple[Tuple[int, int], float, float]]:
+    """The first window where arms ``a`` and ``b`` differ in ``key`` by more than 2 standard errors of the
+    seed-paired differences: ``(window, mean difference, standard error)``, or None."""
+    for first, last in WINDOWS:
+        diffs = [d for _, d in paired(a, b, lambda r: window_mean(r, key, first, last))]
+        if len(diffs) >= 3:
+            se = statistics.stdev(diffs) / len(diffs) ** 0.5
+            if abs(statistics.fmean(diffs)) > 2 * se:
+                return (first, last), statistics.fmean(diffs), se
+    return None
+
+
+def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
+    names = list(arms)
+    steps = sorted({e["step"] for arm in arms.values() for r in arm.values() for e in r["evals"]})
+    lines = ["# Cross-over: held-out accuracy per arm", "",
+             "| arm | seeds | " + " | ".join(f"step {s}" for s in steps) + " |",
+             "|---|---|" + "---|" * len(steps)]
+    for name in names:
+        cells = [learning_report.cell(learning_report.spread(accuracy_at(r, s) for r in arms[name].values()))
+                 for s in steps]
+        lines.append(f"| {name} | {sorted(arms[name])} | " + " | ".join(cells) + " |")
+    lines += ["", "Per seed (step 30; mean over steps 5-30):", "",
+              "| arm | " + " | ".join(f"seed {s}" for s in sorted({s for a in arms.values() for s in a})) + " |",
+              "|---|" + "---|" * len({s for a in arms.values() for s in a})]
+    all_seeds = sorted({s for a in arms.values() for s in a})
+    for name in names:
+        cells = []
+        for seed in all_seeds:
+            run = arms[name].get(seed)
+            cells.append("" if run is None else
+                         f"{accuracy_at(run, 30):.3f}; {learning_report.run_score(run, 5, 30):.3f}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "## Paired differences (same seed = same prompt order)", "",
+              "| a - b | seeds | step 30: mean diff (p) | steps 5-30: mean diff (p) |", "|---|---|---|---|"]
+    for a, b in itertools.combinations(names, 2):
+        last = paired(arms[a], arms[b], lambda r: accuracy_at(r, 30))
+        mean = paired(arms[a], arms[b], lambda r: learning_report.run_score(r, 5, 30))
+        if len(mean) < 2:
+            continue
+        t_last, t_mean = sign_flip_test([d for _, d in last]), sign_flip_test([d for _, d in mean])
+        lines.append(f"| {a} - {b} | {[s for s, _ in mean]} | {t_last['diff']:+.3f} ({t_last['p']:.2f}) | "
+                     f"{t_mean['diff']:+.3f} ({t_mean['p']:.2f}) |")
+    logged = [n for n in names if any(isinstance(s, dict) and len(s) > 3 for r in arms[n].values()
+                                      for s in r.get("steps", []))]
+    if logged:
+        lines += ["", "## Closed-loop diagnostics per window (mean over seeds)", ""]
+        for key in DIAGNOSTICS:
+            rows = [(n, [learning_report.spread(window_mean(r, key, f, l) for r in arms[n].values()) for f, l in WINDOWS])
+                    for n in logged]
+            rows = [(n, cells) for n, cells in rows if any(c["n"] for c in cells)]
+            if not rows:
+                continue
+            lines += [f"**{key}**", "", "| arm | " + " | ".join(f"{f}-{l}" for f, l in WINDOWS) + " |",
+                      "|---|" + "---|" * len(WINDOWS)]
+            for n, cells in rows:
+                lines.append(f"| {n} | " + " | ".join(learning_report.cell(c, 3) for c in cells) + " |")
+            for (a, _), (b, _) in itertools.combinations(rows, 2):
+                part = parting(arms[a], arms[b], key)
+                lines.append(f"\n{a} vs {b}: " + ("no window apart by > 2 SE" if part is None else
+                             f"first apart in steps {part[0][0]}-{part[0][1]}: {part[1]:+.3f} (SE {part[2]:.3f})"))
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arm", action="append", required=True, metavar="NAME=FILE:SIDE")
+    parser.add_argument("--out", default=None, help="directory for crossover.md")
+    args = parser.parse_args(argv)
+    text = report(load_arms(args.arm))
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "crossover.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
