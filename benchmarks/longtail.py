@@ -75,7 +75,7 @@ def update_case(model, prompts, responses, *, layout: Dict, rows: int, budget, r
         budget_out = max(batch.padded_tokens(s) for s in mbs)
     else:
         plan = batch.plan(max_tokens=budget, max_rows=n)
-        ordered, mbs = batch.select(plan.order), plan.slices()
+        ordered, mbs = batch.select(plan.order, row_width=plan.row_width), plan.slices()
         budget_out = budget
     gen = torch.Generator().manual_seed(0)
     exp = Experience(batch=batch, mask=batch.response_mask, kept=torch.ones(n, dtype=torch.bool),

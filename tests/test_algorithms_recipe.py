@@ -81,9 +81,13 @@ def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path, c
     # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches (both in process);
     # C = 2 processes of 8 sequences (`tune run`) and D = 1 process, both with token-budget micro-batches
     # (max_tokens_per_micro_batch: sorted by length, groups split where one is over the budget, and on 2
-    # processes as many micro-batches on each rank). Weights after every step must agree.
+    # processes as many micro-batches on each rank); E = 2 processes with packed rows under the budget (every
+    # sequence of a rank's step packed into rows as wide as its longest, micro-batches of whole rows). Weights
+    # after every step must agree.
     budget = {"max_tokens_per_micro_batch": 96}  # a shared row of 4 completions is ~130 tokens here
-    runs = {"A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, budget), "D": (1, 4, 16, budget)}
+    packed = {**budget, "share_prompt_in_training": False, "pack_sequences_in_training": True}
+    runs = {"A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, budget), "D": (1, 4, 16, budget),
+            "E": (2, 2, 8, packed)}
     results = {}
     for name, (nproc, batch_size, mbs, overrides) in runs.items():
         run_dir = tmp_path / name
@@ -113,14 +117,14 @@ def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path, c
         prev = before if k == 0 else results["A"][k - 1]
         step_change = max((results["A"][k][key] - prev[key]).abs().max().item() for key in prev)
         assert step_change > 5e-4, f"step {k + 1} ({variant}) barely moved the weights: {step_change}"
-        for other in ("B", "C", "D"):
+        for other in ("B", "C", "D", "E"):
             for key, value in results["A"][k].items():
                 torch.testing.assert_close(
                     results[other][k][key], value, atol=1e-5, rtol=0,
                     msg=lambda m: f"run {other}, step {k + 1} ({variant}), {key}: {m}",
                 )
     # Logged losses are global too (sums of micro-batch and rank contributions).
-    for other in ("B", "C", "D"):
+    for other in ("B", "C", "D", "E"):
         for ma, mo in zip(metrics, results[other + "_metrics"]):
             for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "reward/mean",
                         "rollout_correction/masked_fraction", "rollout_correction/kl"):

@@ -84,7 +84,7 @@ def test_random_plans_cover_every_row_within_the_budget(shared):
         plan = batch.plan(max_tokens=budget, max_rows=cap)
         assert sorted(plan.order) == list(range(len(lens))), trial
         for s in plan.slices():
-            ordered = batch.select(plan.order)
+            ordered = batch.select(plan.order, row_width=plan.row_width)
             tokens = ordered.padded_tokens(s)
             # Over the budget only alone: one sequence (or, shared, one group's part of one sequence).
             assert tokens <= budget or s.stop - s.start == 1, (trial, s, tokens, budget)

@@ -90,7 +90,33 @@ def test_packing_removes_padding_and_a_plan_bounds_real_tokens():
     waste = lambda b: 1 - b.real_tokens(every) / b.padded_tokens(every)  # noqa: E731
     assert waste(packed) < 0.5 * waste(padded), (waste(packed), waste(padded))
     plan = packed.plan(max_tokens=80, max_rows=16)
-    ordered = packed.select(plan.order)
+    ordered = packed.select(plan.order, row_width=plan.row_width)
     for s in plan.slices():
         # The packed cost is the real tokens: within the budget unless a sequence alone exceeds it.
         assert ordered.real_tokens(s) <= 80 or s.stop - s.start == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_plan_fills_rows_below_ten_percent_padding_within_the_budget(seed):
+    # Issue 30's workload shape: 8 prompts of 32-96 tokens x 8 completions with log-normal lengths (median 64,
+    # capped at 1,024). Each micro-batch's rows are as wide as its longest sequence and filled from every
+    # sequence left, so the short ones fill the room the long ones leave; the planned rows are the layout's.
+    rng = random.Random(seed)
+    prompts, responses = [], []
+    for _ in range(8):
+        p = [rng.randrange(1, 97) for _ in range(rng.randint(32, 96))]
+        for _ in range(8):
+            prompts.append(p)
+            responses.append([rng.randrange(1, 97) for _ in range(min(1024, int(rng.lognormvariate(4.16, 1.0)) + 1))])
+    batch = TrainingBatch(prompts, responses, 0, share_prompt=False, pack=True)
+    longest = max(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    budget = 8 * longest
+    plan = batch.plan(max_tokens=budget, max_rows=64)
+    ordered = batch.select(plan.order, row_width=plan.row_width)
+    real = padded = 0
+    for s in plan.slices():
+        slots = ordered.padded_tokens(s)  # the packed layout the update runs
+        assert slots <= budget, (s, slots, budget)
+        real, padded = real + ordered.real_tokens(s), padded + slots
+    assert sorted(plan.order) == list(range(len(prompts)))
+    assert 1 - real / padded < 0.10, (seed, 1 - real / padded, plan.sizes)

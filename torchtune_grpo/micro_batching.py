@@ -7,7 +7,9 @@ micro-batch while the tokens its forward holds, padding included, stay within ``
 sequence adds at most twice its own tokens): short sequences travel together, long ones alone. In the
 shared-prompt layout the unit is a group (the consecutive sequences of one prompt, whose prompt is computed
 once), cut into parts of similar lengths where that costs fewer tokens than padding every completion to
-the group's longest. Packed rows (:mod:`~torchtune_grpo.packed_rows`) are costed by their real tokens.
+the group's longest. Packed rows (:mod:`~torchtune_grpo.packed_rows`) are planned as the rows they will be:
+every sequence of the step packed first-fit (longest first) into rows as wide as its longest sequence, so
+short ones fill the room long ones leave, and micro-batches made of whole rows (:func:`_packed_bins`).
 
 The split changes nothing but floating-point summation order: every loss term is a sum over tokens divided
 by the mini-batch's global counts (:mod:`torchtune_grpo.update`), so any assignment of rows to micro-batches
@@ -31,10 +33,14 @@ class MicroBatchPlan(NamedTuple):
         order (List[int]): a permutation of the rows; micro-batch ``i`` is ``order[sum(sizes[:i]) :
             sum(sizes[: i + 1])]``.
         sizes (List[int]): rows per micro-batch (each at least 1).
+        row_width (Optional[int]): packed rows only: the slots of every row (the step's longest sequence);
+            the layout packs each micro-batch's sequences in ``order`` into rows of this width. Default is
+            None (not packed).
     """
 
     order: List[int]
     sizes: List[int]
+    row_width: Optional[int] = None
 
     def slices(self) -> List[slice]:
         """The micro-batches as slices of the rows taken in ``order``."""
@@ -122,6 +128,48 @@ def _parts(unit: _Unit, response_lens: List[int], max_tokens: int, max_rows: int
     return parts[::-1]
 
 
+def _packed_length(u: _Unit) -> int:
+    # The slots a sequence takes in a packed row: prompt + response[:-1] (packed_rows.packed_layout).
+    return u.prompt + max(u.completion - 1, 0)
+
+
+def _packed_bins(units: List[_Unit], max_tokens: int, max_rows: int) -> "tuple[List[List[_Unit]], int]":
+    """Micro-batches of packed rows: ``(bins, row_width)``; each bin within ``max_tokens`` slots (padding
+    included) and ``max_rows`` sequences.
+
+    Every row is as wide as the step's longest sequence, ``W`` slots. The sequences, longest first (ties by
+    row), are packed first-fit into rows of ``W`` (a row holds at most ``max_rows`` sequences), so short ones
+    fill the room long ones leave over the whole step; consecutive rows then make a micro-batch while
+    ``rows x W <= max_tokens`` (at least one row) and it holds at most ``max_rows`` sequences. The plan lists
+    the sequences row by row, and :func:`~torchtune_grpo.packed_rows.packed_layout` given ``row_width = W``
+    fills rows next-fit in that order: never more rows than planned, so the budget holds for the real layout.
+    """
+    pool = sorted(units, key=lambda u: (-_packed_length(u), u.rows[0]))
+    width = max(_packed_length(pool[0]), 1)
+    rows: List[List[_Unit]] = []
+    room: List[int] = []
+    for u in pool:
+        n = _packed_length(u)
+        r = next((k for k, free in enumerate(room) if n <= free and len(rows[k]) < max_rows), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(u)
+        room[r] -= n
+    per_bin = max(1, max_tokens // width)
+    bins: List[List[_Unit]] = []
+    count = 0  # rows in the last bin
+    for row in rows:
+        if bins and count < per_bin and len(bins[-1]) + len(row) <= max_rows:
+            bins[-1].extend(row)
+            count += 1
+        else:
+            bins.append(list(row))
+            count = 1
+    return bins, width
+
+
 def _split(bin_: List[_Unit]) -> "tuple[List[_Unit], List[_Unit]]":
     """Two halves of a micro-batch (units, or the rows of its only unit)."""
     if len(bin_) > 1:
@@ -163,7 +211,7 @@ def plan_micro_batches(
             most ``N``; e.g. the largest count over ranks): the costliest are halved until there are as many.
             Default is None (the budget's count).
         packed (bool): the micro-batches are packed rows (one row per sequence otherwise; not with
-            ``prompt_ids``): their cost is their real tokens. Default is False.
+            ``prompt_ids``), planned as their rows (:func:`_packed_bins`). Default is False.
 
     Returns:
         MicroBatchPlan: the row order and the micro-batch sizes.
@@ -176,16 +224,20 @@ def plan_micro_batches(
         for part in (_parts(u, response_lens, max_tokens, max_rows) if shared else [u])
     ]
     units.sort(key=lambda u: (-_cost([u], shared), u.rows[0]))  # by length, whatever the layout
-    bins: List[List[_Unit]] = []
-    for u in units:
-        if bins:
-            grown = bins[-1] + [u]
-            cost = _cost(grown, shared, packed)
-            marginal_ok = cost - _cost(bins[-1], shared, packed) <= 2 * _cost([u], shared, packed)
-            if sum(len(x.rows) for x in grown) <= max_rows and cost <= max_tokens and marginal_ok:
-                bins[-1] = grown
-                continue
-        bins.append([u])
+    row_width = None
+    if packed and not shared:
+        bins, row_width = _packed_bins(units, max_tokens, max_rows)
+    else:
+        bins = []
+        for u in units:
+            if bins:
+                grown = bins[-1] + [u]
+                cost = _cost(grown, shared)
+                marginal_ok = cost - _cost(bins[-1], shared) <= 2 * _cost([u], shared)
+                if sum(len(x.rows) for x in grown) <= max_rows and cost <= max_tokens and marginal_ok:
+                    bins[-1] = grown
+                    continue
+            bins.append([u])
     if num_micro_batches is not None:
         if not len(bins) <= num_micro_batches <= len(prompt_lens):
             raise ValueError(
@@ -196,9 +248,10 @@ def plan_micro_batches(
             splittable = [i for i, b in enumerate(bins) if sum(len(u.rows) for u in b) > 1]
             i = max(splittable, key=lambda j: (_cost(bins[j], shared, packed), -j))
             bins[i : i + 1] = list(_split(bins[i]))
-    # Within a micro-batch, units with equal prompts side by side (stable), as _cost assumes.
+    # Within a micro-batch, units with equal prompts side by side (stable), as _cost assumes; packed rows
+    # keep the planned row order (their units all have key 0).
     order = [r for b in bins for u in sorted(b, key=lambda u: u.key) for r in u.rows]
-    return MicroBatchPlan(order, [sum(len(u.rows) for u in b) for b in bins])
+    return MicroBatchPlan(order, [sum(len(u.rows) for u in b) for b in bins], row_width)
 
 
 def count_histogram(count: int, max_count: int) -> List[float]:

@@ -3,7 +3,8 @@
 In the one-row-per-sequence layout every row of a forward is padded to the longest sequence in it. With
 long-tailed lengths (a 1,000-token completion next to 40-token ones) most of the forward is padding, even
 after token-budget micro-batching sorts the lengths (:mod:`~torchtune_grpo.micro_batching`). Packing puts
-the sequences of a micro-batch one after another into rows as wide as its longest sequence::
+the sequences of a micro-batch one after another into rows as wide as its longest sequence (or, under a
+token-budget plan, as wide as the step's longest, filled from every sequence of the step)::
 
     [ seq 3 (prompt + response[:-1]) | seq 7 | seq 1 | pad ]
     [ seq 0                                      | seq 5   ]
@@ -14,7 +15,9 @@ attention replacement as the shared-prompt layout) gives scaled-dot-product atte
 causal mask. Every logprob is the same function of the same inputs as in the unpacked layout (tested in fp32,
 gradients included). A sequence is never split across rows (the row width is the longest sequence), so no
 state crosses a row boundary. Attention costs ``rows x width^2`` per forward (the padded layout's is
-``sequences x width^2``): no more than the padded layout.
+``sequences x width^2``): no more than the padded layout at the same width. Under a token-budget plan
+every row is as wide as the step's longest sequence, so a micro-batch of short sequences pays attention
+over that width (the masked path computes every pair of a row; about ``tokens x width`` in all).
 """
 
 from typing import List, NamedTuple, Optional
@@ -72,6 +75,19 @@ class PackedLayout(NamedTuple):
     dst: torch.Tensor
 
 
+def _next_fit(lengths: List[int], width: int) -> List[List[int]]:
+    """Sequence indices per row in the given order, a new row when the next sequence does not fit."""
+    rows: List[List[int]] = []
+    room = 0
+    for i, n in enumerate(lengths):
+        if not rows or n > room:
+            rows.append([])
+            room = width
+        rows[-1].append(i)
+        room -= n
+    return rows
+
+
 def _rows(lengths: List[int], width: int) -> List[List[int]]:
     """First-fit decreasing: sequence indices per row, each row's lengths summing to at most ``width``."""
     rows: List[List[int]] = []
@@ -95,8 +111,12 @@ def packed_layout(
     start: int,
     width: int,
     device: Optional[torch.device] = None,
+    row_width: Optional[int] = None,
 ) -> PackedLayout:
-    """Pack ``n`` sequences into rows as wide as the longest (deterministic first-fit decreasing).
+    """Pack ``n`` sequences into rows: as wide as the longest, first-fit decreasing (deterministic); or, with
+    ``row_width`` (a token-budget plan's, :func:`~torchtune_grpo.micro_batching.plan_micro_batches`), rows of
+    that many slots filled next-fit in the given order (the plan lists its rows' sequences one row after
+    another, so this never makes more rows than it planned).
 
     A sequence occupies ``prompt + response[:-1]`` (a response's last token is an input to nothing).
 
@@ -107,14 +127,19 @@ def packed_layout(
         start (int): the result's first column predicts token ``start + 1`` of each ``prompt + response``.
         width (int): ``T``, columns of the result.
         device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+        row_width (Optional[int]): slots per row, filled in order; None: first-fit decreasing at the longest
+            sequence. Default is None.
 
     Returns:
         PackedLayout: the packed rows and the gather/scatter indices of every response token.
     """
     seqs = [p + r[:-1] if r else list(p) for p, r in zip(prompt_ids, response_ids)]
     lengths = [len(s) for s in seqs]
-    s_width = max(lengths)
-    rows = _rows(lengths, s_width)
+    if row_width is None:
+        rows = _rows(lengths, max(lengths))
+    else:
+        rows = _next_fit(lengths, max(row_width, max(lengths)))
+    s_width = max(sum(lengths[i] for i in row) for row in rows)  # the fullest row: no all-padding column
     tokens = torch.full((len(rows), s_width), pad_id, dtype=torch.long)
     input_pos = torch.zeros((len(rows), s_width), dtype=torch.long)
     segments = torch.full((len(rows), s_width), -1, dtype=torch.long)

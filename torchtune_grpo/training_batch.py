@@ -360,6 +360,7 @@ class TrainingBatch:
         self.share_prompt = share_prompt
         self.pack = pack and not share_prompt
         self.device = device
+        self.row_width: Optional[int] = None  # a packed plan's (select)
         self._layouts: Dict[Tuple[int, int], "SharedPromptLayout | PackedLayout"] = {}
 
     @classmethod
@@ -370,6 +371,7 @@ class TrainingBatch:
         batch.response_mask = None
         batch.prompt_ids = batch.response_ids = batch.lengths = None
         batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
+        batch.row_width = None
         batch._layouts = {}
         return batch
 
@@ -388,13 +390,15 @@ class TrainingBatch:
         """
         return response_values(self.prompt_ids, values, self.start, self.width).to(self.device)
 
-    def select(self, rows: List[int]) -> "TrainingBatch":
+    def select(self, rows: List[int], row_width: Optional[int] = None) -> "TrainingBatch":
         """The batch of ``rows`` (indices, in that order), in the same ``[*, T]`` result layout.
 
         ``start`` (and so ``T``) stays this batch's, so values of the selection line up with the rest;
-        layouts are rebuilt for the new rows.
+        layouts are rebuilt for the new rows. ``row_width``: a packed plan's (:attr:`MicroBatchPlan.row_width`):
+        the packed layouts fill rows of that width in ``rows``' order.
         """
         batch = copy.copy(self)
+        batch.row_width = row_width
         index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
         batch.tokens = self.tokens.index_select(0, index)
         if self.response_mask is not None:
@@ -468,10 +472,11 @@ class TrainingBatch:
         key = (rows.start or 0, rows.stop if rows.stop is not None else len(self))
         if key not in self._layouts:
             a, b = key
-            build = packed_layout if self.pack else shared_prompt_layout
-            self._layouts[key] = build(
-                self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device
-            )
+            args = (self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device)
+            if self.pack:
+                self._layouts[key] = packed_layout(*args, row_width=self.row_width)
+            else:
+                self._layouts[key] = shared_prompt_layout(*args)
         return self._layouts[key]
 
     def logprobs(

@@ -79,13 +79,14 @@ class Experience:
     def __len__(self) -> int:
         return len(self.batch)
 
-    def select(self, rows: torch.Tensor) -> "Experience":
-        """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order)."""
+    def select(self, rows: torch.Tensor, row_width: Optional[int] = None) -> "Experience":
+        """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order; ``row_width`` as
+        :meth:`TrainingBatch.select`)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         for name, value in out.items():
             if isinstance(value, torch.Tensor):
                 out[name] = value[rows.to(value.device)]
-        out["batch"] = self.batch.select(rows.tolist())
+        out["batch"] = self.batch.select(rows.tolist(), row_width=row_width)
         return replace(self, **out)
 
 
@@ -124,7 +125,7 @@ def batch_token_logprobs(
     """
     ordered, mbs = batch, micro_batches(len(batch), micro_batch_size)
     if plan is not None:
-        ordered, mbs = batch.select(plan.order), plan.slices()
+        ordered, mbs = batch.select(plan.order, row_width=plan.row_width), plan.slices()
     outs = [
         ordered.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
                          entropy_grad=False)
@@ -302,7 +303,8 @@ class PolicyUpdate:
                     sub, mbs = ex, micro_batches(rows.stop, self.micro_batch_size, rows.start)
                 else:  # the mini-batch's rows in the plan's order: each micro-batch a slice of them
                     plan = plans[e][m]
-                    sub = ex.select(torch.tensor([rows.start + r for r in plan.order], dtype=torch.long))
+                    sub = ex.select(torch.tensor([rows.start + r for r in plan.order], dtype=torch.long),
+                                    row_width=plan.row_width)
                     mbs = plan.slices()
                 out = self._accumulate(sub, mbs, counts[i], counts[i + 1], stats)
                 if e == 0 and ex.engine_logprobs is not None:
