@@ -87,16 +87,21 @@ def paired(a: Dict[int, Dict[str, Any]], b: Dict[int, Dict[str, Any]], score) ->
     return out
 
 
-def parting(a, b, key: str) -> Optional[Tuple[Tuple[int, int], float, float]]:
-    """The first window where arms ``a`` and ``b`` differ in ``key`` by more than 2 standard errors of the
-    seed-paired differences: ``(window, mean difference, standard error)``, or None."""
+def parting(a, b, key: str) -> str:
+    """Where arms ``a`` and ``b`` first differ in ``key`` by more than 2 standard errors of the seed-paired
+    differences (per window), said in words; windows with fewer than 3 paired seeds are not judged."""
+    judged = 0
     for first, last in WINDOWS:
         diffs = [d for _, d in paired(a, b, lambda r: window_mean(r, key, first, last))]
-        if len(diffs) >= 3:
-            se = statistics.stdev(diffs) / len(diffs) ** 0.5
-            if abs(statistics.fmean(diffs)) > 2 * se:
-                return (first, last), statistics.fmean(diffs), se
-    return None
+        if len(diffs) < 3:
+            continue
+        judged += 1
+        mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5
+        if abs(mean) > 2 * se:
+            return f"first apart in steps {first}-{last}: {mean:+.3f} (SE {se:.3f}, {len(diffs)} paired seeds)"
+    if not judged:
+        return "fewer than 3 paired seeds with this quantity logged: not judged"
+    return f"no window apart by > 2 SE ({judged} windows judged)"
 
 
 def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
@@ -145,9 +150,7 @@ def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
             for n, cells in rows:
                 lines.append(f"| {n} | " + " | ".join(learning_report.cell(c, 3) for c in cells) + " |")
             for (a, _), (b, _) in itertools.combinations(rows, 2):
-                part = parting(arms[a], arms[b], key)
-                lines.append(f"\n{a} vs {b}: " + ("no window apart by > 2 SE" if part is None else
-                             f"first apart in steps {part[0][0]}-{part[0][1]}: {part[1]:+.3f} (SE {part[2]:.3f})"))
+                lines.append(f"\n{a} vs {b}: {parting(arms[a], arms[b], key)}")
             lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -119,3 +119,31 @@ def test_command_line_merges_runs_files_later_ones_winning(tmp_path):
     assert "Seeds: ours [0, 1]; TRL [0]." in text
     assert "| 3 | 0.60 ± 0.14 [0.50, 0.70] (35 s) | 0.40 (60 s) |" in text
     assert (tmp_path / "rep" / "learning.png").stat().st_size > 10_000
+
+
+crossover = load_benchmark("learning_crossover")
+
+
+def test_sign_flip_test_by_hand():
+    # 3 seeds, all positive: only the all-plus and all-minus assignments are as extreme: p = 2/8.
+    out = crossover.sign_flip_test([0.1, 0.2, 0.3])
+    assert out["diff"] == pytest.approx(0.2) and out["p"] == pytest.approx(0.25) and out["n"] == 3
+    # Opposite signs of equal size: every assignment is as extreme as |mean| = 0.
+    assert crossover.sign_flip_test([0.5, -0.5])["p"] == 1.0
+
+
+def test_crossover_pairs_seeds_and_finds_where_arms_part():
+    def run(seed, acc30, entropy_late):
+        steps = [{"step": s, "entropy": 1.0 if s <= 10 else entropy_late + 0.01 * seed} for s in range(1, 31)]
+        return {"side": "ours", "seed": seed, "steps": steps,
+                "evals": [{"step": 5, "accuracy": 0.5}, {"step": 30, "accuracy": acc30}]}
+
+    a = {s: run(s, 0.6 + 0.01 * s, 0.2) for s in range(4)}
+    b = {s: run(s, 0.8 + 0.01 * s, 0.5) for s in range(4)}
+    diffs = crossover.paired(a, b, lambda r: crossover.accuracy_at(r, 30))
+    assert [s for s, _ in diffs] == [0, 1, 2, 3] and all(d == pytest.approx(-0.2) for _, d in diffs)
+    # Equal through step 10, apart from 11-15 on (every seed -0.3): the first window judged apart.
+    assert crossover.parting(a, b, "entropy").startswith("first apart in steps 11-15: -0.300")
+    assert crossover.parting({0: a[0]}, {0: b[0]}, "entropy").startswith("fewer than 3 paired seeds")
+    text = crossover.report({"a": a, "b": b})
+    assert "| a - b | [0, 1, 2, 3] | -0.200 (0.12) |" in text
