@@ -22,7 +22,7 @@ Informative means "not zero-variance" as defined by
 equal. The filter looks at the task reward (the sum of ``reward_functions``), before any KL penalty.
 """
 
-from typing import List, NamedTuple
+from typing import Callable, List, NamedTuple, Tuple
 
 import torch
 
@@ -85,6 +85,31 @@ class DynamicSampling:
     def needs_more(self, groups: RolloutGroups, num_groups: int) -> bool:
         """Whether this rank has fewer than ``num_groups`` informative groups (always False when disabled)."""
         return self.enabled and int(self.informative(groups).sum()) < num_groups
+
+    def run_rounds(
+        self, first: RolloutGroups, next_round: Callable[[], RolloutGroups], num_groups: int,
+        all_reduce_sum: Callable[[List[float]], List[float]],
+    ) -> Tuple[RolloutGroups, int]:
+        """A step's rounds (step 2 of the module docstring): ``first``, then ``next_round()`` while some rank
+        has fewer than ``num_groups`` informative groups and fewer than ``max_rounds`` rounds ran.
+
+        Args:
+            first (RolloutGroups): the step's first round.
+            next_round (Callable[[], RolloutGroups]): one more round, on new prompts.
+            num_groups (int): groups per rank per step (``batch_size``).
+            all_reduce_sum (Callable[[List[float]], List[float]]): sums floats over ranks: one call per extra
+                round considered, so every rank runs the same number of rounds.
+
+        Returns:
+            Tuple[RolloutGroups, int]: every round's groups, in generation order, and the number of rounds.
+        """
+        rounds = [first]
+        while len(rounds) < self.max_rounds:
+            wanted = self.needs_more(RolloutGroups.concat(rounds), num_groups)
+            if all_reduce_sum([float(wanted)])[0] == 0:
+                break
+            rounds.append(next_round())
+        return RolloutGroups.concat(rounds), len(rounds)
 
     def select(self, groups: RolloutGroups, num_groups: int) -> GroupSelection:
         """Chooses the ``num_groups`` groups to train on.

@@ -159,13 +159,10 @@ class RolloutProducer:
         """The step's rounds: ``batch``'s (default: the next prompts), then (dynamic sampling) rounds on new
         prompts until every rank has enough informative groups or ``max_rounds`` is reached. Returns the
         groups and the rounds run."""
-        rounds = [self.round(policy, batch if batch is not None else self.prompts.next())]
-        while len(rounds) < self.dynamic.max_rounds:
-            wanted = self.dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
-            if self.all_reduce_sum([float(wanted)])[0] == 0:
-                break
-            rounds.append(self.round(policy, self.prompts.next()))  # new prompts
-        return RolloutGroups.concat(rounds), len(rounds)
+        first = self.round(policy, batch if batch is not None else self.prompts.next())
+        return self.dynamic.run_rounds(
+            first, lambda: self.round(policy, self.prompts.next()), self.batch_size, self.all_reduce_sum
+        )
 
 
 class FixedRollouts:

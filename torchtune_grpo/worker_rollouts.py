@@ -247,16 +247,15 @@ class WorkerRollouts:
         """
         if batch is not None:
             raise ValueError("a generation worker samples the prompts it was sent; collect takes no batch")
-        rounds = [self._next_batch()]
-        while len(rounds) < self.dynamic.max_rounds:
-            wanted = self.dynamic.needs_more(RolloutGroups.concat(rounds), self.batch_size)
-            if self.all_reduce_sum([float(wanted)])[0] == 0:
-                break
-            if self._requested == self._collected:  # nothing sampled ahead: now, with the current weights
-                self._request(version=self._latest)
-            rounds.append(self._next_batch())
+        groups = self.dynamic.run_rounds(self._next_batch(), self._extra_batch, self.batch_size, self.all_reduce_sum)
         self._top_up(version=self._latest, in_flight=self.max_staleness)  # sampled while the trainer updates
-        return RolloutGroups.concat(rounds), len(rounds)
+        return groups
+
+    def _extra_batch(self) -> RolloutGroups:
+        """Dynamic sampling's next batch: sampled ahead, or, with none in flight, now with the current weights."""
+        if self._requested == self._collected:
+            self._request(version=self._latest)
+        return self._next_batch()
 
     def _next_batch(self) -> RolloutGroups:
         index = self._collected + 1
