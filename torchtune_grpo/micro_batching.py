@@ -23,6 +23,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_grpo.packed_rows import first_fit_decreasing
+
 __all__ = ["MicroBatchPlan", "agreed_counts", "agreed_plan", "count_histogram", "plan_micro_batches"]
 
 
@@ -144,19 +146,10 @@ def _packed_bins(units: List[_Unit], max_tokens: int, max_rows: int) -> "tuple[L
     the sequences row by row, and :func:`~torchtune_grpo.packed_rows.packed_layout` given ``row_width = W``
     fills rows next-fit in that order: never more rows than planned, so the budget holds for the real layout.
     """
-    pool = sorted(units, key=lambda u: (-_packed_length(u), u.rows[0]))
-    width = max(_packed_length(pool[0]), 1)
-    rows: List[List[_Unit]] = []
-    room: List[int] = []
-    for u in pool:
-        n = _packed_length(u)
-        r = next((k for k, free in enumerate(room) if n <= free and len(rows[k]) < max_rows), None)
-        if r is None:
-            rows.append([])
-            room.append(width)
-            r = len(rows) - 1
-        rows[r].append(u)
-        room[r] -= n
+    units = sorted(units, key=lambda u: u.rows[0])  # first-fit decreasing breaks ties by index: by row
+    lengths = [_packed_length(u) for u in units]
+    width = max(max(lengths), 1)
+    rows = [[units[i] for i in row] for row in first_fit_decreasing(lengths, width, max_per_row=max_rows)]
     per_bin = max(1, max_tokens // width)
     bins: List[List[_Unit]] = []
     count = 0  # rows in the last bin

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from torchtune_grpo.attention import AttentionLayout
 
-__all__ = ["PackedMask", "PackedLayout", "packed_layout"]
+__all__ = ["PackedMask", "PackedLayout", "first_fit_decreasing", "packed_layout"]
 
 
 class PackedMask(AttentionLayout):
@@ -88,13 +88,15 @@ def _next_fit(lengths: List[int], width: int) -> List[List[int]]:
     return rows
 
 
-def _rows(lengths: List[int], width: int) -> List[List[int]]:
-    """First-fit decreasing: sequence indices per row, each row's lengths summing to at most ``width``."""
+def first_fit_decreasing(lengths: List[int], width: int, max_per_row: Optional[int] = None) -> List[List[int]]:
+    """Sequence indices per row: longest first (ties by index), each into the first row with room, each row's
+    lengths summing to at most ``width`` (a longer sequence gets a row of its own) and, with ``max_per_row``,
+    holding at most that many sequences."""
     rows: List[List[int]] = []
     room: List[int] = []
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
         for r, free in enumerate(room):
-            if lengths[i] <= free:
+            if lengths[i] <= free and (max_per_row is None or len(rows[r]) < max_per_row):
                 rows[r].append(i)
                 room[r] -= lengths[i]
                 break
@@ -136,7 +138,7 @@ def packed_layout(
     seqs = [p + r[:-1] if r else list(p) for p, r in zip(prompt_ids, response_ids)]
     lengths = [len(s) for s in seqs]
     if row_width is None:
-        rows = _rows(lengths, max(lengths))
+        rows = first_fit_decreasing(lengths, max(lengths))
     else:
         rows = _next_fit(lengths, max(row_width, max(lengths)))
     s_width = max(sum(lengths[i] for i in row) for row in rows)  # the fullest row: no all-padding column
