@@ -64,15 +64,21 @@ def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
                              Engine())  # the full recipe takes it (vLLM in the worker)
 
 
-def test_staleness_0_through_a_worker_is_the_synchronous_run(tmp_path, clean_env, one_thread):
-    # The worker samples with the trainer's weights of the same version, from the same RNG stream, and scores
-    # its tokens with the same forward: the run is the synchronous one, number for number.
+def _sync_and_worker(tmp_path: Path, config, steps: int, **overrides):
+    """The same run synchronous and through a worker at ``max_staleness: 0``: ``(metrics, final weights)`` of
+    each. ``config(directory, **overrides)`` writes a run's config."""
     runs = {}
     for name, extra in (("sync", {}), ("worker", {"generation_workers": _workers(0)})):
         (tmp_path / name).mkdir()
-        run_in_process(write_config(tmp_path / name, max_steps=3, save_every_n_steps=None, **extra))
-        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_3"))
-    (sync, sync_w), (worker, worker_w) = runs["sync"], runs["worker"]
+        run_in_process(config(tmp_path / name, max_steps=steps, save_every_n_steps=None, **overrides, **extra))
+        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / f"step_{steps}"))
+    return runs["sync"], runs["worker"]
+
+
+def test_staleness_0_through_a_worker_is_the_synchronous_run(tmp_path, clean_env, one_thread):
+    # The worker samples with the trainer's weights of the same version, from the same RNG stream, and scores
+    # its tokens with the same forward: the run is the synchronous one, number for number.
+    (sync, sync_w), (worker, worker_w) = _sync_and_worker(tmp_path, write_config, 3)
     for a, b in zip(sync, worker):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
         assert b["staleness/max"] == 0 and b["generation/logprob_mismatch"] == 0.0
@@ -91,12 +97,7 @@ def _dynamic(tmp_path: Path, **overrides) -> Path:
 def test_dynamic_sampling_through_a_worker_at_staleness_0_is_the_synchronous_run(tmp_path, clean_env, one_thread):
     # The extra batches are requested when needed, with the current weights, in the stream's order: the
     # synchronous recipe's rounds, number for number.
-    runs = {}
-    for name, extra in (("sync", {}), ("worker", {"generation_workers": _workers(0)})):
-        (tmp_path / name).mkdir()
-        run_in_process(_dynamic(tmp_path / name, max_steps=3, save_every_n_steps=None, **extra))
-        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_3"))
-    (sync, sync_w), (worker, worker_w) = runs["sync"], runs["worker"]
+    (sync, sync_w), (worker, worker_w) = _sync_and_worker(tmp_path, _dynamic, 3)
     assert sum(m["dynamic_sampling/rounds"] for m in sync) > len(sync)  # extra rounds ran
     keys = COMPARED + ("dynamic_sampling/rounds", "dynamic_sampling/groups_dropped")
     assert [{k: m[k] for k in keys} for m in worker] == [{k: m[k] for k in keys} for m in sync]
@@ -135,13 +136,7 @@ def test_an_engine_holding_its_own_weights_runs_in_the_worker_as_in_the_trainer(
     # CopyGenerator holds its own weights as vLLM does: in the worker it is the only copy (the worker builds no
     # model), each version goes into it through load_weights, and the probe check scores it there. At
     # max_staleness 0 the run is the synchronous one with the same engine, number for number.
-    runs = {}
-    for name, extra in (("sync", {}), ("worker", {"generation_workers": _workers(0)})):
-        (tmp_path / name).mkdir()
-        run_in_process(write_config(tmp_path / name, max_steps=2, save_every_n_steps=None,
-                                    **_copy_engine("CopyGenerator"), **extra))
-        runs[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_2"))
-    (sync, sync_w), (worker, worker_w) = runs["sync"], runs["worker"]
+    (sync, sync_w), (worker, worker_w) = _sync_and_worker(tmp_path, write_config, 2, **_copy_engine("CopyGenerator"))
     assert [{k: m[k] for k in COMPARED} for m in worker] == [{k: m[k] for k in COMPARED} for m in sync]
     assert all(torch.equal(sync_w[k], worker_w[k]) for k in sync_w)
 
