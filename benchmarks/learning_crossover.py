@@ -72,8 +72,7 @@ def accuracy_at(run: Dict[str, Any], step: int) -> Optional[float]:
 
 
 def window_mean(run: Dict[str, Any], key: str, first: int, last: int) -> Optional[float]:
-    vals = [s[key] for s in run.get("steps", []) if isinstance(s, dict) and first <= s["step"] <= last
-            and s.get(key) is not None]
+    vals = [s[key] for s in run.get("steps", []) if first <= s["step"] <= last and s.get(key) is not None]
     return statistics.fmean(vals) if vals else None
 
 
@@ -135,8 +134,7 @@ def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
         t_last, t_mean = sign_flip_test([d for _, d in last]), sign_flip_test([d for _, d in mean])
         lines.append(f"| {a} - {b} | {[s for s, _ in mean]} | {t_last['diff']:+.3f} ({t_last['p']:.2f}) | "
                      f"{t_mean['diff']:+.3f} ({t_mean['p']:.2f}) |")
-    logged = [n for n in names if any(isinstance(s, dict) and len(s) > 3 for r in arms[n].values()
-                                      for s in r.get("steps", []))]
+    logged = [n for n in names if any(r.get("steps") for r in arms[n].values())]  # arms with per-step logs
     if logged:
         lines += ["", "## Closed-loop diagnostics per window (mean over seeds)", ""]
         for key in DIAGNOSTICS:
