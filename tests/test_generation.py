@@ -28,6 +28,30 @@ def test_top_k_and_top_p_exclude_tokens():
     assert set(sample_tokens(logits, top_p=0.1, generator=gen).tolist()) == {0}
 
 
+def test_sampling_draws_improbable_tokens_at_their_probability():
+    # Issue "the late learning gap": the sampler drew tokens of probability ~1e-7 about half as often as
+    # their probability (an exponential race on float32 uniforms). Here 16,383 tokens of p = 5e-8 each
+    # (tail mass 8.2e-4) and one of p ~ 0.9992: 131,072 draws expect 107.4 tail tokens (sd 10.4); the old
+    # sampler gave ~56 (5 sd short). Bound: 4 sd.
+    vocab, p_tail, rows, chunks = 16384, 5e-8, 1024, 128
+    probs = torch.full((vocab,), p_tail, dtype=torch.float64)
+    probs[0] = 1.0 - p_tail * (vocab - 1)
+    logits = probs.log().float().expand(rows, vocab)
+    gen = torch.Generator().manual_seed(0)
+    tail = sum(int((sample_tokens(logits, generator=gen) != 0).sum()) for _ in range(chunks))
+    expected = rows * chunks * p_tail * (vocab - 1)
+    assert abs(tail - expected) < 4 * expected**0.5, (tail, expected)
+
+
+def test_the_largest_uniform_still_draws_a_kept_token(monkeypatch):
+    # The edge of the inverse CDF: at the largest uniform the draw is the last token with probability > 0
+    # (not one past the end, not a token top-k removed). Every uniform is forced to the largest float64 < 1.
+    logits = torch.tensor([[0.0, 3.0, 0.5, -1.0, -2.0]]).repeat(8, 1)
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 1 - 2**-53, dtype=kw["dtype"]))
+    assert sample_tokens(logits).tolist() == [4] * 8
+    assert sample_tokens(logits, top_k=3).tolist() == [2] * 8  # tokens 3 and 4 removed: the last kept is 2
+
+
 def test_sampling_is_reproducible_with_a_generator():
     logits = torch.randn(16, 50)
     a = sample_tokens(logits, generator=torch.Generator().manual_seed(3))
