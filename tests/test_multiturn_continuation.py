@@ -125,7 +125,8 @@ def logprobs_per_episode(eps, calls):
 
 @pytest.mark.parametrize("share_prefill", [True, False], ids=["shared_prefix_layout", "per_row_layout"])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-def test_continuation_equals_recomputing_every_history(share_prefill, sampling, sampled_logprobs):
+@pytest.mark.parametrize("compact", [True, False], ids=["turns_run_live_rows", "turns_run_every_row"])
+def test_continuation_equals_recomputing_every_history(share_prefill, sampling, compact, sampled_logprobs):
     # Logprobs agree to 1e-4, not bit for bit: the two paths run different batch shapes (a history's
     # keys/values computed in an earlier, differently padded forward), and the x8 weights make logits
     # large. Measured here: up to ~8e-5, the size of the difference between the engine's two layouts
@@ -135,10 +136,11 @@ def test_continuation_equals_recomputing_every_history(share_prefill, sampling, 
     results = []
     for cls in (NativeGenerator, Resend):
         sampled_logprobs.clear()
-        # compact_decode off: the recorded per-step logprobs need every row at every step (a session never
-        # compacts, but Resend's generate would; the compacting loop's equality: test_generation_compact.py).
+        # Resend without compact_decode: the recorded per-step logprobs need every sampled row at every
+        # step of a turn (the compacting loop's equality: test_generation_compact.py). A session's
+        # compact_decode only decides whether a later turn runs the continued rows alone.
         engine = turn_marking(cls, sampled_logprobs)(
-            temperature=temperature, share_prefill=share_prefill, compact_decode=False
+            temperature=temperature, share_prefill=share_prefill, compact_decode=compact and cls is NativeGenerator
         )
         eps = episodes(engine, model, group_size=group_size, seed=seed)
         results.append((eps, logprobs_per_episode(eps, sampled_logprobs)))
@@ -179,15 +181,41 @@ def test_later_turns_prefill_only_the_reply_and_the_last_sampled_token():
     assert shapes == [(1, 6), (1, 6 + first + 3), (1, 6 + first + 3 + second + 7)]
 
 
-def test_rows_of_different_lengths_append_one_block_as_wide_as_the_longest_reply():
-    # Four episodes: each later turn is one [4, M] forward (ended episodes stay in the batch, fed padding),
-    # M = 1 + the longest reply among the episodes still running: turn 2 replies 3, 1, 6, 4 -> M = 7;
-    # turn 3 (episode 1 ended) replies 7, 2, 5 -> M = 8.
+@pytest.mark.parametrize("compact", [True, False])
+def test_rows_of_different_lengths_append_one_block_as_wide_as_the_longest_reply(compact):
+    # Four episodes: each later turn is one [n, M] forward, M = 1 + the longest reply among the episodes
+    # still running: turn 2 replies 3, 1, 6, 4 -> M = 7; turn 3 (episode 1 ended) replies 7, 2, 5 -> M = 8,
+    # over the 3 running episodes (compact_decode) or all 4, the ended one fed padding.
     model = make_tiny_decoder(scale=8.0)
     shapes = forward_widths(model)
-    eps = episodes(NativeGenerator(temperature=0.0), model)
+    eps = episodes(NativeGenerator(temperature=0.0, compact_decode=compact), model)
     assert eps.turns[1] == 2 and min(eps.turns[i] for i in (0, 2, 3)) == 3
-    assert shapes == [(4, 6), (4, 7), (4, 8)]
+    assert shapes == [(4, 6), (4, 7), (3 if compact else 4, 8)]
+
+
+@pytest.mark.parametrize("share_prefill", [True, False], ids=["shared_prefix_layout", "per_row_layout"])
+def test_a_turn_over_some_rows_of_some_groups_equals_the_full_batch_turn(share_prefill):
+    # Groups of 3; turn 2 continues whole group 1 (rows 3-5, its prompt stays shared) and one row each of
+    # groups 0 and 3 (they get their own prompt copy), in an unsorted order; turn 3 continues two of them.
+    # The same tokens and the same generator state as the turn run over all 12 rows, and the caches
+    # written back serve turn 3.
+    model = make_tiny_decoder(scale=8.0)
+    results = []
+    for compact in (True, False):
+        engine = NativeGenerator(temperature=1.0, share_prefill=share_prefill, compact_decode=compact)
+        gen = torch.Generator().manual_seed(5)
+        with engine.session(model, PROMPTS, group_size=3, max_new_tokens=40, pad_id=0, stop_tokens=STOPS) as s:
+            first = s.generate(list(range(12)), [[]] * 12, max_new_tokens=12, generator=gen)
+            hist = {i: list(r) + [51, 52 + i] for i, r in enumerate(first.response_ids)}
+            rows2 = [9, 3, 4, 5, 1]
+            second = s.generate(rows2, [hist[i] for i in rows2], max_new_tokens=12, generator=gen)
+            rows3 = [4, 9]
+            resp3 = [hist[i] + list(second.response_ids[rows2.index(i)]) + [60] for i in rows3]
+            third = s.generate(rows3, resp3, max_new_tokens=12, generator=gen)
+        results.append((second.response_ids, third.response_ids, torch.rand(4, generator=gen)))
+    (a2, a3, a_next), (b2, b3, b_next) = results
+    assert a2 == b2 and a3 == b3 and torch.equal(a_next, b_next)
+    assert len({len(r) for r in a2}) > 1  # turns of several lengths: not a trivial case
 
 
 def test_a_session_reuses_the_longest_cached_prefix_of_any_history():

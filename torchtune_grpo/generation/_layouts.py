@@ -13,6 +13,7 @@ decodes with a per-row slot, mask and position. Completion index ``c`` holds the
 in both layouts, so a row's tokens stay contiguous whatever the other rows hold.
 """
 
+import copy
 from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -294,6 +295,37 @@ class SharedPrefixRollout:
         self.lengths = self.lengths.index_select(0, keep)
         self.decode_group = g if whole else 1
 
+    def select_rows(self, rows: torch.Tensor) -> "SharedPrefixRollout":
+        """This rollout over decode rows ``rows`` only (``[n]`` long, distinct, in the turn's order): a
+        multi-turn session's later turn that continues some rows (``_session.py``). The rows' caches are
+        copied (whole groups keep sharing their prompt); :meth:`write_rows` copies the completion part
+        back. Eager rollouts only."""
+        g = self.decode_group
+        r = rows.tolist()
+        whole = len(r) % g == 0 and all(r[j] == r[j - j % g] + j % g and r[j - j % g] % g == 0 for j in range(len(r)))
+        prompts = rows[::g] // g if whole else rows // g
+        pw, cw = self.p_window, self.c_window
+        pk, pv, ck, cv = self.storage
+        view = copy.copy(self)
+        view.storage = (
+            [t[:, :, :pw].index_select(0, prompts) for t in pk], [t[:, :, :pw].index_select(0, prompts) for t in pv],
+            [t[:, :, :cw].index_select(0, rows) for t in ck], [t[:, :, :cw].index_select(0, rows) for t in cv],
+        )
+        view.prefix_mask = self.prefix_mask.index_select(0, prompts)
+        view.lengths = self.lengths.index_select(0, rows)
+        view.decode_group = g if whole else 1
+        view.row_write_slot = torch.zeros(len(r), 1, dtype=torch.long, device=rows.device)
+        view.row_state = CacheState(slots=view.row_write_slot, window=cw)
+        view.row_decode_caches = view._caches(view.row_state)
+        return view
+
+    def write_rows(self, view: "SharedPrefixRollout", rows: torch.Tensor) -> None:
+        """Copy the completion caches of ``view = self.select_rows(rows)`` back to rows ``rows`` (the
+        prompt part is never written after the prefill)."""
+        cw = self.c_window
+        for dst, src in zip((*self.storage[2], *self.storage[3]), (*view.storage[2], *view.storage[3])):
+            dst[:, :, :cw].index_copy_(0, rows, src)
+
     def extend_caches(self, c: torch.Tensor) -> List[SharedPrefixKVCache]:
         """Caches that write an :meth:`extend` forward's tokens at completion indices ``c`` (``[N, s]``)."""
         return self._caches(CacheState(slots=c, window=self.c_window))
@@ -432,6 +464,26 @@ class PerRowRollout:
             cache.batch_size = keep.numel()
         self.pad = self.pad.index_select(0, keep)
         self.valid = self.valid.index_select(0, keep)
+
+    def select_rows(self, rows: torch.Tensor) -> "PerRowRollout":
+        """This rollout over decode rows ``rows`` only (``[n]`` long, distinct, in the turn's order), for a
+        session's later turn (see :meth:`SharedPrefixRollout.select_rows`); eager rollouts only."""
+        w = self.window
+        view = copy.copy(self)
+        view.ks = [k[:, :, :w].index_select(0, rows) for k in self.ks]
+        view.vs = [v[:, :, :w].index_select(0, rows) for v in self.vs]
+        view.pad, view.valid = self.pad.index_select(0, rows), self.valid.index_select(0, rows)
+        view.row_write_slot = torch.zeros(rows.numel(), 1, dtype=torch.long, device=rows.device)
+        view.row_decode_caches = [
+            SlotKVCache(k, v, CacheState(slots=view.row_write_slot, window=w)) for k, v in zip(view.ks, view.vs)
+        ]
+        return view
+
+    def write_rows(self, view: "PerRowRollout", rows: torch.Tensor) -> None:
+        """Copy the completion slots of ``view = self.select_rows(rows)`` back to rows ``rows``."""
+        p, w = self.prompt_len, self.window
+        for dst, src in zip((*self.ks, *self.vs), (*view.ks, *view.vs)):
+            dst[:, :, p:w].index_copy_(0, rows, src[:, :, p:w])
 
     def extend_caches(self, c: torch.Tensor) -> List[SlotKVCache]:
         """Caches that write an :meth:`extend` forward's tokens at completion indices ``c`` (``[N, s]``)."""

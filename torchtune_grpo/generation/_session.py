@@ -20,11 +20,14 @@ columns left of a shorter append, and every slot a row writes beyond its budget,
 completion index ``max_new_tokens - 1``: no real token ever lands there (a row's history leaves room for
 one sampled token, and the last sampled token is never fed), and no real query sees it.
 
-Rows that ended stay in the batch, fed padding, and are not sampled from (so a seeded generator draws the
-same noise as a batch of the live rows alone). Dropping their cache rows instead would change the batch
-size every turn: the shared-prefix layout reads each prompt once for its whole group of ``G`` rows, and a
-compiled decode step is specialised on the batch size (a new graph for every live count). The price is the
-ended rows' share of each decode step, as in a single-turn rollout whose rows stopped early.
+A later turn that continues only some rows (the others' episodes ended) runs on those rows alone when the
+engine has ``compact_decode`` (the default): their caches are copied into a turn-sized batch (whole groups
+keep sharing their prompt; a group's surviving rows each get a copy of it), the turn is decoded there, and
+the completion caches are copied back, about two decode steps' worth of memory traffic per turn instead of
+the ended rows' share of every decode step. A seeded generator draws the same noise either way (one
+uniform per sampled row). Compiled decoding (CUDA graphs, specialised on the batch size) and
+``compact_decode: false`` keep every row in the batch, the ended ones fed padding and not sampled from.
+Within a turn, rows that stop stay in the batch until the turn ends.
 """
 
 from typing import List, Optional, Sequence, TYPE_CHECKING
@@ -180,18 +183,25 @@ class NativeSession:
                 reuse += 1
             appends.append((reuse, resp[reuse:]))
         width = max(len(new) for _, new in appends)
-        tokens = torch.full((self.n, width), self.pad_id, dtype=torch.long)  # [N, M]
-        c = torch.full((self.n, width), scratch, dtype=torch.long)  # [N, M] completion indices
-        for i, (reuse, new) in zip(rows, appends):
-            tokens[i, width - len(new):] = torch.tensor(new, dtype=torch.long)
-            c[i, width - len(new):] = torch.arange(reuse, reuse + len(new))
+        idx = torch.tensor(rows, dtype=torch.long, device=device)
+        # Only the continuing rows run when some rows are not (ended episodes): a copy of their caches is
+        # decoded and written back after the turn (see the module docstring).
+        subset = engine.compact_decode and not run.compiled and len(rows) < self.n
+        turn = run.select_rows(idx) if subset else run
+        batch = len(rows) if subset else self.n
+        slot_of = list(range(len(rows))) if subset else rows  # each continued row's row in the turn's batch
+        tokens = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [n, M]
+        c = torch.full((batch, width), scratch, dtype=torch.long)  # [n, M] completion indices
+        for j, (reuse, new) in zip(slot_of, appends):
+            tokens[j, width - len(new):] = torch.tensor(new, dtype=torch.long)
+            c[j, width - len(new):] = torch.arange(reuse, reuse + len(new))
         tokens, c = tokens.to(device), c.to(device)
-        with attached_caches(self._attns, run.extend_caches(c)):
-            logits = run.extend(model, tokens, c)  # [N, V]
+        with attached_caches(self._attns, turn.extend_caches(c)):
+            logits = turn.extend(model, tokens, c)  # [n, V]
 
         lengths = [len(r) for r in responses]
-        start = torch.full((self.n,), scratch, dtype=torch.long)  # rows not sampled write only to scratch
-        start[rows] = torch.tensor(lengths, dtype=torch.long)
+        start = torch.full((batch,), scratch, dtype=torch.long)  # rows not sampled write only to scratch
+        start[slot_of] = torch.tensor(lengths, dtype=torch.long)
         start = start.to(device)
         room = torch.tensor([self.budget - n for n in lengths], dtype=torch.long, device=device)
         longest = max(lengths)
@@ -199,14 +209,17 @@ class NativeSession:
 
         def feed(token: torch.Tensor, t: int) -> torch.Tensor:
             window = min(longest + t, scratch) + 1  # completion slots written so far (eager reads)
-            return run.decode_rows(model, token, (start + t).clamp_(max=scratch), window, direct)
+            return turn.decode_rows(model, token, (start + t).clamp_(max=scratch), window, direct)
 
         stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=device)
-        with attached_caches(self._attns, run.row_decode_caches):
+        with attached_caches(self._attns, turn.row_decode_caches):
+            # The same noise either way: one draw per sampled row, in ``rows`` order.
             out, stopped = engine._decode_loop(
                 logits, feed, max_new_tokens, self.pad_id, stop, temperature, generator,
-                rows=torch.tensor(rows, dtype=torch.long, device=device), room=room,
+                rows=None if subset else idx, room=room,
             )
+        if subset:
+            run.write_rows(turn, idx)
         rollout = to_rollout([self.prompts[i] + r for i, r in zip(rows, responses)], out, stopped, stop)
         new_ids = [ids[: self.budget - n] for ids, n in zip(rollout.response_ids, lengths)]  # the budget's cut
         for i, resp, ids in zip(rows, responses, new_ids):
