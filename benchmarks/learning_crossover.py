@@ -18,7 +18,7 @@ two arms' scores on one seed has the prompt order's part of the noise removed). 
         --arm transformers=results/crossover/transformers/runs.json:ours --out results/crossover
 
 ``--arm NAME=FILE:SIDE`` adds the runs of ``FILE`` whose ``side`` is ``SIDE`` to arm ``NAME`` (repeatable; a
-seed given twice keeps the first). Output (``crossover.md``): held-out accuracy per arm and evaluation step;
+seed given twice keeps the first). Output (``crossover.md`` and ``crossover.png``, the per-step plots): held-out accuracy per arm and evaluation step;
 each pair of arms' paired differences (step 30 and the mean over steps 5-30) with an exact sign-flip test
 over seeds; and, for arms with per-step logs, the closed-loop diagnostics per 5-step window with the first
 window where two arms part by more than twice the standard error of their seed-paired difference.
@@ -153,6 +153,50 @@ def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def step_means(arm: Dict[int, Dict[str, Any]], key: str) -> Tuple[List[int], List[float]]:
+    """Steps and the mean over the arm's seeds of ``key`` logged at each step (steps no seed logged left out)."""
+    by_step: Dict[int, List[float]] = {}
+    for run in arm.values():
+        for rec in run.get("steps", []):
+            if rec.get(key) is not None:
+                by_step.setdefault(rec["step"], []).append(rec[key])
+    steps = sorted(by_step)
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
+
+
+def plot(arms: Dict[str, Dict[int, Dict[str, Any]]], path: Path) -> None:
+    """Held-out accuracy per evaluation and each closed-loop diagnostic per step: one line per arm, the mean
+    over its seeds (diagnostics an arm did not log are left out of its panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ["held-out accuracy", *DIAGNOSTICS]
+    cols = 4
+    fig, axes = plt.subplots(-(-len(keys) // cols), cols, figsize=(4 * cols, 3.2 * -(-len(keys) // cols)))
+    for ax, key in zip(axes.flat, keys):
+        for name, arm in arms.items():
+            if key == "held-out accuracy":
+                steps = sorted({e["step"] for r in arm.values() for e in r["evals"]})
+                values = [statistics.fmean(v for v in (accuracy_at(r, s) for r in arm.values()) if v is not None)
+                          for s in steps]
+                ax.plot(steps, values, marker="o", label=name)
+            else:
+                steps, values = step_means(arm, key)
+                if steps:
+                    ax.plot(steps, values, label=name, linewidth=1.2)
+        ax.set(title=key, xlabel="step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle("Cross-over: mean over seeds per arm (SmolLM2-135M, benchmarks/learning_vs_trl.py settings)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: Optional[List[str]] = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", action="append", required=True, metavar="NAME=FILE:SIDE")
@@ -162,6 +206,7 @@ def main(argv: Optional[List[str]] = None) -> str:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "crossover.md").write_text(text)
+        plot(load_arms(args.arm), Path(args.out) / "crossover.png")
     print(text)
     return text
 
