@@ -15,6 +15,7 @@ step over the step), staleness and the sampler/trainer logprob mismatch; and the
 per second to ``sync_separate``'s (the issue's target: ``one_step_off`` >= 1.4x on the SmolLM2 workload)::
 
     python benchmarks/async_rollouts.py --workloads tiny llama100m --steps 8 --json /tmp/async.json
+    python benchmarks/async_rollouts.py --workloads --smollm2 /tmp/smollm2-135m --steps 6   # SmolLM2 only
 """
 
 import argparse
@@ -37,11 +38,24 @@ MODES: Dict[str, Dict[str, Any]] = {
 
 
 def child(workload_dir: Path, out: Path, steps: int, staleness: Optional[int]) -> None:
-    """Child: the recipe on the workload; its metrics.jsonl is the result."""
+    """Child: the recipe on the workload; its metrics.jsonl is the result.
+
+    ``workload_dir`` is a grpo_vs_trl workload, or (a ``smollm2.json`` in it) the SmolLM2 task of
+    learning_vs_trl.py: its model directory and seed-0 prompt order, its recipe settings.
+    """
     from omegaconf import OmegaConf
 
-    spec = json.loads((workload_dir / "workload.json").read_text())
-    cfg = OmegaConf.create(bench.recipe_config(workload_dir, out, spec, steps))
+    smol = workload_dir / "smollm2.json"
+    if smol.exists():
+        import learning_vs_trl
+
+        model_dir = Path(json.loads(smol.read_text())["model_dir"])
+        config = learning_vs_trl.recipe_config(model_dir, workload_dir / "train_order.jsonl", out, 0, steps)
+        config["metric_logger"]["log_dir"] = str(out / "logs")
+    else:
+        spec = json.loads((workload_dir / "workload.json").read_text())
+        config = bench.recipe_config(workload_dir, out, spec, steps)
+    cfg = OmegaConf.create(config)
     if staleness is not None:
         cfg.generation_workers = {"enabled": True, "max_staleness": staleness, "threads": 1}
     recipe = recipe_module().GRPOFullFinetuneRecipeDistributed(cfg=cfg)
@@ -50,6 +64,17 @@ def child(workload_dir: Path, out: Path, steps: int, staleness: Optional[int]) -
     while recipe.global_step < recipe.total_steps:
         recipe.train_step()
     recipe.cleanup()
+
+
+def smollm2_workload(model_dir: Path, workload_dir: Path) -> Path:
+    """The SmolLM2 task of learning_vs_trl.py in ``workload_dir``: its train split in seed 0's order."""
+    import learning_vs_trl
+
+    workload_dir.mkdir(parents=True, exist_ok=True)
+    learning_vs_trl.build_task(model_dir.resolve(), workload_dir / "task")
+    learning_vs_trl.write_seed_order(workload_dir / "task", 0, workload_dir)
+    (workload_dir / "smollm2.json").write_text(json.dumps({"model_dir": str(model_dir.resolve())}))
+    return workload_dir
 
 
 def summarize(metrics: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -71,16 +96,20 @@ def summarize(metrics: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=["tiny", "llama100m"], choices=list(bench.WORKLOADS))
+    parser.add_argument("--workloads", nargs="*", default=["tiny", "llama100m"], choices=list(bench.WORKLOADS))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="threads of the synchronous trainer")
+    parser.add_argument("--smollm2", default=None, metavar="DIR",
+                        help="also the SmolLM2 task of learning_vs_trl.py (4 x 8, <= 48 tokens), this HF directory "
+                             "(benchmarks/smollm2.py makes it)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     report: Dict[str, Any] = {"loadavg_before": loadavg(), "steps": args.steps, "workloads": {}}
     with tempfile.TemporaryDirectory(prefix="async_bench_") as tmp:
-        for name in args.workloads:
-            wdir = bench.build_workload(name, Path(tmp) / name)
+        for name in args.workloads + (["smollm2"] if args.smollm2 else []):
+            wdir = smollm2_workload(Path(args.smollm2), Path(tmp) / name) if name == "smollm2" else \
+                bench.build_workload(name, Path(tmp) / name)
             entry: Dict[str, Any] = {}
             for mode in args.modes:
                 staleness = MODES[mode]["workers"]
