@@ -72,29 +72,6 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
         "steps": 6,
         "lr": 1e-5,
     },
-    # Long-tailed completion lengths (issue 30): the tiny model, whose near-uniform next-token distribution
-    # over 512 ids with 2 stop ids makes lengths geometric (mean ~256, median ~177, 1.8 % cut at 1,024), so
-    # every batch holds a few completions several times longer than most; both sides sample them.
-    "tiny_longtail": {
-        "family": "qwen2",
-        "model": {
-            "vocab_size": 512,
-            "num_layers": 4,
-            "num_heads": 4,
-            "num_kv_heads": 2,
-            "embed_dim": 128,
-            "intermediate_dim": 256,
-            "max_seq_len": 2048,
-            "norm_eps": 1e-6,
-            "rope_base": 1000000.0,
-            "tie_word_embeddings": True,
-        },
-        "batch_size": 4,
-        "group_size": 8,
-        "max_new_tokens": 1024,
-        "steps": 4,
-        "lr": 1e-5,
-    },
     # A ~100M-parameter Llama-3.2-shaped model: 12 layers, 768 wide, 12/4 heads, tied 32k vocabulary.
     "llama100m": {
         "family": "llama3_2",
@@ -159,6 +136,15 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
         "steps": 6,
         "lr": 1e-6,
     },
+}
+# Long-tailed completion lengths (issue 30): the tiny model, whose near-uniform next-token distribution over
+# 512 ids with 2 stop ids makes lengths geometric (mean ~256, median ~177, 1.8 % cut at 1,024), so every batch
+# holds a few completions several times longer than most; both sides sample them.
+WORKLOADS["tiny_longtail"] = {
+    **WORKLOADS["tiny"],
+    "model": {**WORKLOADS["tiny"]["model"], "max_seq_len": 2048},
+    "max_new_tokens": 1024,
+    "steps": 4,
 }
 CPU_WORKLOADS = ["tiny", "llama100m"]
 

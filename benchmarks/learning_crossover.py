@@ -18,8 +18,8 @@ two arms' scores on one seed has the prompt order's part of the noise removed). 
         --arm transformers=results/crossover/transformers/runs.json:ours --out results/crossover
 
 ``--arm NAME=FILE:SIDE`` adds the runs of ``FILE`` whose ``side`` is ``SIDE`` to arm ``NAME`` (repeatable; a
-seed given twice keeps the first). Output (``crossover.md`` and ``crossover.png``, the per-step plots): held-out accuracy per arm and evaluation step;
-each pair of arms' paired differences (step 30 and the mean over steps 5-30) with an exact sign-flip test
+seed given twice keeps the first). Output (``crossover.md``, and ``crossover.png`` with the per-step plots):
+held-out accuracy per arm and evaluation step; each pair of arms' paired differences (step 30 and the mean over steps 5-30) with an exact sign-flip test
 over seeds; and, for arms with per-step logs, the closed-loop diagnostics per 5-step window with the first
 window where two arms part by more than twice the standard error of their seed-paired difference.
 """

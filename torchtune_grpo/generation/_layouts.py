@@ -278,12 +278,7 @@ class SharedPrefixRollout:
         When ``keep`` is whole groups, their prompts stay shared; otherwise each kept row gets its own copy
         of its prompt's keys/values (groups of one), so the batch can shrink to exactly the live rows.
         """
-        g = self.decode_group
-        rows = keep.tolist()
-        whole = len(rows) % g == 0 and all(
-            rows[j] == rows[j - j % g] + j % g and rows[j - j % g] % g == 0 for j in range(len(rows))
-        )
-        prompts = keep[::g] // g if whole else keep // g  # [n' / g or n'] prompt rows to keep
+        prompts, group = self._prompt_rows(keep)
         pw, cw = self.p_window, self.c_window
         for cache in self.decode_caches:
             cache.prefix_k = cache.prefix_k[:, :, :pw].index_select(0, prompts)
@@ -293,17 +288,22 @@ class SharedPrefixRollout:
             cache.batch_size = keep.numel()
         self.prefix_mask = self.prefix_mask.index_select(0, prompts)
         self.lengths = self.lengths.index_select(0, keep)
-        self.decode_group = g if whole else 1
+        self.decode_group = group
+
+    def _prompt_rows(self, rows: torch.Tensor) -> Tuple[torch.Tensor, int]:
+        """The prompt rows that decode rows ``rows`` (``[n]`` long) read, and the decode rows per prompt row:
+        whole groups in order keep their shared prompt (``[n / G]``, ``G``); otherwise each row gets its own
+        copy (``[n]``, 1)."""
+        g, r = self.decode_group, rows.tolist()
+        whole = len(r) % g == 0 and all(r[j] == r[j - j % g] + j % g and r[j - j % g] % g == 0 for j in range(len(r)))
+        return (rows[::g] // g, g) if whole else (rows // g, 1)
 
     def select_rows(self, rows: torch.Tensor) -> "SharedPrefixRollout":
         """This rollout over decode rows ``rows`` only (``[n]`` long, distinct, in the turn's order): a
         multi-turn session's later turn that continues some rows (``_session.py``). The rows' caches are
         copied (whole groups keep sharing their prompt); :meth:`write_rows` copies the completion part
         back. Eager rollouts only."""
-        g = self.decode_group
-        r = rows.tolist()
-        whole = len(r) % g == 0 and all(r[j] == r[j - j % g] + j % g and r[j - j % g] % g == 0 for j in range(len(r)))
-        prompts = rows[::g] // g if whole else rows // g
+        prompts, group = self._prompt_rows(rows)
         pw, cw = self.p_window, self.c_window
         pk, pv, ck, cv = self.storage
         view = copy.copy(self)
@@ -313,8 +313,8 @@ class SharedPrefixRollout:
         )
         view.prefix_mask = self.prefix_mask.index_select(0, prompts)
         view.lengths = self.lengths.index_select(0, rows)
-        view.decode_group = g if whole else 1
-        view.row_write_slot = torch.zeros(len(r), 1, dtype=torch.long, device=rows.device)
+        view.decode_group = group
+        view.row_write_slot = torch.zeros(rows.numel(), 1, dtype=torch.long, device=rows.device)
         view.row_state = CacheState(slots=view.row_write_slot, window=cw)
         view.row_decode_caches = view._caches(view.row_state)
         return view

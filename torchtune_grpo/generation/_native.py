@@ -79,9 +79,9 @@ class NativeGenerator(GenerationEngine):
         compact_decode (bool): rows that stopped leave the decode batch (their KV cache rows dropped at the
             stop checks), so decode cost follows the live rows (:mod:`~torchtune_grpo.generation._compact`;
             the same random draws, tokens equal up to last-bit effects of the batch size on matrix
-            products). Eager decoding only: a compiled step keeps its fixed shapes. In a multi-turn session
-            a later turn runs only the rows it continues (ended episodes leave; ``_session.py``). Memory: a compaction copies the live rows'
-            caches into new tensors while the engine's storage stays allocated (up to ~1.75x the KV cache
+            products). Eager decoding only: a compiled step keeps its fixed shapes. In a multi-turn
+            session a later turn runs only the rows it continues (ended episodes leave; ``_session.py``).
+            Memory: a compaction copies the live rows' caches into new tensors while the engine's storage stays allocated (up to ~1.75x the KV cache
             during a rollout), and in the shared-prefix layout a group that lost some rows gives each live
             row its own copy of the prompt's keys/values (at most the per-row layout's size). Default is True.
     """
