@@ -80,13 +80,17 @@ def runs(mask, value):
 
 @pytest.fixture
 def sampled_logprobs(monkeypatch):
-    """Per engine call (a turn), per sampling step: the logprob of each sampled row's token ``[n]``."""
+    """Per engine call (a turn), per sampling step: the logprob of each sampled row's token ``[n]`` (NaN for
+    the rows a compacting loop no longer decodes: they stopped)."""
     calls = []
     sample = native.sample_tokens
 
     def recording(logits, **kwargs):
         token = sample(logits, **kwargs)
-        calls[-1].append(torch.log_softmax(logits.float(), -1).gather(1, token[:, None])[:, 0])
+        lp = torch.log_softmax(logits.float(), -1).gather(1, token[:, None])[:, 0]
+        if kwargs.get("noise_rows") is not None:  # the compacting loop's live rows of its batch
+            lp = torch.full((kwargs["noise_batch"],), float("nan")).index_copy(0, kwargs["noise_rows"], lp)
+        calls[-1].append(lp)
         return token
 
     monkeypatch.setattr(native, "sample_tokens", recording)
@@ -136,11 +140,10 @@ def test_continuation_equals_recomputing_every_history(share_prefill, sampling, 
     results = []
     for cls in (NativeGenerator, Resend):
         sampled_logprobs.clear()
-        # Resend without compact_decode: the recorded per-step logprobs need every sampled row at every
-        # step of a turn (the compacting loop's equality: test_generation_compact.py). A session's
-        # compact_decode only decides whether a later turn runs the continued rows alone.
+        # compact: every turn of the session decodes its live rows only (a later turn the continued rows
+        # alone, copied out of the session's caches and back; rows that stop leave at the stop checks).
         engine = turn_marking(cls, sampled_logprobs)(
-            temperature=temperature, share_prefill=share_prefill, compact_decode=compact and cls is NativeGenerator
+            temperature=temperature, share_prefill=share_prefill, compact_decode=compact
         )
         eps = episodes(engine, model, group_size=group_size, seed=seed)
         results.append((eps, logprobs_per_episode(eps, sampled_logprobs)))
@@ -216,6 +219,51 @@ def test_a_turn_over_some_rows_of_some_groups_equals_the_full_batch_turn(share_p
     (a2, a3, a_next), (b2, b3, b_next) = results
     assert a2 == b2 and a3 == b3 and torch.equal(a_next, b_next)
     assert len({len(r) for r in a2}) > 1  # turns of several lengths: not a trivial case
+
+
+def forward_batches(model):
+    """Record every model forward as ``(rows, tokens)``; a multi-token forward starts a turn (a prefill or
+    a later turn's append), one-token forwards are its decode steps."""
+    shapes = []
+    model.register_forward_pre_hook(lambda m, args: shapes.append(tuple(args[0].shape)))
+    return shapes
+
+
+def decode_batches_per_turn(shapes):
+    """The decode steps' batch sizes of each turn, from :func:`forward_batches`' record."""
+    turns = []
+    for rows, tokens in shapes:
+        if tokens > 1:
+            turns.append([])
+        else:
+            turns[-1].append(rows)
+    return turns
+
+
+@pytest.mark.parametrize("share_prefill", [True, False], ids=["shared_prefix_layout", "per_row_layout"])
+def test_rows_that_stop_leave_the_batch_within_every_turn_and_keep_their_caches(share_prefill):
+    # Stop checks at every token: whenever a quarter of the decode batch or more has stopped, those rows
+    # leave it, within the first turn and within later ones. Their caches are written back to the
+    # session first, so the next turn, which continues them, reads what they wrote (a row stopping in a
+    # second compacted batch lives only in a copy until then). The same episodes as the session with every
+    # row in every decode step and as re-sending every history.
+    model = make_tiny_decoder(scale=8.0)
+    shapes = forward_batches(model)
+    kw = dict(temperature=1.0, share_prefill=share_prefill, stop_check_interval=1)
+    got = episodes(NativeGenerator(**kw), model, group_size=3, seed=11)
+    turns = decode_batches_per_turn(shapes)
+    full = episodes(NativeGenerator(compact_decode=False, **kw), model, group_size=3, seed=11)
+    ref = episodes(Resend(compact_decode=False, **kw), model, group_size=3, seed=11)
+    for other in (full, ref):
+        assert got.response_ids == other.response_ids and got.action_mask == other.action_mask
+        assert got.turns == other.turns and got.truncated.tolist() == other.truncated.tolist()
+    # Three turns, each decode batch shrinking within the turn: the first from all 12 rows, the later
+    # ones from the rows they continue (episode 1's 3 rows end after turn 2), at least twice per turn, so
+    # rows also left copies (written back before they were dropped).
+    assert len(turns) == 3 and turns[0][0] == 12 and turns[2][0] <= 9
+    for steps in turns:
+        assert steps == sorted(steps, reverse=True) and len(set(steps)) >= 3, turns
+    assert max(got.turns) == 3 and sum(got.turns) > 12 + 9  # later turns continued rows that left a batch
 
 
 def test_a_session_reuses_the_longest_cached_prefix_of_any_history():

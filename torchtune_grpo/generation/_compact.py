@@ -42,6 +42,7 @@ def compacting_decode_loop(
     generator: Optional[torch.Generator],
     min_drop_fraction: float = 0.25,
     sample: Callable[..., torch.Tensor] = sample_tokens,
+    room: Optional[torch.Tensor] = None,
 ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Sample and feed back (``feed(token [n], t) -> logits [n, V]`` for the live rows) until all stop.
 
@@ -63,6 +64,9 @@ def compacting_decode_loop(
         sample (Callable[..., torch.Tensor]): :func:`~torchtune_grpo.generation.sample_tokens` or a
             function with its signature (the engine passes its own, so one patch of it covers both loops).
             Default is ``sample_tokens``.
+        room (Optional[torch.Tensor]): ``[N]`` tokens each row may still take (a multi-turn session's
+            budget); a row out of room is done, as if it had stopped, but not ``stopped``. None: no limit
+            but ``max_new_tokens``. Default is None.
 
     Returns:
         tuple[torch.Tensor, torch.Tensor]: ``out [N, steps]`` and ``stopped [N]``, as the plain loop.
@@ -70,7 +74,8 @@ def compacting_decode_loop(
     n_all = logits.size(0)
     device = logits.device
     out = torch.full((n_all, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    stopped = torch.zeros(n_all, dtype=torch.bool, device=device)  # [N]
+    stopped = torch.zeros(n_all, dtype=torch.bool, device=device)  # [N] a stop token came
+    done = stopped.clone()  # [N] stopped or out of room: fed padding, not sampled from
     live = torch.arange(n_all, device=device)  # [n] the rows in the decode batch, ascending
     steps = 0
     for t in range(max_new_tokens):
@@ -79,15 +84,18 @@ def compacting_decode_loop(
             logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
             noise_rows=None if full else live, noise_batch=n_all,
         )  # [n]
-        done_live = stopped.index_select(0, live)  # [n]
+        done_live = done.index_select(0, live)  # [n]
         token = token.masked_fill(done_live, pad_id)
         out[live, t] = token
-        stopped.index_copy_(0, live, done_live | (torch.isin(token, stop) & ~done_live))
+        stopped_live = stopped.index_select(0, live) | (torch.isin(token, stop) & ~done_live)
+        stopped.index_copy_(0, live, stopped_live)
+        done_now = stopped_live if room is None else stopped_live | (room.index_select(0, live) <= t + 1)
+        done.index_copy_(0, live, done_now)
         steps = t + 1
         if steps == max_new_tokens:
             break
         if steps % stop_check_interval == 0:
-            still = ~stopped.index_select(0, live)  # [n]
+            still = ~done.index_select(0, live)  # [n]
             alive = int(still.sum())  # the host sync the plain loop's check makes too
             if alive == 0:
                 break

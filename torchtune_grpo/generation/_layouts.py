@@ -300,9 +300,9 @@ class SharedPrefixRollout:
 
     def select_rows(self, rows: torch.Tensor) -> "SharedPrefixRollout":
         """This rollout over decode rows ``rows`` only (``[n]`` long, distinct, in the turn's order): a
-        multi-turn session's later turn that continues some rows (``_session.py``). The rows' caches are
-        copied (whole groups keep sharing their prompt); :meth:`write_rows` copies the completion part
-        back. Eager rollouts only."""
+        multi-turn session's turn over some rows (``_session.py``), decoded with :meth:`decode` (the first
+        turn) or :meth:`decode_rows`. The rows' caches are copied (whole groups keep sharing their
+        prompt); :meth:`write_rows` copies the completion part back. Eager rollouts only."""
         prompts, group = self._prompt_rows(rows)
         pw, cw = self.p_window, self.c_window
         pk, pv, ck, cv = self.storage
@@ -314,6 +314,7 @@ class SharedPrefixRollout:
         view.prefix_mask = self.prefix_mask.index_select(0, prompts)
         view.lengths = self.lengths.index_select(0, rows)
         view.decode_group = group
+        view.decode_caches = view._caches(self.state)  # the first turn's shared write slot and window
         view.row_write_slot = torch.zeros(rows.numel(), 1, dtype=torch.long, device=rows.device)
         view.row_state = CacheState(slots=view.row_write_slot, window=cw)
         view.row_decode_caches = view._caches(view.row_state)
@@ -412,8 +413,8 @@ class PerRowRollout:
         else:
             self.prefill_caches = [SlotKVCache(k, v, state) for k, v in zip(ks, vs)]
         self.write_slot = resources.write_slot
-        decode_state = CacheState(slots=self.write_slot, window=window)
-        self.decode_caches = [SlotKVCache(k, v, decode_state) for k, v in zip(ks, vs)]
+        self.decode_state = CacheState(slots=self.write_slot, window=window)
+        self.decode_caches = [SlotKVCache(k, v, self.decode_state) for k, v in zip(ks, vs)]
         for k, v in zip(ks, vs):
             # Stale slots past the prompt are masked until written; zero them anyway so a non-finite
             # leftover can never leak through a 0-weight (0 x inf = nan).
@@ -473,6 +474,7 @@ class PerRowRollout:
         view.ks = [k[:, :, :w].index_select(0, rows) for k in self.ks]
         view.vs = [v[:, :, :w].index_select(0, rows) for v in self.vs]
         view.pad, view.valid = self.pad.index_select(0, rows), self.valid.index_select(0, rows)
+        view.decode_caches = [SlotKVCache(k, v, self.decode_state) for k, v in zip(view.ks, view.vs)]
         view.row_write_slot = torch.zeros(rows.numel(), 1, dtype=torch.long, device=rows.device)
         view.row_decode_caches = [
             SlotKVCache(k, v, CacheState(slots=view.row_write_slot, window=w)) for k, v in zip(view.ks, view.vs)

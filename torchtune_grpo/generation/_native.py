@@ -13,7 +13,7 @@ from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import sample_tokens
-from torchtune_grpo.generation._session import NativeSession
+from torchtune_grpo.generation._session import NativeSession, RowViews
 from torchtune_grpo.logprobs import replace_unembed
 
 __all__ = ["NativeGenerator", "can_skip_module_hooks"]  # the latter re-exported (tests)
@@ -80,7 +80,8 @@ class NativeGenerator(GenerationEngine):
             stop checks), so decode cost follows the live rows (:mod:`~torchtune_grpo.generation._compact`;
             the same random draws, tokens equal up to last-bit effects of the batch size on matrix
             products). Eager decoding only: a compiled step keeps its fixed shapes. In a multi-turn
-            session a later turn runs only the rows it continues (ended episodes leave; ``_session.py``).
+            session a later turn runs only the rows it continues (ended episodes leave), and rows whose
+            turn stopped leave every turn's batch, their caches written back first (``_session.py``).
             Memory: a compaction copies the live rows' caches into new tensors while the engine's storage stays allocated (up to ~1.75x the KV cache
             during a rollout), and in the shared-prefix layout a group that lost some rows gives each live
             row its own copy of the prompt's keys/values (at most the per-row layout's size). Default is True.
@@ -297,29 +298,54 @@ class NativeGenerator(GenerationEngine):
         temperature: float,
         generator: Optional[torch.Generator],
         compact: bool = False,
+        views: Optional["RowViews"] = None,
     ) -> "tuple[torch.Tensor, torch.Tensor]":
         """Prefill the prompts and decode every row: ``out [N, steps]`` and whether each row stopped ``[N]``.
 
-        With ``compact``, rows that stopped leave the decode batch (``_compact.py``; one-shot rollouts
-        only: the caches are changed)."""
+        With ``compact``, rows that stopped leave the decode batch (``_compact.py``): a one-shot rollout
+        drops their caches; a session passes ``views`` (its rows' caches, kept as rows leave)."""
         with attached_caches(attns, run.prefill_caches):
             logits = run.prefill(model)  # [N, V]
         # The prefill ran through the model's own forward (FSDP's root hooks included); decode steps may
         # skip per-layer hooks once every parameter is gathered.
         direct = can_skip_module_hooks(model)
+        if views is not None:
+            with attached_caches(attns, views.current.decode_caches):
+                return self._compacting_loop(
+                    logits, lambda token, t: views.current.decode(model, token, t, direct), views.compact,
+                    max_new_tokens, pad_id, stop, temperature, generator,
+                )
         with attached_caches(attns, run.decode_caches):
             if compact:
-                return compacting_decode_loop(
+                return self._compacting_loop(
                     logits, lambda token, t: run.decode(model, token, t, direct), run.compact,
-                    max_new_tokens=max_new_tokens, pad_id=pad_id, stop=stop, temperature=temperature,
-                    top_k=self.top_k, top_p=self.top_p, stop_check_interval=self.stop_check_interval,
-                    # looked up at each call, so both loops sample through this module's sample_tokens
-                    generator=generator, sample=lambda logits, **kw: sample_tokens(logits, **kw),
+                    max_new_tokens, pad_id, stop, temperature, generator,
                 )
             return self._decode_loop(
                 logits, lambda token, t: run.decode(model, token, t, direct), max_new_tokens, pad_id, stop,
                 temperature, generator,
             )
+
+    def _compacting_loop(
+        self,
+        logits: torch.Tensor,
+        feed: Callable[[torch.Tensor, int], torch.Tensor],
+        compact: Callable[[torch.Tensor], None],
+        max_new_tokens: int,
+        pad_id: int,
+        stop: torch.Tensor,
+        temperature: float,
+        generator: Optional[torch.Generator],
+        room: Optional[torch.Tensor] = None,
+    ) -> "tuple[torch.Tensor, torch.Tensor]":
+        """:func:`~torchtune_grpo.generation._compact.compacting_decode_loop` with this engine's settings."""
+        return compacting_decode_loop(
+            logits, feed, compact, max_new_tokens=max_new_tokens, pad_id=pad_id, stop=stop,
+            temperature=temperature, top_k=self.top_k, top_p=self.top_p,
+            stop_check_interval=self.stop_check_interval, generator=generator, room=room,
+            # looked up at each call, so both loops sample through this module's sample_tokens
+            sample=lambda logits, **kw: sample_tokens(logits, **kw),
+        )
 
     def _decode_loop(
         self,

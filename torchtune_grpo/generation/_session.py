@@ -20,30 +20,82 @@ columns left of a shorter append, and every slot a row writes beyond its budget,
 completion index ``max_new_tokens - 1``: no real token ever lands there (a row's history leaves room for
 one sampled token, and the last sampled token is never fed), and no real query sees it.
 
-A later turn that continues only some rows (the others' episodes ended) runs on those rows alone when the
-engine has ``compact_decode`` (the default): their caches are copied into a turn-sized batch (whole groups
-keep sharing their prompt; a group's surviving rows each get a copy of it), the turn is decoded there, and
-the completion caches are copied back, about two decode steps' worth of memory traffic per turn instead of
-the ended rows' share of every decode step. A seeded generator draws the same noise either way (one
-uniform per sampled row). Compiled decoding (CUDA graphs, specialised on the batch size) and
-``compact_decode: false`` keep every row in the batch, the ended ones fed padding and not sampled from.
-Within a turn, rows that stop stay in the batch until the turn ends.
+With the engine's ``compact_decode`` (the default) the decode batch follows the rows still generating
+(:class:`RowViews`). A later turn that continues only some rows (the others' episodes ended) runs on those
+rows alone: their caches are copied into a turn-sized batch (whole groups keep sharing their prompt; a
+group's surviving rows each get a copy of it) and copied back after the turn. Within any turn, first or
+later, rows that stop leave the batch at the stop checks as in a one-shot rollout's compacting decode
+(``_compact.py``), except that their caches are first written back to the session's storage, since a
+later turn may continue them. Each compaction costs about two decode steps' worth of memory traffic,
+instead of the stopped rows' share of every decode step after it. A seeded generator draws the same noise
+either way (one uniform per sampled row). Compiled decoding (CUDA graphs, specialised on the batch size)
+and ``compact_decode: false`` keep every row in the batch, the ended ones fed padding and not sampled from.
 """
 
-from typing import List, Optional, Sequence, TYPE_CHECKING
+from typing import Dict, List, Optional, Sequence, TYPE_CHECKING, Union
 
 import torch
 from torch import nn
 
 from torchtune_grpo.generation._cache import attached_caches, attention_modules
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
+from torchtune_grpo.generation._layouts import PerRowRollout, SharedPrefixRollout
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.logprobs import replace_unembed
 
 if TYPE_CHECKING:  # the engine imports this module: a type-only import, no cycle
     from torchtune_grpo.generation._native import NativeGenerator
 
-__all__ = ["NativeSession"]
+__all__ = ["NativeSession", "RowViews"]
+
+
+class RowViews:
+    """A session turn's decode batch: rows of the session's caches, shrunk as rows stop.
+
+    It starts as the session's rollout itself (``copy`` False: every row, in order) or as a copy of some
+    rows (:meth:`~torchtune_grpo.generation._layouts.SharedPrefixRollout.select_rows`). :meth:`compact` is
+    the compacting decode loop's callback: it writes the current copy's completion caches back to the
+    session's storage, copies the kept rows out again and attaches their caches in place of the old ones.
+    So stopped rows keep their caches for a later turn while the decode batch holds the live rows only.
+
+    Args:
+        run (Union[SharedPrefixRollout, PerRowRollout]): the session's rollout (eager).
+        attns (List[nn.Module]): the model's attention modules, inside ``attached_caches``.
+        rows (torch.Tensor): ``[n]`` the session rows of the turn's batch, in the turn's order.
+        copy (bool): start from a copy of ``rows`` (else the rollout itself; ``rows`` is then
+            ``0 .. N-1``).
+        caches (str): the rollout attribute of the caches the turn decodes with: ``"decode_caches"``
+            (the first turn) or ``"row_decode_caches"`` (later turns).
+        per_row (Optional[Dict[str, torch.Tensor]]): ``[n]`` tensors kept in step with the batch (a later
+            turn's write positions). Default is None.
+    """
+
+    def __init__(
+        self,
+        run: Union[SharedPrefixRollout, PerRowRollout],
+        attns: List[nn.Module],
+        rows: torch.Tensor,
+        copy: bool,
+        caches: str,
+        per_row: Optional[Dict[str, torch.Tensor]] = None,
+    ) -> None:
+        self.run, self.attns, self.rows, self.caches = run, attns, rows, caches
+        self.current = run.select_rows(rows) if copy else run
+        self.per_row = dict(per_row or {})
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep batch rows ``keep`` (``[n']`` long, ascending indices into the current batch)."""
+        self.write_back()
+        self.rows = self.rows.index_select(0, keep)
+        self.current = self.run.select_rows(self.rows)
+        for attn, cache in zip(self.attns, getattr(self.current, self.caches)):
+            attn.kv_cache = cache  # attached_caches restores every module's own cache when the turn ends
+        self.per_row = {k: v.index_select(0, keep) for k, v in self.per_row.items()}
+
+    def write_back(self) -> None:
+        """Copy the current batch's completion caches to the session's storage (a copy's rows only)."""
+        if self.current is not self.run:
+            self.run.write_rows(self.current, self.rows)
 
 
 class NativeSession:
@@ -158,9 +210,15 @@ class NativeSession:
         run = engine._new_rollout(model, attns, self.prompt_groups, self.group_size, self.budget, self.pad_id)
         self._run, self._attns = run, attns
         stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.prompt.device)
+        views = None
+        if engine.compact_decode and not run.compiled:
+            views = RowViews(run, attns, torch.arange(self.n, device=run.prompt.device), False, "decode_caches")
         out, stopped = engine._first_turn(
-            model, attns, run, min(max_new_tokens, self.budget), self.pad_id, stop, temperature, generator
+            model, attns, run, min(max_new_tokens, self.budget), self.pad_id, stop, temperature, generator,
+            views=views,
         )
+        if views is not None:
+            views.write_back()
         rollout = to_rollout([list(p) for p in self.prompts], out, stopped, stop)
         for i, ids in enumerate(rollout.response_ids):
             # Token t of every row was fed at completion index t; the last one sampled never was.
@@ -184,12 +242,16 @@ class NativeSession:
             appends.append((reuse, resp[reuse:]))
         width = max(len(new) for _, new in appends)
         idx = torch.tensor(rows, dtype=torch.long, device=device)
-        # Only the continuing rows run when some rows are not (ended episodes): a copy of their caches is
-        # decoded and written back after the turn (see the module docstring).
-        subset = engine.compact_decode and not run.compiled and len(rows) < self.n
-        turn = run.select_rows(idx) if subset else run
-        batch = len(rows) if subset else self.n
-        slot_of = list(range(len(rows))) if subset else rows  # each continued row's row in the turn's batch
+        # With compact_decode the turn's batch is the continued rows alone, in the turn's order: a copy of
+        # their caches unless they are every row in order; rows that stop leave it (see the module
+        # docstring). Otherwise every row runs, the others fed padding and writing only to scratch.
+        compact = engine.compact_decode and not run.compiled
+        views = None
+        if compact:
+            views = RowViews(run, self._attns, idx, rows != list(range(self.n)), "row_decode_caches")
+        turn = views.current if compact else run
+        batch = len(rows) if compact else self.n
+        slot_of = list(range(len(rows))) if compact else rows  # each continued row's row in the turn's batch
         tokens = torch.full((batch, width), self.pad_id, dtype=torch.long)  # [n, M]
         c = torch.full((batch, width), scratch, dtype=torch.long)  # [n, M] completion indices
         for j, (reuse, new) in zip(slot_of, appends):
@@ -206,20 +268,32 @@ class NativeSession:
         room = torch.tensor([self.budget - n for n in lengths], dtype=torch.long, device=device)
         longest = max(lengths)
         direct = can_skip_module_hooks(model)
-
-        def feed(token: torch.Tensor, t: int) -> torch.Tensor:
-            window = min(longest + t, scratch) + 1  # completion slots written so far (eager reads)
-            return turn.decode_rows(model, token, (start + t).clamp_(max=scratch), window, direct)
-
         stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=device)
-        with attached_caches(self._attns, turn.row_decode_caches):
-            # The same noise either way: one draw per sampled row, in ``rows`` order.
-            out, stopped = engine._decode_loop(
-                logits, feed, max_new_tokens, self.pad_id, stop, temperature, generator,
-                rows=None if subset else idx, room=room,
-            )
-        if subset:
-            run.write_rows(turn, idx)
+
+        def window(t: int) -> int:
+            return min(longest + t, scratch) + 1  # completion slots written so far (eager reads)
+
+        if compact:
+            views.per_row["start"] = start
+
+            def feed(token: torch.Tensor, t: int) -> torch.Tensor:
+                at = (views.per_row["start"] + t).clamp_(max=scratch)
+                return views.current.decode_rows(model, token, at, window(t), direct)
+
+            with attached_caches(self._attns, turn.row_decode_caches):
+                # The same noise as the full batch's loop: one draw per sampled row, in ``rows`` order.
+                out, stopped = engine._compacting_loop(
+                    logits, feed, views.compact, max_new_tokens, self.pad_id, stop, temperature, generator,
+                    room=room,
+                )
+            views.write_back()
+        else:
+            with attached_caches(self._attns, turn.row_decode_caches):
+                out, stopped = engine._decode_loop(
+                    logits, lambda token, t: turn.decode_rows(
+                        model, token, (start + t).clamp_(max=scratch), window(t), direct
+                    ), max_new_tokens, self.pad_id, stop, temperature, generator, rows=idx, room=room,
+                )
         rollout = to_rollout([self.prompts[i] + r for i, r in zip(rows, responses)], out, stopped, stop)
         new_ids = [ids[: self.budget - n] for ids, n in zip(rollout.response_ids, lengths)]  # the budget's cut
         for i, resp, ids in zip(rows, responses, new_ids):
