@@ -337,7 +337,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if c.generation_workers.enabled:  # rollouts (and the weights) through a worker process (docs/async.md)
             rollouts = publisher = WorkerRollouts.from_config(
-                c, self._config_record, self.prompts, rank=self.rank, seed=self.seed, device=self._device,
+                c, self._config_record, self.prompts, rank=self.rank, world_size=self.world_size, seed=self.seed,
+                device=self._device,
                 dtype=self._placement.precision.compute_dtype, probe_prompt=dataset[0]["tokens"],
                 vocab_size=self.model.tok_embeddings.num_embeddings, dynamic=dynamic, all_reduce_sum=self._dist.sum,
             )

@@ -43,7 +43,7 @@ def _values(s: Setting) -> str:
     if s.choices is not None:
         text = ", ".join(f"`{c}`" for c in s.choices)
     elif s.kind in (COMPONENT, LIST, SECTION):
-        text = {COMPONENT: "component", LIST: "list of components", SECTION: "section"}[s.kind]
+        text = {COMPONENT: "component", LIST: "list", SECTION: "section"}[s.kind]
     else:
         text = {bool: "true/false", str: "text"}.get(s.kind) or _number(s)
     return text + (" or `null`" if s.nullable and not s.required and s.kind != COMPONENT else "")

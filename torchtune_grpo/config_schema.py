@@ -58,6 +58,13 @@ class GenerationWorkersConfig(ConfigSchema):
     timeout: float = setting(600.0, gt=0, doc="seconds without a reply before the worker is replaced (or the run stops)")
     restarts: int = setting(3, ge=0, doc="workers that died or went silent replaced, each given what the old one had "
                                          "not answered (the run continues unchanged); then the run stops naming it")
+    addresses: Any = component(
+        "`host:port` of a worker started on another node with `python -m torchtune_grpo.rollout_worker --listen "
+        "HOST:PORT`, one per trainer rank (rank r uses entry r); the same secret in `TORCHTUNE_GRPO_WORKER_KEY` on "
+        "both sides; a restart reconnects ([async.md](async.md#generation-workers-on-other-nodes)). Absent: a "
+        "worker process per rank on the trainer's node", required=False, kind=LIST)
+    connect_timeout: float = setting(60.0, gt=0, doc="seconds to keep trying to connect to a worker's address (at "
+                                                     "start and after a fault) before the run stops naming it")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,9 @@ the weights go into the engine through its in-place reload (``load_weights``, th
 verified sync), the probe is scored by the engine (``prompt_logprobs``), and the behaviour log-probabilities
 are the engine's own for its sampled tokens.
 
+On another machine the same worker serves the same messages over TCP (``python -m
+torchtune_grpo.rollout_worker --listen HOST:PORT``; :mod:`torchtune_grpo.worker_channel`).
+
 A worker whose trainer died (SIGKILL: no goodbye) notices within seconds and leaves. Any exception is replied as ``("error", traceback)`` before the worker exits. The sampling generator is one
 stream, seeded like the synchronous recipe's (``seed + rank``) and consumed in batch order, so a worker run at
 ``max_staleness: 0`` samples the same tokens as the synchronous recipe; its state after each batch goes back
@@ -34,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["WorkerSpec", "behaviour_logprobs", "worker_main"]
+__all__ = ["WorkerSpec", "behaviour_logprobs", "main", "worker_main"]
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,8 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
                 if parent is not None and not parent.is_alive():  # the trainer was killed: nothing to serve
                     return
                 continue
+            except EOFError:  # a remote trainer's connection closed (worker_channel.py): nothing to serve
+                return
             kind = message[0]
             if kind == "stop":
                 break
@@ -197,3 +202,23 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
     finally:
         if worker is not None:
             worker.engine.close()  # vLLM's engine core shuts down with its process
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m torchtune_grpo.rollout_worker --listen HOST:PORT``: a worker for trainers on other nodes."""
+    import argparse
+
+    from torchtune_grpo.worker_channel import authkey, parse_address, serve
+
+    parser = argparse.ArgumentParser(
+        description="A generation worker that trainers reach over TCP (generation_workers.addresses; docs/async.md). "
+        "The trainer sends the run's config; the same secret must be in TORCHTUNE_GRPO_WORKER_KEY on both sides."
+    )
+    parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="e.g. 0.0.0.0:29600 (every interface)")
+    parser.add_argument("--connections", type=int, default=None, help="leave after this many trainers (default: serve until killed)")
+    args = parser.parse_args(argv)
+    serve(parse_address(args.listen, "--listen"), authkey("--listen"), connections=args.connections)
+
+
+if __name__ == "__main__":
+    main()

@@ -39,6 +39,7 @@ measures it.
 
 import queue
 import time
+from multiprocessing import AuthenticationError
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -53,6 +54,7 @@ from torchtune_grpo.metric_sums import one_process_sum
 from torchtune_grpo.producer import PromptStream
 from torchtune_grpo.rollout import RolloutGroups
 from torchtune_grpo.rollout_worker import worker_main, WorkerSpec
+from torchtune_grpo.worker_channel import AUTHKEY_ENV, authkey, connect, ConnectionQueue, parse_address
 
 __all__ = ["WorkerError", "WorkerRollouts"]
 
@@ -85,6 +87,11 @@ class WorkerRollouts:
         batch_size (int): prompts (groups) per rank per step, what dynamic sampling fills. Default is 0.
         all_reduce_sum (Callable[[List[float]], List[float]]): sums floats over ranks (every rank takes the
             same number of batches). Default is one process.
+        address (Optional[str]): ``host:port`` of a worker started elsewhere (``python -m
+            torchtune_grpo.rollout_worker --listen``; :mod:`~torchtune_grpo.worker_channel`); None spawns
+            the worker process here. A restart then reconnects to the address. Default is None.
+        connect_timeout (float): seconds to keep trying to connect to ``address`` (at start and after a
+            fault) before the run stops naming it. Default is 60.
     """
 
     def __init__(
@@ -92,6 +99,7 @@ class WorkerRollouts:
         check: WeightSyncCheck, probe_prompt: List[int], vocab_size: int, chunk_size: int = 512, restarts: int = 3,
         dynamic: Optional[DynamicSampling] = None, batch_size: int = 0,
         all_reduce_sum: Callable[[List[float]], List[float]] = one_process_sum,
+        address: Optional[str] = None, connect_timeout: float = 60.0,
     ) -> None:
         if max_staleness < 0:
             raise ValueError(f"generation_workers.max_staleness must be >= 0, got {max_staleness}")
@@ -107,7 +115,14 @@ class WorkerRollouts:
         self.vocab_size = int(vocab_size)
         self.chunk_size = int(chunk_size)
         self.name = f"generation worker of rank {spec.rank}"
-        self._process: Optional[Any] = None
+        self._address: Optional[Tuple[str, int]] = None
+        if address is not None:
+            key = f"generation_workers.addresses[{spec.rank}]"
+            self._address, self._key = parse_address(address, key), authkey(key)
+            self.name += f" at {self._address[0]}:{self._address[1]} ({key})"
+        self.connect_timeout = float(connect_timeout)
+        self._process: Optional[Any] = None  # a local worker's process
+        self._connection: Optional[ConnectionQueue] = None  # a remote worker's connection
         self._ready: Dict[int, RolloutGroups] = {}  # batch index -> rollouts received, not yet collected
         self._requested = 0  # batches requested so far (index of the last one)
         self._collected = 0  # batches handed to the trainer
@@ -128,7 +143,7 @@ class WorkerRollouts:
 
     @classmethod
     def from_config(
-        cls, config: Any, config_record: Dict[str, Any], prompts: PromptStream, *, rank: int, seed: int,
+        cls, config: Any, config_record: Dict[str, Any], prompts: PromptStream, *, rank: int, world_size: int, seed: int,
         device: torch.device, dtype: torch.dtype, probe_prompt: List[int], vocab_size: int,
         dynamic: Optional[DynamicSampling] = None, all_reduce_sum: Callable[[List[float]], List[float]] = one_process_sum,
     ) -> "WorkerRollouts":
@@ -138,7 +153,7 @@ class WorkerRollouts:
             config (Any): the typed recipe config (its class is rebuilt in the worker).
             config_record (Dict[str, Any]): the resolved config as a plain container (what the worker builds from).
             prompts (PromptStream): this rank's prompts.
-            rank (int), seed (int): the rank and the run's seed.
+            rank (int), world_size (int), seed (int): the rank, the number of trainer processes and the run's seed.
             device (torch.device): the training device.
             dtype (torch.dtype): the compute dtype the worker's model holds.
             probe_prompt (List[int]), vocab_size (int): for the weight check's probe.
@@ -147,6 +162,12 @@ class WorkerRollouts:
         from torchtune import config as tt_config
 
         workers = config.generation_workers
+        addresses = None if workers.addresses is None else [str(a) for a in workers.addresses]
+        if addresses is not None and len(addresses) != world_size:
+            raise ValueError(
+                f"generation_workers.addresses has {len(addresses)} entries for {world_size} trainer process(es): "
+                "give one worker address per rank"
+            )
         spec = WorkerSpec(
             config=config_record, rank=rank, threads=workers.threads, seed=seed,
             dtype=str(dtype).removeprefix("torch."), config_class=f"{type(config).__module__}.{type(config).__qualname__}",
@@ -156,6 +177,8 @@ class WorkerRollouts:
             spec, prompts, max_staleness=workers.max_staleness, timeout=workers.timeout, device=device, check=check,
             probe_prompt=probe_prompt, vocab_size=vocab_size, chunk_size=config.logprob_chunk_size,
             restarts=workers.restarts, dynamic=dynamic, batch_size=config.batch_size, all_reduce_sum=all_reduce_sum,
+            address=None if addresses is None else addresses[rank],
+            connect_timeout=workers.connect_timeout,
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -182,35 +205,62 @@ class WorkerRollouts:
 
     @property
     def pid(self) -> Optional[int]:
-        """The worker process's id (None before :meth:`start` and after :meth:`close`)."""
+        """The local worker process's id (None for a remote worker, before :meth:`start` and after :meth:`close`)."""
         return self._process.pid if self._process is not None else None
 
     def close(self) -> None:
-        """Stop the worker (waits briefly, then terminates it)."""
-        if self._process is None:
-            return
-        if self._process.is_alive():
+        """Stop the worker (waits briefly, then terminates it; a remote one goes back to waiting for a trainer)."""
+        if self._connection is not None:
+            self._requests.put(("stop",))
+        elif self._process is not None and self._process.is_alive():
             self._requests.put(("stop",))
             self._process.join(timeout=30)
         self._kill()
 
     def _kill(self) -> None:
+        if self._connection is not None:
+            self._connection.close(flush=5.0)
+            self._connection = None
         if self._process is not None and self._process.is_alive():
             self._process.terminate()
             self._process.join(timeout=10)
         self._process = None
 
     def _spawn(self) -> None:
-        """A worker process from the sampling state after the last answered batch; waits until it is built."""
-        ctx = mp.get_context("spawn")
-        self._requests, self._replies = ctx.Queue(), ctx.Queue()
+        """A worker from the sampling state after the last answered batch (a process here, or a connection to
+        ``address``); waits until it is built."""
         spec = WorkerSpec(**{**vars(self.spec), "generator_state": self._generator_state})
-        self._process = ctx.Process(target=worker_main, args=(spec, self._requests, self._replies), daemon=True,
-                                    name=f"grpo-generation-worker-{spec.rank}")
-        self._process.start()
+        if self._address is not None:
+            self._connection = self._connect()
+            self._requests = self._replies = self._connection
+            self._connection.put(("spec", spec))
+        else:
+            ctx = mp.get_context("spawn")
+            self._requests, self._replies = ctx.Queue(), ctx.Queue()
+            self._process = ctx.Process(target=worker_main, args=(spec, self._requests, self._replies), daemon=True,
+                                        name=f"grpo-generation-worker-{spec.rank}")
+            self._process.start()
         message = self._get(replace=False)
         if message[0] != "ready":
             raise WorkerError(f"{self.name}: expected 'ready', got {message[0]!r}")
+
+    def _connect(self) -> ConnectionQueue:
+        """A connection to the remote worker, retried for ``connect_timeout`` seconds."""
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return connect(self._address, self._key)
+            except AuthenticationError as error:
+                raise WorkerError(f"{self.name}: the worker refused the connection ({error}): set the same "
+                                  f"{AUTHKEY_ENV} on both sides") from error
+            except OSError as error:
+                if time.monotonic() >= deadline:
+                    raise WorkerError(
+                        f"{self.name}: nothing accepted a connection for {self.connect_timeout:g} s "
+                        f"(generation_workers.connect_timeout; last error: {error}). Start the worker there with "
+                        "`python -m torchtune_grpo.rollout_worker --listen HOST:PORT` (docs/async.md)"
+                    ) from error
+                time.sleep(0.5)
 
     def _replace(self, reason: str) -> None:
         """A new worker in place of a dead or silent one, given everything the old one had not answered."""
@@ -277,7 +327,8 @@ class WorkerRollouts:
 
     def describe(self, model: nn.Module) -> str:
         """The algorithm card's line on how the worker gets the policy."""
-        return (f"a full CPU copy of the weights sent to the generation worker after every training step "
+        where = "" if self._address is None else f" at {self._address[0]}:{self._address[1]} (over TCP)"
+        return (f"a full CPU copy of the weights sent to the generation worker{where} after every training step "
                 f"(max_staleness {self.max_staleness}; docs/async.md)")
 
     def state_dict(self) -> Dict[str, Any]:
@@ -348,14 +399,19 @@ class WorkerRollouts:
             except queue.Empty:
                 message = None
             except (EOFError, OSError):  # the reply pipe broke: the worker was killed in the middle of a reply
-                message = None
-                self._process.join(timeout=5.0)
+                message, closed = None, True
+                if self._process is not None:
+                    self._process.join(timeout=5.0)
+            else:
+                closed = False
             if message is None:
-                if not self._process.is_alive():
-                    reason = f"{self.name} (pid {self._process.pid}) died with exit code {self._process.exitcode}"
+                who = self.name if self._process is None else f"{self.name} (pid {self._process.pid})"
+                if self._process is not None and not self._process.is_alive():
+                    reason = f"{who} died with exit code {self._process.exitcode}"
+                elif self._process is None and closed:
+                    reason = f"{who} closed the connection (the worker died or was stopped)"
                 elif time.monotonic() >= deadline:
-                    reason = (f"{self.name} (pid {self._process.pid}) sent nothing for {self.timeout:g} s "
-                              "(generation_workers.timeout)")
+                    reason = f"{who} sent nothing for {self.timeout:g} s (generation_workers.timeout)"
                 else:
                     continue
                 if not replace:
