@@ -244,7 +244,8 @@ def test_two_trainer_processes_with_multi_turn_episodes_in_their_workers(tmp_pat
 @pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
 def test_lora_through_a_worker_samples_with_the_trainers_adapter(quantize_base, tmp_path, clean_env, one_thread):
     # The worker builds the LoRA model (the LoRA recipe's config class) and gets base + adapter weights; with
-    # QLoRA it quantizes the base it receives to NF4 as the trainer did, so both sample from the same model.
+    # QLoRA the base arrives dequantized and stays so (quantizing it again would not give the trainer's
+    # values back), so both sample from the same function.
     config = write_config(tmp_path, base=REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", max_steps=2,
                           save_every_n_steps=None, lr_scheduler=None, generation_workers=_workers(0),
                           **{"model.quantize_base": quantize_base})
@@ -252,3 +253,45 @@ def test_lora_through_a_worker_samples_with_the_trainers_adapter(quantize_base, 
     metrics = _metrics(tmp_path / "out")
     assert [m["generation/logprob_mismatch"] for m in metrics] == [0.0, 0.0]  # the adapter moved after step 1
     assert metrics[1]["grad_norm"] > 0
+
+
+def test_a_lora_worker_gets_the_base_once_then_only_the_adapters(tmp_path, clean_env, one_thread, monkeypatch):
+    # The first weights message holds every weight; later ones only the trained adapters (lora_a, lora_b),
+    # and the worker still samples from exactly the trainer's model (mismatch 0 at staleness 0). A worker
+    # killed after step 1 gets the base again with the next version: the run ends as the uninterrupted one.
+    from torchtune_grpo.worker_rollouts import WorkerRollouts
+
+    sent, sizes = [], []  # each weights message's names and element count
+    payload = WorkerRollouts._payload
+
+    def recording(self, version):
+        state = payload(self, version)
+        sent.append(sorted(state))
+        sizes.append(sum(t.numel() for t in state.values()))
+        return state
+
+    monkeypatch.setattr(WorkerRollouts, "_payload", recording)
+    ends = {}
+    for name in ("uninterrupted", "killed"):
+        (tmp_path / name).mkdir()
+        sent.clear()
+        sizes.clear()
+        config = write_config(tmp_path / name, base=REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", max_steps=3,
+                              save_every_n_steps=None, lr_scheduler=None, generation_workers=_workers(0))
+        with recipe_in_process(config, lora=True) as recipe:
+            recipe.train_step()
+            if name == "killed":
+                os.kill(recipe.step.rollouts.pid, signal.SIGKILL)
+            recipe.train()
+        metrics = _metrics(tmp_path / name / "out")
+        assert [m["generation/logprob_mismatch"] for m in metrics] == [0.0, 0.0, 0.0]
+        ends[name] = ([{k: m[k] for k in COMPARED} for m in metrics], weights(tmp_path / name / "out" / "step_3"))
+        full, adapters = set(sent[0]), {k for k in sent[0] if "lora_" in k}
+        assert adapters and len(full) > len(adapters)
+        with_base = [i for i, keys in enumerate(sent) if set(keys) == full]
+        assert all(set(keys) == adapters for i, keys in enumerate(sent) if i not in with_base), sent
+        # Versions 0-3; after the kill, version 1 again with the base (to the new worker).
+        assert with_base == ([0, 2] if name == "killed" else [0]) and len(sent) == 4 + len(with_base) - 1, (name, sizes)
+        assert all(sizes[i] * 10 < sizes[0] for i in range(len(sent)) if i not in with_base), sizes  # 8 % here
+    (a, wa), (b, wb) = ends["uninterrupted"], ends["killed"]
+    assert a == b and all(torch.equal(wa[k], wb[k]) for k in wa)

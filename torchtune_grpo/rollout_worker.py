@@ -5,8 +5,10 @@ worker process (``spawn``: nothing of the trainer's state is inherited). The wor
 the model, the engine, the rewards and the multi-turn environment from the run's config, then serves its
 request queue in order (FIFO, which is what makes the schedule deterministic):
 
-- ``("weights", version, state_dict, probe)``: load weights version ``version`` (training steps taken); with
-  a ``probe`` (token ids), reply ``("probe", version, logprobs [L - 1])`` scored with the new weights;
+- ``("weights", version, state_dict, probe)``: load weights version ``version`` (training steps taken): the
+  first one every weight, later ones every weight that training changes (with a frozen LoRA base: the
+  adapters); with a ``probe`` (token ids), reply ``("probe", version, logprobs [L - 1])`` scored with the
+  new weights;
 - ``("generate", index, batch, version)``: sample and score batch ``index`` with weights ``version`` (which
   must be the loaded one), compute the behaviour log-probabilities of the sampled tokens with the same
   weights, and reply ``("rollouts", index, RolloutGroups, version, generator_state, seconds)``;
@@ -134,7 +136,11 @@ class _Worker:
         if self.model is None:
             self.engine.load_weights(state.items())
         else:
-            self.model.load_state_dict(state, strict=True)
+            # The first version holds every weight; with a frozen base (LoRA) later ones only the trained.
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected or (missing and self.version is None):
+                raise RuntimeError(f"weights version {version}: unexpected {sorted(unexpected)[:5]}, missing "
+                                   f"{sorted(missing)[:5]} (a worker's first version must hold every weight)")
         self.version = version
 
     def probe(self, tokens: List[int]) -> torch.Tensor:

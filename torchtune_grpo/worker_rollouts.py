@@ -40,7 +40,7 @@ measures it.
 import queue
 import time
 from multiprocessing import AuthenticationError
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -140,6 +140,11 @@ class WorkerRollouts:
         self._pending: Dict[int, Tuple[Any, int]] = {}
         self._kept: Dict[int, Dict[str, torch.Tensor]] = {}
         self._latest: Optional[int] = None
+        # Weights that training never changes (a LoRA/QLoRA base): sent once to each worker, then only the
+        # trainable ones (the adapters) each version. None: every weight is trained (full fine-tuning).
+        self._trainable: Optional[Set[str]] = None
+        self._frozen: Optional[Dict[str, torch.Tensor]] = None
+        self._frozen_sent = False
 
     @classmethod
     def from_config(
@@ -230,6 +235,7 @@ class WorkerRollouts:
         """A worker from the sampling state after the last answered batch (a process here, or a connection to
         ``address``); waits until it is built."""
         spec = WorkerSpec(**{**vars(self.spec), "generator_state": self._generator_state})
+        self._frozen_sent = False  # a new worker has no weights yet
         if self._address is not None:
             self._connection = self._connect()
             self._requests = self._replies = self._connection
@@ -280,11 +286,11 @@ class WorkerRollouts:
         for index in sorted(self._pending):
             batch, version = self._pending[index]
             if version != sent:
-                self._requests.put(("weights", version, self._kept[version], None))
+                self._requests.put(("weights", version, self._payload(version), None))
                 sent = version
             self._requests.put(("generate", index, batch, version))
         if self._latest is not None and self._latest != sent:
-            self._requests.put(("weights", self._latest, self._kept[self._latest], None))
+            self._requests.put(("weights", self._latest, self._payload(self._latest), None))
 
     # ---------------------------------------------------------------------------------------- the step
 
@@ -328,7 +334,10 @@ class WorkerRollouts:
     def describe(self, model: nn.Module) -> str:
         """The algorithm card's line on how the worker gets the policy."""
         where = "" if self._address is None else f" at {self._address[0]}:{self._address[1]} (over TCP)"
-        return (f"a full CPU copy of the weights sent to the generation worker{where} after every training step "
+        what = "a full CPU copy of the weights"
+        if any(not p.requires_grad for p in model.parameters()):
+            what = "a CPU copy of the trained weights (the frozen base once per worker)"
+        return (f"{what} sent to the generation worker{where} after every training step "
                 f"(max_staleness {self.max_staleness}; docs/async.md)")
 
     def state_dict(self) -> Dict[str, Any]:
@@ -340,8 +349,10 @@ class WorkerRollouts:
     # ---------------------------------------------------------------------------------------- internals
 
     def _send_weights(self, model: nn.Module, step: int) -> None:
+        if self._trainable is None:
+            self._split_frozen(model)
         # Copies on the CPU: the optimizer changes the parameters in place while the worker reads them.
-        state = {name: t.detach().to("cpu", copy=True) for name, t in full_weights(model, self.device)}
+        state = {name: t.detach().to("cpu", copy=True) for name, t in full_weights(model, self.device, self._trainable)}
         probe = None
         if self.check.due(self._versions_published):
             probe = self.check.probe(self.vocab_size, prompt=self.probe_prompt)
@@ -355,7 +366,23 @@ class WorkerRollouts:
         self._versions_published += 1
         self._kept[step], self._latest = state, step
         self._forget_weights()
-        self._requests.put(("weights", step, state, probe))
+        self._requests.put(("weights", step, self._payload(step), probe))
+
+    def _split_frozen(self, model: nn.Module) -> None:
+        """Tell the trained weights from the frozen ones, and keep a CPU copy of the frozen (every rank)."""
+        names = list(model.state_dict())
+        trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+        self._trainable = set(names) if not trainable else trainable
+        if self._trainable != set(names):
+            frozen = set(names) - self._trainable
+            self._frozen = {n: t.detach().to("cpu", copy=True) for n, t in full_weights(model, self.device, frozen)}
+
+    def _payload(self, version: int) -> Dict[str, torch.Tensor]:
+        """Weights version ``version`` as the worker needs it: with the frozen base the first time."""
+        if self._frozen is None or self._frozen_sent:
+            return self._kept[version]
+        self._frozen_sent = True
+        return {**self._frozen, **self._kept[version]}
 
     def _top_up(self, version: int, in_flight: Optional[int] = None) -> None:
         """Requests with weights ``version`` until ``in_flight`` (default ``max_staleness + 1``) batches are."""

@@ -14,7 +14,7 @@ NF4 base for QLoRA), so the check covers the adapter path too.
 """
 
 import time
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -33,12 +33,18 @@ from torchtune_grpo.logprobs import sequence_logprobs
 __all__ = ["WeightPublisher", "full_weights"]
 
 
-def full_weights(model: nn.Module, device: torch.device) -> Iterator[Tuple[str, torch.Tensor]]:
-    """``(torchtune name, full tensor)`` of every weight of ``model``, gathered from FSDP2 one at a time.
+def full_weights(
+    model: nn.Module, device: torch.device, names: Optional[Set[str]] = None
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(torchtune name, full tensor)`` of every weight of ``model`` (or of those in ``names``), gathered from
+    FSDP2 one at a time.
 
-    A generator with collectives inside: every rank must consume it completely, in the same order.
+    A generator with collectives inside: every rank must consume it completely, in the same order (and
+    pass the same ``names``).
     """
     for name, param in model.state_dict().items():
+        if names is not None and name not in names:
+            continue
         if param.device != device:
             param = param.to(device)  # fsdp_cpu_offload: gather on the compute device
         if hasattr(param, "full_tensor"):  # a DTensor shard
