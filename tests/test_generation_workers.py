@@ -64,6 +64,17 @@ def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
                              Engine())  # the full recipe takes it (vLLM in the worker)
 
 
+def test_a_cuda_worker_where_there_is_no_gpu_stops_the_run_naming_the_key(tmp_path, clean_env, one_thread):
+    config = write_config(tmp_path, max_steps=1, save_every_n_steps=None,
+                          generation_workers={**_workers(1), "device": "cuda", "restarts": 0})
+    if torch.cuda.is_available():  # the GPU check: the worker samples there, as the trainer does on CPU
+        run_in_process(config)
+        assert _metrics(tmp_path / "out")[0]["staleness/max"] == 0
+        return
+    with pytest.raises(WorkerError, match="generation_workers.device is 'cuda' but this worker's process sees no CUDA"):
+        run_in_process(config)
+
+
 def _sync_and_worker(tmp_path: Path, config, steps: int, **overrides):
     """The same run synchronous and through a worker at ``max_staleness: 0``: ``(metrics, final weights)`` of
     each. ``config(directory, **overrides)`` writes a run's config."""

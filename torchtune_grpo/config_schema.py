@@ -55,6 +55,9 @@ class GenerationWorkersConfig(ConfigSchema):
                                  doc="training steps a batch's weights may lag the trainer's (0: on-policy through "
                                      "the worker; 1: one-step-off, deterministic)")
     threads: int = setting(1, ge=1, doc="intra-op threads of each worker")
+    device: str = setting("cpu", choices=("cpu", "cuda"),
+                          doc="where a native-engine worker computes: `cuda` is the first GPU its process sees (set "
+                              "`CUDA_VISIBLE_DEVICES` per worker); a vLLM worker uses vLLM's own devices")
     timeout: float = setting(600.0, gt=0, doc="seconds without a reply before the worker is replaced (or the run stops)")
     restarts: int = setting(3, ge=0, doc="workers that died or went silent replaced, each given what the old one had "
                                          "not answered (the run continues unchanged); then the run stops naming it")

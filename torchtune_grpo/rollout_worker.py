@@ -55,6 +55,8 @@ class WorkerSpec:
             None seeds it with ``seed + rank``.
         seed (int): the run's seed.
         config_class (str): the recipe's typed config class, by import path (the LoRA recipe's has its keys).
+        device (str): where a native-engine worker's model computes (``cpu`` or ``cuda``: its first visible
+            GPU); its sampling generator lives there too, as the synchronous recipe's does on its device.
     """
 
     config: Dict[str, Any]
@@ -64,11 +66,13 @@ class WorkerSpec:
     seed: int
     generator_state: Optional[torch.Tensor] = None
     config_class: str = "torchtune_grpo.config_schema.RecipeConfig"
+    device: str = "cpu"
 
 
 def behaviour_logprobs(
     model: torch.nn.Module, prompt_ids: List[List[int]], response_ids: List[List[int]], *, pad_id: int,
     micro_batch_size: int, temperature: float, chunk_size: int, share_prompt: bool,
+    device: torch.device = torch.device("cpu"),
 ) -> List[List[float]]:
     """The log-probability of every response token under ``model`` (the weights that sampled it), per row.
 
@@ -81,7 +85,7 @@ def behaviour_logprobs(
     from torchtune_grpo.training_batch import TrainingBatch
     from torchtune_grpo.update import batch_logprobs
 
-    layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=torch.device("cpu"))
+    layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=device)
     lp = batch_logprobs(model, layout, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size)
     mask = layout.response_mask.bool()
     return [lp[i][mask[i]].tolist() for i in range(len(response_ids))]
@@ -101,6 +105,9 @@ class _Worker:
 
         register_resolvers()
         torch.set_num_threads(spec.threads)
+        self.device = torch.device(spec.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("generation_workers.device is 'cuda' but this worker's process sees no CUDA device")
         cfg = OmegaConf.create(spec.config)
         if cfg.model.get("quantize_base", False):
             # QLoRA: the trainer's state dict holds its NF4 base weights dequantized; quantizing them again
@@ -121,11 +128,11 @@ class _Worker:
                 follow(getattr(torch, spec.dtype))
         else:
             with training.set_default_dtype(getattr(torch, spec.dtype)):
-                self.model = tt_config.instantiate(cfg.model)
-            init_rope(self.model, torch.device("cpu"))
+                self.model = tt_config.instantiate(cfg.model).to(self.device)
+            init_rope(self.model, self.device)
             self.model.eval().requires_grad_(False)
         self.rewards = build_reward_set(cfg.reward_functions, fallback=c.reward_fallback)
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=self.device if self.model is not None else "cpu")
         if spec.generator_state is not None:
             self.generator.set_state(spec.generator_state)
         else:
@@ -149,7 +156,9 @@ class _Worker:
         if self.model is None:
             return self.engine.prompt_logprobs(tokens)
         with torch.no_grad():
-            return sequence_logprobs(self.model, torch.tensor([tokens]), chunk_size=self.config.logprob_chunk_size).logprobs[0]
+            return sequence_logprobs(
+                self.model, torch.tensor([tokens], device=self.device), chunk_size=self.config.logprob_chunk_size
+            ).logprobs[0].cpu()
 
     def generate(self, batch: Any, version: int) -> Any:
         from torchtune_grpo.rollout import sample_and_score
@@ -165,7 +174,7 @@ class _Worker:
             groups.engine_logprobs = behaviour_logprobs(
                 self.model, groups.prompt_ids, groups.response_ids, pad_id=self.tokenizer.pad_id,
                 micro_batch_size=c.micro_batch_size, temperature=float(self.engine.temperature),
-                chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training,
+                chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training, device=self.device,
             )
         groups.weight_versions = [version] * len(groups.response_ids)
         return groups

@@ -174,7 +174,7 @@ class WorkerRollouts:
                 "give one worker address per rank"
             )
         spec = WorkerSpec(
-            config=config_record, rank=rank, threads=workers.threads, seed=seed,
+            config=config_record, rank=rank, threads=workers.threads, seed=seed, device=workers.device,
             dtype=str(dtype).removeprefix("torch."), config_class=f"{type(config).__module__}.{type(config).__qualname__}",
         )
         check = tt_config.instantiate(config.weight_sync) if config.weight_sync is not None else WeightSyncCheck()
