@@ -258,3 +258,43 @@ def test_recipe_checkpoint_loads_in_transformers_with_equal_logits(gpu_device, t
     record_property("checkpoint_bf16_tolerance", bf16_tol)
     assert fp32_diff <= 1e-4, fp32_diff
     assert max(diffs.values()) <= bf16_tol, (diffs, bf16_tol)
+
+
+def test_a_generation_worker_on_the_device_samples_what_the_trainer_does(
+    gpu_device, tmp_path, clean_env, one_thread, record_property
+):
+    # generation_workers.device: the worker's model, forward and sampling generator on the device (fp32, the
+    # native engine eager). At max_staleness 0 the worker samples with the trainer's weights of the same
+    # version, so the step's metrics follow the synchronous run's and its behaviour logprobs the trainer's.
+    common = dict(dtype="fp32", save_every_n_steps=None, **EAGER)
+    _, sync_w, sync, _ = _run_recipe(tmp_path / "sync", gpu_device, 2, **common)
+    _, worker_w, worker, _ = _run_recipe(
+        tmp_path / "worker", gpu_device, 2, generation_workers={"enabled": True, "max_staleness": 0,
+                                                                "device": gpu_device.type}, **common,
+    )
+    mismatch = max(m["generation/logprob_mismatch"] for m in worker)
+    diff = max((worker_w[k] - sync_w[k]).abs().max().item() for k in sync_w)
+    record_property("worker_vs_trainer_max_logprob_mismatch", mismatch)
+    record_property("worker_vs_sync_max_weight_diff", diff)
+    assert [m["staleness/max"] for m in worker] == [0, 0] and mismatch <= 1e-4, mismatch
+    for x, y in zip(sync, worker):  # the same tokens: kernels of one device and dtype on both sides
+        assert y["reward/mean"] == x["reward/mean"] and y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6)
+    assert diff <= 1e-5, diff
+
+
+def test_multi_turn_sessions_compact_on_the_device(gpu_device, record_property):
+    # Eager decoding on the device: rows whose turn stopped leave every turn's batch (caches written back to
+    # the session's) and the episodes equal the full-batch session's, greedy, in both cache layouts.
+    from tests.test_multiturn_continuation import decode_batches_per_turn, episodes, forward_batches
+    from torchtune_grpo.generation import NativeGenerator
+
+    model = make_tiny_decoder(scale=8.0).to(gpu_device)
+    for share_prefill in (True, False):
+        kw = dict(temperature=0.0, share_prefill=share_prefill, stop_check_interval=1, compile_decode=False)
+        shapes = forward_batches(model)
+        got = episodes(NativeGenerator(**kw), model, group_size=3)
+        turns = decode_batches_per_turn(shapes)
+        full = episodes(NativeGenerator(compact_decode=False, **kw), model, group_size=3)
+        assert got.response_ids == full.response_ids and got.turns == full.turns
+        assert len(turns) >= 2 and any(len(set(steps)) > 1 for steps in turns), turns
+    record_property("session_decode_row_steps", sum(map(sum, turns)))
