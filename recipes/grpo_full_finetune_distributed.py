@@ -350,6 +350,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 pad_id=self.tokenizer.pad_id, loss_masks=loss_masks, micro_batch_size=c.micro_batch_size,
                 temperature=temperature, device=self._device, chunk_size=c.logprob_chunk_size,
                 share_prompt=share_prompt, pack_sequences=c.pack_sequences_in_training,
+                packed_attention=c.packed_attention,
                 max_tokens_per_micro_batch=c.max_tokens_per_micro_batch,
                 mask_truncated=c.mask_truncated_completions, kl_coef=c.kl_coef,
                 kl_estimator=c.kl_estimator, kl_in_reward=kl_in_reward, reference=reference,

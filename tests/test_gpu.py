@@ -298,3 +298,29 @@ def test_multi_turn_sessions_compact_on_the_device(gpu_device, record_property):
         assert got.response_ids == full.response_ids and got.turns == full.turns
         assert len(turns) >= 2 and any(len(set(steps)) > 1 for steps in turns), turns
     record_property("session_decode_row_steps", sum(map(sum, turns)))
+
+
+def test_packed_rows_flex_attention_equals_the_dense_mask(gpu_device, record_property):
+    # packed_attention: flex (FlexAttention block masks, compiled, on CUDA) against the dense block-diagonal
+    # mask's SDPA: the same logprobs, entropies and gradients (fp32) on long-tailed packed rows. On the CPU
+    # (the rehearsal) both run the dense mask: there it checks the plumbing only.
+    from tests.test_packed_rows import _long_tailed
+    from tests.test_shared_prompt import _logprobs_and_grads
+    from torchtune_grpo.training_batch import TrainingBatch
+
+    model = make_tiny_decoder(scale=1.0).to(gpu_device).train()
+    prompts, responses = _long_tailed(0, 97)
+    mbs = [slice(0, 6), slice(6, len(prompts))]
+    runs = {}
+    for backend in ("sdpa", "flex"):
+        batch = TrainingBatch(prompts, responses, 0, share_prompt=False, pack=True, device=gpu_device,
+                              packed_attention=backend)
+        runs[backend] = _logprobs_and_grads(model, batch, mbs)
+    (lp_a, ent_a, g_a), (lp_b, ent_b, g_b) = runs["sdpa"], runs["flex"]
+    lp_diff = (lp_b - lp_a).abs().max().item()
+    grad_diff = max((g_b[k] - g_a[k]).abs().max().item() for k in g_a)
+    record_property("flex_vs_sdpa_max_logprob_diff", lp_diff)
+    record_property("flex_vs_sdpa_max_grad_diff", grad_diff)
+    torch.testing.assert_close(lp_b, lp_a, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent_b, ent_a, atol=1e-4, rtol=1e-5)
+    assert grad_diff <= 1e-4, grad_diff

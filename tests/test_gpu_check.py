@@ -32,6 +32,9 @@ GPU_TESTS = {
     "test_lora_and_qlora_steps[qlora]",
     "test_chunked_logprobs_peak_memory_is_two_chunk_buffers",
     "test_recipe_checkpoint_loads_in_transformers_with_equal_logits",
+    "test_a_generation_worker_on_the_device_samples_what_the_trainer_does",
+    "test_multi_turn_sessions_compact_on_the_device",
+    "test_packed_rows_flex_attention_equals_the_dense_mask",
 }
 
 

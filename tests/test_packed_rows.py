@@ -120,3 +120,30 @@ def test_packed_plan_fills_rows_below_ten_percent_padding_within_the_budget(seed
         real, padded = real + ordered.real_tokens(s), padded + slots
     assert sorted(plan.order) == list(range(len(prompts)))
     assert 1 - real / padded < 0.10, (seed, 1 - real / padded, plan.sizes)
+
+
+@pytest.mark.parametrize("width", [37, 150])  # below and above FlexAttention's 128-slot blocks
+def test_flex_block_mask_attends_exactly_the_dense_masks_pairs(width):
+    # packed_attention: flex gives FlexAttention a block mask of the pairs the dense mask allows: the same
+    # sequence, causal, and a pad slot seeing itself. Checked on the CPU through eager FlexAttention's
+    # forward (the CPU has no FlexAttention backward; the device's gradients: tests/test_gpu.py), with
+    # grouped-query heads, against the dense mask's SDPA.
+    from torchtune_grpo.packed_rows import _block_mask, flex_packed_attention, PackedMask
+
+    gen = torch.Generator().manual_seed(width)
+    rows, segments = 3, torch.full((3, width), -1, dtype=torch.long)
+    for r in range(rows):  # sequences of random lengths, then padding
+        at, seg = 0, 0
+        while at < width - 10:
+            n = int(torch.randint(1, 40, (1,), generator=gen))
+            segments[r, at : at + n] = seg
+            at, seg = at + n, seg + 1
+    q = torch.randn(rows, 4, width, 16, generator=gen) * 3  # peaked attention: a wrong pair shows
+    k, v = torch.randn(rows, 2, width, 16, generator=gen) * 3, torch.randn(rows, 2, width, 16, generator=gen)
+    dense = PackedMask(segments, backend="flex").attention(q, k, v)  # on the CPU: the dense mask's SDPA
+    with torch.no_grad():
+        flex = flex_packed_attention(q, k, v, _block_mask(segments))
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+    # Not a vacuous check: attending across sequences would change the result.
+    crossing = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert (crossing - dense).abs().max() > 0.1

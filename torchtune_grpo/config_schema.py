@@ -22,6 +22,7 @@ from torchtune_grpo.advantages import ZERO_VARIANCE_RTOL
 from torchtune_grpo.config_fields import ConfigSchema, component, LIST, SECTION, setting
 from torchtune_grpo.loss import KL_ESTIMATORS
 from torchtune_grpo.nonfinite import NONFINITE_POLICIES
+from torchtune_grpo.packed_rows import PACKED_ATTENTION
 from torchtune_grpo.precision import PRECISIONS
 from torchtune_grpo.resume import BROKEN_CHECKPOINT_POLICIES
 
@@ -193,6 +194,11 @@ class RecipeConfig(ConfigSchema):
     share_prompt_in_training: bool = setting(
         True, doc="training and logprob forwards compute each prompt once for its group's completions "
                   "([configs.md](configs.md#training-layout-share_prompt_in_training)); same numbers as `false`")
+    packed_attention: str = setting(
+        "sdpa", choices=PACKED_ATTENTION,
+        doc="attention of packed rows: `sdpa` (a dense block-diagonal mask) or `flex` (FlexAttention block masks "
+            "on CUDA, skipping the masked blocks; the dense mask on CPU; not yet run on a GPU) "
+            "([configs.md](configs.md#packed-rows-pack_sequences_in_training))")
     pack_sequences_in_training: bool = setting(
         False, doc="with one row per sequence (`share_prompt_in_training: false`, or a model that cannot share): "
                    "several sequences per training row, none attending to another "

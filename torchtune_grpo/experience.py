@@ -82,6 +82,8 @@ class ExperienceBuilder:
         share_prompt (bool): the shared-prompt training layout. Default is True.
         pack_sequences (bool): without ``share_prompt``, pack several sequences per row
             (:mod:`~torchtune_grpo.packed_rows`). Default is False.
+        packed_attention (str): packed rows' attention, ``"sdpa"`` or ``"flex"`` (FlexAttention on CUDA).
+            Default is ``"sdpa"``.
         max_tokens_per_micro_batch (Optional[int]): logprob forwards by token budget (padding included,
             :mod:`~torchtune_grpo.micro_batching`; the same number on every rank); None: ``micro_batch_size``
             rows each. Default is None.
@@ -113,6 +115,7 @@ class ExperienceBuilder:
         chunk_size: int = 512,
         share_prompt: bool = True,
         pack_sequences: bool = False,
+        packed_attention: str = "sdpa",
         max_tokens_per_micro_batch: Optional[int] = None,
         mask_truncated: bool = False,
         kl_coef: float = 0.0,
@@ -134,6 +137,7 @@ class ExperienceBuilder:
         self.chunk_size = int(chunk_size)
         self.share_prompt = bool(share_prompt)
         self.pack_sequences = bool(pack_sequences)
+        self.packed_attention = packed_attention
         self.max_tokens = None if max_tokens_per_micro_batch is None else int(max_tokens_per_micro_batch)
         self.mask_truncated = bool(mask_truncated)
         self.kl_coef = float(kl_coef)
@@ -223,7 +227,7 @@ class ExperienceBuilder:
         n = len(trained.response_ids)
         layout = TrainingBatch(
             trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt,
-            pack=self.pack_sequences, device=self.device,
+            pack=self.pack_sequences, device=self.device, packed_attention=self.packed_attention,
         )
         kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
         kept = kept.to(self.device)  # [N]

@@ -12,7 +12,10 @@ token-budget plan, as wide as the step's longest, filled from every sequence of 
 Each sequence keeps its own position ids (from 0) and attends causally to itself only: a
 :class:`PackedMask` (an :class:`~torchtune_grpo.attention.AttentionLayout`, carried through the same
 attention replacement as the shared-prompt layout) gives scaled-dot-product attention a block-diagonal
-causal mask. Every logprob is the same function of the same inputs as in the unpacked layout (tested in fp32,
+causal mask, or, with ``packed_attention: flex`` on CUDA, gives FlexAttention (``torch.nn.attention.flex_attention``,
+compiled) a block mask of the same pairs, so the blocks of a row that no query of one sequence attends to
+are skipped instead of computed and masked (on the CPU, which has no FlexAttention backward, the masked
+path runs). Every logprob is the same function of the same inputs as in the unpacked layout (tested in fp32,
 gradients included). A sequence is never split across rows (the row width is the longest sequence), so no
 state crosses a row boundary. Attention costs ``rows x width^2`` per forward (the padded layout's is
 ``sequences x width^2``): no more than the padded layout at the same width. Under a token-budget plan
@@ -20,14 +23,46 @@ every row is as wide as the step's longest sequence, so a micro-batch of short s
 over that width (the masked path computes every pair of a row; about ``tokens x width`` in all).
 """
 
-from typing import List, NamedTuple, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 from torchtune_grpo.attention import AttentionLayout
 
-__all__ = ["PackedMask", "PackedLayout", "first_fit_decreasing", "packed_layout"]
+__all__ = ["PACKED_ATTENTION", "PackedMask", "PackedLayout", "first_fit_decreasing", "flex_packed_attention",
+           "packed_layout"]
+
+PACKED_ATTENTION = ("sdpa", "flex")  # the backends of packed rows' attention (``packed_attention``)
+_COMPILED_FLEX: Optional[Callable] = None
+
+
+def _block_mask(segments: torch.Tensor):
+    """FlexAttention's block mask of the pairs :class:`PackedMask` allows, ``segments [R, S]``."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def allowed(b, h, q_idx, kv_idx):  # the same sequence, causal; a pad slot (-1) also sees itself
+        return ((segments[b, q_idx] == segments[b, kv_idx]) & (q_idx >= kv_idx)) | (q_idx == kv_idx)
+
+    r, s = segments.shape
+    return create_block_mask(allowed, B=r, H=None, Q_LEN=s, KV_LEN=s, device=segments.device)
+
+
+def flex_packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:
+    """FlexAttention over packed rows: ``q [R, h, S, d]``, ``k, v [R, h_kv, S, d]`` -> ``[R, h, S, d]``.
+
+    Compiled on CUDA (once per process; eager FlexAttention is a reference implementation, not a fast
+    one); eager elsewhere, where it has a forward only (the CPU tests' check of the mask).
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _COMPILED_FLEX
+    fn = flex_attention
+    if q.is_cuda:
+        if _COMPILED_FLEX is None:
+            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+        fn = _COMPILED_FLEX
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=q.size(1) != k.size(1))
 
 
 class PackedMask(AttentionLayout):
@@ -36,19 +71,38 @@ class PackedMask(AttentionLayout):
     Args:
         segments (torch.Tensor): ``[R, S]`` long: which sequence of its row each slot belongs to; ``-1`` for
             padding (a pad slot attends to itself only, so no softmax row is empty).
+        backend (str): ``"sdpa"``: scaled-dot-product attention with the dense ``[R, 1, S, S]`` mask;
+            ``"flex"``: FlexAttention with a block mask on CUDA (skipping the blocks no pair needs), the
+            dense mask elsewhere and with dropout. Default is ``"sdpa"``.
     """
 
-    def __init__(self, segments: torch.Tensor) -> None:
-        s = segments.size(1)
-        same = segments[:, :, None] == segments[:, None, :]  # [R, S, S]
-        causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
-        eye = torch.eye(s, dtype=torch.bool, device=segments.device)
-        self.mask = ((same & causal) | eye)[:, None]  # [R, 1, S, S]
+    def __init__(self, segments: torch.Tensor, backend: str = "sdpa") -> None:
+        if backend not in PACKED_ATTENTION:
+            raise ValueError(f"packed_attention must be one of {list(PACKED_ATTENTION)}, got {backend!r}")
+        self.segments = segments
+        self.backend = backend
+        self._mask: Optional[torch.Tensor] = None
+        self._block: Optional[object] = None  # built at the first layer's call, shared by the others
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[R, 1, S, S]`` bool: which slot each slot attends to."""
+        if self._mask is None:
+            segments, s = self.segments, self.segments.size(1)
+            same = segments[:, :, None] == segments[:, None, :]  # [R, S, S]
+            causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+            eye = torch.eye(s, dtype=torch.bool, device=segments.device)
+            self._mask = ((same & causal) | eye)[:, None]
+        return self._mask
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
     ) -> torch.Tensor:
         """``q [R, h, S, d]``, ``k, v [R, h_kv, S, d]`` -> ``[R, h, S, d]``."""
+        if self.backend == "flex" and q.is_cuda and dropout_p == 0.0:
+            if self._block is None:
+                self._block = _block_mask(self.segments)
+            return flex_packed_attention(q, k, v, self._block)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=self.mask, dropout_p=dropout_p, enable_gqa=q.size(1) != k.size(1)
         )
@@ -114,6 +168,7 @@ def packed_layout(
     width: int,
     device: Optional[torch.device] = None,
     row_width: Optional[int] = None,
+    attention: str = "sdpa",
 ) -> PackedLayout:
     """Pack ``n`` sequences into rows: as wide as the longest, first-fit decreasing (deterministic); or, with
     ``row_width`` (a token-budget plan's, :func:`~torchtune_grpo.micro_batching.plan_micro_batches`), rows of
@@ -131,6 +186,7 @@ def packed_layout(
         device (Optional[torch.device]): where the tensors go. Default is None (CPU).
         row_width (Optional[int]): slots per row, filled in order; None: first-fit decreasing at the longest
             sequence. Default is None.
+        attention (str): :class:`PackedMask`'s backend (``"sdpa"`` or ``"flex"``). Default is ``"sdpa"``.
 
     Returns:
         PackedLayout: the packed rows and the gather/scatter indices of every response token.
@@ -165,7 +221,7 @@ def packed_layout(
     return PackedLayout(
         tokens=tokens.to(device),
         input_pos=input_pos.to(device),
-        mask=PackedMask(segments.to(device)),
+        mask=PackedMask(segments.to(device), attention),
         src=cat(src).to(device),
         targets=cat(targets).to(device),
         dst=cat(dst).to(device),

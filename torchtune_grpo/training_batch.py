@@ -332,6 +332,8 @@ class TrainingBatch:
             longest, none attending to another (:mod:`~torchtune_grpo.packed_rows`); False pads one row per
             sequence. Models :func:`supports_shared_prompt` rejects are not packed. Default is False.
         device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+        packed_attention (str): the packed rows' attention (:class:`~torchtune_grpo.packed_rows.PackedMask`):
+            ``"sdpa"`` or ``"flex"`` (FlexAttention on CUDA). Default is ``"sdpa"``.
 
     Attributes:
         tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.
@@ -348,6 +350,7 @@ class TrainingBatch:
         share_prompt: bool = True,
         pack: bool = False,
         device: Optional[torch.device] = None,
+        packed_attention: str = "sdpa",
     ) -> None:
         tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
         self.start = min(len(p) for p in prompt_ids) - 1
@@ -359,6 +362,7 @@ class TrainingBatch:
         self.pad_id = pad_id
         self.share_prompt = share_prompt
         self.pack = pack and not share_prompt
+        self.packed_attention = packed_attention
         self.device = device
         self.row_width: Optional[int] = None  # a packed plan's (select)
         self._layouts: Dict[Tuple[int, int], "SharedPromptLayout | PackedLayout"] = {}
@@ -371,6 +375,7 @@ class TrainingBatch:
         batch.response_mask = None
         batch.prompt_ids = batch.response_ids = batch.lengths = None
         batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
+        batch.packed_attention = "sdpa"
         batch.row_width = None
         batch._layouts = {}
         return batch
@@ -474,7 +479,7 @@ class TrainingBatch:
             a, b = key
             args = (self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device)
             if self.pack:
-                self._layouts[key] = packed_layout(*args, row_width=self.row_width)
+                self._layouts[key] = packed_layout(*args, row_width=self.row_width, attention=self.packed_attention)
             else:
                 self._layouts[key] = shared_prompt_layout(*args)
         return self._layouts[key]
