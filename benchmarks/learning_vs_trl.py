@@ -25,6 +25,10 @@ once and shared. The seconds spent writing checkpoints are excluded from the tra
     python benchmarks/learning_vs_trl.py --trl-python /work/bench-venv/bin/python \
         --seeds 5 --steps 30 --eval-every 5 --threads 2 --out results/learning
 
+``--trl-sampler native`` runs TRL's loop and update with this project's native engine as the sampler
+(:func:`native_sampler_trainer`; a subclass replacing one method, TRL itself unedited): the other half
+of issue 32's cross-over. Give it its own ``--out``.
+
 Per step both sides log training reward, policy entropy (mean over completion tokens), response length,
 grad norm (before clipping) and step seconds. Outputs: ``runs.json`` (every run), ``report.md`` (tables:
 accuracy vs step and vs wall-clock, mean ± std [min, max] over seeds) and ``learning.png``.
@@ -207,8 +211,50 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
 # ------------------------------------------------------------------------------------------ TRL child
 
 
-def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int) -> None:
-    """Child (a Python with ``trl``): GRPOTrainer with the same settings; metrics and checkpoints as ours."""
+def native_sampler_trainer(base: type, model_dir: Path, seed: int) -> type:
+    """``base`` (TRL's ``GRPOTrainer``) sampling with this project's native engine instead of transformers'
+    ``generate`` (issue 32's cross-over: TRL's loop and update, our sampler).
+
+    Before each generation the trainer's current weights are converted to a torchtune copy of the model
+    (the recipe's own checkpoint conversion) and the engine samples ``num_generations`` completions per
+    prompt from it, at temperature 1 with no top-k/top-p, stopping at TRL's EOS ids, with one generator
+    seeded like the recipe's (``seed``). TRL's own code does everything else (scoring, advantages, loss).
+    Nothing in TRL is edited: the subclass replaces one method, ``_generate_single_turn``.
+    """
+    import torch
+    from torchtune import training
+
+    from torchtune_grpo.generation import NativeGenerator
+    from torchtune_grpo.models import hf_model, HFModelSpec
+    from torchtune_grpo.models._convert import hf_to_tune
+
+    spec = HFModelSpec.from_directory(model_dir)
+
+    class NativeSampled(base):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+            if not hasattr(self, "_native"):
+                with training.set_default_dtype(torch.float32):
+                    copy = hf_model(str(model_dir)).eval().requires_grad_(False)
+                self._native = (copy, NativeGenerator(temperature=1.0, top_k=None, top_p=1.0),
+                                torch.Generator().manual_seed(seed))
+            copy, engine, generator = self._native
+            state = {k: v.detach().to("cpu", torch.float32) for k, v in self.model.state_dict().items()}
+            copy.load_state_dict(hf_to_tune(state, spec), strict=True)
+            g = num_generations
+            prompts = [list(p) for p in prompt_ids[::g]]
+            if any(list(prompt_ids[i]) != prompts[i // g] for i in range(len(prompt_ids))):
+                raise RuntimeError("expected each prompt repeated num_generations times in a row")
+            out = engine.generate(copy, prompts, group_size=g, max_new_tokens=self.max_completion_length,
+                                  pad_id=self._tokenizer.pad_token_id, stop_tokens=list(self.eos_token_ids),
+                                  generator=generator)
+            return [list(r) for r in out.response_ids], None
+
+    return NativeSampled
+
+
+def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int, sampler: str = "transformers") -> None:
+    """Child (a Python with ``trl``): GRPOTrainer with the same settings; metrics and checkpoints as ours.
+    ``sampler``: ``transformers`` (TRL's own) or ``native`` (:func:`native_sampler_trainer`)."""
     import torch
     import trl
     from datasets import Dataset
@@ -295,14 +341,15 @@ def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: i
             disable_tqdm=True,
         )
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        trainer = trl.GRPOTrainer(
+        trainer_cls = trl.GRPOTrainer if sampler == "transformers" else native_sampler_trainer(trl.GRPOTrainer, model_dir, seed)
+        trainer = trainer_cls(
             model=model, reward_funcs=[correctness], args=args,
             train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]),
             processing_class=tokenizer, callbacks=[Recorder()],
         )
         trainer.train()
     (run_dir / "trl_result.json").write_text(
-        json.dumps({"steps": records, "checkpoints": checkpoints, "trl_version": trl.__version__})
+        json.dumps({"steps": records, "checkpoints": checkpoints, "trl_version": trl.__version__, "sampler": sampler})
     )
 
 
@@ -413,6 +460,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads per trainer process")
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl installed")
+    parser.add_argument("--trl-sampler", default="transformers", choices=["transformers", "native"],
+                        help="TRL's own sampler, or this project's native engine inside TRL's loop (a separate --out)")
     parser.add_argument("--model-dir", default=None, help="SmolLM2 HF directory (built here from the GGUF if absent)")
     parser.add_argument("--out", default="learning_vs_trl_results")
     parser.add_argument("--keep-checkpoints", action="store_true")
@@ -453,6 +502,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             write_seed_order(task_dir, seed, run_dir)
             load_before = os.getloadavg()[0]
             extra = [json.dumps(overrides)] if side == "ours" and overrides else []
+            if side == "trl":
+                extra = [args.trl_sampler]
             wall = child(pythons[side], [f"_{side}", str(model_dir), str(run_dir), str(seed), str(args.steps),
                                          str(args.eval_every), *extra], args.threads, run_dir / "train.log")
             load_after = os.getloadavg()[0]
@@ -462,7 +513,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             runs.append({"side": side, "seed": seed, "steps_requested": args.steps, "steps": result["steps"],
                          "evals": evals, "process_seconds": wall, "threads": args.threads,
                          "loadavg_1min": [load_before, load_after], "trl_version": result.get("trl_version"),
-                         "ours_overrides": overrides if side == "ours" else {}})
+                         "ours_overrides": overrides if side == "ours" else {},
+                         "trl_sampler": args.trl_sampler if side == "trl" else None})
             runs_path.write_text(json.dumps(runs, indent=1))
             print(f"[seed {seed}] {side}: {wall:.0f} s; accuracy by step "
                   f"{[(e['step'], round(e['accuracy'], 3)) for e in evals]} (load {load_before:.1f}-{load_after:.1f})",
@@ -483,7 +535,7 @@ if __name__ == "__main__":
             run_ours(Path(model), Path(run), int(seed), int(steps), int(every),
                      json.loads(sys.argv[7]) if len(sys.argv) > 7 else None)
         else:
-            run_trl(Path(model), Path(run), int(seed), int(steps), int(every))
+            run_trl(Path(model), Path(run), int(seed), int(steps), int(every), *sys.argv[7:8])
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (gloo/TRL threads); the result file is written
     elif len(sys.argv) > 1 and sys.argv[1] == "_eval":

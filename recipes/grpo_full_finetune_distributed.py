@@ -363,7 +363,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         )
         if c.step_diagnostics:  # closed-loop diagnostics (torchtune_grpo/diagnostics.py)
             self.step.diagnostics = StepDiagnostics(
-                correct, c.eval_threshold, greedy=producer.greedy, logprobs=self.step.build_experience.logprobs
+                correct, c.eval_threshold, greedy=producer.greedy, logprobs=self.step.build_experience.planned_logprobs
             )
         in_flight = None
         if recipe_state is not None:

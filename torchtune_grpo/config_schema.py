@@ -34,6 +34,17 @@ __all__ = [
 KL_PLACEMENTS = ("loss", "reward")
 
 
+class _Absent:
+    """The default of a key whose value is computed from others when the key is absent (an explicit
+    ``null`` means something else)."""
+
+    def __repr__(self) -> str:
+        return "<computed>"
+
+
+_BUDGET_OF_MICRO_BATCH = _Absent()
+
+
 # ------------------------------------------------------------------------------------------------ sections
 
 
@@ -152,10 +163,13 @@ class RecipeConfig(ConfigSchema):
         None, ge=1, null=False, shown="`batch_size x group_size`", why="sequences per forward/backward",
         doc="sequences per forward/backward (training and log-probability passes); memory only")
     max_tokens_per_micro_batch: Optional[int] = setting(
-        None, ge=1, why="tokens per forward/backward, padding included (null: `micro_batch_size` rows each)",
+        _BUDGET_OF_MICRO_BATCH, ge=1, null=True,
+        shown="`micro_batch_size x (max_prompt_length + max_response_length)`",
+        why="tokens per forward/backward, padding included (null: `micro_batch_size` rows each)",
         doc="micro-batches by tokens, not rows: sequences sorted by length and packed up to this many tokens per "
-            "forward, padding included (a group's shared prompt kept together); `micro_batch_size` then caps the "
-            "rows of one; null: `micro_batch_size` rows in rollout order "
+            "forward, padding included (a group's shared prompt kept together); `micro_batch_size` caps the "
+            "rows of one. The default holds no more slots than a full micro-batch of the longest sequences (rows "
+            "without `max_prompt_length`); null: `micro_batch_size` rows in rollout order "
             "([configs.md](configs.md#token-budget-micro-batches-max_tokens_per_micro_batch)); same numbers")
     kl_coef: float = setting(0.0, ge=0, why="weight of the KL penalty (0: none)",
                              doc="weight of the KL penalty to the initial model; 0 loads no reference model. "
@@ -277,6 +291,13 @@ class RecipeConfig(ConfigSchema):
     def __post_init__(self) -> None:
         if self.micro_batch_size is None:  # absent: one micro-batch per step (frozen, hence object.__setattr__)
             object.__setattr__(self, "micro_batch_size", self.batch_size * self.group_size)
+        if self.max_tokens_per_micro_batch is _BUDGET_OF_MICRO_BATCH:
+            # Absent: the slots of a full micro-batch of the longest sequences, so no forward holds more than
+            # the row-count layout's worst case (without max_prompt_length that size is unknown: rows).
+            budget = None
+            if self.max_prompt_length is not None:
+                budget = self.micro_batch_size * (self.max_prompt_length + self.max_response_length)
+            object.__setattr__(self, "max_tokens_per_micro_batch", budget)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

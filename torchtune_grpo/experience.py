@@ -161,6 +161,11 @@ class ExperienceBuilder:
             chunk_size=self.chunk_size, plan=plan,
         )
 
+    def planned_logprobs(self, model: nn.Module, layout: TrainingBatch) -> torch.Tensor:
+        """:meth:`logprobs` in the micro-batches :meth:`plan` gives (as pi_old's pass): the same values to the
+        last bit for the same weights (one all-reduce with a token budget: every rank calls it)."""
+        return self.logprobs(model, layout, plan=self.plan(layout))
+
     def plan(self, layout: TrainingBatch) -> Optional[MicroBatchPlan]:
         """The token-budget micro-batches of ``layout`` (one all-reduce agrees on their number), or None
         without ``max_tokens_per_micro_batch``."""

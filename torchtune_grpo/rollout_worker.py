@@ -72,12 +72,14 @@ class WorkerSpec:
 def behaviour_logprobs(
     model: torch.nn.Module, prompt_ids: List[List[int]], response_ids: List[List[int]], *, pad_id: int,
     micro_batch_size: int, temperature: float, chunk_size: int, share_prompt: bool,
-    device: torch.device = torch.device("cpu"),
+    device: torch.device = torch.device("cpu"), max_tokens: Optional[int] = None,
 ) -> List[List[float]]:
     """The log-probability of every response token under ``model`` (the weights that sampled it), per row.
 
-    Computed with the trainer's own layout and forward (:class:`~torchtune_grpo.training_batch.TrainingBatch`,
-    :func:`~torchtune_grpo.update.batch_logprobs`), so with the same weights the values equal the trainer's.
+    Computed with the trainer's own layout, forward and micro-batches (:class:`~torchtune_grpo.training_batch.TrainingBatch`,
+    :func:`~torchtune_grpo.update.batch_logprobs`; with ``max_tokens``, the token-budget plan of the whole
+    batch), so with the same weights the values equal the trainer's (one process, one mini-batch: to the
+    last bit).
 
     Returns:
         List[List[float]]: one list per row, ``len(response_ids[i])`` values.
@@ -86,7 +88,9 @@ def behaviour_logprobs(
     from torchtune_grpo.update import batch_logprobs
 
     layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=device)
-    lp = batch_logprobs(model, layout, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size)
+    plan = None if max_tokens is None else layout.plan(max_tokens=max_tokens, max_rows=micro_batch_size)
+    lp = batch_logprobs(model, layout, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size,
+                        plan=plan)
     mask = layout.response_mask.bool()
     return [lp[i][mask[i]].tolist() for i in range(len(response_ids))]
 
@@ -175,6 +179,7 @@ class _Worker:
                 self.model, groups.prompt_ids, groups.response_ids, pad_id=self.tokenizer.pad_id,
                 micro_batch_size=c.micro_batch_size, temperature=float(self.engine.temperature),
                 chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training, device=self.device,
+                max_tokens=c.max_tokens_per_micro_batch,
             )
         groups.weight_versions = [version] * len(groups.response_ids)
         return groups
