@@ -143,6 +143,9 @@ def recipe_config(model_dir: Path, train_file: Path, out: Path, seed: int, steps
         "batch_size": s["batch_size"],
         "group_size": s["group_size"],
         "micro_batch_size": s["batch_size"] * s["group_size"],
+        # One micro-batch of rows, as every recorded run had (a token budget became the recipe's default
+        # later; it changes summation order, and so, over a run, which tokens are drawn).
+        "max_tokens_per_micro_batch": None,
         "max_prompt_length": s["max_prompt_length"],
         "max_response_length": s["max_new_tokens"],
         "ppo_epochs": 1,
