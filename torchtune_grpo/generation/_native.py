@@ -309,22 +309,20 @@ class NativeGenerator(GenerationEngine):
         # The prefill ran through the model's own forward (FSDP's root hooks included); decode steps may
         # skip per-layer hooks once every parameter is gathered.
         direct = can_skip_module_hooks(model)
-        if views is not None:
-            with attached_caches(attns, views.current.decode_caches):
+
+        def decoded() -> Union[SharedPrefixRollout, PerRowRollout]:  # a session's copy changes as rows leave
+            return run if views is None else views.current
+
+        def feed(token: torch.Tensor, t: int) -> torch.Tensor:
+            return decoded().decode(model, token, t, direct)
+
+        with attached_caches(attns, decoded().decode_caches):
+            if compact or views is not None:
                 return self._compacting_loop(
-                    logits, lambda token, t: views.current.decode(model, token, t, direct), views.compact,
-                    max_new_tokens, pad_id, stop, temperature, generator,
+                    logits, feed, run.compact if views is None else views.compact, max_new_tokens, pad_id, stop,
+                    temperature, generator,
                 )
-        with attached_caches(attns, run.decode_caches):
-            if compact:
-                return self._compacting_loop(
-                    logits, lambda token, t: run.decode(model, token, t, direct), run.compact,
-                    max_new_tokens, pad_id, stop, temperature, generator,
-                )
-            return self._decode_loop(
-                logits, lambda token, t: run.decode(model, token, t, direct), max_new_tokens, pad_id, stop,
-                temperature, generator,
-            )
+            return self._decode_loop(logits, feed, max_new_tokens, pad_id, stop, temperature, generator)
 
     def _compacting_loop(
         self,
