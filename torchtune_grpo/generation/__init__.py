@@ -7,6 +7,8 @@ from torchtune_grpo.generation._output import Rollout, decode_responses
 from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._transformers import TransformersGenerator
 from torchtune_grpo.generation._vllm import VLLMGenerator
+from torchtune_grpo.generation._vllm_server import VLLMServerGenerator
+from torchtune_grpo.generation._vllm_server_process import VLLMServerError
 from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncCheck, WeightSyncError
 
 __all__ = [
@@ -17,6 +19,8 @@ __all__ = [
     "TransformersGenerator",
     "TuneToHFNames",
     "VLLMGenerator",
+    "VLLMServerError",
+    "VLLMServerGenerator",
     "WeightPublisher",
     "WeightSyncCheck",
     "WeightSyncError",

@@ -315,7 +315,7 @@ class VLLMGenerator(GenerationEngine):
         llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": hf_weights(), "is_checkpoint_format": True}
         )
-        llm.apply_model(_reprocess_tied_lm_head)
+        llm.apply_model(reprocess_tied_lm_head)
         llm.reset_prefix_cache()
         if self._adapters is not None:
             # The in-place reload unloads every LoRA adapter (vLLM 0.32, measured: list_loras() is empty
@@ -465,7 +465,7 @@ class VLLMGenerator(GenerationEngine):
         return _to_rollout(prompts, outputs, group_size, set(stop))
 
 
-def _reprocess_tied_lm_head(model: nn.Module) -> None:
+def reprocess_tied_lm_head(model: nn.Module) -> None:
     """Redo the output layer's weight processing when it shares its weight with the input embedding.
 
     vLLM's in-place reload processes a tied weight for one of its two modules only (a limitation its

