@@ -30,7 +30,7 @@ from torchtune_grpo.lora import LoRAHyperparams
 __all__ = ["VLLMGenerator"]
 
 # bf16 (fp32 master weights) and bf16_pure both sample in bf16.
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16"}
 
 
 def _vllm_device() -> str:
@@ -119,12 +119,7 @@ class VLLMGenerator(GenerationEngine):
         lora_sync: str = "adapter",
         engine_kwargs: Optional[Dict[str, Any]] = None,
     ) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"top_k must be positive or null, got {top_k}")
+        check_sampling(temperature, top_k, top_p)
         if lora_sync not in LORA_SYNC_MODES:
             raise ValueError(f"lora_sync must be one of {list(LORA_SYNC_MODES)}, got {lora_sync!r}")
         if sleep_level not in (1, 2):
@@ -135,7 +130,7 @@ class VLLMGenerator(GenerationEngine):
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = float(top_p)
-        self.dtype: Optional[str] = None if dtype is None else _DTYPES.get(str(dtype), str(dtype))
+        self.dtype: Optional[str] = None if dtype is None else DTYPES.get(str(dtype), str(dtype))
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.kv_cache_memory_gib = kv_cache_memory_gib
@@ -396,13 +391,6 @@ class VLLMGenerator(GenerationEngine):
 
     # ----------------------------------------------------------------------------------- generation
 
-    def _seeds(self, n: int, generator: Optional[torch.Generator]) -> List[Optional[int]]:
-        # One seed per prompt from the recipe's RNG: reproducible, different across prompts (the same
-        # seed on two requests would give them identical samples) and across ranks.
-        if generator is None:
-            return [None] * n
-        return torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
-
     @torch.no_grad()
     def generate(
         self,
@@ -455,7 +443,7 @@ class VLLMGenerator(GenerationEngine):
                 detokenize=False,
                 seed=seed,
             )
-            for seed in self._seeds(len(prompts), generator)
+            for seed in request_seeds(len(prompts), generator)
         ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
@@ -463,6 +451,26 @@ class VLLMGenerator(GenerationEngine):
         )
         self.sleep()
         return _to_rollout(prompts, outputs, group_size, set(stop))
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: float) -> None:
+    """Raise, naming the ``generation`` key, for sampling settings vLLM would refuse or misread."""
+    if temperature < 0:
+        raise ValueError(f"generation.temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generation.top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"generation.top_k must be positive or null, got {top_k}")
+
+
+def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional[int]]:
+    """One vLLM request seed per prompt from the recipe's RNG (None without one).
+
+    Reproducible, and different across prompts (two requests with one seed would sample alike) and ranks.
+    """
+    if generator is None:
+        return [None] * n
+    return torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
 
 
 def reprocess_tied_lm_head(model: nn.Module) -> None:

@@ -30,6 +30,7 @@ from torchtune import utils
 
 from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._vllm import DTYPES, check_sampling, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
 from torchtune_grpo.generation.vllm_plugin import BACKEND
@@ -38,7 +39,6 @@ __all__ = ["VLLMServerGenerator"]
 
 log = utils.get_logger("INFO")
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16"}
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -108,12 +108,7 @@ class VLLMServerGenerator(GenerationEngine):
         chunk_mib: int = 1024,
         log_dir: Optional[str] = None,
     ) -> None:
-        if temperature < 0:
-            raise ValueError(f"generation.temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"generation.top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"generation.top_k must be positive or null, got {top_k}")
+        check_sampling(temperature, top_k, top_p)
         if chunk_mib <= 0:
             raise ValueError(f"generation.chunk_mib must be positive, got {chunk_mib}")
         if servers is not None and (isinstance(servers, str) or not all(":" in str(s) for s in servers)):
@@ -122,7 +117,7 @@ class VLLMServerGenerator(GenerationEngine):
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = float(top_p)
-        self.dtype: Optional[str] = None if dtype is None else _DTYPES.get(str(dtype), str(dtype))
+        self.dtype: Optional[str] = None if dtype is None else DTYPES.get(str(dtype), str(dtype))
         self.max_model_len = max_model_len
         self.gpu_memory_utilization = float(gpu_memory_utilization)
         self.kv_cache_memory_gib = kv_cache_memory_gib
@@ -362,9 +357,7 @@ class VLLMServerGenerator(GenerationEngine):
         temperature = self.temperature if temperature is None else float(temperature)
         stop = sorted({int(t) for t in stop_tokens})
         n = 1 if temperature == 0 else group_size  # the G greedy completions of a prompt are identical
-        seeds: List[Optional[int]] = [None] * len(prompts)
-        if generator is not None:
-            seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator, device=generator.device).tolist()
+        seeds = request_seeds(len(prompts), generator)
         server = self.server
 
         def request(prompt_and_seed):
