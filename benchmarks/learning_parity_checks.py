@@ -23,6 +23,10 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
    ``--sequences`` per prompt, from our engine and from transformers' ``generate`` (TRL's sampler) with the
    same weights: mean length, fraction stopped and the base model's mean entropy over the sampled positions,
    with permutation p-values. Where item 2 looks at three positions, this covers all 48.
+5. **The engine's own distributions** (``--checks engine_logprobs``, not in the default set): every
+   distribution the native engine samples from (its KV-cached decode) against the trainer's teacher-forced
+   forward of the finished sequences, sampled-token logprobs and entropies; with ``--model-dir`` a trained
+   checkpoint, this is the check of a sampler that drifts from the trainer as the policy sharpens.
 
     python benchmarks/learning_parity_checks.py --trl-python /work/bench-venv/bin/python --out /tmp/parity
 """
@@ -478,6 +482,70 @@ def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: i
     return lines
 
 
+def engine_logprob_check(recipe, prompts: List[List[int]], samples: int, seed: int) -> List[str]:
+    """The native engine's own sampling distribution against the trainer's forward, on the same tokens.
+
+    The engine samples ``samples`` completions of every prompt (the recipe's settings, 48 tokens); every
+    distribution it samples from (the KV-cached decode's logits, taken inside ``sample_tokens``) is recorded
+    with the sampled token, and compared with a full teacher-forced forward of the finished sequences
+    (``sequence_logprobs``, the trainer's code): the sampled tokens' logprobs and the entropies. Equal to
+    fp32 rounding means the engine samples from exactly the policy the trainer scores, whatever the weights
+    (run it with ``--model-dir`` on a trained checkpoint).
+    """
+    import torch
+
+    import torchtune_grpo.generation._native as native
+    from torchtune_grpo.logprobs import sequence_logprobs
+    from torchtune_grpo.training_batch import pack_sequences
+
+    tok = recipe.tokenizer
+    stops = list(tok.stop_tokens)
+    model = recipe.model
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    original = native.sample_tokens
+    lp_diffs, ent_diffs, misaligned, tokens_seen = [], [], 0, 0
+    for prompt in prompts:
+        seen: Dict[int, List[tuple]] = {}
+
+        def recording(logits, **kw):
+            token = original(logits, **kw)
+            rows = kw.get("noise_rows")
+            rows = range(logits.size(0)) if rows is None else rows.tolist()
+            logp = torch.log_softmax(logits.double() / kw.get("temperature", 1.0), dim=-1)
+            ent = -(logp.exp() * logp).sum(-1)
+            picked = logp.gather(-1, token.view(-1, 1)).squeeze(-1)
+            for i, r in enumerate(rows):
+                seen.setdefault(int(r), []).append((int(token[i]), float(picked[i]), float(ent[i])))
+            return token
+
+        native.sample_tokens = recording
+        try:
+            with recipe.generation_context():
+                rollout = recipe.engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
+                                                  pad_id=tok.pad_id, stop_tokens=stops, generator=gen)
+        finally:
+            native.sample_tokens = original
+        tokens, mask = pack_sequences(rollout.prompt_ids, rollout.response_ids, tok.pad_id)
+        with torch.no_grad():
+            ref = sequence_logprobs(model, tokens, temperature=recipe.engine.temperature, with_entropy=True)
+        for row, resp in enumerate(rollout.response_ids):
+            record = seen.get(row, [])[: len(resp)]
+            if [t for t, _, _ in record] != list(resp):
+                misaligned += 1
+                continue
+            start = len(prompt) - 1
+            for j, (_, lp, ent) in enumerate(record):
+                lp_diffs.append(abs(lp - float(ref.logprobs[row, start + j])))
+                ent_diffs.append(abs(ent - float(ref.entropy[row, start + j])))
+            tokens_seen += len(resp)
+    lp_t, ent_t = torch.tensor(lp_diffs), torch.tensor(ent_diffs)
+    ok = misaligned == 0 and tokens_seen > 0 and float(lp_t.max()) < 1e-3
+    return [f"{verdict(ok)} engine vs trainer on {tokens_seen} sampled tokens ({len(prompts)} prompts x {samples}; "
+            f"{misaligned} rows not aligned): |logprob diff| max {float(lp_t.max()):.2e}, mean {float(lp_t.mean()):.2e}; "
+            f"|entropy diff| max {float(ent_t.max()):.2e}, mean {float(ent_t.mean()):.2e}"]
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -488,7 +556,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", default="parity_checks")
     parser.add_argument("--samples", type=int, default=2000, help="draws for the sampling check")
     parser.add_argument("--checks", nargs="+", default=["update", "sampling", "defaults"],
-                        choices=["update", "sampling", "sequences", "defaults"])
+                        choices=["update", "sampling", "sequences", "engine_logprobs", "defaults"])
     parser.add_argument("--sequences", type=int, default=128, help="completions per prompt and side for 'sequences'")
     parser.add_argument("--tol", type=float, default=1e-3, help="relative tolerance of tensor comparisons")
     parser.add_argument("--reuse", action="store_true", help="reuse --out's rollouts.pt and trl_result.pt")
@@ -550,6 +618,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if "sequences" in args.checks:
         prompts = [r["tokens"] for r in bench.read_jsonl(out / "train_order.jsonl")[:4]]
         report += sequence_check(recipe, model_dir, prompts, args.sequences, seed=2)
+    if "engine_logprobs" in args.checks:
+        prompts = [r["tokens"] for r in bench.read_jsonl(out / "train_order.jsonl")[:4]]
+        report += engine_logprob_check(recipe, prompts, args.sequences, seed=3)
     text = "\n".join(report)
     print("\n" + text)
     (out / "parity_report.txt").write_text(text + "\n")
