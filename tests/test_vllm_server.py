@@ -323,3 +323,22 @@ def test_a_server_that_dies_while_starting_quotes_its_log(tmp_path: Path):
         VLLMServer.start(["--model", str(tmp_path / "no_such_model")], log_path=log_path,
                          env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert str(log_path) in str(error.value) and "no_such_model" in str(error.value)
+
+
+def test_lora_recipe_sends_the_server_merged_weights(tmp_path: Path):
+    # The LoRA recipe with a server: the publisher merges W + (alpha / r) B A in fp32 and sends full weights
+    # after every step (the server engine serves no adapters); every sync checks out and the adapter trains.
+    _needs_vllm()
+    generation = {"_component_": "torchtune_grpo.generation.VLLMServerGenerator", "model": "${checkpointer.checkpoint_dir}",
+                  "max_model_len": 256, "kv_cache_memory_gib": 0.25, "log_dir": "${output_dir}/vllm"}
+    config = write_config(tmp_path, base=REPO / "configs" / "tiny" / "lora_vllm_grpo_cpu.yaml", max_steps=2,
+                          save_every_n_steps=None, lr_scheduler=None, generation=generation)
+    output = run_tune(config, cwd=tmp_path, recipe="grpo_lora_finetune_distributed")
+    assert "with the LoRA adapter merged: W + (alpha / r) B A computed in fp32" in output  # the algorithm card
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["generation/sync_logprob_diff"] < 1e-4, r
+        assert r["generation/logprob_mismatch"] < 1e-4, r
+    assert rows[0]["generation/sync_bytes"] == rows[1]["generation/sync_bytes"] > 0  # every weight, every step
+    assert any(r["loss"] != 0 for r in rows)
