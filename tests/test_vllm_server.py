@@ -342,3 +342,42 @@ def test_lora_recipe_sends_the_server_merged_weights(tmp_path: Path):
         assert r["generation/logprob_mismatch"] < 1e-4, r
     assert rows[0]["generation/sync_bytes"] == rows[1]["generation/sync_bytes"] > 0  # every weight, every step
     assert any(r["loss"] != 0 for r in rows)
+
+
+def test_a_server_does_not_outlive_the_process_that_started_it(tmp_path: Path):
+    # A trainer or worker killed with SIGKILL cannot stop its server: the server must go by itself (else it
+    # keeps its devices and a restarted worker starts a second one).
+    _needs_vllm()
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    starter = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from torchtune_grpo.generation._vllm_server_process import VLLMServer
+        server = VLLMServer.start(["--model", {str(src)!r}, "--skip-tokenizer-init", "--enforce-eager",
+                                   "--kv-cache-memory-bytes", str(2**27), "--max-model-len", "128"],
+                                  log_path=Path({str(tmp_path / "server.log")!r}))
+        print(server.url, flush=True)
+        time.sleep(600)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        urllib.request.urlopen(url + "/health", timeout=10)  # up
+    finally:
+        proc.kill()
+        proc.wait()
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+        except (urllib.error.URLError, ConnectionError):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the server at {url} still answers 60 s after the process that started it was killed")

@@ -34,6 +34,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before it runs: on Linux, be sent SIGTERM when the process that started it dies.
+
+    A trainer or generation worker that is killed (SIGKILL, OOM) cannot stop its server; without this the
+    server would live on, holding its devices, and a restarted worker would start a second one beside it.
+    """
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _tail(path: Optional[Path]) -> str:
     if path is None or not path.is_file():
         return ""
@@ -80,7 +92,7 @@ class VLLMServer:
         with open(log_path, "ab") as log:
             # Its own session: stop() signals the server and the engine processes it spawned together.
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=_die_with_parent)
         server = cls(f"http://127.0.0.1:{port}", process, log_path)
         try:
             server.wait_healthy(timeout)
