@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -89,10 +90,13 @@ class VLLMServer:
         full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
                    "--host", "127.0.0.1", "--port", str(port)]
+        # The parent-death signal fires when the *thread* that started the server ends: only the main
+        # thread lives as long as the process.
+        on_main = threading.current_thread() is threading.main_thread()
         with open(log_path, "ab") as log:
             # Its own session: stop() signals the server and the engine processes it spawned together.
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                       start_new_session=True, preexec_fn=_die_with_parent)
+                                       start_new_session=True, preexec_fn=_die_with_parent if on_main else None)
         server = cls(f"http://127.0.0.1:{port}", process, log_path)
         try:
             server.wait_healthy(timeout)
