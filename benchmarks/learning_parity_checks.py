@@ -22,8 +22,8 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
 4. **Whole sequences** (``--checks sequences``, not in the default set): completions of 4 train prompts,
    ``--sequences`` per prompt, from our engine and from transformers' ``generate`` (TRL's sampler) with the
    same weights: mean length, fraction stopped and the base model's mean entropy over the sampled positions,
-   with permutation p-values; a third side, the referee, samples exactly in the plainest way (an uncached
-   full forward per token and ``torch.multinomial``). Where item 2 looks at three positions, this covers all 48.
+   with permutation p-values; a third side, the referee, samples exactly in the plainest way (transformers'
+   model forward, ``torch.multinomial`` over the float64 softmax, none of ``generate``'s processing). Where item 2 looks at three positions, this covers all 48.
 5. **The engine's own distributions** (``--checks engine_logprobs``, not in the default set): every
    distribution the native engine samples from (its KV-cached decode) against the trainer's teacher-forced
    forward of the finished sequences, sampled-token logprobs and entropies; with ``--model-dir`` a trained
@@ -452,25 +452,28 @@ def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: i
             end = next((i for i, t in enumerate(row) if t in stops), None)
             theirs.append((prompt, row[: end + 1] if end is not None else row))
     t_hf = time.perf_counter() - t0
-    # The referee: the plainest exact sampler there is. Every token from a full, uncached forward of the whole
-    # sequence so far (the trainer's model and code) and torch.multinomial over its softmax.
+    # The referee: exact sampling in the plainest form. transformers' model forward (with its KV cache) gives
+    # the last position's logits, and torch.multinomial draws from their float64 softmax: none of
+    # generate()'s processing, none of our engine's code.
     exact = []
     t0 = time.perf_counter()
+    stop_ids = torch.tensor(stops)
     for prompt in prompts:
-        rows = torch.tensor([prompt] * samples)
         done = torch.zeros(samples, dtype=torch.bool)
         resp = [[] for _ in range(samples)]
+        feed, past = torch.tensor([prompt] * samples), None
         for _ in range(48):
             with torch.no_grad():
-                logits = model(rows)[:, -1].double()
-            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).squeeze(1)
+                out = hf(feed, past_key_values=past, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            token = torch.multinomial(torch.softmax(out.logits[:, -1].double(), dim=-1), 1, generator=gen).squeeze(1)
             for i in range(samples):
                 if not done[i]:
                     resp[i].append(int(token[i]))
-            done |= torch.isin(token, torch.tensor(stops))
+            done |= torch.isin(token, stop_ids)
             if bool(done.all()):
                 break
-            rows = torch.cat([rows, token.view(-1, 1)], dim=1)
+            feed = token.view(-1, 1)
         exact += [(prompt, r) for r in resp]
     t_exact = time.perf_counter() - t0
 
@@ -489,7 +492,7 @@ def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: i
     sides = {"ours": describe(ours), "transformers": describe(theirs), "exact": describe(exact)}
     perm = torch.Generator().manual_seed(seed + 1)
     lines = [f"     sequences: {len(prompts)} prompts x {samples} completions per side (ours {t_ours:.0f} s, "
-             f"transformers generate {t_hf:.0f} s, exact uncached sampling {t_exact:.0f} s)"]
+             f"transformers generate {t_hf:.0f} s, exact referee {t_exact:.0f} s)"]
     for left, right in (("ours", "transformers"), ("ours", "exact"), ("transformers", "exact")):
         for key in ("length", "stopped", "entropy"):
             x = torch.tensor(sides[left][key], dtype=torch.float64)
