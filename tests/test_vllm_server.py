@@ -381,3 +381,23 @@ def test_a_server_does_not_outlive_the_process_that_started_it(tmp_path: Path):
         time.sleep(0.5)
     else:
         pytest.fail(f"the server at {url} still answers 60 s after the process that started it was killed")
+
+
+def test_tune_grpo_vllm_serve_prints_the_servers_command(tmp_path: Path):
+    # The command for a server you start yourself comes from the config (so its flags match what the run
+    # needs); a config with another engine is refused naming the key.
+    _needs_vllm()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "torchtune_grpo.cli", "vllm-serve"]
+    proc = subprocess.run([*cli, "--config", str(SERVER_CONFIG), "--port", "8123", "--print", "dtype=fp32"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("VLLM_SERVER_DEV_MODE=1 ") and "-m vllm.entrypoints.openai.api_server" in line
+    for part in (f"--model {asset_path('tiny_qwen2')}", "--dtype float32", "--enable-scale-out",
+                 "--skip-tokenizer-init", "--logprobs-mode processed_logprobs", "--port 8123",
+                 '{"backend": "torchtune_grpo_shm"}', "--max-model-len 256"):
+        assert part in line, (part, line)
+    other = subprocess.run([*cli, "--config", str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), "--print"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 1 and "generation._component_ builds VLLMGenerator" in other.stderr

@@ -5,14 +5,18 @@
     tune-grpo eval --config CFG [checkpoint_dir=DIR] [key=value ...] [--json out.json]
     tune-grpo plot OUTPUT_DIR [--out curves.png]
     tune-grpo rejection-sample --config CFG output=rs.jsonl [num_samples=N max_per_prompt=M threshold=T]
+    tune-grpo vllm-serve --config CFG [--host H] [--port P] [--print] [key=value ...]
 
 ``eval`` and ``rejection-sample`` read a GRPO recipe config (model, tokenizer, checkpointer, generation,
 reward_functions, max_response_length, and ``validation`` for eval / ``dataset`` for rejection sampling)
-and run on one process. See docs/pipeline.md.
+and run on one process. See docs/pipeline.md. ``vllm-serve`` starts (or prints) the vLLM server a config's
+``VLLMServerGenerator`` would start, for a run that lists it in ``generation.servers`` (docs/vllm.md).
 """
 
 import argparse
 import json
+import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -277,6 +281,30 @@ def _cmd_rejection_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_vllm_serve(args: argparse.Namespace) -> int:
+    """Run, in the foreground, the vLLM server the config's ``VLLMServerGenerator`` would start (or print it)."""
+    from torchtune import config as tt_config
+
+    from torchtune_grpo.generation import VLLMServerGenerator
+    from torchtune_grpo.precision import Precision
+
+    cfg, config, _ = _load_config(args.config, args.overrides, set())
+    engine = tt_config.instantiate(cfg.generation)
+    if not isinstance(engine, VLLMServerGenerator):
+        raise ValueError(
+            f"generation._component_ builds {type(engine).__name__}: vllm-serve starts the server of "
+            "torchtune_grpo.generation.VLLMServerGenerator"
+        )
+    engine.follow_trainer_dtype(Precision.from_name(config.dtype).compute_dtype)  # as the recipe does
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine.launch_args(),
+               "--host", args.host, "--port", str(args.port)]
+    if args.print:
+        print("VLLM_SERVER_DEV_MODE=1 " + shlex.join(command))
+        return 0
+    os.execvpe(command[0], command, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    return 0  # not reached
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``tune-grpo`` console script."""
     parser = argparse.ArgumentParser(prog="tune-grpo", description="torchtune-grpo utilities")
@@ -315,6 +343,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     rs.add_argument("--config", required=True, help="a GRPO recipe config (its `dataset` gives the prompts)")
     rs.add_argument("overrides", nargs="*", help="key=value")
     rs.set_defaults(func=_cmd_rejection_sample)
+
+    vs = sub.add_parser(
+        "vllm-serve", help="run the vLLM server a config's VLLMServerGenerator would start (for generation.servers)",
+        description="The server's flags come from the config's `generation` (model, dtype, weight transfer, ...); "
+        "list it in generation.servers as HOST:PORT. Overrides: any config key=value.",
+    )
+    vs.add_argument("--config", required=True, help="a GRPO recipe config whose generation is VLLMServerGenerator")
+    vs.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    vs.add_argument("--port", type=int, default=8100, help="port (default 8100)")
+    vs.add_argument("--print", action="store_true", help="print the command instead of running it")
+    vs.add_argument("overrides", nargs="*", help="key=value")
+    vs.set_defaults(func=_cmd_vllm_serve)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
