@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -213,10 +214,21 @@ def _check_trained(tmp_path: Path, src: Path, rows: list) -> None:
     assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3  # the check had something to catch
 
 
-def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path):
+def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, monkeypatch):
     # The server is started with the command docs/vllm.md gives (the shape of a multi-node layout, where
     # servers run before the trainer); the run uses it, leaves it running, and its version is the last sent.
+    # Its start also meets a port taken between being picked and being bound: the server exits saying so and
+    # the next port is tried.
     _needs_vllm()
+    import torchtune_grpo.generation._vllm_server_process as server_process
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    taken_port = taken.getsockname()[1]
+    picks = iter([taken_port])
+    pick_free = server_process._free_port
+    monkeypatch.setattr(server_process, "_free_port", lambda: next(picks, None) or pick_free())
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     log_path = tmp_path / "server.log"
     args = ["--model", str(src), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
@@ -224,6 +236,8 @@ def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path):
             "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--max-model-len", "256",
             "--kv-cache-memory-bytes", str(2**28), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
     server = VLLMServer.start(args, log_path=log_path, env={"OMP_NUM_THREADS": "1"})
+    taken.close()
+    assert "Address already in use" in log_path.read_text() and not server.url.endswith(f":{taken_port}")
     try:
         address = server.url.removeprefix("http://")
         config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src),
@@ -267,8 +281,6 @@ def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 __all__ = ["VLLMServer", "VLLMServerError"]
 
 _LOG_TAIL_LINES = 40
+_PORT_ATTEMPTS = 3
 
 
 class VLLMServerError(RuntimeError):
@@ -85,25 +86,37 @@ class VLLMServer:
         Raises:
             VLLMServerError: it exited or did not answer in time (with the end of its log).
         """
-        port = _free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         full_env = {**os.environ, **(env or {}), "VLLM_SERVER_DEV_MODE": "1"}
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
-                   "--host", "127.0.0.1", "--port", str(port)]
         # The parent-death signal fires when the *thread* that started the server ends: only the main
         # thread lives as long as the process.
         on_main = threading.current_thread() is threading.main_thread()
-        with open(log_path, "ab") as log:
-            # Its own session: stop() signals the server and the engine processes it spawned together.
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                       start_new_session=True, preexec_fn=_die_with_parent if on_main else None)
-        server = cls(f"http://127.0.0.1:{port}", process, log_path)
-        try:
-            server.wait_healthy(timeout)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        for attempt in range(_PORT_ATTEMPTS):
+            # The port is free when picked but not reserved: another process may take it before the server
+            # binds it. Then the server exits saying so, and another port is tried.
+            port = _free_port()
+            command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
+                       "--host", "127.0.0.1", "--port", str(port)]
+            logged = log_path.stat().st_size if log_path.exists() else 0
+            with open(log_path, "ab") as log:
+                # Its own session: stop() signals the server and the engine processes it spawned together.
+                process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                           start_new_session=True, preexec_fn=_die_with_parent if on_main else None)
+            server = cls(f"http://127.0.0.1:{port}", process, log_path)
+            try:
+                server.wait_healthy(timeout)
+                return server
+            except VLLMServerError:
+                server.stop()
+                with open(log_path, "rb") as log:
+                    log.seek(logged)
+                    port_taken = b"address already in use" in log.read().lower()
+                if not port_taken or attempt == _PORT_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                server.stop()
+                raise
+        raise AssertionError("unreachable")
 
     @classmethod
     def connect(cls, address: str, *, timeout: float = 60.0) -> "VLLMServer":
