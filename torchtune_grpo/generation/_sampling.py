@@ -4,7 +4,17 @@ from typing import Optional
 
 import torch
 
-__all__ = ["sample_tokens"]
+__all__ = ["check_sampling", "sample_tokens"]
+
+
+def check_sampling(temperature: float, top_k: Optional[int], top_p: float) -> None:
+    """Raise, naming the ``generation`` key, for sampling settings no engine can sample with."""
+    if temperature < 0:
+        raise ValueError(f"generation.temperature must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generation.top_p must be in (0, 1], got {top_p}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"generation.top_k must be positive or null, got {top_k}")
 
 
 def sample_tokens(

@@ -12,7 +12,6 @@ vLLM is imported on first use, so configs and tests that only build the componen
 """
 
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -21,11 +20,13 @@ import torch
 from torch import nn
 
 from torchtune_grpo.generation._engine import GenerationEngine
-from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._output import Rollout, rollout_from_requests
+from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
 from torchtune_grpo.lora import LoRAHyperparams
+from torchtune_grpo.models import read_hf_config
 
 __all__ = ["VLLMGenerator"]
 
@@ -40,7 +41,50 @@ def _vllm_device() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-class VLLMGenerator(GenerationEngine):
+class HFDirectoryEngine(GenerationEngine):
+    """What an engine that starts from a Hugging Face directory and holds its own weights needs of it.
+
+    The vLLM engines (in process and as a server) read the directory's ``config.json`` for the vocabulary
+    (probe token ids) and the weight names (``TuneToHFNames``), and compute in ``dtype`` (vLLM's name; None
+    until the recipe says the trainer's). Subclasses set ``model_path`` and ``dtype``.
+    """
+
+    model_path: str
+    dtype: Optional[str]
+    _hf_config: Optional[Dict[str, Any]] = None  # read on first use
+    _to_hf_names: Optional[TuneToHFNames] = None
+
+    @property
+    def hf_config(self) -> Dict[str, Any]:
+        """The model's Hugging Face ``config.json``, read on first use."""
+        if self._hf_config is None:
+            try:
+                self._hf_config = read_hf_config(self.model_path)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{type(self).__name__}: no Hugging Face config.json: {e}") from None
+        return self._hf_config
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding table (what probe token ids are drawn from)."""
+        return int(self.hf_config["vocab_size"])
+
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+        if self._to_hf_names is None:
+            self._to_hf_names = TuneToHFNames(self.hf_config)
+        return self._to_hf_names(name, tensor)
+
+    def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
+        """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).
+
+        vLLM's ``auto`` is the checkpoint's dtype, or bf16 for fp32 checkpoints on CPU: an fp32 run would
+        then sample from (and be checked against) a bf16 copy of its weights.
+        """
+        if self.dtype is None:
+            self.dtype = str(dtype).removeprefix("torch.")
+
+
+class VLLMGenerator(HFDirectoryEngine):
     """Sample ``group_size`` completions per prompt with vLLM, with the same sampling settings as
     :class:`~torchtune_grpo.generation.NativeGenerator`, and the sampled tokens' log-probabilities.
 
@@ -126,7 +170,6 @@ class VLLMGenerator(GenerationEngine):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         # Nothing is read here: configs are built (and tested) without the downloaded model.
         self.model_path = str(model)
-        self._hf_config: Optional[Dict[str, Any]] = None
         self.temperature = float(temperature)
         self.top_k = top_k
         self.top_p = float(top_p)
@@ -142,7 +185,6 @@ class VLLMGenerator(GenerationEngine):
         self._llm = None
         self._asleep = False
         self._sleep_mode = False
-        self._to_hf_names: Optional[TuneToHFNames] = None
         self.lora_sync = lora_sync
         self._lora: Optional[LoRAHyperparams] = None  # set by enable_lora (adapter sync)
         self._adapters: Optional[AdapterVersions] = None
@@ -158,40 +200,11 @@ class VLLMGenerator(GenerationEngine):
             )
 
     @property
-    def hf_config(self) -> Dict[str, Any]:
-        """The model's Hugging Face ``config.json``, read on first use."""
-        if self._hf_config is None:
-            config_path = Path(self.model_path) / "config.json"
-            if not config_path.is_file():
-                raise FileNotFoundError(f"VLLMGenerator: no Hugging Face config.json in {self.model_path}")
-            self._hf_config = json.loads(config_path.read_text())
-        return self._hf_config
-
-    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
-        if self._to_hf_names is None:
-            self._to_hf_names = TuneToHFNames(self.hf_config)
-        return self._to_hf_names(name, tensor)
-
-    def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
-        """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).
-
-        vLLM's ``auto`` is the checkpoint's dtype, or bf16 for fp32 checkpoints on CPU: an fp32 run would
-        then sample from (and be checked against) a bf16 copy of its weights.
-        """
-        if self.dtype is None:
-            self.dtype = str(dtype).removeprefix("torch.")
-
-    @property
     def compute_dtype(self) -> Optional[torch.dtype]:
         """The dtype vLLM computes in (its resolution of ``dtype``); None before the engine starts."""
         if self._llm is None:
             return None
         return self._llm.llm_engine.model_config.dtype
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the model's embedding table (what probe token ids are drawn from)."""
-        return int(self.hf_config["vocab_size"])
 
     @property
     def llm(self):
@@ -450,17 +463,11 @@ class VLLMGenerator(GenerationEngine):
             lora_request=self.lora_request,
         )
         self.sleep()
-        return _to_rollout(prompts, outputs, group_size, set(stop))
-
-
-def check_sampling(temperature: float, top_k: Optional[int], top_p: float) -> None:
-    """Raise, naming the ``generation`` key, for sampling settings vLLM would refuse or misread."""
-    if temperature < 0:
-        raise ValueError(f"generation.temperature must be >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generation.top_p must be in (0, 1], got {top_p}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"generation.top_k must be positive or null, got {top_k}")
+        completions = [
+            [(list(c.token_ids), _sampled_logprobs(c)) for c in sorted(out.outputs, key=lambda c: c.index)]
+            for out in outputs  # a request's n samples, in order
+        ]
+        return rollout_from_requests(prompts, completions, group_size, set(stop), source="vLLM")
 
 
 def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional[int]]:
@@ -502,27 +509,3 @@ def _sampled_logprobs(completion) -> List[float]:
     if getattr(flat, "token_ids", None) is not None and list(flat.token_ids) == tokens:
         return [float(x) for x in flat.logprobs]
     return [float(flat[t][tok].logprob) for t, tok in enumerate(tokens)]
-
-
-def _to_rollout(prompts: List[List[int]], outputs: list, group_size: int, stop: set) -> Rollout:
-    prompt_ids, response_ids, logprobs, truncated = [], [], [], []
-    for prompt, out in zip(prompts, outputs):
-        completions = sorted(out.outputs, key=lambda c: c.index)  # a request's n samples, in order
-        if len(completions) == 1:
-            completions = completions * group_size  # greedy: asked for once
-        if len(completions) != group_size:
-            raise RuntimeError(f"vLLM returned {len(completions)} completions for a prompt, not {group_size}")
-        for completion in completions:
-            ids = list(completion.token_ids)
-            prompt_ids.append(list(prompt))
-            response_ids.append(ids)
-            logprobs.append(_sampled_logprobs(completion))
-            # Truncated = no stop token (as the native engine: a stop token that is also the budget's last
-            # token still ends the completion).
-            truncated.append(not ids or ids[-1] not in stop)
-    return Rollout(
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
-        truncated=torch.tensor(truncated, dtype=torch.bool),
-        logprobs=logprobs,
-    )

@@ -22,17 +22,16 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torchtune import utils
 
-from torchtune_grpo.generation._engine import GenerationEngine
-from torchtune_grpo.generation._output import Rollout
-from torchtune_grpo.generation._vllm import DTYPES, check_sampling, request_seeds
+from torchtune_grpo.generation._output import Rollout, rollout_from_requests
+from torchtune_grpo.generation._sampling import check_sampling
+from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
-from torchtune_grpo.generation._weight_sync import TuneToHFNames
 from torchtune_grpo.generation.vllm_plugin import BACKEND
 
 __all__ = ["VLLMServerGenerator"]
@@ -42,7 +41,7 @@ log = utils.get_logger("INFO")
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class VLLMServerGenerator(GenerationEngine):
+class VLLMServerGenerator(HFDirectoryEngine):
     """Sample ``group_size`` completions per prompt from a vLLM server that holds the trainer's weights.
 
     Sampling is :class:`~torchtune_grpo.generation.VLLMGenerator`'s: ``n = group_size`` per prompt, temperature,
@@ -131,8 +130,6 @@ class VLLMServerGenerator(GenerationEngine):
         self.staging_dir = str(staging_dir)
         self.chunk_bytes = int(chunk_mib) * 2**20
         self.log_dir = log_dir
-        self._hf_config: Optional[Dict[str, Any]] = None
-        self._to_hf_names: Optional[TuneToHFNames] = None
         self._server: Optional[VLLMServer] = None
         self._transfer_ready = False
         self._version = 0  # weight versions sent; 0: the server's own files
@@ -148,24 +145,6 @@ class VLLMServerGenerator(GenerationEngine):
             )
         if not os.path.isdir(self.staging_dir):
             raise ValueError(f"generation.staging_dir: {self.staging_dir!r} is not a directory")
-
-    @property
-    def hf_config(self) -> Dict[str, Any]:
-        if self._hf_config is None:
-            path = Path(self.model_path) / "config.json"
-            if not path.is_file():
-                raise FileNotFoundError(f"VLLMServerGenerator: no Hugging Face config.json in {self.model_path}")
-            self._hf_config = json.loads(path.read_text())
-        return self._hf_config
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
-
-    def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
-        """Serve in the trainer's ``dtype`` unless the config set one (before the server starts)."""
-        if self.dtype is None:
-            self.dtype = str(dtype).removeprefix("torch.")
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -250,11 +229,6 @@ class VLLMServerGenerator(GenerationEngine):
             self._server = None
 
     # ---------------------------------------------------------------------------------- weight sync
-
-    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
-        if self._to_hf_names is None:
-            self._to_hf_names = TuneToHFNames(self.hf_config)
-        return self._to_hf_names(name, tensor)
 
     def _chunks(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Dict[str, torch.Tensor]]:
         """Hugging Face-named CPU tensors, in groups of about ``chunk_bytes``."""
@@ -373,31 +347,23 @@ class VLLMServerGenerator(GenerationEngine):
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
             outputs = list(pool.map(request, zip(prompts, seeds)))
-        return self._to_rollout(prompts, outputs, group_size, set(stop))
+        return rollout_from_requests(prompts, [self._completions(out) for out in outputs], group_size, set(stop),
+                                     source=f"the vLLM server {server.url}")
 
-    def _to_rollout(self, prompts: List[List[int]], outputs: List[dict], group_size: int, stop: set) -> Rollout:
+    def _completions(self, out: dict) -> List[Tuple[List[int], List[float]]]:
+        """One response's ``(token ids, sampled logprobs)``, after checking the weight version of each."""
         expected = str(self._version) if self._version else None
-        prompt_ids, response_ids, logprobs, truncated = [], [], [], []
-        for prompt, out in zip(prompts, outputs):
-            choices = sorted(out["choices"], key=lambda c: c["index"])
-            if len(choices) == 1:
-                choices = choices * group_size  # greedy: asked for once
-            if len(choices) != group_size:
-                raise VLLMServerError(f"the vLLM server returned {len(choices)} completions for a prompt, not {group_size}")
-            for choice in choices:
-                versions = {span["version"] for span in choice.get("weight_versions") or []}
-                if expected is not None and versions - {expected}:
-                    raise VLLMServerError(
-                        f"the vLLM server {self.server.url} sampled with weight version(s) {sorted(versions)}, but the "
-                        f"trainer last sent version {expected}: another trainer or client is updating this server"
-                    )
-                ids = list(choice["token_ids"])
-                content = (choice.get("logprobs") or {}).get("content") or []
-                if len(content) != len(ids):
-                    raise VLLMServerError("the vLLM server returned no logprob for some sampled tokens")
-                prompt_ids.append(list(prompt))
-                response_ids.append(ids)
-                logprobs.append([float(c["logprob"]) for c in content])
-                truncated.append(not ids or ids[-1] not in stop)
-        return Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
-                       truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
+        completions = []
+        for choice in sorted(out["choices"], key=lambda c: c["index"]):
+            versions = {span["version"] for span in choice.get("weight_versions") or []}
+            if expected is not None and versions - {expected}:
+                raise VLLMServerError(
+                    f"the vLLM server {self.server.url} sampled with weight version(s) {sorted(versions)}, but the "
+                    f"trainer last sent version {expected}: another trainer or client is updating this server"
+                )
+            ids = list(choice["token_ids"])
+            content = (choice.get("logprobs") or {}).get("content") or []
+            if len(content) != len(ids):
+                raise VLLMServerError("the vLLM server returned no logprob for some sampled tokens")
+            completions.append((ids, [float(c["logprob"]) for c in content]))
+        return completions
