@@ -255,9 +255,13 @@ def native_sampler_trainer(base: type, model_dir: Path, seed: int) -> type:
     return NativeSampled
 
 
-def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int, sampler: str = "transformers") -> None:
+def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: int, sampler: str = "transformers",
+            sampling_seed: Optional[int] = None) -> None:
     """Child (a Python with ``trl``): GRPOTrainer with the same settings; metrics and checkpoints as ours.
-    ``sampler``: ``transformers`` (TRL's own) or ``native`` (:func:`native_sampler_trainer`)."""
+    ``sampler``: ``transformers`` (TRL's own) or ``native`` (:func:`native_sampler_trainer`). ``sampling_seed``
+    (default ``seed``) seeds the sampler's random stream only: the prompt order stays ``seed``'s (it comes
+    from the order file), and TRL's ``seed`` drives nothing else here (no dropout, no dataset shuffle)."""
+    sampling_seed = seed if sampling_seed is None else sampling_seed
     import torch
     import trl
     from datasets import Dataset
@@ -338,13 +342,13 @@ def run_trl(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: i
             fp16=False,
             gradient_checkpointing=False,
             shuffle_dataset=False,
-            seed=seed,
+            seed=sampling_seed,
             dataloader_num_workers=0,
             log_completions=False,
             disable_tqdm=True,
         )
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-        trainer_cls = trl.GRPOTrainer if sampler == "transformers" else native_sampler_trainer(trl.GRPOTrainer, model_dir, seed)
+        trainer_cls = trl.GRPOTrainer if sampler == "transformers" else native_sampler_trainer(trl.GRPOTrainer, model_dir, sampling_seed)
         trainer = trainer_cls(
             model=model, reward_funcs=[correctness], args=args,
             train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]),
@@ -465,6 +469,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--trl-python", default=sys.executable, help="a Python with trl installed")
     parser.add_argument("--trl-sampler", default="transformers", choices=["transformers", "native"],
                         help="TRL's own sampler, or this project's native engine inside TRL's loop (a separate --out)")
+    parser.add_argument("--trl-sampling-seed-offset", type=int, default=0,
+                        help="TRL side: seed the sampler's random stream with seed + this, keeping seed's prompt order"
+                             " (a fresh stream for a paired comparison; a separate --out)")
     parser.add_argument("--model-dir", default=None, help="SmolLM2 HF directory (built here from the GGUF if absent)")
     parser.add_argument("--out", default="learning_vs_trl_results")
     parser.add_argument("--keep-checkpoints", action="store_true")
@@ -506,7 +513,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             load_before = os.getloadavg()[0]
             extra = [json.dumps(overrides)] if side == "ours" and overrides else []
             if side == "trl":
-                extra = [args.trl_sampler]
+                extra = [args.trl_sampler, str(seed + args.trl_sampling_seed_offset)]
             wall = child(pythons[side], [f"_{side}", str(model_dir), str(run_dir), str(seed), str(args.steps),
                                          str(args.eval_every), *extra], args.threads, run_dir / "train.log")
             load_after = os.getloadavg()[0]
@@ -517,7 +524,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "evals": evals, "process_seconds": wall, "threads": args.threads,
                          "loadavg_1min": [load_before, load_after], "trl_version": result.get("trl_version"),
                          "ours_overrides": overrides if side == "ours" else {},
-                         "trl_sampler": args.trl_sampler if side == "trl" else None})
+                         "trl_sampler": args.trl_sampler if side == "trl" else None,
+                         "trl_sampling_seed": seed + args.trl_sampling_seed_offset if side == "trl" else None})
             runs_path.write_text(json.dumps(runs, indent=1))
             print(f"[seed {seed}] {side}: {wall:.0f} s; accuracy by step "
                   f"{[(e['step'], round(e['accuracy'], 3)) for e in evals]} (load {load_before:.1f}-{load_after:.1f})",
@@ -538,7 +546,8 @@ if __name__ == "__main__":
             run_ours(Path(model), Path(run), int(seed), int(steps), int(every),
                      json.loads(sys.argv[7]) if len(sys.argv) > 7 else None)
         else:
-            run_trl(Path(model), Path(run), int(seed), int(steps), int(every), *sys.argv[7:8])
+            run_trl(Path(model), Path(run), int(seed), int(steps), int(every), *sys.argv[7:8],
+                    *[int(x) for x in sys.argv[8:9]])
         sys.stdout.flush()
         os._exit(0)  # skip interpreter teardown (gloo/TRL threads); the result file is written
     elif len(sys.argv) > 1 and sys.argv[1] == "_eval":

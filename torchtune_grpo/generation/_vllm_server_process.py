@@ -173,8 +173,14 @@ class VLLMServer:
                 names the flag that enables it) or no connection.
         """
         data = json.dumps(body if body is not None else {}).encode()
-        request = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        return self._request(urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
+                                                    headers={"Content-Type": "application/json"}), path, timeout)
+
+    def get(self, path: str, *, timeout: float = 600.0) -> Any:
+        """GET ``path``; the decoded JSON answer (errors as :meth:`post`)."""
+        return self._request(urllib.request.Request(f"{self.url}{path}", method="GET"), path, timeout)
+
+    def _request(self, request: urllib.request.Request, path: str, timeout: float) -> Any:
         try:
             with urllib.request.urlopen(request, timeout=timeout) as response:
                 text = response.read()

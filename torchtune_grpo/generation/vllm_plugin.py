@@ -13,12 +13,15 @@ BACKEND = "torchtune_grpo_shm"
 
 
 def register() -> None:
-    """Register :data:`BACKEND` with vLLM's weight-transfer factory (lazily: vLLM imports it on first use)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    """Register :data:`BACKEND` with vLLM's weight-transfer factories, the server's and the trainer's (lazily:
+    vLLM imports an engine on first use)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    try:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "torchtune_grpo.generation._vllm_transfer", "SharedMemoryWeightTransferEngine"
-        )
-    except ValueError:
-        pass  # already registered: vLLM may load plugins more than once in a process
+    for factory, module, name in (
+        (WeightTransferEngineFactory, "torchtune_grpo.generation._vllm_transfer", "SharedMemoryWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "torchtune_grpo.generation._vllm_trainer_transfer", "SharedMemoryTrainerEngine"),
+    ):
+        try:
+            factory.register_engine(BACKEND, module, name)
+        except ValueError:
+            pass  # already registered: vLLM may load plugins more than once in a process
