@@ -267,6 +267,26 @@ def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path
         urllib.request.urlopen(started.group(1) + "/health", timeout=5)
 
 
+def test_two_trainer_processes_each_with_its_own_server(tmp_path: Path):
+    # FSDP2 over 2 processes: each rank starts its server on its own port and sends it the full weights
+    # (gathered once per step) as its versions; every rank's sync is checked and the samples are the
+    # trainer's weights' (mismatch < 1e-4).
+    _needs_vllm()
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3})
+    output = run_tune(config, nproc=2, cwd=tmp_path)
+    urls = {rank: re.search(rf"Rank {rank}: vLLM server started at (http://\S+)", output) for rank in (0, 1)}
+    assert all(urls.values()), output[-3000:]
+    assert urls[0].group(1) != urls[1].group(1)
+    for rank in (0, 1):
+        assert (tmp_path / "out" / "vllm" / f"vllm_server_rank{rank}.log").is_file()
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    _check_trained(tmp_path, src, rows)
+    for r in rows:
+        assert r["generation/logprob_mismatch"] < 1e-4, r
+
+
 # ------------------------------------------------------------------------------------- errors, no vLLM
 
 
