@@ -387,6 +387,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
             ),
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
+            in_flight_updates=c.generation_workers.enabled and c.generation_workers.in_flight_updates,
             weight_sync=publisher.describe(self.model) if publisher is not None else None,
             **loss_masks.formula_lines(),
         )

@@ -44,6 +44,12 @@ def test_staleness_counts_by_hand():
     assert metrics["staleness/fraction_2"] == pytest.approx(0.5)
     with pytest.raises(RuntimeError, match="3 steps behind at step 6: bound 2"):
         staleness_sums([2], step=5, max_staleness=2)
+    # In-flight updates: rows report their oldest token's version; tokens newer than it are counted.
+    sums = staleness_sums([3, 4], step=5, max_staleness=2, token_versions=[[3, 3, 4, 5], [4, 4]])
+    metrics = staleness_metrics({k: v for k, v in sums.items()}, 2)
+    assert metrics["staleness/max"] == 2 and metrics["staleness/newer_token_fraction"] == pytest.approx(2 / 6)
+    assert "staleness/newer_token_fraction" not in staleness_metrics(
+        dict(staleness_sums([3], step=5, max_staleness=2).items()), 2)
 
 
 def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
@@ -62,6 +68,23 @@ def test_settings_that_workers_do_not_support_are_refused_by_name(tmp_path):
         check_generation_workers(lora, Engine())
     check_generation_workers(RecipeConfig.from_cfg(OmegaConf.load(write_config(tmp_path, generation_workers=_workers(1)))),
                              Engine())  # the full recipe takes it (vLLM in the worker)
+
+    # In-flight weight updates need workers, an engine that takes weights while it generates, single turns.
+    def full(**workers):
+        return RecipeConfig.from_cfg(OmegaConf.load(write_config(tmp_path, generation_workers=workers)))
+
+    with pytest.raises(ValueError, match="generation_workers.in_flight_updates needs generation_workers.enabled"):
+        check_generation_workers(full(enabled=False, in_flight_updates=True), Engine())
+    with pytest.raises(ValueError, match="in_flight_updates needs an engine that takes weights while it generates.*"
+                                         "Engine does not"):
+        check_generation_workers(full(enabled=True, in_flight_updates=True), Engine())
+    Engine.supports_in_flight_updates = True
+    check_generation_workers(full(enabled=True, in_flight_updates=True), Engine())
+    multi_turn = RecipeConfig.from_cfg(OmegaConf.load(write_config(
+        tmp_path, base=REPO / "configs" / "tiny" / "multi_turn_cpu.yaml",
+        generation_workers={"enabled": True, "in_flight_updates": True})))
+    with pytest.raises(ValueError, match="in_flight_updates is single-turn only"):
+        check_generation_workers(multi_turn, Engine())
 
 
 def test_a_cuda_worker_where_there_is_no_gpu_stops_the_run_naming_the_key(tmp_path, clean_env, one_thread):

@@ -130,6 +130,64 @@ SCRIPT = textwrap.dedent(
     out["weight_version"] = json.load(urllib.request.urlopen(engine.server.url + "/weight_info"))["weight_version"]
     out["staging_left"] = [f for f in os.listdir("/dev/shm") if f.startswith(f"torchtune_grpo_{os.getpid()}_")]
 
+    # A version sent while completions are generating (another thread): the server pauses, takes it, drops
+    # the running requests' keys and values, and continues. Each token is labelled with the version that
+    # sampled it, and its logprob must be that version's, given the completion so far (old weights before
+    # the switch, new weights after, with no stale cache in between).
+    import copy, threading, time
+    old_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    many = [data[i]["tokens"] for i in range(8)]
+    long_kw = dict(group_size=8, max_new_tokens=200, pad_id=tokenizer.pad_id, stop_tokens=[], temperature=1.0)
+    # When the update lands depends on timing (64 completions of ~180 tokens take ~1.5 s here): it is sent
+    # sooner or later after the requests go out until some completion is caught in the middle.
+    trace = []
+    for attempt, delay in enumerate([0.1, 0.0, 0.3, 0.6, 0.05, 1.0]):
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(r=engine.generate(
+            None, many, generator=torch.Generator().manual_seed(attempt), **long_kw)))
+        before = engine.weight_version
+        thread.start()
+        time.sleep(delay)
+        engine.load_weights(model.state_dict().items(), in_flight=True)
+        thread.join()
+        r = result["r"]
+        trace.append([delay, sorted({str(sorted(set(v))) for v in r.token_versions}),
+                      check.measure(trainer_probe(), engine.prompt_logprobs(probe))])
+        if any(len(set(v)) > 1 for v in r.token_versions):
+            break
+        with torch.no_grad():  # the next attempt's update must be a change again
+            old_model.load_state_dict(model.state_dict())
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    mixed = [v for v in r.token_versions if len(set(v)) > 1]
+
+    def per_token_logprobs(m, r):
+        tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
+        with torch.no_grad():
+            lp = sequence_logprobs(m, tokens, temperature=1.0).logprobs
+        return [lp[i, len(p) - 1 : len(p) - 1 + len(row)] for i, (p, row) in enumerate(zip(r.prompt_ids, r.response_ids))]
+
+    new_lp, old_lp = per_token_logprobs(model, r), per_token_logprobs(old_model, r)
+    diffs = {"old": 0.0, "new": 0.0}
+    for i, versions in enumerate(r.token_versions):
+        for t, v in enumerate(versions):
+            side, reference = ("new", new_lp) if v == before + 1 else ("old", old_lp)
+            diffs[side] = max(diffs[side], abs(reference[i][t].item() - r.logprobs[i][t]))
+    out["in_flight"] = {
+        "before": before, "after": engine.weight_version, "attempts": attempt + 1, "mixed_rows": len(mixed),
+        "rows": len(r.token_versions), "monotone": all(v == sorted(v) for v in r.token_versions),
+        "labels": sorted({x for v in r.token_versions for x in v}), "max_diff": diffs,
+        "would_differ_with_old_weights": max(
+            (abs(old_lp[i][t].item() - r.logprobs[i][t]) for i, vs in enumerate(r.token_versions)
+             for t, v in enumerate(vs) if v == before + 1), default=0.0),
+        "probe_diff": check.measure(trainer_probe(), engine.prompt_logprobs(probe)),
+        "trace": trace,
+        "paused_after": json.load(urllib.request.urlopen(engine.server.url + "/is_paused")),
+    }
+
     # Someone else moves the server to another version: the next rollout refuses its completions.
     engine.server.post("/update_weight_version", {"new_version": "99"})
     try:
@@ -181,9 +239,24 @@ def test_weight_transfer_reaches_the_server_and_the_check_sees_stale_weights(res
     assert results["staging_left"] == []
 
 
+def test_a_version_sent_while_generating_continues_the_completions_with_the_new_weights(results):
+    # Partial rollouts: tokens before the switch are the old version's, after it the new one's, each with
+    # that version's logprob given the completion so far (< 1e-4): the running requests' keys and values were
+    # recomputed, not reused. The server is running again, on the new version (its probe matches).
+    r = results["in_flight"]
+    assert r["after"] == r["before"] + 1
+    assert r["mixed_rows"] > 0, r
+    assert r["monotone"] and r["labels"] == [r["before"], r["before"] + 1], r
+    assert r["max_diff"]["old"] < 1e-3 and r["max_diff"]["new"] < 1e-3, r  # fp32 noise: ~1e-4 on 180-token samples
+    assert r["would_differ_with_old_weights"] > 1e-3, r  # the versions are far enough apart to tell
+    assert r["probe_diff"] < 1e-4, r
+    assert r["paused_after"] == {"is_paused": False}
+
+
 def test_completions_from_another_weight_version_stop_the_run(results):
     error = results["foreign_version_error"]
-    assert error is not None and "weight version(s) ['99']" in error and "last sent version 1" in error
+    last = results["in_flight"]["after"]
+    assert error is not None and "weight version(s) ['99']" in error and f"trainer sent version {last}" in error
 
 
 def test_close_stops_the_server(results):
@@ -265,6 +338,29 @@ def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     with pytest.raises(urllib.error.URLError):  # the worker stopped the server it started
         urllib.request.urlopen(started.group(1) + "/health", timeout=5)
+
+
+def test_recipe_with_in_flight_weight_updates(tmp_path: Path):
+    # generation_workers.in_flight_updates: the worker generates on a thread and a version that arrives
+    # meanwhile goes into its server at once. Whether a batch is caught mid-generation depends on timing (the
+    # engine test above forces it); what must hold every step: the bound counts each row's oldest token, the
+    # newer-token fraction is logged, every sync checks out, and training moves the weights.
+    _needs_vllm()
+    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
+                          generation_workers={"enabled": True, "max_staleness": 1, "in_flight_updates": True})
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation worker started (max_staleness 1)" in output
+    assert "In-flight weight updates: a version that reaches a worker while it generates" in output  # the card
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["staleness/max"] == 0 and all(r["staleness/max"] <= 1 for r in rows)
+    assert all(0.0 <= r["staleness/newer_token_fraction"] <= 1.0 for r in rows)
+    assert rows[0]["staleness/newer_token_fraction"] == 0.0  # batch 1: sampled before any update was sent
+    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]  # ... by the weights the trainer held
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows) and any(r["loss"] != 0 for r in rows)
+    start, end = weights(src), weights(tmp_path / "out" / "step_3")
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3
 
 
 def test_two_trainer_processes_each_with_its_own_server(tmp_path: Path):

@@ -89,6 +89,8 @@ class AlgorithmSpec:
         precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
         max_staleness (Optional[int]): rollouts from generation workers at this bound (docs/async.md); None:
             sampled by the trainer's own weights. Default is None.
+        in_flight_updates (bool): generation workers take new weights while they generate (partial rollouts).
+            Default is False.
         max_tokens_per_micro_batch (Optional[int]): micro-batches by token budget (their number then
             depends on the lengths). Default is None (``micro_batch_size`` rows each).
         weight_sync (Optional[str]): how an engine with its own weights (vLLM) gets the policy
@@ -130,6 +132,7 @@ class AlgorithmSpec:
     ppo_mini_batch_shuffle: bool = True
     precision: Optional[str] = None
     max_staleness: Optional[int] = None
+    in_flight_updates: bool = False
     max_tokens_per_micro_batch: Optional[int] = None
     weight_sync: Optional[str] = None
 
@@ -345,6 +348,13 @@ def _notes(s: AlgorithmSpec) -> List[str]:
             "Fu et al. 2025, arXiv:2505.24298)"
             + (f"; {corrected}." if k > 0 else "; at max_staleness 0 mu = pi_old.")
         )
+        if s.in_flight_updates:
+            notes.append(
+                "- In-flight weight updates: a version that reaches a worker while it generates goes into its vLLM "
+                "server at once and running completions continue with it (their keys and values recomputed), so "
+                "one completion may span several versions: mu is per token the version that sampled it, and the "
+                "bound counts each row's oldest token. Not reproducible run to run."
+            )
     if s.optimizer:
         clip = f", gradient norm clipped to {_g(s.clip_grad_norm)}" if s.clip_grad_norm is not None else ""
         nonfinite = ("skipped (its gradients dropped)" if s.on_nonfinite == "skip"

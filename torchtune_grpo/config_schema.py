@@ -66,6 +66,10 @@ class GenerationWorkersConfig(ConfigSchema):
     max_staleness: int = setting(1, ge=0, why="training steps a sample may lag the trainer's weights",
                                  doc="training steps a batch's weights may lag the trainer's (0: on-policy through "
                                      "the worker; 1: one-step-off, deterministic)")
+    in_flight_updates: bool = setting(
+        False, doc="a weights version that reaches a worker while it generates goes into its vLLM server at once "
+                   "(paused, continued with the new weights: partial rollouts) instead of after the batch; needs "
+                   "`VLLMServerGenerator`, single-turn; not reproducible run to run")
     threads: int = setting(1, ge=1, doc="intra-op threads of each worker")
     device: str = setting("cpu", choices=("cpu", "cuda"),
                           doc="where a native-engine worker computes: `cuda` is the first GPU its process sees (set "

@@ -62,6 +62,10 @@ class RolloutGroups:
         weight_versions (Optional[List[int]]): per row, the training steps the weights that sampled it had
             taken (a generation worker's, torchtune_grpo/worker_rollouts.py); None when sampled with the
             trainer's current weights. Default is None.
+        token_versions (Optional[List[List[int]]]): per row and response token, the version of the weights that
+            sampled it, where one completion may span several (a generation worker with
+            ``generation_workers.in_flight_updates``: training steps; ``weight_versions`` is then each row's
+            oldest). None otherwise. Default is None.
     """
 
     group_size: int = field(metadata={"kind": "constant"})
@@ -82,6 +86,7 @@ class RolloutGroups:
     episode_info: Optional[List[Dict[str, float]]] = field(default=None, metadata={"kind": "row"})
     environment_seconds: float = field(default=0.0, metadata={"kind": "total"})
     weight_versions: Optional[List[int]] = field(default=None, metadata={"kind": "row"})
+    token_versions: Optional[List[List[int]]] = field(default=None, metadata={"kind": "row"})
 
     # Each field's "kind" says how select and concat carry it, so a new field is one line here:
     # constant (the same in every part), group (one per prompt), row (one per completion: a list or a
@@ -226,6 +231,7 @@ def sample_and_score(
         per_component=scored.per_component,
         errors=scored.errors,
         engine_logprobs=rollout.logprobs,
+        token_versions=rollout.token_versions,
         generation_seconds=t1 - t0,
         reward_seconds=t2 - t1,
     )

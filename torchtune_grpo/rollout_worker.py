@@ -14,6 +14,13 @@ request queue in order (FIFO, which is what makes the schedule deterministic):
   weights, and reply ``("rollouts", index, RolloutGroups, version, generator_state, seconds)``;
 - ``("stop",)``: leave.
 
+With ``generation_workers.in_flight_updates`` (a ``VLLMServerGenerator``; docs/async.md, "In-flight weight
+updates") a batch generates on a thread of its own while this loop goes on reading: a weights version that
+arrives meanwhile goes into the server at once (``load_weights(..., in_flight=True)``: paused, updated, the
+running completions continued with the new weights), and the next ``generate`` waits for the batch before it.
+Every token then carries the training step of the weights that sampled it (``token_versions``) and each row
+reports its oldest (``weight_versions``), which is what the trainer's staleness bound counts.
+
 With an engine that holds its own weights (vLLM, ``VLLMGenerator``), the worker builds no model of its own:
 the weights go into the engine through its in-place reload (``load_weights``, the synchronous recipe's
 verified sync), the probe is scored by the engine (``prompt_logprobs``), and the behaviour log-probabilities
@@ -32,6 +39,7 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -142,10 +150,17 @@ class _Worker:
         else:
             self.generator.manual_seed(spec.seed + spec.rank)
         self.version: Optional[int] = None
+        self.in_flight_updates = bool(c.generation_workers.in_flight_updates)
+        self.steps_of_engine_versions: Dict[int, int] = {}  # the engine's weight versions -> training steps
 
-    def load(self, version: int, state: Dict[str, torch.Tensor]) -> None:
+    def load(self, version: int, state: Dict[str, torch.Tensor], *, in_flight: bool = False) -> None:
         if self.model is None:
-            self.engine.load_weights(state.items())
+            if self.in_flight_updates:
+                # Known before the engine can label a token with it (a generating thread reads it).
+                self.steps_of_engine_versions[self.engine.weight_version + 1] = version
+                self.engine.load_weights(state.items(), in_flight=in_flight)
+            else:
+                self.engine.load_weights(state.items())
         else:
             # The first version holds every weight; with a frozen base (LoRA) later ones only the trained.
             missing, unexpected = self.model.load_state_dict(state, strict=False)
@@ -164,11 +179,14 @@ class _Worker:
                 self.model, torch.tensor([tokens], device=self.device), chunk_size=self.config.logprob_chunk_size
             ).logprobs[0].cpu()
 
-    def generate(self, batch: Any, version: int) -> Any:
-        from torchtune_grpo.rollout import sample_and_score
-
+    def check_version(self, version: int) -> None:
         if version != self.version:  # the trainer's FIFO schedule guarantees it; anything else is a bug
             raise RuntimeError(f"asked for weights version {version}, holding {self.version}")
+
+    def generate(self, batch: Any, version: int) -> Any:
+        """Sample and score ``batch`` (weights ``version``, checked by the caller with :meth:`check_version`)."""
+        from torchtune_grpo.rollout import sample_and_score
+
         c = self.config
         groups = sample_and_score(
             self.model, self.tokenizer, self.engine, batch, self.rewards, group_size=c.group_size,
@@ -181,16 +199,70 @@ class _Worker:
                 chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training, device=self.device,
                 max_tokens=c.max_tokens_per_micro_batch,
             )
-        groups.weight_versions = [version] * len(groups.response_ids)
+        if self.in_flight_updates:
+            steps = [[self.steps_of_engine_versions[v] for v in row] for row in groups.token_versions]
+            if any(v < version for row in steps for v in row):
+                raise RuntimeError(f"a token of a batch asked for with weights {version} came from older weights")
+            groups.token_versions = steps
+            groups.weight_versions = [min(row, default=version) for row in steps]  # the bound counts the oldest
+        else:
+            groups.token_versions = None
+            groups.weight_versions = [version] * len(groups.response_ids)
         return groups
+
+
+class _BackgroundBatches:
+    """In-flight updates: one batch at a time generating on a thread, so weights can reach the engine meanwhile.
+
+    Args:
+        worker (_Worker): the worker.
+        reply (Callable): puts a reply on the trainer's queue (a lock makes it safe from both threads).
+    """
+
+    def __init__(self, worker: "_Worker", reply: Any) -> None:
+        self.worker, self.reply = worker, reply
+        self.thread: Optional[threading.Thread] = None
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def start(self, index: int, batch: Any, version: int) -> None:
+        self.wait()  # batches go out in order, one at a time
+        self.worker.check_version(version)
+
+        def run() -> None:
+            try:
+                t0 = time.perf_counter()
+                groups = self.worker.generate(batch, version)
+                self.reply(("rollouts", index, groups, version, self.worker.generator.get_state(),
+                            time.perf_counter() - t0))
+            except BaseException:  # noqa: B902 - the trainer stops the run naming the worker
+                self.reply(("error", traceback.format_exc()))
+
+        self.thread = threading.Thread(target=run, name=f"generate-batch-{index}", daemon=True)
+        self.thread.start()
 
 
 def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
     """The worker process: build, then serve ``requests`` in order until ``("stop",)`` (see the module docstring)."""
     worker = None
+    lock = threading.Lock()
+
+    def reply(message: Any) -> None:
+        with lock:
+            replies.put(message)
+
+    background = None
     try:
         worker = _Worker(spec)
-        replies.put(("ready", os.getpid()))
+        background = _BackgroundBatches(worker, reply) if worker.in_flight_updates else None
+        reply(("ready", os.getpid()))
         parent = mp.parent_process()
         while True:
             try:
@@ -206,20 +278,26 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
                 break
             if kind == "weights":
                 _, version, state, probe = message
-                worker.load(version, state)
+                worker.load(version, state, in_flight=background is not None and background.busy)
                 del state
                 if probe is not None:
-                    replies.put(("probe", version, worker.probe(probe)))
+                    reply(("probe", version, worker.probe(probe)))
             elif kind == "generate":
                 _, index, batch, version = message
+                if background is not None:
+                    background.start(index, batch, version)
+                    continue
+                worker.check_version(version)
                 t0 = time.perf_counter()
                 groups = worker.generate(batch, version)
-                replies.put(("rollouts", index, groups, version, worker.generator.get_state(), time.perf_counter() - t0))
+                reply(("rollouts", index, groups, version, worker.generator.get_state(), time.perf_counter() - t0))
             else:
                 raise ValueError(f"unknown request {kind!r}")
     except BaseException:  # noqa: B902 - everything goes back to the trainer, which stops the run naming us
-        replies.put(("error", traceback.format_exc()))
+        reply(("error", traceback.format_exc()))
     finally:
+        if background is not None:
+            background.wait()
         if worker is not None:
             worker.engine.close()  # vLLM's engine core shuts down with its process
 

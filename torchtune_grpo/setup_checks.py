@@ -204,9 +204,24 @@ def check_generation_workers(config: Any, engine: Any) -> None:
         engine (Any): the configured generation engine.
 
     Raises:
-        ValueError: for LoRA with an engine that holds its own weights (vLLM), with workers on.
+        ValueError: for LoRA with an engine that holds its own weights (vLLM), with workers on; for
+            ``in_flight_updates`` without workers, with an engine that cannot take weights while it generates,
+            or with multi-turn episodes.
     """
-    if not config.generation_workers.enabled:
+    workers = config.generation_workers
+    if workers.in_flight_updates:
+        if not workers.enabled:
+            raise ValueError("generation_workers.in_flight_updates needs generation_workers.enabled: true (the "
+                             "updates land in a worker's engine while it generates)")
+        if not getattr(engine, "supports_in_flight_updates", False):
+            raise ValueError(
+                f"generation_workers.in_flight_updates needs an engine that takes weights while it generates "
+                f"(torchtune_grpo.generation.VLLMServerGenerator); {type(engine).__name__} does not"
+            )
+        if config.environment is not None:
+            raise ValueError("generation_workers.in_flight_updates is single-turn only: with an environment "
+                             "(multi-turn episodes) the tokens' weight versions are not tracked through the turns")
+    if not workers.enabled:
         return
     if engine.holds_weights and isinstance(config, LoRARecipeConfig):
         raise ValueError(

@@ -128,7 +128,7 @@ class GRPOStep:
         if diagnosed is not None:
             local.merge(diagnosed)
         if generated.weight_versions is not None:
-            local.merge(staleness_sums(generated.weight_versions, step, self.max_staleness))
+            local.merge(staleness_sums(generated.weight_versions, step, self.max_staleness, generated.token_versions))
         reduced = reduce_over_ranks(local, self.all_reduce)
         self._check_finite(reduced, stats.skipped_steps, step + 1)
         metrics = train_step_metrics(
@@ -176,16 +176,22 @@ def count_nonfinite_weights(policy: nn.Module, all_reduce_sum: Callable[[List[fl
 
 
 
-def staleness_sums(versions: List[int], step: int, max_staleness: int) -> StepSums:
+def staleness_sums(
+    versions: List[int], step: int, max_staleness: int, token_versions: Optional[List[List[int]]] = None
+) -> StepSums:
     """One rank's staleness counts: rows sampled ``s`` steps behind the trainer's weights, ``s = 0 .. max``.
 
     Args:
-        versions (List[int]): per row, the training steps of the weights that sampled it.
+        versions (List[int]): per row, the training steps of the weights that sampled it (its oldest token's,
+            when a row spans several versions).
         step (int): the trainer's training steps (its weights' version) when it trains on them.
         max_staleness (int): the bound (every rank reduces the same keys: ``0 .. max_staleness``).
+        token_versions (Optional[List[List[int]]]): per row and token, the version that sampled it (in-flight
+            weight updates); counted into ``("newer_tokens",)`` (tokens newer than their row's oldest) and
+            ``("versioned_tokens",)``. Default is None.
 
     Returns:
-        StepSums: ``("staleness", s)`` counts and ``("staleness_max",)``.
+        StepSums: ``("staleness", s)`` counts and ``("staleness_max",)`` (and the token counts).
 
     Raises:
         RuntimeError: if a row is staler than the bound (the schedule forbids it: a bug, not a setting).
@@ -197,6 +203,9 @@ def staleness_sums(versions: List[int], step: int, max_staleness: int) -> StepSu
     for s in range(max_staleness + 1):
         sums.add(("staleness", s), sum(1 for x in staleness if x == s))
     sums.add(("staleness_max",), max(staleness, default=0), Reduce.MAX)
+    if token_versions is not None:
+        sums.add(("newer_tokens",), sum(sum(1 for v in row if v > oldest) for row, oldest in zip(token_versions, versions)))
+        sums.add(("versioned_tokens",), sum(len(row) for row in token_versions))
     return sums
 
 
@@ -207,4 +216,6 @@ def staleness_metrics(reduced: Dict[Key, float], max_staleness: int) -> Dict[str
     metrics = {"staleness/mean": sum(s * c for s, c in enumerate(counts)) / rows,
                "staleness/max": reduced[("staleness_max",)]}
     metrics.update({f"staleness/fraction_{s}": c / rows for s, c in enumerate(counts)})
+    if ("versioned_tokens",) in reduced:  # in-flight weight updates: tokens sampled after their row's first version
+        metrics["staleness/newer_token_fraction"] = reduced[("newer_tokens",)] / max(reduced[("versioned_tokens",)], 1.0)
     return metrics

@@ -19,12 +19,17 @@ class Rollout(NamedTuple):
             token (one per entry of ``response_ids``), under the distribution it sampled from; None when
             the engine samples with the trainer's own model (the native engine), whose logprobs the
             trainer computes itself. Default is None.
+        token_versions (Optional[List[List[int]]]): per row and response token, the weight version (weight
+            syncs the engine had received) that sampled it: an engine that takes weights while it generates
+            (``VLLMServerGenerator.load_weights(..., in_flight=True)``) can sample one completion with several.
+            None when every token came from the weights the engine held when asked. Default is None.
     """
 
     prompt_ids: List[List[int]]
     response_ids: List[List[int]]
     truncated: torch.Tensor
     logprobs: Optional[List[List[float]]] = None
+    token_versions: Optional[List[List[int]]] = None
 
 
 def decode_responses(tokenizer, response_ids: List[List[int]]) -> List[str]:
@@ -75,7 +80,7 @@ def _undecodable_ids(tokenizer) -> Set[int]:
 
 def rollout_from_requests(
     prompts: List[List[int]],
-    completions: Sequence[Sequence[Tuple[List[int], List[float]]]],
+    completions: Sequence[Sequence[Tuple]],
     group_size: int,
     stop: Set[int],
     source: str,
@@ -84,31 +89,34 @@ def rollout_from_requests(
 
     Args:
         prompts (List[List[int]]): B prompts as token ids.
-        completions (Sequence[Sequence[Tuple[List[int], List[float]]]]): per prompt, its ``(token ids,
-            sampled logprobs)`` completions in order; a single one (greedy: asked for once) stands for all G.
+        completions (Sequence[Sequence[Tuple]]): per prompt, its ``(token ids, sampled logprobs)`` or ``(token
+            ids, sampled logprobs, token versions)`` completions in order; a single one (greedy: asked for
+            once) stands for all G.
         group_size (int): G.
         stop (Set[int]): stop token ids.
         source (str): who answered, for the error.
 
     Returns:
-        Rollout: ``B x G`` rows with ``logprobs``.
+        Rollout: ``B x G`` rows with ``logprobs`` (and ``token_versions`` when the completions carry them).
 
     Raises:
         RuntimeError: a prompt came back with neither 1 nor G completions.
     """
-    prompt_ids, response_ids, logprobs, truncated = [], [], [], []
+    prompt_ids, response_ids, logprobs, truncated, versions = [], [], [], [], []
     for prompt, answers in zip(prompts, completions):
         answers = list(answers)
         if len(answers) == 1:
             answers = answers * group_size
         if len(answers) != group_size:
             raise RuntimeError(f"{source} returned {len(answers)} completions for a prompt, not {group_size}")
-        for ids, lps in answers:
+        for ids, lps, *token_versions in answers:
             prompt_ids.append(list(prompt))
             response_ids.append(list(ids))
             logprobs.append(list(lps))
+            versions.append(list(token_versions[0]) if token_versions else None)
             # Truncated = no stop token (as the native engine: a stop token that is also the budget's last
             # token still ends the completion).
             truncated.append(not ids or ids[-1] not in stop)
     return Rollout(prompt_ids=prompt_ids, response_ids=response_ids,
-                   truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs)
+                   truncated=torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs,
+                   token_versions=versions if versions and all(v is not None for v in versions) else None)

@@ -95,6 +95,9 @@ class VLLMServerGenerator(HFDirectoryEngine):
     holds_weights = True
     #: A LoRA policy is sent merged (the server serves no adapters from this engine yet).
     lora_sync = "merge"
+    #: ``load_weights(..., in_flight=True)`` may run while ``generate`` is waiting for the server (another
+    #: thread): the server pauses, takes the new version and continues the paused completions with it.
+    supports_in_flight_updates = True
 
     def __init__(
         self,
@@ -277,16 +280,29 @@ class VLLMServerGenerator(HFDirectoryEngine):
         if chunk:
             yield chunk
 
+    @property
+    def weight_version(self) -> int:
+        """Weight versions sent so far (0: the server's own files); the label of the server's current weights."""
+        return self._version
+
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> int:
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]], *, in_flight: bool = False) -> int:
         """Send every weight to the server as the next weight version (one whole update).
 
         The version is opened once (``start_weight_update``), sent as chunks of ``chunk_mib`` (each one round of
         vLLM's trainer-side engine: a staged file, or an NCCL broadcast), and closed naming it
         (``finish_weight_update``); then the server's prefix cache is dropped.
 
+        With ``in_flight`` (completions may be generating, from another thread: partial rollouts), the server is
+        paused first (``/pause?mode=keep``: running requests are frozen, not aborted), and before it resumes the
+        cache is dropped together with the running requests' keys and values (``reset_running_requests``): they
+        are recomputed with the new weights, so every token sampled after the update is sampled by exactly the
+        new weights given the completion so far. Tokens sampled before it keep the old version's label (and
+        logprobs).
+
         Args:
             weights (Iterable[Tuple[str, torch.Tensor]]): every ``(torchtune name, full tensor)``.
+            in_flight (bool): pause and resume the server around the update. Default is False.
 
         Returns:
             int: the number of tensors sent.
@@ -298,16 +314,26 @@ class VLLMServerGenerator(HFDirectoryEngine):
             self._transfer = open_trainer_transfer(self.weight_transfer, server, timeout=self.request_timeout,
                                                    staging_dir=self.staging_dir, address=self.transfer_address)
         version = self._version + 1
-        server.post("/start_weight_update")
-        count = 0
-        for chunk in self._chunks(weights):
-            self._transfer.source = ChunkSource(chunk)
-            self._transfer.send_weights()
-            count += len(chunk)
-        self._transfer.source = ChunkSource({})  # hold no weights between versions
-        server.post("/finish_weight_update", {"weight_version": str(version)})
-        server.post("/reset_prefix_cache")  # no rollout may reuse keys and values of the old weights
-        self._version = version
+        if in_flight:
+            server.post("/pause?mode=keep", timeout=self.request_timeout)
+        try:
+            server.post("/start_weight_update")
+            count = 0
+            for chunk in self._chunks(weights):
+                self._transfer.source = ChunkSource(chunk)
+                self._transfer.send_weights()
+                count += len(chunk)
+            self._transfer.source = ChunkSource({})  # hold no weights between versions
+            server.post("/finish_weight_update", {"weight_version": str(version)})
+            # No rollout may reuse keys and values of the old weights: with requests in flight, theirs neither.
+            reset = server.post("/reset_prefix_cache" + ("?reset_running_requests=true" if in_flight else ""))
+            if isinstance(reset, dict) and reset.get("success") is False:
+                raise VLLMServerError(f"the vLLM server {server.url} could not drop its prefix cache after weight "
+                                      f"version {version} (requests still running?)")
+            self._version = version
+        finally:
+            if in_flight:
+                server.post("/resume", timeout=self.request_timeout)
         return count
 
     @torch.no_grad()
@@ -363,6 +389,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
         n = 1 if temperature == 0 else group_size  # the G greedy completions of a prompt are identical
         seeds = request_seeds(len(prompts), generator)
         server = self.server
+        first = self._version  # an in-flight load_weights (another thread) may add versions until we return
 
         def request(prompt_and_seed):
             prompt, seed = prompt_and_seed
@@ -377,23 +404,33 @@ class VLLMServerGenerator(HFDirectoryEngine):
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
             outputs = list(pool.map(request, zip(prompts, seeds)))
-        return rollout_from_requests(prompts, [self._completions(out) for out in outputs], group_size, set(stop),
-                                     source=f"the vLLM server {server.url}")
+        sent = range(first, self._version + 1)
+        return rollout_from_requests(prompts, [self._completions(out, sent) for out in outputs], group_size,
+                                     set(stop), source=f"the vLLM server {server.url}")
 
-    def _completions(self, out: dict) -> List[Tuple[List[int], List[float]]]:
-        """One response's ``(token ids, sampled logprobs)``, after checking the weight version of each."""
-        expected = str(self._version) if self._version else None
+    def _completions(self, out: dict, sent: range) -> List[Tuple[List[int], List[float], List[int]]]:
+        """One response's ``(token ids, sampled logprobs, token versions)``, after checking each token's version
+        is one of ``sent`` (the version held when asked, and any sent in flight since)."""
         completions = []
         for choice in sorted(out["choices"], key=lambda c: c["index"]):
-            versions = {span["version"] for span in choice.get("weight_versions") or []}
-            if expected is not None and versions - {expected}:
-                raise VLLMServerError(
-                    f"the vLLM server {self.server.url} sampled with weight version(s) {sorted(versions)}, but the "
-                    f"trainer last sent version {expected}: another trainer or client is updating this server"
-                )
             ids = list(choice["token_ids"])
+            spans = choice.get("weight_versions")
+            if spans is None and sent.start == 0:  # the server's own files: no version was ever named
+                spans = [{"version": "0", "start": 0, "end": len(ids)}]
+            for span in spans or []:  # the server's own files are labelled "default" (or nothing)
+                span["version"] = "0" if span["version"] in (None, "default") else str(span["version"])
+            labels = {span["version"] for span in spans or []}
+            if spans is None or labels - {str(v) for v in sent}:
+                last = f"version {sent.start}" if len(sent) == 1 else f"versions {sent.start}-{sent.stop - 1}"
+                raise VLLMServerError(
+                    f"the vLLM server {self.server.url} sampled with weight version(s) {sorted(labels)}, but the "
+                    f"trainer sent {last}: another trainer or client is updating this server"
+                )
+            versions = [0] * len(ids)
+            for span in spans:
+                versions[span["start"]:span["end"]] = [int(span["version"])] * (span["end"] - span["start"])
             content = (choice.get("logprobs") or {}).get("content") or []
             if len(content) != len(ids):
                 raise VLLMServerError("the vLLM server returned no logprob for some sampled tokens")
-            completions.append((ids, [float(c["logprob"]) for c in content]))
+            completions.append((ids, [float(c["logprob"]) for c in content], versions))
         return completions
