@@ -136,15 +136,16 @@ SCRIPT = textwrap.dedent(
     # the switch, new weights after, with no stale cache in between).
     import copy, threading, time
     old_model = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-    many = [data[i]["tokens"] for i in range(8)]
+    many = [data[i]["tokens"] for i in range(8)] * 4
     long_kw = dict(group_size=8, max_new_tokens=200, pad_id=tokenizer.pad_id, stop_tokens=[], temperature=1.0)
-    # When the update lands depends on timing (64 completions of ~180 tokens take ~1.5 s here): it is sent
-    # sooner or later after the requests go out until some completion is caught in the middle.
+    # When the update lands depends on timing (256 completions of ~180 tokens take several seconds here): it
+    # is sent sooner or later after the requests go out until some completion is caught in the middle.
     trace = []
-    for attempt, delay in enumerate([0.1, 0.0, 0.3, 0.6, 0.05, 1.0]):
+    for attempt, delay in enumerate([0.5, 1.0, 0.2, 2.0, 0.05, 3.0]):
+        with torch.no_grad():  # a new version, one perturbation away from the one the server holds
+            old_model.load_state_dict(model.state_dict())
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
         result = {}
         thread = threading.Thread(target=lambda: result.update(r=engine.generate(
             None, many, generator=torch.Generator().manual_seed(attempt), **long_kw)))
@@ -154,14 +155,9 @@ SCRIPT = textwrap.dedent(
         engine.load_weights(model.state_dict().items(), in_flight=True)
         thread.join()
         r = result["r"]
-        trace.append([delay, sorted({str(sorted(set(v))) for v in r.token_versions}),
-                      check.measure(trainer_probe(), engine.prompt_logprobs(probe))])
+        trace.append([delay, sorted({str(sorted(set(v))) for v in r.token_versions})])
         if any(len(set(v)) > 1 for v in r.token_versions):
             break
-        with torch.no_grad():  # the next attempt's update must be a change again
-            old_model.load_state_dict(model.state_dict())
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
     mixed = [v for v in r.token_versions if len(set(v)) > 1]
 
     def per_token_logprobs(m, r):
