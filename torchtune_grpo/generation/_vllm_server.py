@@ -36,9 +36,7 @@ from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
-
-#: ``generation.weight_transfer`` values -> the server's ``--weight-transfer-config`` backend.
-TRANSFERS = {"shm": "torchtune_grpo_shm", "nccl": "nccl"}
+from torchtune_grpo.generation.vllm_plugin import TRANSFERS
 
 __all__ = ["VLLMServerGenerator"]
 

@@ -30,20 +30,15 @@ import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine, WeightSource
 
 from torchtune_grpo.generation._vllm_server_process import _free_port, VLLMServer
-from torchtune_grpo.generation.vllm_plugin import BACKEND
+from torchtune_grpo.generation.vllm_plugin import BACKEND, TRANSFERS
 
 __all__ = [
     "ChunkSource",
     "SharedMemoryTrainerEngine",
     "SharedMemoryTrainerInitInfo",
-    "TRANSFERS",
     "VersionBracketClient",
     "open_trainer_transfer",
 ]
-
-#: ``generation.weight_transfer`` values -> the server's ``--weight-transfer-config`` backend.
-TRANSFERS = {"shm": BACKEND, "nccl": "nccl"}
-
 
 class ChunkSource(WeightSource):
     """A ``WeightSource`` over one chunk of already materialized, Hugging Face-named tensors.

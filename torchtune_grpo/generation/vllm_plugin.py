@@ -6,10 +6,13 @@ server and its engine and worker processes alike, so a ``vllm serve ... --weight
 weights (:class:`~torchtune_grpo.generation.VLLMServerGenerator`). Importing this module imports no vLLM.
 """
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "TRANSFERS", "register"]
 
 #: The ``--weight-transfer-config`` backend name of the shared-memory engine.
 BACKEND = "torchtune_grpo_shm"
+
+#: ``generation.weight_transfer`` values -> the server's ``--weight-transfer-config`` backend.
+TRANSFERS = {"shm": BACKEND, "nccl": "nccl"}
 
 
 def register() -> None:
