@@ -20,7 +20,8 @@ two arms' scores on one seed has the prompt order's part of the noise removed). 
 ``--arm NAME=FILE:SIDE`` adds the runs of ``FILE`` whose ``side`` is ``SIDE`` to arm ``NAME`` (repeatable; a
 seed given twice keeps the first). Output (``crossover.md``, and ``crossover.png`` with the per-step plots):
 held-out accuracy per arm and evaluation step; each pair of arms' paired differences (step 30 and the mean over steps 5-30) with an exact sign-flip test
-over seeds; and, for arms with per-step logs, the closed-loop diagnostics per 5-step window with the first
+over seeds; with ``--loop NAME=ARM,ARM,...``, the same for *loops* pooled from arms that share a training
+loop (every run kept, a permutation test stratified by seed); and, for arms with per-step logs, the closed-loop diagnostics per 5-step window with the first
 window where two arms part by more than twice the standard error of their seed-paired difference.
 """
 
@@ -86,6 +87,82 @@ def paired(a: Dict[int, Dict[str, Any]], b: Dict[int, Dict[str, Any]], score) ->
     return out
 
 
+def stratified_permutation_test(a: Dict[int, List[float]], b: Dict[int, List[float]], permutations: int = 20000,
+                                seed: int = 0) -> Dict[str, float]:
+    """Two-sided permutation test of "loop a scores as loop b" with every run kept, stratified by seed.
+
+    The statistic is the mean over the seeds both ran of (mean of a's runs on the seed - mean of b's). Under
+    the null the runs of one seed are exchangeable between the loops (same prompt order, independent random
+    streams), so each permutation reshuffles the labels *within* every seed, keeping each seed's counts;
+    ``p`` is the fraction of ``permutations`` random relabellings (plus the observed one) whose statistic is
+    at least as far from 0 (Good 2005, *Permutation, Parametric and Bootstrap Tests of Hypotheses*, 3.6).
+
+    Args:
+        a (Dict[int, List[float]]): seed -> loop a's run scores on that seed.
+        b (Dict[int, List[float]]): seed -> loop b's run scores.
+        permutations (int): random relabellings. Default is 20000.
+        seed (int): seeds the relabellings. Default is 0.
+
+    Returns:
+        Dict[str, float]: ``diff`` (the statistic), ``p`` and ``n`` (seeds).
+    """
+    import random
+
+    seeds = sorted(set(a) & set(b))
+    strata = [(a[s] + b[s], len(a[s])) for s in seeds]
+
+    def statistic(split) -> float:
+        return statistics.fmean(statistics.fmean(v[:k]) - statistics.fmean(v[k:]) for v, k in split)
+
+    observed = statistic(strata)
+    rng = random.Random(seed)
+    as_large = 1
+    for _ in range(permutations):
+        shuffled = [(rng.sample(v, len(v)), k) for v, k in strata]
+        as_large += abs(statistic(shuffled)) >= abs(observed) - 1e-12
+    return {"diff": observed, "p": as_large / (permutations + 1), "n": len(seeds)}
+
+
+def loop_scores(loop: Sequence[Dict[int, Dict[str, Any]]], score) -> Dict[int, List[float]]:
+    """A *loop* pooled from several arms (same training loop, other samplers or random streams: independent
+    draws of that loop on a seed's prompt order): seed -> ``score`` of each of its runs on that seed."""
+    scores: Dict[int, List[float]] = {}
+    for arm in loop:
+        for seed, run in arm.items():
+            value = score(run)
+            if value is not None:
+                scores.setdefault(seed, []).append(value)
+    return scores
+
+
+def pooled(loop_a: Sequence[Dict[int, Dict[str, Any]]], loop_b: Sequence[Dict[int, Dict[str, Any]]],
+           score) -> Dict[str, float]:
+    """Two loops compared seed by seed with every run kept (:func:`stratified_permutation_test`)."""
+    return stratified_permutation_test(loop_scores(loop_a, score), loop_scores(loop_b, score))
+
+
+def loops_report(arms: Dict[str, Dict[int, Dict[str, Any]]], loops: Dict[str, List[str]]) -> List[str]:
+    """The pooled comparison of every pair of ``loops`` (name -> arm names), as markdown lines."""
+    lines = ["", "## Loops pooled over their arms (every run kept; permutation test stratified by seed)", "",
+             "| loop | arms | runs | step 30 | mean of steps 5-30 |", "|---|---|---|---|---|"]
+    for name, members in loops.items():
+        runs = [r for m in members for r in arms[m].values()]
+        last = learning_report.spread(accuracy_at(r, 30) for r in runs)
+        mean = learning_report.spread(learning_report.run_score(r, 5, 30) for r in runs)
+        lines.append(f"| {name} | {', '.join(members)} | {len(runs)} | {learning_report.cell(last)} | "
+                     f"{learning_report.cell(mean, 3)} |")
+    lines += ["", "| a - b | seeds | step 30: diff (p) | steps 5-30: diff (p) |", "|---|---|---|---|"]
+    for a, b in itertools.combinations(loops, 2):
+        la, lb = [arms[m] for m in loops[a]], [arms[m] for m in loops[b]]
+        t_last = pooled(la, lb, lambda r: accuracy_at(r, 30))
+        t_mean = pooled(la, lb, lambda r: learning_report.run_score(r, 5, 30))
+        if t_mean["n"] < 2:
+            continue
+        lines.append(f"| {a} - {b} | {t_mean['n']} | {t_last['diff']:+.3f} ({t_last['p']:.3f}) | "
+                     f"{t_mean['diff']:+.3f} ({t_mean['p']:.3f}) |")
+    return lines
+
+
 def parting(a, b, key: str) -> str:
     """Where arms ``a`` and ``b`` first differ in ``key`` by more than 2 standard errors of the seed-paired
     differences (per window), said in words; windows with fewer than 3 paired seeds are not judged."""
@@ -103,7 +180,7 @@ def parting(a, b, key: str) -> str:
     return f"no window apart by > 2 SE ({judged} windows judged)"
 
 
-def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
+def report(arms: Dict[str, Dict[int, Dict[str, Any]]], loops: Optional[Dict[str, List[str]]] = None) -> str:
     names = list(arms)
     steps = sorted({e["step"] for arm in arms.values() for r in arm.values() for e in r["evals"]})
     lines = ["# Cross-over: held-out accuracy per arm", "",
@@ -134,6 +211,8 @@ def report(arms: Dict[str, Dict[int, Dict[str, Any]]]) -> str:
         t_last, t_mean = sign_flip_test([d for _, d in last]), sign_flip_test([d for _, d in mean])
         lines.append(f"| {a} - {b} | {[s for s, _ in mean]} | {t_last['diff']:+.3f} ({t_last['p']:.2f}) | "
                      f"{t_mean['diff']:+.3f} ({t_mean['p']:.2f}) |")
+    if loops:
+        lines += loops_report(arms, loops)
     logged = [n for n in names if any(r.get("steps") for r in arms[n].values())]  # arms with per-step logs
     if logged:
         lines += ["", "## Closed-loop diagnostics per window (mean over seeds)", ""]
@@ -200,9 +279,19 @@ def plot(arms: Dict[str, Dict[int, Dict[str, Any]]], path: Path) -> None:
 def main(argv: Optional[List[str]] = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", action="append", required=True, metavar="NAME=FILE:SIDE")
+    parser.add_argument("--loop", action="append", default=[], metavar="NAME=ARM,ARM,...",
+                        help="pool arms that share a training loop (repeatable); loops are compared seed by seed")
     parser.add_argument("--out", default=None, help="directory for crossover.md")
     args = parser.parse_args(argv)
-    text = report(load_arms(args.arm))
+    arms = load_arms(args.arm)
+    loops: Dict[str, List[str]] = {}
+    for spec in args.loop:
+        name, _, members = spec.partition("=")
+        loops[name] = [m for m in members.split(",") if m]
+        unknown = [m for m in loops[name] if m not in arms]
+        if not name or not loops[name] or unknown:
+            raise ValueError(f"--loop {spec!r}: expected NAME=ARM,ARM,... naming --arm arms (unknown: {unknown})")
+    text = report(arms, loops)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "crossover.md").write_text(text)

@@ -20,10 +20,20 @@ embedding split into the pad token's row (``<|im_end|>`` for SmolLM2) and the re
 
 ``--model-dir`` may be a trained checkpoint (e.g. a ``step_15`` kept by ``learning_vs_trl.py
 --keep-checkpoints``): the replay then starts where the policy's entropy is low, late in a run.
+
+``--closed-loop`` (issue 32) replays our *loop* instead: our recipe runs ``--steps`` steps exactly as a
+``learning_vs_trl.py --sides ours`` run of ``--seed`` (prompt order) and ``--recipe-seed`` (sampling stream)
+does, each step sampling from the weights it has trained so far, and every step's rollouts are kept; TRL's
+update then replays them in order from the base weights. Both sides' weights are evaluated held-out every
+``--eval-every`` steps with the benchmark's evaluator (``closed_loop_report.txt``):
+
+    python benchmarks/learning_replay.py --closed-loop --seed 2 --recipe-seed 1002 --steps 30 \
+        --trl-python /work/bench-venv/bin/python --model-dir DIR --out /tmp/closed_loop
 """
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -36,11 +46,12 @@ from harness import recipe_module
 EMBED = "model.embed_tokens.weight"
 
 
-def build_recipe(model_dir: Path, out: Path, groups: int, group_size: int, steps: int, **overrides):
-    """Our recipe on the benchmark's settings and seed-0 order, ``groups x group_size`` rows per step."""
+def build_recipe(model_dir: Path, out: Path, groups: int, group_size: int, steps: int, seed: int = 0, **overrides):
+    """Our recipe on the benchmark's settings, ``groups x group_size`` rows per step, reading the order in
+    ``out/train_order.jsonl``; ``seed`` seeds its sampling stream."""
     from omegaconf import OmegaConf
 
-    cfg = bench.recipe_config(model_dir, out / "train_order.jsonl", out / "ours_out", seed=0, steps=steps)
+    cfg = bench.recipe_config(model_dir, out / "train_order.jsonl", out / "ours_out", seed=seed, steps=steps)
     cfg.update(batch_size=groups, group_size=group_size, micro_batch_size=groups * group_size, **overrides)
     cfg = OmegaConf.create(cfg)
     recipe = recipe_module().GRPOFullFinetuneRecipeDistributed(cfg=cfg)
@@ -48,19 +59,62 @@ def build_recipe(model_dir: Path, out: Path, groups: int, group_size: int, steps
     return recipe
 
 
+def batch_record(r, order: List[Dict[str, Any]], k: int, groups: int) -> Dict[str, Any]:
+    """Step ``k``'s rollouts ``r`` as plain lists (for TRL too), with the prompt texts of the order file."""
+    return {
+        "prompts": [order[(k * groups + i) % len(order)]["prompt"] for i in range(groups)],
+        "answers": [f["answer"] for f in r.fields], "prompt_ids": [list(p) for p in r.prompt_ids],
+        "response_ids": [list(x) for x in r.response_ids], "rewards": r.rewards.tolist(),
+        "truncated": r.truncated.tolist(),
+    }
+
+
 def sample_batches(recipe, out: Path, steps: int, groups: int) -> List[Dict[str, Any]]:
     """``steps`` batches sampled and scored by our engine from the base model (plain lists, for TRL too)."""
     order = bench.read_jsonl(out / "train_order.jsonl")
-    batches = []
-    for k in range(steps):
-        r = recipe.step.rollouts.round(recipe.model, recipe.prompts.next())
-        batches.append({
-            "prompts": [order[k * groups + i]["prompt"] for i in range(groups)],
-            "answers": [f["answer"] for f in r.fields], "prompt_ids": [list(p) for p in r.prompt_ids],
-            "response_ids": [list(x) for x in r.response_ids], "rewards": r.rewards.tolist(),
-            "truncated": r.truncated.tolist(),
-        })
-    return batches
+    return [batch_record(recipe.step.rollouts.round(recipe.model, recipe.prompts.next()), order, k, groups)
+            for k in range(steps)]
+
+
+class RecordingRollouts:
+    """Our loop's own rollout stage, unchanged, keeping a copy of what each step sampled and scored.
+
+    Args:
+        inner: the recipe's rollout producer (``recipe.step.rollouts``).
+        order (List[Dict[str, Any]]): the order file's rows (prompt texts for TRL).
+        groups (int): prompts per step.
+    """
+
+    def __init__(self, inner: Any, order: List[Dict[str, Any]], groups: int) -> None:
+        self.inner, self.order, self.groups = inner, order, groups
+        self.batches: List[Dict[str, Any]] = []
+
+    def collect(self, policy: Any, batch: Any = None):
+        generated, rounds = self.inner.collect(policy, batch)
+        record = batch_record(generated, self.order, len(self.batches), self.groups)
+        if [r["answer"] for r in self.order[len(self.batches) * self.groups:][: self.groups]] != record["answers"]:
+            raise RuntimeError(f"step {len(self.batches) + 1} sampled other prompts than the order file's next")
+        self.batches.append(record)
+        return generated, rounds
+
+
+def closed_loop_ours(recipe, out: Path, steps: int, groups: int, eval_every: int) -> Dict[str, Any]:
+    """Our recipe's own loop (its ``train_step``, sampling from the weights it trains) for ``steps`` steps,
+    recording every step's rollouts; checkpoints at the evaluation steps, as ``learning_vs_trl.py`` runs it."""
+    recorder = RecordingRollouts(recipe.step.rollouts, bench.read_jsonl(out / "train_order.jsonl"), groups)
+    recipe.step.rollouts = recorder
+    before = {k: v.detach().clone() for k, v in recipe.model.named_parameters()}
+    recipe.optimizer.zero_grad(set_to_none=True)  # as recipe.train()
+    steps_out, checkpoints = [], []
+    for _ in range(steps):
+        metrics = recipe.train_step().metrics
+        steps_out.append({k: float(metrics[k]) for k in ("loss", "grad_norm", "entropy")}
+                         | {"reward": float(metrics["reward/mean"])})
+        if bench.due(recipe.global_step, steps, eval_every):
+            recipe.save_checkpoint(recipe.global_step)
+            checkpoints.append({"step": recipe.global_step, "path": str(out / "ours_out" / f"step_{recipe.global_step}")})
+    delta = {k: p.detach() - before[k] for k, p in recipe.model.named_parameters()}
+    return {"steps": steps_out, "batches": recorder.batches, "checkpoints": checkpoints, "delta": delta}
 
 
 def replay_ours(recipe, batches: List[Dict[str, Any]], model_dir: Path, group_size: int) -> Dict[str, Any]:
@@ -77,8 +131,10 @@ def replay_ours(recipe, batches: List[Dict[str, Any]], model_dir: Path, group_si
     return {"steps": steps, "delta": parity.hf_named(model_dir, delta)}
 
 
-def replay_trl(model_dir: Path, batches_path: Path, result_path: Path, group_size: int) -> None:
-    """Child (TRL's environment): TRL's scoring, loss, clipping and AdamW on each saved batch in turn."""
+def replay_trl(model_dir: Path, batches_path: Path, result_path: Path, group_size: int, save_every: int = 0) -> None:
+    """Child (TRL's environment): TRL's scoring, loss, clipping and AdamW on each saved batch in turn; with
+    ``save_every``, TRL's weights as a Hugging Face directory ``trl_step_N`` beside ``result_path`` every
+    ``save_every`` steps and after the last."""
     import torch
 
     batches = torch.load(batches_path)
@@ -102,13 +158,15 @@ def replay_trl(model_dir: Path, batches_path: Path, result_path: Path, group_siz
         trainer.optimizer.zero_grad(set_to_none=True)
         steps.append({"loss": float(loss.detach()), "grad_norm": float(norm),
                       "entropy": float(trainer._metrics["train"]["entropy"][-1])})
+        if save_every and bench.due(len(steps), len(batches), save_every):
+            model.save_pretrained(str(result_path.parent / f"trl_step_{len(steps)}"))
     torch.save({"steps": steps, "delta": {k: p.detach() - before[k] for k, p in model.named_parameters()}},
                result_path)
 
 
-def run_trl_child(python: str, model_dir: Path, out: Path, group_size: int) -> None:
+def run_trl_child(python: str, model_dir: Path, out: Path, group_size: int, save_every: int = 0) -> None:
     parity.run_in_trl_env(python, Path(__file__).resolve(), ["_trl", str(model_dir), str(out / "batches.pt"),
-                                                         str(out / "trl_replay.pt"), str(group_size)])
+                                                         str(out / "trl_replay.pt"), str(group_size), str(save_every)])
 
 
 def compare(name: str, ours: Dict[str, Any], trl: Dict[str, Any], pad_id: int) -> List[str]:
@@ -135,6 +193,64 @@ def compare(name: str, ours: Dict[str, Any], trl: Dict[str, Any], pad_id: int) -
     return lines
 
 
+def closed_loop(args: argparse.Namespace, model_dir: Path, out: Path, task_dir: Path) -> None:
+    """``--closed-loop``: our loop's rollouts, sampled by the policy it trains, through TRL's update.
+
+    Our recipe runs exactly as a ``learning_vs_trl.py --sides ours`` run of the same seeds (same settings,
+    order and sampling stream; with the same thread count it reproduces that run's per-step rewards), and
+    every step's rollouts are kept. TRL's update then replays them in order from the base weights. If the
+    two updates differ anywhere in the states our loop reaches (trained, low-entropy, all-equal groups),
+    the two weight trajectories part and their held-out accuracies differ; if not, TRL's update given our
+    loop's samples learns what our loop learns.
+    """
+    import torch
+
+    from torchtune_grpo.models import hf_tokenizer
+
+    t0 = time.perf_counter()
+    recipe_seed = args.seed if args.recipe_seed is None else args.recipe_seed
+    saved = out / "ours_loop.pt"
+    if args.reuse_ours and saved.is_file():  # our loop ran already (e.g. TRL's side was killed): TRL's side only
+        ours = torch.load(saved)
+    else:
+        recipe = build_recipe(model_dir, out, args.groups, args.group_size, args.steps, seed=recipe_seed)
+        ours = closed_loop_ours(recipe, out, args.steps, args.groups, args.eval_every)
+        recipe.cleanup()
+        del recipe  # TRL's side needs the memory
+        ours["delta"] = parity.hf_named(model_dir, ours["delta"])
+        torch.save(ours["batches"], out / "batches.pt")
+        torch.save(ours, saved)
+    pad_id = hf_tokenizer(str(model_dir)).pad_id
+    t_ours = time.perf_counter() - t0
+    run_trl_child(args.trl_python, model_dir, out, args.group_size, save_every=args.eval_every)
+    trl = torch.load(out / "trl_replay.pt")
+    report = [f"closed loop: order seed {args.seed}, our sampling seed {recipe_seed}, {args.steps} steps of "
+              f"{args.groups} x {args.group_size}; ours {t_ours:.0f} s"]
+    report.append("per-step reward of our loop: " + " ".join(f"{s['reward']:.4f}" for s in ours["steps"]))
+    report += compare("TRL's update on our loop's rollouts", ours, trl, pad_id)
+    report.append("per step grad norm (ours / TRL): " + "; ".join(
+        f"{i + 1}: {a['grad_norm']:.4f} / {b['grad_norm']:.4f}" for i, (a, b) in enumerate(zip(ours["steps"], trl["steps"]))))
+
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = hf_tokenizer(str(model_dir))
+    rows = bench.read_jsonl(task_dir / "heldout.jsonl")
+    table = ["| step | ours (its own loop) | TRL's update on the same rollouts |", "|---|---|---|"]
+    for ck in ours["checkpoints"]:
+        accs = []
+        for path in (ck["path"], str(out / f"trl_step_{ck['step']}")):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            accs.append(bench.greedy_accuracy(model, tokenizer, rows, bench.SETTINGS["max_new_tokens"], tokenizer.eos_id))
+            del model
+            shutil.rmtree(path, ignore_errors=True)  # 1.6 GB each with our optimizer state
+        table.append(f"| {ck['step']} | {accs[0]['accuracy']:.3f} (length {accs[0]['mean_length']:.1f}) | "
+                     f"{accs[1]['accuracy']:.3f} (length {accs[1]['mean_length']:.1f}) |")
+    report += ["held-out greedy accuracy:"] + table + [f"took {time.perf_counter() - t0:.0f} s"]
+    text = "\n".join(report)
+    print(text)
+    (out / "closed_loop_report.txt").write_text(text + "\n")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-python", default=sys.executable)
@@ -142,9 +258,22 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="SmolLM2 (built here if absent) or a trained Hugging Face checkpoint to start from")
     parser.add_argument("--out", default="replay")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--groups", type=int, default=2, help="prompts per step")
-    parser.add_argument("--group-size", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--groups", type=int, default=None, help="prompts per step (default 2; closed loop: 4)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="completions per prompt (default 4; closed loop: 8)")
+    parser.add_argument("--closed-loop", action="store_true",
+                        help="our recipe's own loop samples each step from the weights it trains (the benchmark "
+                             "run itself), and TRL's update replays those rollouts; both evaluated held-out")
+    parser.add_argument("--seed", type=int, default=0, help="prompt order (learning_vs_trl.py's seed)")
+    parser.add_argument("--recipe-seed", type=int, default=None, help="our sampling stream (default: --seed)")
+    parser.add_argument("--eval-every", type=int, default=5, help="closed loop: checkpoints evaluated held-out")
+    parser.add_argument("--reuse-ours", action="store_true",
+                        help="closed loop: take our loop's run from --out (ours_loop.pt) and run TRL's side only")
     args = parser.parse_args(argv)
+    if args.closed_loop:
+        args.groups = args.groups or bench.SETTINGS["batch_size"]
+        args.group_size = args.group_size or bench.SETTINGS["group_size"]
+    args.groups, args.group_size = args.groups or 2, args.group_size or 4
 
     import torch
 
@@ -157,7 +286,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         model_dir = prepare_smollm2(model_dir)
     task_dir = out / "task"
     bench.build_task(model_dir, task_dir)
-    bench.write_seed_order(task_dir, 0, out)
+    bench.write_seed_order(task_dir, args.seed, out)
+    if args.closed_loop:
+        closed_loop(args, model_dir, out, task_dir)
+        return
     t0 = time.perf_counter()
     shape = dict(groups=args.groups, group_size=args.group_size, steps=args.steps)
     recipe = build_recipe(model_dir, out, **shape)
@@ -190,6 +322,6 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_trl":
-        replay_trl(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+        replay_trl(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))
         os._exit(0)
     main()

@@ -147,3 +147,38 @@ def test_crossover_pairs_seeds_and_finds_where_arms_part():
     assert crossover.parting({0: a[0]}, {0: b[0]}, "entropy").startswith("fewer than 3 paired seeds")
     text = crossover.report({"a": a, "b": b})
     assert "| a - b | [0, 1, 2, 3] | -0.200 (0.12) |" in text
+
+
+def test_stratified_permutation_test_by_hand():
+    # One seed, runs 0.6 and 0.4 in a, 0.1 in b: observed 0.5 - 0.1 = 0.4. The three equally likely splits
+    # give 0.4, 0.35 - 0.4 = -0.05 and 0.25 - 0.6 = -0.35: only the observed one is as extreme, p = 1/3.
+    out = crossover.stratified_permutation_test({0: [0.6, 0.4]}, {0: [0.1]})
+    assert out["diff"] == pytest.approx(0.4) and out["p"] == pytest.approx(1 / 3, abs=0.015) and out["n"] == 1
+    # Labels move only within a seed: a difference carried by the seeds (a seed effect) is not a loop effect.
+    same = crossover.stratified_permutation_test({0: [0.1], 1: [0.9]}, {0: [0.1], 1: [0.9]})
+    assert same["diff"] == 0.0 and same["p"] == 1.0
+
+
+def test_loops_pool_their_arms_and_permute_within_each_seed():
+    def run(seed, acc30):
+        return {"side": "ours", "seed": seed, "steps": [],
+                "evals": [{"step": s, "accuracy": acc30} for s in (5, 10, 15, 20, 25, 30)]}
+
+    # Loop X: two arms; seed 0 has both (0.5 and 0.7), seed 1 only the first (0.8).
+    x1, x2 = {0: run(0, 0.5), 1: run(1, 0.8)}, {0: run(0, 0.7)}
+    # Loop Y: one arm, seeds 0-2 (seed 2 has no partner in X and is left out).
+    y = {0: run(0, 0.4), 1: run(1, 0.9), 2: run(2, 0.1)}
+    assert crossover.loop_scores([x1, x2], lambda r: crossover.accuracy_at(r, 30)) == {0: [0.5, 0.7], 1: [0.8]}
+    out = crossover.pooled([x1, x2], [y], lambda r: crossover.accuracy_at(r, 30))
+    # Observed: seed 0 0.6 - 0.4, seed 1 0.8 - 0.9: mean +0.05. Seed 0's splits give 0.2, -0.25, 0.05 and seed
+    # 1's -0.1, +0.1: means 0.05, 0.15, -0.175, -0.075, -0.025, 0.075, five of six as far from 0: p = 5/6.
+    assert out["diff"] == pytest.approx(0.05) and out["p"] == pytest.approx(5 / 6, abs=0.015) and out["n"] == 2
+    text = crossover.report({"x1": x1, "x2": x2, "y": y}, loops={"X": ["x1", "x2"], "Y": ["y"]})
+    assert "| X | x1, x2 | 3 |" in text and "| X - Y | 2 | +0.050 (0.8" in text
+
+
+def test_crossover_command_line_refuses_a_loop_naming_an_unknown_arm(tmp_path):
+    runs = tmp_path / "runs.json"
+    runs.write_text('[{"side": "ours", "seed": 0, "steps": [], "evals": [{"step": 30, "accuracy": 0.5}]}]')
+    with pytest.raises(ValueError, match="unknown: \\['nope'\\]"):
+        crossover.main(["--arm", f"a={runs}:ours", "--loop", "L=a,nope"])
