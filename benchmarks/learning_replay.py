@@ -85,12 +85,44 @@ class RecordingRollouts:
         groups (int): prompts per step.
     """
 
-    def __init__(self, inner: Any, order: List[Dict[str, Any]], groups: int) -> None:
-        self.inner, self.order, self.groups = inner, order, groups
+    def __init__(self, inner: Any, order: List[Dict[str, Any]], groups: int, pad_id: int = 0) -> None:
+        self.inner, self.order, self.groups, self.pad_id = inner, order, groups, pad_id
         self.batches: List[Dict[str, Any]] = []
+        self.on_policy: List[float] = []  # per step: max |engine's sampled-token logprob - trainer's|
 
     def collect(self, policy: Any, batch: Any = None):
-        generated, rounds = self.inner.collect(policy, batch)
+        import torch
+
+        import torchtune_grpo.generation._native as native  # this package's engine: what it sampled from
+        from torchtune_grpo.logprobs import sequence_logprobs
+        from torchtune_grpo.training_batch import pack_sequences
+
+        sampled: Dict[int, List[float]] = {}
+        original = native.sample_tokens
+
+        def recording(logits, **kw):  # the logprob of each drawn token under the distribution it was drawn from
+            token = original(logits, **kw)
+            rows = kw.get("noise_rows")
+            rows = range(logits.size(0)) if rows is None else rows.tolist()
+            logp = torch.log_softmax(logits.double() / kw.get("temperature", 1.0), dim=-1)
+            picked = logp.gather(-1, token.view(-1, 1)).squeeze(-1)
+            for i, r in enumerate(rows):
+                sampled.setdefault(int(r), []).append(float(picked[i]))
+            return token
+
+        native.sample_tokens = recording
+        try:
+            generated, rounds = self.inner.collect(policy, batch)
+        finally:
+            native.sample_tokens = original
+        if sampled:  # the native engine: compare with the trainer's forward, same weights, before the update
+            tokens, _ = pack_sequences(generated.prompt_ids, generated.response_ids, self.pad_id)
+            with torch.no_grad():
+                ref = sequence_logprobs(policy, tokens).logprobs
+            diffs = [abs(lp - float(ref[i, len(p) - 1 + j]))
+                     for i, (p, r) in enumerate(zip(generated.prompt_ids, generated.response_ids))
+                     for j, lp in enumerate(sampled.get(i, [])[: len(r)])]
+            self.on_policy.append(max(diffs) if diffs else float("nan"))
         record = batch_record(generated, self.order, len(self.batches), self.groups)
         if [r["answer"] for r in self.order[len(self.batches) * self.groups:][: self.groups]] != record["answers"]:
             raise RuntimeError(f"step {len(self.batches) + 1} sampled other prompts than the order file's next")
@@ -101,7 +133,8 @@ class RecordingRollouts:
 def closed_loop_ours(recipe, out: Path, steps: int, groups: int, eval_every: int) -> Dict[str, Any]:
     """Our recipe's own loop (its ``train_step``, sampling from the weights it trains) for ``steps`` steps,
     recording every step's rollouts; checkpoints at the evaluation steps, as ``learning_vs_trl.py`` runs it."""
-    recorder = RecordingRollouts(recipe.step.rollouts, bench.read_jsonl(out / "train_order.jsonl"), groups)
+    recorder = RecordingRollouts(recipe.step.rollouts, bench.read_jsonl(out / "train_order.jsonl"), groups,
+                                 recipe.tokenizer.pad_id)
     recipe.step.rollouts = recorder
     before = {k: v.detach().clone() for k, v in recipe.model.named_parameters()}
     recipe.optimizer.zero_grad(set_to_none=True)  # as recipe.train()
@@ -114,7 +147,8 @@ def closed_loop_ours(recipe, out: Path, steps: int, groups: int, eval_every: int
             recipe.save_checkpoint(recipe.global_step)
             checkpoints.append({"step": recipe.global_step, "path": str(out / "ours_out" / f"step_{recipe.global_step}")})
     delta = {k: p.detach() - before[k] for k, p in recipe.model.named_parameters()}
-    return {"steps": steps_out, "batches": recorder.batches, "checkpoints": checkpoints, "delta": delta}
+    return {"steps": steps_out, "batches": recorder.batches, "checkpoints": checkpoints, "delta": delta,
+            "on_policy": recorder.on_policy}
 
 
 def replay_ours(recipe, batches: List[Dict[str, Any]], model_dir: Path, group_size: int) -> Dict[str, Any]:
@@ -222,11 +256,20 @@ def closed_loop(args: argparse.Namespace, model_dir: Path, out: Path, task_dir: 
         torch.save(ours, saved)
     pad_id = hf_tokenizer(str(model_dir)).pad_id
     t_ours = time.perf_counter() - t0
+    on_policy = ours.get("on_policy") or []
+    on_policy_line = ("on-policy in the loop (native engine): max |sampled-token logprob, engine - trainer| per step "
+                      + " ".join(f"{x:.1e}" for x in on_policy) + f"; worst {max(on_policy):.1e}") if on_policy else ""
+    if args.ours_only:
+        print(on_policy_line)
+        (out / "closed_loop_report.txt").write_text(on_policy_line + "\n")
+        return
     run_trl_child(args.trl_python, model_dir, out, args.group_size, save_every=args.eval_every)
     trl = torch.load(out / "trl_replay.pt")
     report = [f"closed loop: order seed {args.seed}, our sampling seed {recipe_seed}, {args.steps} steps of "
               f"{args.groups} x {args.group_size}; ours {t_ours:.0f} s"]
     report.append("per-step reward of our loop: " + " ".join(f"{s['reward']:.4f}" for s in ours["steps"]))
+    if on_policy_line:
+        report.append(on_policy_line)
     report += compare("TRL's update on our loop's rollouts", ours, trl, pad_id)
     report.append("per step grad norm (ours / TRL): " + "; ".join(
         f"{i + 1}: {a['grad_norm']:.4f} / {b['grad_norm']:.4f}" for i, (a, b) in enumerate(zip(ours["steps"], trl["steps"]))))
@@ -267,6 +310,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompt order (learning_vs_trl.py's seed)")
     parser.add_argument("--recipe-seed", type=int, default=None, help="our sampling stream (default: --seed)")
     parser.add_argument("--eval-every", type=int, default=5, help="closed loop: checkpoints evaluated held-out")
+    parser.add_argument("--ours-only", action="store_true",
+                        help="closed loop: our loop only, with its on-policy check (no TRL side, no evaluation)")
     parser.add_argument("--reuse-ours", action="store_true",
                         help="closed loop: take our loop's run from --out (ours_loop.pt) and run TRL's side only")
     args = parser.parse_args(argv)
