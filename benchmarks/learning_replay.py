@@ -29,6 +29,12 @@ update then replays them in order from the base weights. Both sides' weights are
 
     python benchmarks/learning_replay.py --closed-loop --seed 2 --recipe-seed 1002 --steps 30 \
         --trl-python /work/bench-venv/bin/python --model-dir DIR --out /tmp/closed_loop
+
+Our loop also checks, at every step, that the native engine samples the trainer's current policy: the
+logprob of each drawn token under the distribution the engine drew it from against the trainer's forward
+on the same tokens, before the update (a stale engine would pass the replay, which takes the samples as
+given). ``--ours-only`` stops there (no TRL side, no evaluation); ``--reuse-ours`` runs TRL's side again
+from a finished run of ours in ``--out``.
 """
 
 import argparse
