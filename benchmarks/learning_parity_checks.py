@@ -36,8 +36,9 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import learning_vs_trl as bench
 from harness import recipe_module, run_child
@@ -509,63 +510,87 @@ def sequence_check(recipe, model_dir: Path, prompts: List[List[int]], samples: i
     return lines
 
 
+@contextmanager
+def recorded_engine_draws() -> Iterator[Dict[int, List[tuple]]]:
+    """While open, every token the native engine draws is recorded: row -> ``[(token, logprob, entropy)]``,
+    the logprob and entropy (float64) of the distribution it was drawn from (the KV-cached decode's logits,
+    taken inside ``sample_tokens``), in the order drawn."""
+    import torch
+
+    import torchtune_grpo.generation._native as native
+
+    seen: Dict[int, List[tuple]] = {}
+    original = native.sample_tokens
+
+    def recording(logits, **kw):
+        token = original(logits, **kw)
+        rows = kw.get("noise_rows")
+        rows = range(logits.size(0)) if rows is None else rows.tolist()
+        logp = torch.log_softmax(logits.double() / kw.get("temperature", 1.0), dim=-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        picked = logp.gather(-1, token.view(-1, 1)).squeeze(-1)
+        for i, r in enumerate(rows):
+            seen.setdefault(int(r), []).append((int(token[i]), float(picked[i]), float(ent[i])))
+        return token
+
+    native.sample_tokens = recording
+    try:
+        yield seen
+    finally:
+        native.sample_tokens = original
+
+
+def engine_vs_trainer(model, prompt_ids: List[List[int]], response_ids: List[List[int]],
+                      seen: Dict[int, List[tuple]], pad_id: int, temperature: float = 1.0):
+    """The recorded draws (:func:`recorded_engine_draws`, row ``i`` = ``response_ids[i]``) against a full
+    teacher-forced forward of the finished sequences with ``model`` (``sequence_logprobs``, the trainer's
+    code). Returns ``(|logprob diffs|, |entropy diffs|, rows not aligned, tokens compared)``."""
+    import torch
+
+    from torchtune_grpo.logprobs import sequence_logprobs
+    from torchtune_grpo.training_batch import pack_sequences
+
+    tokens, _ = pack_sequences(prompt_ids, response_ids, pad_id)
+    with torch.no_grad():
+        ref = sequence_logprobs(model, tokens, temperature=temperature, with_entropy=True)
+    lp_diffs, ent_diffs, misaligned, compared = [], [], 0, 0
+    for row, (prompt, resp) in enumerate(zip(prompt_ids, response_ids)):
+        record = seen.get(row, [])[: len(resp)]
+        if [t for t, _, _ in record] != list(resp):
+            misaligned += 1
+            continue
+        start = len(prompt) - 1
+        for j, (_, lp, ent) in enumerate(record):
+            lp_diffs.append(abs(lp - float(ref.logprobs[row, start + j])))
+            ent_diffs.append(abs(ent - float(ref.entropy[row, start + j])))
+        compared += len(resp)
+    return lp_diffs, ent_diffs, misaligned, compared
+
+
 def engine_logprob_check(recipe, prompts: List[List[int]], samples: int, seed: int) -> List[str]:
     """The native engine's own sampling distribution against the trainer's forward, on the same tokens.
 
     The engine samples ``samples`` completions of every prompt (the recipe's settings, 48 tokens); every
-    distribution it samples from (the KV-cached decode's logits, taken inside ``sample_tokens``) is recorded
-    with the sampled token, and compared with a full teacher-forced forward of the finished sequences
-    (``sequence_logprobs``, the trainer's code): the sampled tokens' logprobs and the entropies. Equal to
-    fp32 rounding means the engine samples from exactly the policy the trainer scores, whatever the weights
-    (run it with ``--model-dir`` on a trained checkpoint).
+    distribution it samples from is recorded with the sampled token (:func:`recorded_engine_draws`) and
+    compared with a full teacher-forced forward of the finished sequences (:func:`engine_vs_trainer`): the
+    sampled tokens' logprobs and the entropies. Equal to fp32 rounding means the engine samples from exactly
+    the policy the trainer scores, whatever the weights (run it with ``--model-dir`` on a trained checkpoint).
     """
     import torch
-
-    import torchtune_grpo.generation._native as native
-    from torchtune_grpo.logprobs import sequence_logprobs
-    from torchtune_grpo.training_batch import pack_sequences
 
     tok = recipe.tokenizer
     stops = list(tok.stop_tokens)
     model = recipe.model
     model.eval()
     gen = torch.Generator().manual_seed(seed)
-    original = native.sample_tokens
     lp_diffs, ent_diffs, misaligned, tokens_seen = [], [], 0, 0
     for prompt in prompts:
-        seen: Dict[int, List[tuple]] = {}
-
-        def recording(logits, **kw):
-            token = original(logits, **kw)
-            rows = kw.get("noise_rows")
-            rows = range(logits.size(0)) if rows is None else rows.tolist()
-            logp = torch.log_softmax(logits.double() / kw.get("temperature", 1.0), dim=-1)
-            ent = -(logp.exp() * logp).sum(-1)
-            picked = logp.gather(-1, token.view(-1, 1)).squeeze(-1)
-            for i, r in enumerate(rows):
-                seen.setdefault(int(r), []).append((int(token[i]), float(picked[i]), float(ent[i])))
-            return token
-
-        native.sample_tokens = recording
-        try:
-            with recipe.generation_context():
-                rollout = recipe.engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
-                                                  pad_id=tok.pad_id, stop_tokens=stops, generator=gen)
-        finally:
-            native.sample_tokens = original
-        tokens, mask = pack_sequences(rollout.prompt_ids, rollout.response_ids, tok.pad_id)
-        with torch.no_grad():
-            ref = sequence_logprobs(model, tokens, temperature=recipe.engine.temperature, with_entropy=True)
-        for row, resp in enumerate(rollout.response_ids):
-            record = seen.get(row, [])[: len(resp)]
-            if [t for t, _, _ in record] != list(resp):
-                misaligned += 1
-                continue
-            start = len(prompt) - 1
-            for j, (_, lp, ent) in enumerate(record):
-                lp_diffs.append(abs(lp - float(ref.logprobs[row, start + j])))
-                ent_diffs.append(abs(ent - float(ref.entropy[row, start + j])))
-            tokens_seen += len(resp)
+        with recorded_engine_draws() as seen, recipe.generation_context():
+            rollout = recipe.engine.generate(model, [prompt], group_size=samples, max_new_tokens=48,
+                                              pad_id=tok.pad_id, stop_tokens=stops, generator=gen)
+        lp, ent, bad, n = engine_vs_trainer(model, rollout.prompt_ids, rollout.response_ids, seen, tok.pad_id,
+                                            recipe.engine.temperature)
+        lp_diffs, ent_diffs, misaligned, tokens_seen = lp_diffs + lp, ent_diffs + ent, misaligned + bad, tokens_seen + n
     lp_t, ent_t = torch.tensor(lp_diffs), torch.tensor(ent_diffs)
     ok = misaligned == 0 and tokens_seen > 0 and float(lp_t.max()) < 1e-3
     return [f"{verdict(ok)} engine vs trainer on {tokens_seen} sampled tokens ({len(prompts)} prompts x {samples}; "

@@ -83,55 +83,36 @@ def sample_batches(recipe, out: Path, steps: int, groups: int) -> List[Dict[str,
 
 
 class RecordingRollouts:
-    """Our loop's own rollout stage, unchanged, keeping a copy of what each step sampled and scored.
+    """Our loop's own rollout stage, unchanged, keeping a copy of what each step sampled and scored, and
+    checking that the native engine sampled the policy being trained (not stale weights).
 
     Args:
         inner: the recipe's rollout producer (``recipe.step.rollouts``).
         order (List[Dict[str, Any]]): the order file's rows (prompt texts for TRL).
         groups (int): prompts per step.
+        pad_id (int): the tokenizer's padding id.
+        temperature (float): the engine's sampling temperature.
     """
 
-    def __init__(self, inner: Any, order: List[Dict[str, Any]], groups: int, pad_id: int = 0) -> None:
-        self.inner, self.order, self.groups, self.pad_id = inner, order, groups, pad_id
+    def __init__(self, inner: Any, order: List[Dict[str, Any]], groups: int, pad_id: int,
+                 temperature: float) -> None:
+        self.inner, self.order, self.groups, self.pad_id, self.temperature = inner, order, groups, pad_id, temperature
         self.batches: List[Dict[str, Any]] = []
         self.on_policy: List[float] = []  # per step: max |engine's sampled-token logprob - trainer's|
 
     def collect(self, policy: Any, batch: Any = None):
-        import torch
-
-        import torchtune_grpo.generation._native as native  # this package's engine: what it sampled from
-        from torchtune_grpo.logprobs import sequence_logprobs
-        from torchtune_grpo.training_batch import pack_sequences
-
-        sampled: Dict[int, List[float]] = {}
-        original = native.sample_tokens
-
-        def recording(logits, **kw):  # the logprob of each drawn token under the distribution it was drawn from
-            token = original(logits, **kw)
-            rows = kw.get("noise_rows")
-            rows = range(logits.size(0)) if rows is None else rows.tolist()
-            logp = torch.log_softmax(logits.double() / kw.get("temperature", 1.0), dim=-1)
-            picked = logp.gather(-1, token.view(-1, 1)).squeeze(-1)
-            for i, r in enumerate(rows):
-                sampled.setdefault(int(r), []).append(float(picked[i]))
-            return token
-
-        native.sample_tokens = recording
-        try:
+        with parity.recorded_engine_draws() as seen:
             generated, rounds = self.inner.collect(policy, batch)
-        finally:
-            native.sample_tokens = original
-        if sampled:  # the native engine: compare with the trainer's forward, same weights, before the update
-            tokens, _ = pack_sequences(generated.prompt_ids, generated.response_ids, self.pad_id)
-            with torch.no_grad():
-                ref = sequence_logprobs(policy, tokens).logprobs
-            diffs = [abs(lp - float(ref[i, len(p) - 1 + j]))
-                     for i, (p, r) in enumerate(zip(generated.prompt_ids, generated.response_ids))
-                     for j, lp in enumerate(sampled.get(i, [])[: len(r)])]
-            self.on_policy.append(max(diffs) if diffs else float("nan"))
-        record = batch_record(generated, self.order, len(self.batches), self.groups)
-        if [r["answer"] for r in self.order[len(self.batches) * self.groups:][: self.groups]] != record["answers"]:
-            raise RuntimeError(f"step {len(self.batches) + 1} sampled other prompts than the order file's next")
+        k = len(self.batches)
+        if seen:  # the native engine: compare with the trainer's forward, same weights, before the update
+            lp, _, misaligned, _ = parity.engine_vs_trainer(policy, generated.prompt_ids, generated.response_ids,
+                                                           seen, self.pad_id, self.temperature)
+            if misaligned:
+                raise RuntimeError(f"step {k + 1}: {misaligned} rows' recorded draws are not their tokens")
+            self.on_policy.append(max(lp) if lp else float("nan"))
+        record = batch_record(generated, self.order, k, self.groups)
+        if [self.order[(k * self.groups + i) % len(self.order)]["answer"] for i in range(self.groups)] != record["answers"]:
+            raise RuntimeError(f"step {k + 1} sampled other prompts than the order file's next")
         self.batches.append(record)
         return generated, rounds
 
@@ -140,7 +121,7 @@ def closed_loop_ours(recipe, out: Path, steps: int, groups: int, eval_every: int
     """Our recipe's own loop (its ``train_step``, sampling from the weights it trains) for ``steps`` steps,
     recording every step's rollouts; checkpoints at the evaluation steps, as ``learning_vs_trl.py`` runs it."""
     recorder = RecordingRollouts(recipe.step.rollouts, bench.read_jsonl(out / "train_order.jsonl"), groups,
-                                 recipe.tokenizer.pad_id)
+                                 recipe.tokenizer.pad_id, recipe.engine.temperature)
     recipe.step.rollouts = recorder
     before = {k: v.detach().clone() for k, v in recipe.model.named_parameters()}
     recipe.optimizer.zero_grad(set_to_none=True)  # as recipe.train()
@@ -260,7 +241,7 @@ def closed_loop(args: argparse.Namespace, model_dir: Path, out: Path, task_dir: 
         ours["delta"] = parity.hf_named(model_dir, ours["delta"])
         torch.save(ours["batches"], out / "batches.pt")
         torch.save(ours, saved)
-    pad_id = hf_tokenizer(str(model_dir)).pad_id
+    tokenizer = hf_tokenizer(str(model_dir))
     t_ours = time.perf_counter() - t0
     on_policy = ours.get("on_policy") or []
     on_policy_line = ("on-policy in the loop (native engine): max |sampled-token logprob, engine - trainer| per step "
@@ -276,13 +257,12 @@ def closed_loop(args: argparse.Namespace, model_dir: Path, out: Path, task_dir: 
     report.append("per-step reward of our loop: " + " ".join(f"{s['reward']:.4f}" for s in ours["steps"]))
     if on_policy_line:
         report.append(on_policy_line)
-    report += compare("TRL's update on our loop's rollouts", ours, trl, pad_id)
+    report += compare("TRL's update on our loop's rollouts", ours, trl, tokenizer.pad_id)
     report.append("per step grad norm (ours / TRL): " + "; ".join(
         f"{i + 1}: {a['grad_norm']:.4f} / {b['grad_norm']:.4f}" for i, (a, b) in enumerate(zip(ours["steps"], trl["steps"]))))
 
     from transformers import AutoModelForCausalLM
 
-    tokenizer = hf_tokenizer(str(model_dir))
     rows = bench.read_jsonl(task_dir / "heldout.jsonl")
     table = ["| step | ours (its own loop) | TRL's update on the same rollouts |", "|---|---|---|"]
     for ck in ours["checkpoints"]:
@@ -321,10 +301,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--reuse-ours", action="store_true",
                         help="closed loop: take our loop's run from --out (ours_loop.pt) and run TRL's side only")
     args = parser.parse_args(argv)
-    if args.closed_loop:
-        args.groups = args.groups or bench.SETTINGS["batch_size"]
-        args.group_size = args.group_size or bench.SETTINGS["group_size"]
-    args.groups, args.group_size = args.groups or 2, args.group_size or 4
+    default_shape = (bench.SETTINGS["batch_size"], bench.SETTINGS["group_size"]) if args.closed_loop else (2, 4)
+    args.groups, args.group_size = args.groups or default_shape[0], args.group_size or default_shape[1]
 
     import torch
 

@@ -40,6 +40,7 @@ __all__ = [
     "open_trainer_transfer",
 ]
 
+
 class ChunkSource(WeightSource):
     """A ``WeightSource`` over one chunk of already materialized, Hugging Face-named tensors.
 
