@@ -21,7 +21,7 @@ in a completion), so no tokenizer is needed. Parts (``--parts``, in this order):
   (``--prompts`` x ``--group`` rows) -> reward -> advantages (``GroupRelativeAdvantage``) -> the recipe's
   training layout (``TrainingBatch``, shared prompt, as ``share_prompt_in_training: true``) -> reference
   logprobs (``batch_logprobs``: chunked, micro-batched, frozen copy of the initial policy, as with
-  ``kl_coef > 0``) -> the recipe's update core (``torchtune_grpo.update.PolicyUpdate``: per micro-batch
+  ``kl_coef > 0``) -> the recipe's update core (``torchtune_grpo.training.update.PolicyUpdate``: per micro-batch
   logprobs with grad and logged entropy, ``GRPOLoss`` token-mean with k3 KL 0.04, backward, grad-norm clip
   1.0, AdamW step). Times each phase, tokens/s, peak memory and MFU.
 - ``recipe``: the real recipe class ``GRPOFullFinetuneRecipeDistributed`` (FSDP2 on one process, as
@@ -386,13 +386,13 @@ def run_grpo(name: str, device: torch.device, dtype: torch.dtype, args: argparse
              peak_flops: Optional[float]) -> Dict[str, Any]:
     from torchtune import modules, training
 
-    from torchtune_grpo.advantages import GroupRelativeAdvantage
-    from torchtune_grpo.experience import ExperienceBuilder, Reference
+    from torchtune_grpo.rollouts.advantages import GroupRelativeAdvantage
+    from torchtune_grpo.training.experience import ExperienceBuilder, Reference
     from torchtune_grpo.generation import NativeGenerator
     from torchtune_grpo.loss import GRPOLoss
-    from torchtune_grpo.loss_masks import LossMasks
-    from torchtune_grpo.rollout import RolloutGroups
-    from torchtune_grpo.update import PolicyUpdate
+    from torchtune_grpo.loss.masks import LossMasks
+    from torchtune_grpo.rollouts.groups import RolloutGroups
+    from torchtune_grpo.training.update import PolicyUpdate
 
     policy = build_model(name, device, dtype, seed=0)
     ref = build_model(name, device, dtype, seed=0)  # the frozen initial policy (kl_coef > 0)

@@ -370,7 +370,7 @@ def recipe_config(
         },
         "reward_functions": REWARD_FUNCTIONS,
         "reward_fallback": 0.0,
-        "advantage": {"_component_": "torchtune_grpo.advantages.GroupRelativeAdvantage", "scale_by_std": True},
+        "advantage": {"_component_": "torchtune_grpo.rollouts.advantages.GroupRelativeAdvantage", "scale_by_std": True},
         "kl_coef": 0.0,
         "loss": {"_component_": "torchtune_grpo.loss.GRPOLoss", "epsilon": 0.2, "loss_agg_mode": "token-mean"},
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": spec["lr"], "weight_decay": 0.0},

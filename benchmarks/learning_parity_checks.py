@@ -79,7 +79,7 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
     """Our recipe's real step on ``rollouts``; returns grads, deltas, Adam state, masks, logprobs, metrics."""
     import torch
 
-    from torchtune_grpo.update import batch_token_logprobs
+    from torchtune_grpo.training.update import batch_token_logprobs
 
     model, opt = recipe.model, recipe.optimizer
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -107,9 +107,9 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
         captured["advantages"] = exp.advantages.tolist()
         return exp, kl
 
-    from torchtune_grpo.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
+    from torchtune_grpo.rollouts.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
 
-    # The step's stages are public parts (torchtune_grpo/train_step.py): this one replays fixed rollouts and
+    # The step's stages are public parts (torchtune_grpo/training/step.py): this one replays fixed rollouts and
     # records what the experience stage built.
     recipe.step.rollouts = FixedRollouts(rollouts)
     recipe.step.build_experience = experience_and_capture
@@ -283,7 +283,7 @@ def rollouts_from(data: Dict[str, Any], tokenizer, group_size: int = G):
     import torch
 
     from torchtune_grpo.generation import decode_responses
-    from torchtune_grpo.rollout import RolloutGroups
+    from torchtune_grpo.rollouts.groups import RolloutGroups
 
     return RolloutGroups(
         group_size=group_size, prompts=list(data["prompts"]), fields=[{"answer": a} for a in data["answers"]],
@@ -547,8 +547,8 @@ def engine_vs_trainer(model, prompt_ids: List[List[int]], response_ids: List[Lis
     code). Returns ``(|logprob diffs|, |entropy diffs|, rows not aligned, tokens compared)``."""
     import torch
 
-    from torchtune_grpo.logprobs import sequence_logprobs
-    from torchtune_grpo.training_batch import pack_sequences
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+    from torchtune_grpo.training.batch import pack_sequences
 
     tokens, _ = pack_sequences(prompt_ids, response_ids, pad_id)
     with torch.no_grad():

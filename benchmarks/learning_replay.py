@@ -140,7 +140,7 @@ def closed_loop_ours(recipe, out: Path, steps: int, groups: int, eval_every: int
 
 def replay_ours(recipe, batches: List[Dict[str, Any]], model_dir: Path, group_size: int) -> Dict[str, Any]:
     """Our recipe's step on each batch in turn: per-step metrics and the total parameter change (HF names)."""
-    from torchtune_grpo.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
+    from torchtune_grpo.rollouts.producer import FixedRollouts  # our venv only (the TRL side imports this file too)
 
     before = {k: v.detach().clone() for k, v in recipe.model.named_parameters()}
     steps = []

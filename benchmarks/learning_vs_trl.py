@@ -69,7 +69,7 @@ SETTINGS = {
 }
 
 
-# Per-step quantities recorded beside reward/entropy/length when the recipe logs them (torchtune_grpo/diagnostics.py).
+# Per-step quantities recorded beside reward/entropy/length when the recipe logs them (torchtune_grpo/training/diagnostics.py).
 DIAGNOSTICS = ("zero_std_fraction", "advantage/abs_mean", "diagnostics/kl_step", "diagnostics/sampled_accuracy",
                "diagnostics/greedy_accuracy")
 
@@ -155,7 +155,7 @@ def recipe_config(model_dir: Path, train_file: Path, out: Path, seed: int, steps
                        "top_k": None, "top_p": 1.0},
         "reward_functions": REWARD_FUNCTIONS,
         "reward_fallback": 0.0,
-        "advantage": {"_component_": "torchtune_grpo.advantages.GroupRelativeAdvantage", "scale_by_std": True},
+        "advantage": {"_component_": "torchtune_grpo.rollouts.advantages.GroupRelativeAdvantage", "scale_by_std": True},
         "kl_coef": 0.0,
         "loss": {"_component_": "torchtune_grpo.loss.GRPOLoss", "epsilon": s["epsilon"],
                  "loss_agg_mode": "token-mean"},

@@ -56,7 +56,7 @@ def measure(
     import psutil
     import torch
 
-    from torchtune_grpo.logprobs import chunked_logprobs
+    from torchtune_grpo.models.logprobs import chunked_logprobs
     from torchtune_grpo.loss import GRPOLoss
 
     torch.set_num_threads(threads)

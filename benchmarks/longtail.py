@@ -30,8 +30,8 @@ from torchtune.models.qwen2 import qwen2
 
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.loss import GRPOLoss
-from torchtune_grpo.training_batch import TrainingBatch
-from torchtune_grpo.update import Experience, PolicyUpdate
+from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.training.update import Experience, PolicyUpdate
 
 
 def build_model(vocab: int, max_seq_len: int) -> torch.nn.Module:

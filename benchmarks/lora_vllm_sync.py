@@ -56,7 +56,7 @@ def sync(model_dir: str, repeats: int) -> dict:
     dist.init_process_group("gloo")
     from torchtune_grpo.generation import VLLMGenerator, WeightPublisher, WeightSyncCheck
     from torchtune_grpo.generation._lora_sync import adapter_weights, base_weights, merged_weights
-    from torchtune_grpo.lora import lora_hyperparams
+    from torchtune_grpo.models.lora import lora_hyperparams
     from torchtune_grpo.models import HFCheckpointer, lora_hf_model
 
     cpu = torch.device("cpu")

@@ -40,7 +40,7 @@ def _state() -> dict:
 def _time_updates(model, optimizer, batch, repeats: int, rollout) -> list:
     """Update times, each right after a rollout (as in the recipe: spinning OpenMP workers or caches left by
     the engine would show in the update that follows it)."""
-    from torchtune_grpo.logprobs import sequence_logprobs
+    from torchtune_grpo.models.logprobs import sequence_logprobs
 
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up

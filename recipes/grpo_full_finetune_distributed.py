@@ -6,14 +6,14 @@
 # This file is installed as a top-level module, so `tune run` finds it from any directory.
 """GRPO (Group Relative Policy Optimization, Shao et al. 2024, arXiv:2402.03300), full fine-tuning.
 
-One step, on every rank (:class:`~torchtune_grpo.train_step.GRPOStep`), and the object that carries it from
+One step, on every rank (:class:`~torchtune_grpo.training.step.GRPOStep`), and the object that carries it from
 one stage to the next::
 
-    batch_size prompts -> group_size completions each, scored        RolloutGroups  (torchtune_grpo/rollout.py)
+    batch_size prompts -> group_size completions each, scored        RolloutGroups  (torchtune_grpo/rollouts/groups.py)
       [dynamic sampling: drop zero-variance groups, more rounds on new prompts until the batch is full]
       -> training layout, reference logprobs (frozen initial policy; none when kl_coef == 0) and old logprobs
       -> [KL penalty in the reward] -> advantages (group-relative, RLOO, batch std, ...)
-                                                                     Experience     (torchtune_grpo/experience.py)
+                                                                     Experience     (torchtune_grpo/training/experience.py)
       -> ppo_epochs x (micro-batched clipped loss + KL + entropy bonus, backward) -> clip grads -> step
       -> weight sync to an engine with its own weights (vLLM) -> metrics -> checkpoint
 
@@ -47,41 +47,41 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_grpo.algorithm_card import AlgorithmSpec, config_values, write_algorithm_card
+from torchtune_grpo.config.algorithm_card import AlgorithmSpec, config_values, write_algorithm_card
 from torchtune_grpo.assets import register_resolvers
-from torchtune_grpo.checkpoint_manager import (
+from torchtune_grpo.checkpoints.manager import (
     capture_training_state, CheckpointManager, restore_training_state, restored_rollouts,
 )
-from torchtune_grpo.checkpointer_facts import epoch_output_dir
-from torchtune_grpo.checkpointing import checkpoint_retention, model_files
-from torchtune_grpo.collectives import Collectives
+from torchtune_grpo.checkpoints.checkpointer_facts import epoch_output_dir
+from torchtune_grpo.checkpoints.storage import checkpoint_retention, model_files
+from torchtune_grpo.runtime.collectives import Collectives
 from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
-from torchtune_grpo.crash_points import crash_point
-from torchtune_grpo.diagnostics import StepDiagnostics
-from torchtune_grpo.dynamic_sampling import DynamicSampling
-from torchtune_grpo.evaluation import correctness_name, HeldOutEvaluation
-from torchtune_grpo.experience import ExperienceBuilder, Reference
+from torchtune_grpo.runtime.crash_points import crash_point
+from torchtune_grpo.training.diagnostics import StepDiagnostics
+from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.evaluation import correctness_name, HeldOutEvaluation
+from torchtune_grpo.training.experience import ExperienceBuilder, Reference
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
-from torchtune_grpo.loss_masks import LossMasks
-from torchtune_grpo.model_setup import build_model, Placement
+from torchtune_grpo.loss.masks import LossMasks
+from torchtune_grpo.runtime.model_setup import build_model, Placement
 from torchtune_grpo.models import drop_pad_input_embedding_grad
-from torchtune_grpo.nonfinite import advice, NonFiniteError
-from torchtune_grpo.offpolicy import off_policy_note, RolloutCorrection
-from torchtune_grpo.output_lock import OutputDirLock
-from torchtune_grpo.precision import Precision
-from torchtune_grpo.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
-from torchtune_grpo.producer import PromptStream, RolloutProducer
-from torchtune_grpo.resume import config_changes, earlier_run_note, save_start_config
+from torchtune_grpo.runtime.nonfinite import advice, NonFiniteError
+from torchtune_grpo.loss.rollout_correction import off_policy_note, RolloutCorrection
+from torchtune_grpo.runtime.output_lock import OutputDirLock
+from torchtune_grpo.runtime.precision import Precision
+from torchtune_grpo.runtime.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
+from torchtune_grpo.rollouts.producer import PromptStream, RolloutProducer
+from torchtune_grpo.checkpoints.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rewards import build_reward_set
-from torchtune_grpo.run_logs import RunLogs
-from torchtune_grpo.setup_checks import (
+from torchtune_grpo.metrics.run_logs import RunLogs
+from torchtune_grpo.config.setup_checks import (
     check_device, check_evaluation_keys, check_generation_workers, check_output_dir, training_layout,
 )
-from torchtune_grpo.sharding import unsharded
-from torchtune_grpo.token_selection import HighEntropyTokens
-from torchtune_grpo.train_step import count_nonfinite_weights, GRPOStep, StepResult
-from torchtune_grpo.update import PolicyUpdate
-from torchtune_grpo.worker_rollouts import WorkerRollouts
+from torchtune_grpo.runtime.sharding import unsharded
+from torchtune_grpo.loss.token_selection import HighEntropyTokens
+from torchtune_grpo.training.step import count_nonfinite_weights, GRPOStep, StepResult
+from torchtune_grpo.training.update import PolicyUpdate
+from torchtune_grpo.workers.client import WorkerRollouts
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs
@@ -125,7 +125,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         cfg (DictConfig): the run's config (see ``configs/tiny/full_grpo_cpu.yaml`` for every key).
     """
 
-    # Every key this recipe reads, with its default and range (torchtune_grpo/config_schema.py; the LoRA
+    # Every key this recipe reads, with its default and range (torchtune_grpo/config/schema.py; the LoRA
     # recipe's adds its own).
     config_class = RecipeConfig
 
@@ -150,13 +150,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         device = utils.get_device(device=c.device)
         _init_distributed(device.type)
         self.world_size, self.rank = utils.get_world_size_and_rank()
-        # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/precision.py)
+        # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/runtime/precision.py)
         self._placement = Placement.from_config(c, device, self.world_size, self.precision(c))
         self._dist = Collectives(device, self.world_size)
-        # Faults (docs/recipe.md, "What survives what"; torchtune_grpo/nonfinite.py, resume.py, preemption.py)
+        # Faults (docs/recipe.md, "What survives what"; torchtune_grpo/runtime/nonfinite.py, checkpoints/resume.py, runtime/preemption.py)
         self.sigterm = StopOnSigterm(c.save_on_sigterm)
         self._output_lock = OutputDirLock(c.output_dir)
-        # step_N directories: when to save, writing, pruning, resuming (torchtune_grpo/checkpoint_manager.py)
+        # step_N directories: when to save, writing, pruning, resuming (torchtune_grpo/checkpoints/manager.py)
         self._checkpoints = CheckpointManager(
             c.output_dir, self.write_model_files, save_every_n_steps=c.save_every_n_steps,
             keep_last_n=checkpoint_retention(c.keep_last_n_checkpoints), on_broken=c.on_broken_checkpoint,
@@ -243,7 +243,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             cfg, "loss", kl_coef=0.0 if kl_in_reward else c.kl_coef, kl_estimator=c.kl_estimator,
             max_response_length=c.max_response_length,
         )
-        # Masks and weights decided from pi_old before the update (torchtune_grpo/loss_masks.py).
+        # Masks and weights decided from pi_old before the update (torchtune_grpo/loss/masks.py).
         rc_cfg, ts_cfg = c.rollout_correction, c.token_selection
         loss_masks = LossMasks(
             RolloutCorrection(**rc_cfg) if rc_cfg is not None else None,
@@ -259,7 +259,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         utils.log_rank_zero(
             log, f"Reference model: {models.reference_description if reference else 'none (kl_coef = 0)'}"
         )
-        share_prompt, note = training_layout(  # prompts shared in training forwards (training_batch.py)
+        share_prompt, note = training_layout(  # prompts shared in training forwards (training/batch.py)
             self.model, share_prompt=c.share_prompt_in_training, explicit="share_prompt_in_training" in cfg,
             max_prompt_length=c.max_prompt_length, max_response_length=c.max_response_length,
             group_size=c.group_size, micro_batch_size=c.micro_batch_size, pack=c.pack_sequences_in_training,
@@ -284,7 +284,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"turns, replies rendered by {type(multi_turn.turns_for(self.tokenizer)).__name__}",
             )
         self.optimizer = instantiate_component(cfg, "optimizer", self.model.parameters())
-        # This rank's prompts across epochs (torchtune_grpo/producer.py).
+        # This rank's prompts across epochs (torchtune_grpo/rollouts/producer.py).
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
         self.prompts = PromptStream.over(
             dataset, batch_size=c.batch_size, world_size=self.world_size, rank=self.rank, shuffle=c.shuffle,
@@ -315,7 +315,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 num_training_steps=self.total_steps * c.ppo_epochs * c.ppo_mini_batches,
             )
         temperature = float(self.engine.temperature)  # logprobs of the distribution sampled from, as in the ratio
-        # The update core (torchtune_grpo/update.py): micro-batched loss with global normalisation,
+        # The update core (torchtune_grpo/training/update.py): micro-batched loss with global normalisation,
         # FSDP2 gradient sync, clipping, optimizer and scheduler steps.
         update = PolicyUpdate(
             self.model, self.optimizer, loss_fn, lr_scheduler=lr_scheduler, ppo_epochs=c.ppo_epochs,
@@ -329,7 +329,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # One generator per rank, so ranks draw different samples for their different prompts.
         self._generator = torch.Generator(device=self._device)
         self._generator.manual_seed(self.seed + self.rank)
-        rollouts = producer = RolloutProducer(  # the step's scored rollouts (torchtune_grpo/producer.py)
+        rollouts = producer = RolloutProducer(  # the step's scored rollouts (torchtune_grpo/rollouts/producer.py)
             engine=self.engine, tokenizer=self.tokenizer, rewards=rewards, prompts=self.prompts,
             group_size=c.group_size, batch_size=c.batch_size, max_new_tokens=c.max_response_length,
             generator=self._generator, dynamic=dynamic, multi_turn=multi_turn,
@@ -345,7 +345,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.step = GRPOStep(
             rollouts=rollouts,
             dynamic=dynamic,
-            build_experience=ExperienceBuilder(  # selected rollouts -> the update's input (experience.py)
+            build_experience=ExperienceBuilder(  # selected rollouts -> the update's input (training/experience.py)
                 advantage=advantage, reward_weights=rewards.weights, group_size=c.group_size,
                 pad_id=self.tokenizer.pad_id, loss_masks=loss_masks, micro_batch_size=c.micro_batch_size,
                 temperature=temperature, device=self._device, chunk_size=c.logprob_chunk_size,
@@ -361,7 +361,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             log_completions=c.log_completions, on_nonfinite=c.on_nonfinite, device=self._device,
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else 0,
         )
-        if c.step_diagnostics:  # closed-loop diagnostics (torchtune_grpo/diagnostics.py)
+        if c.step_diagnostics:  # closed-loop diagnostics (torchtune_grpo/training/diagnostics.py)
             self.step.diagnostics = StepDiagnostics(
                 correct, c.eval_threshold, greedy=producer.greedy, logprobs=self.step.build_experience.planned_logprobs
             )
@@ -504,7 +504,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         result = self.step(self.model, self.global_step)
         self.global_step += 1
         self._logs.step(self.global_step, result.metrics, result.samples)
-        crash_point("logged", self.global_step)  # test-only (torchtune_grpo/crash_points.py)
+        crash_point("logged", self.global_step)  # test-only (torchtune_grpo/runtime/crash_points.py)
         return result
 
     def generation_context(self) -> ContextManager:

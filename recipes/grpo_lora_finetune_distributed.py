@@ -40,12 +40,12 @@ from torchtune import config, training
 from torchtune.modules.peft import disable_adapter, get_adapter_state_dict, get_merged_lora_ckpt
 
 from grpo_full_finetune_distributed import checkpoint_source, GRPOFullFinetuneRecipeDistributed, Models, run_recipe
-from torchtune_grpo.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
+from torchtune_grpo.checkpoints.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
 from torchtune_grpo.config import LoRARecipeConfig
-from torchtune_grpo.experience import Reference
-from torchtune_grpo.lora import ADAPTER_TORCHTUNE_FILE, save_adapter
-from torchtune_grpo.lora_setup import build_lora_model
-from torchtune_grpo.precision import Precision
+from torchtune_grpo.training.experience import Reference
+from torchtune_grpo.models.lora import ADAPTER_TORCHTUNE_FILE, save_adapter
+from torchtune_grpo.runtime.lora_setup import build_lora_model
+from torchtune_grpo.runtime.precision import Precision
 
 MERGED_DIR = "merged"  # step_N/merged: the Hugging Face model with the adapter merged in
 
@@ -65,7 +65,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     @staticmethod
     def precision(config: Any) -> Precision:
         # Every weight stays in the compute dtype (frozen base; adapters train at LoRA's larger rates), so
-        # dtype: bf16 is bf16_pure here (torchtune_grpo/precision.py).
+        # dtype: bf16 is bf16_pure here (torchtune_grpo/runtime/precision.py).
         return Precision.from_name("bf16_pure" if config.dtype == "bf16" else config.dtype)
 
     def build_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Path]) -> Models:
@@ -94,7 +94,7 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
 
     def write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
         """The adapter (PEFT + torchtune) in ``staging`` and, unless adapters only, the merged model in
-        ``staging/merged`` (the base class publishes and prunes; torchtune_grpo/checkpoint_manager.py)."""
+        ``staging/merged`` (the base class publishes and prunes; torchtune_grpo/checkpoints/manager.py)."""
         with_merged = not self.config.save_adapter_weights_only
         adapter = get_adapter_state_dict(model_state) if with_merged else model_state
         staging.mkdir(parents=True)

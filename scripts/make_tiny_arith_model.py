@@ -52,7 +52,7 @@ from torchtune.models.qwen2_5 import qwen2_5_tokenizer  # noqa: E402
 from torchtune_grpo.data import arithmetic_dataset  # noqa: E402
 from torchtune_grpo.data._arithmetic import arithmetic_problems  # noqa: E402
 from torchtune_grpo.generation import NativeGenerator, decode_responses  # noqa: E402
-from torchtune_grpo.logprobs import replace_unembed  # noqa: E402
+from torchtune_grpo.models.logprobs import replace_unembed  # noqa: E402
 from torchtune_grpo.rewards import FormatReward, MathAnswerReward, RewardBatch  # noqa: E402
 
 BASE_DIR = REPO_ROOT / "torchtune_grpo" / "assets" / "tiny_qwen2"

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
 from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.models.logprobs import sequence_logprobs
 
 
 class CopyGenerator(NativeGenerator):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from torchtune_grpo.advantages import (
+from torchtune_grpo.rollouts.advantages import (
     AdvantageOutput,
     BatchStdAdvantage,
     GroupRelativeAdvantage,

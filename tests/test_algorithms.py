@@ -7,13 +7,13 @@ from omegaconf import OmegaConf
 
 from torchtune_grpo.config import validate_config
 from tests.conftest import TINY_CONFIG
-from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
-from torchtune_grpo.dynamic_sampling import DynamicSampling, GroupSelection
-from torchtune_grpo.rollout import RolloutGroups
-from torchtune_grpo.logprobs import chunked_logprobs
+from torchtune_grpo.config.algorithm_card import AlgorithmSpec, algorithm_card
+from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling, GroupSelection
+from torchtune_grpo.rollouts.groups import RolloutGroups
+from torchtune_grpo.models.logprobs import chunked_logprobs
 from torchtune_grpo.rewards import RewardBatch, SoftOverlongPunishment
-from torchtune_grpo.metric_sums import Reduce, reduce_over_ranks
-from torchtune_grpo.step_metrics import LOSS_METRICS, rollout_sums, step_metrics
+from torchtune_grpo.metrics.sums import Reduce, reduce_over_ranks
+from torchtune_grpo.training.step_metrics import LOSS_METRICS, rollout_sums, step_metrics
 
 
 def _groups(rewards, group_size=2, truncated=None, lengths=None):
@@ -256,7 +256,7 @@ def test_metrics_reduce_by_key_and_ranks_with_other_keys_fail_loudly():
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from torchtune_grpo.metric_sums import StepSums
+    from torchtune_grpo.metrics.sums import StepSums
 
     a, b = StepSums(), StepSums()
     a.add(("component", "format"), 1.0)

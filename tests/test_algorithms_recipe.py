@@ -57,7 +57,7 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int, **overr
         rollout_correction={"level": "token", "mode": "mask", "upper": 1.3, "lower": 0.75,
                             "offpolicy_threshold": 0.05},
         reward_functions=[{"_component_": "tests._rewards.EvenTokenReward"}],
-        advantage={"_component_": "torchtune_grpo.advantages.BatchStdAdvantage"},  # needs global stats
+        advantage={"_component_": "torchtune_grpo.rollouts.advantages.BatchStdAdvantage"},  # needs global stats
         loss={"_component_": "tests._losses.StepCyclingLoss", "variants": VARIANTS},
         kl_coef=0.05,
         kl_estimator="k3+",

@@ -1,5 +1,5 @@
 """Checkpoint saves that never lose the newest complete checkpoint, recovery after a kill, pruning, and the
-log rewind on resume (torchtune_grpo/checkpointing.py, torchtune_grpo/run_logs.py). In process: a kill is
+log rewind on resume (torchtune_grpo/checkpoints/storage.py, torchtune_grpo/metrics/run_logs.py). In process: a kill is
 simulated by an exception at a crash point; tests/test_distributed_runs.py kills real runs."""
 
 import json
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-import torchtune_grpo.checkpointing as ckpt
-from torchtune_grpo.run_logs import rewind_jsonl
+import torchtune_grpo.checkpoints.storage as ckpt
+from torchtune_grpo.metrics.run_logs import rewind_jsonl
 
 
 class Killed(Exception):
@@ -154,7 +154,7 @@ def _writer(fail_at=None):
 
 
 def test_manager_saves_when_due_writes_prunes_and_resumes(tmp_path):
-    from torchtune_grpo.checkpoint_manager import CheckpointManager
+    from torchtune_grpo.checkpoints.manager import CheckpointManager
 
     manager = CheckpointManager(str(tmp_path), _writer(), save_every_n_steps=3, keep_last_n=2)
     # Periodic saves at 3 and 6 of 7 steps; the final step is saved by the caller, once.
@@ -171,7 +171,7 @@ def test_manager_saves_when_due_writes_prunes_and_resumes(tmp_path):
 
 
 def test_manager_cleans_up_a_failed_write_and_keeps_the_previous_checkpoint(tmp_path):
-    from torchtune_grpo.checkpoint_manager import CheckpointManager
+    from torchtune_grpo.checkpoints.manager import CheckpointManager
 
     discarded = []
     manager = CheckpointManager(str(tmp_path), _writer(fail_at=4), keep_last_n=1, discard_partial=discarded.append)

@@ -24,7 +24,7 @@ from torchtune import config as tt_config
 from tests.conftest import TINY_CONFIG
 from tests.recipe_utils import write_config
 from torchtune_grpo.config import instantiate_component, validate_config
-from torchtune_grpo.setup_checks import check_device
+from torchtune_grpo.config.setup_checks import check_device
 
 
 class Case(NamedTuple):
@@ -72,7 +72,7 @@ _SHAPE_ERROR = (
 )
 
 CASES = {
-    # ---- numbers (torchtune_grpo/config.py NUMERIC_RULES)
+    # ---- numbers (torchtune_grpo/config/__init__.py NUMERIC_RULES)
     "ppo_epochs": Case("config", {"ppo_epochs": 0}, r"ppo_epochs must be >= 1 \(passes over each batch of rollouts\), got 0"),
     "ppo_epochs_text": Case("config", {"ppo_epochs": "two"}, r"ppo_epochs must be a whole number >= 1 .*got 'two'"),
     "ppo_epochs_fraction": Case("config", {"ppo_epochs": 1.5}, r"ppo_epochs must be a whole number >= 1 .*got 1.5"),
@@ -100,7 +100,7 @@ CASES = {
                                  r"on_broken_checkpoint must be one of \['use_previous', 'error'\], got 'newest'"),
     "save_on_sigterm": Case("config", {"save_on_sigterm": "yes"}, r"save_on_sigterm must be true or false, got 'yes'"),
     "ppo_epochs_null": Case("config", {"ppo_epochs": None}, r"ppo_epochs must be a whole number >= 1 .*got None"),
-    # ---- the other kinds of key (torchtune_grpo/config_schema.py): choices, true/false, text, sections
+    # ---- the other kinds of key (torchtune_grpo/config/schema.py): choices, true/false, text, sections
     "kl_estimator": Case("config", {"kl_estimator": "k4"}, r"kl_estimator must be one of \['k1', 'k2', 'k3', 'k3\+'\], got 'k4'"),
     "dtype": Case("config", {"dtype": "fp16"}, r"dtype must be one of \['bf16', 'bf16_pure', 'fp32'\], got 'fp16'"),
     "bool_text": Case("config", {"mask_truncated_completions": "no"},

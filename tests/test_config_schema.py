@@ -1,4 +1,4 @@
-"""The typed config (torchtune_grpo/config_schema.py): one declaration per key, from which the checks, the
+"""The typed config (torchtune_grpo/config/schema.py): one declaration per key, from which the checks, the
 derived tables, the recipes' values and the docs' key tables all come."""
 
 import dataclasses
@@ -19,11 +19,11 @@ from torchtune_grpo.config import (
     REQUIRED_KEYS,
     validate_config,
 )
-from torchtune_grpo.config_checks import numeric_rules
-from torchtune_grpo.config_docs import keys_table, render, update_docs, values_table
-from torchtune_grpo.config_fields import setting
-from torchtune_grpo.config_schema import DynamicSamplingConfig, MultiTurnConfig
-from torchtune_grpo.dynamic_sampling import DynamicSampling
+from torchtune_grpo.config.checks import numeric_rules
+from torchtune_grpo.config.doc_tables import keys_table, render, update_docs, values_table
+from torchtune_grpo.config.fields import setting
+from torchtune_grpo.config.schema import DynamicSamplingConfig, MultiTurnConfig
+from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
 from torchtune_grpo.multiturn import MultiTurn
 
 

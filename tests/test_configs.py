@@ -75,7 +75,7 @@ def _components(node: Any, where: str = "") -> Iterator[Tuple[str, str]]:
 
 
 def test_no_two_configs_share_an_output_dir():
-    # Two runs in one output_dir are refused (torchtune_grpo/output_lock.py), and one run would otherwise
+    # Two runs in one output_dir are refused (torchtune_grpo/runtime/output_lock.py), and one run would otherwise
     # replace the other's checkpoints: every shipped config writes to its own directory.
     seen = {}
     for path in ALL_CONFIGS + sorted(CONFIG_DIR.rglob("*_sft.yaml")):

@@ -1,4 +1,4 @@
-"""Closed-loop diagnostics (torchtune_grpo/diagnostics.py, ``step_diagnostics``): KL before -> after on the
+"""Closed-loop diagnostics (torchtune_grpo/training/diagnostics.py, ``step_diagnostics``): KL before -> after on the
 step's samples, sampled vs greedy accuracy, mean |advantage|; checked against the logged completions."""
 
 import pytest

@@ -1,6 +1,6 @@
 """Whole runs through the real launcher (`tune run` in subprocesses) against uninterrupted references:
 
-- killed with SIGKILL at named points (torchtune_grpo/crash_points.py) and resumed, on 1 and 2 processes:
+- killed with SIGKILL at named points (torchtune_grpo/runtime/crash_points.py) and resumed, on 1 and 2 processes:
   the resumed run ends with the reference's weights and metrics, and metrics.jsonl holds each step once;
 - two "nodes" (two launchers, `--nnodes 2`, c10d rendezvous on 127.0.0.1), one process each: the same
   result as one node with two processes;
@@ -19,7 +19,7 @@ import subprocess
 import pytest
 import torch
 
-from torchtune_grpo.crash_points import CRASH_ENV
+from torchtune_grpo.runtime.crash_points import CRASH_ENV
 from tests.recipe_utils import read_jsonl, run_tune, tune_command, tune_env, weights, write_config
 
 STEPS = 4
@@ -118,7 +118,7 @@ def test_two_processes_killed_mid_save_resume_exactly(tmp_path, two_process_refe
 @pytest.mark.slow
 def test_sigterm_to_one_rank_saves_the_step_on_every_rank_and_resumes_exactly(tmp_path, two_process_reference):
     # A preemption notice that reaches rank 0 only, mid-rollout of step 3 (between the saves at 2 and 4):
-    # both ranks finish step 3, agree to stop, save step_3 and exit with 143 (torchtune_grpo/preemption.py).
+    # both ranks finish step 3, agree to stop, save step_3 and exit with 143 (torchtune_grpo/runtime/preemption.py).
     cfg = write_config(tmp_path, **OVERRIDES)
     out = tmp_path / "out"
     proc = subprocess.run(

@@ -15,10 +15,10 @@ from tests.conftest import REPO
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.cli import main as cli_main
 from torchtune_grpo.data import arithmetic_dataset, sft_dataset
-from torchtune_grpo.evaluation import correctness_name, evaluate, EvalSums, pass_at_k
+from torchtune_grpo.rollouts.evaluation import correctness_name, evaluate, EvalSums, pass_at_k
 from torchtune_grpo.generation import Rollout
-from torchtune_grpo.plotting import plot_run, read_metrics
-from torchtune_grpo.rejection_sampling import rejection_sample, write_jsonl
+from torchtune_grpo.metrics.plotting import plot_run, read_metrics
+from torchtune_grpo.rollouts.rejection_sampling import rejection_sample, write_jsonl
 from torchtune_grpo.rewards import build_reward_set
 
 TUNE_GRPO = str(Path(sys.executable).parent / "tune-grpo")
@@ -165,7 +165,7 @@ def test_plot_cli(tmp_path, capsys):
 
 
 def test_plot_notes_a_kl_that_was_never_computed():
-    from torchtune_grpo.plotting import _panel_note
+    from torchtune_grpo.metrics.plotting import _panel_note
 
     kl_panel = [("kl", "kl")]
     no_reference = [{"step": s, "kl": 0.0} for s in (1, 2, 3)]

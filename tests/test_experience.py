@@ -1,14 +1,14 @@
-"""ExperienceBuilder (torchtune_grpo/experience.py): selected rollouts -> the update's input, without a
+"""ExperienceBuilder (torchtune_grpo/training/experience.py): selected rollouts -> the update's input, without a
 process group (the collectives default to one process)."""
 
 import torch
 
 from tests.conftest import make_tiny_decoder
-from torchtune_grpo.advantages import GroupRelativeAdvantage
-from torchtune_grpo.experience import ExperienceBuilder, Reference
-from torchtune_grpo.logprobs import sequence_logprobs
-from torchtune_grpo.loss_masks import LossMasks
-from torchtune_grpo.rollout import RolloutGroups
+from torchtune_grpo.rollouts.advantages import GroupRelativeAdvantage
+from torchtune_grpo.training.experience import ExperienceBuilder, Reference
+from torchtune_grpo.models.logprobs import sequence_logprobs
+from torchtune_grpo.loss.masks import LossMasks
+from torchtune_grpo.rollouts.groups import RolloutGroups
 
 PAD = 0
 

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
-from torchtune_grpo.checkpointing import RECIPE_STATE_FILE, save_failure
-from torchtune_grpo.nonfinite import NonFiniteError
-from torchtune_grpo.output_lock import LOCK_FILE, OutputDirBusy, OutputDirLock
-from torchtune_grpo.resume import config_changes, load_resume_point
+from torchtune_grpo.checkpoints.storage import RECIPE_STATE_FILE, save_failure
+from torchtune_grpo.runtime.nonfinite import NonFiniteError
+from torchtune_grpo.runtime.output_lock import LOCK_FILE, OutputDirBusy, OutputDirLock
+from torchtune_grpo.checkpoints.resume import config_changes, load_resume_point
 
 # Six steps, a checkpoint after each, the two newest kept; lr 1e6 without clipping makes the gradients of
 # step 2 NaN (the weights after step 1 are ~1e6 and overflow in the backward pass).
@@ -41,7 +41,7 @@ def _all_finite(directory: Path) -> bool:
 
 _HOLD_LOCK = """
 import sys, time
-from torchtune_grpo.output_lock import OutputDirLock
+from torchtune_grpo.runtime.output_lock import OutputDirLock
 OutputDirLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(600)
@@ -172,7 +172,7 @@ def test_a_truncated_newest_recipe_state_resumes_from_the_previous_checkpoint(tm
 
 
 def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(tmp_path, clean_env, one_thread, monkeypatch):
-    import torchtune_grpo.checkpointing as ckpt
+    import torchtune_grpo.checkpoints.storage as ckpt
 
     out = tmp_path / "out"
     real_save, real_usage = torch.save, ckpt.shutil.disk_usage
@@ -236,7 +236,7 @@ def test_config_changes_lists_each_changed_setting():
 
 
 def test_a_fresh_start_over_an_earlier_run_says_what_it_will_replace(tmp_path):
-    from torchtune_grpo.resume import earlier_run_note
+    from torchtune_grpo.checkpoints.resume import earlier_run_note
 
     assert earlier_run_note(str(tmp_path)) is None
     _fake_checkpoint(tmp_path, 3, {"step": 3})

@@ -33,9 +33,9 @@ def test_one_process_trains_the_plain_model_unless_asked(
     if overrides.get("fsdp_cpu_offload"):
         # torchtune's shard_model offloads with pinned memory, which needs an accelerator (a CPU-only machine
         # raises "Cannot access accelerator device"): unpinned here, the choice of FSDP2 is what is tested.
-        # (torchtune_grpo.sharding.shard_model builds the policy: it adds the mixed-precision policy.)
+        # (torchtune_grpo.runtime.sharding.shard_model builds the policy: it adds the mixed-precision policy.)
         monkeypatch.setattr(
-            "torchtune_grpo.sharding.CPUOffloadPolicy", partial(CPUOffloadPolicy, pin_memory=False)
+            "torchtune_grpo.runtime.sharding.CPUOffloadPolicy", partial(CPUOffloadPolicy, pin_memory=False)
         )
     # The tiny config has kl_coef > 0: the frozen reference model goes through the same choice as the policy.
     cfg = OmegaConf.load(write_config(tmp_path, max_steps=1, **overrides))

@@ -4,7 +4,7 @@ import torch
 from torchtune.generation import generate
 
 from torchtune_grpo.generation import NativeGenerator, sample_tokens
-from torchtune_grpo.training_batch import pack_sequences
+from torchtune_grpo.training.batch import pack_sequences
 from tests.conftest import make_tiny_decoder
 
 

@@ -159,7 +159,7 @@ def test_fsdp_model_decodes_without_per_layer_hooks_in_one_compiled_graph(clean_
     init_one_process_group()
 
     def gathered(model):
-        """Sharded as the recipe shards, then every parameter gathered as torchtune_grpo.sharding.unsharded does."""
+        """Sharded as the recipe shards, then every parameter gathered as torchtune_grpo.runtime.sharding.unsharded does."""
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)

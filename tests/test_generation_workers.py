@@ -1,4 +1,4 @@
-"""Generation workers (torchtune_grpo/worker_rollouts.py, rollout_worker.py): rollouts from a process of their
+"""Generation workers (torchtune_grpo/workers/client.py, workers/process.py): rollouts from a process of their
 own at a bounded staleness, deterministic, resumable, and stopped with a named error when the worker dies."""
 
 import os
@@ -17,11 +17,11 @@ from tests.recipe_utils import (
     write_config,
 )
 from tests.conftest import REPO
-from torchtune_grpo.config_schema import LoRARecipeConfig, RecipeConfig
+from torchtune_grpo.config.schema import LoRARecipeConfig, RecipeConfig
 from torchtune_grpo.generation import WeightSyncError
-from torchtune_grpo.setup_checks import check_generation_workers
-from torchtune_grpo.train_step import staleness_metrics, staleness_sums
-from torchtune_grpo.worker_rollouts import WorkerError
+from torchtune_grpo.config.setup_checks import check_generation_workers
+from torchtune_grpo.training.step import staleness_metrics, staleness_sums
+from torchtune_grpo.workers.client import WorkerError
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "entropy")
 
@@ -293,7 +293,7 @@ def test_a_lora_worker_gets_the_base_once_then_only_the_adapters(tmp_path, clean
     # The first weights message holds every weight; later ones only the trained adapters (lora_a, lora_b),
     # and the worker still samples from exactly the trainer's model (mismatch 0 at staleness 0). A worker
     # killed after step 1 gets the base again with the next version: the run ends as the uninterrupted one.
-    from torchtune_grpo.worker_rollouts import WorkerRollouts
+    from torchtune_grpo.workers.client import WorkerRollouts
 
     sent, sizes = [], []  # each weights message's names and element count
     payload = WorkerRollouts._payload

@@ -80,7 +80,7 @@ def test_bf16_with_fp32_master_weights_moves_at_lr_1e6_and_tracks_fp32(
     gpu_device, tmp_path, clean_env, one_thread, record_property
 ):
     # dtype bf16 = fp32 master weights and AdamW state, transformer layers computed in bf16 through FSDP2's
-    # mixed precision (precision.py). (1) One AdamW step at lr 1e-6 moves each weight by ~1e-6; the tiny
+    # mixed precision (runtime/precision.py). (1) One AdamW step at lr 1e-6 moves each weight by ~1e-6; the tiny
     # model's weights are ~0.02, where a bf16 weight's spacing is ~1.2e-4, so only fp32 master weights keep
     # the update: nearly every element must change. (2) Over 3 steps at lr 1e-3 on the same scripted
     # rollouts, the bf16-compute run's losses, entropies, KL and weight updates track the fp32 run's.
@@ -306,7 +306,7 @@ def test_packed_rows_flex_attention_equals_the_dense_mask(gpu_device, record_pro
     # (the rehearsal) both run the dense mask: there it checks the plumbing only.
     from tests.test_packed_rows import _long_tailed
     from tests.test_shared_prompt import _logprobs_and_grads
-    from torchtune_grpo.training_batch import TrainingBatch
+    from torchtune_grpo.training.batch import TrainingBatch
 
     model = make_tiny_decoder(scale=1.0).to(gpu_device).train()
     prompts, responses = _long_tailed(0, 97)

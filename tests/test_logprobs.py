@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtune_grpo.logprobs import chunked_logprobs, sequence_logprobs
+from torchtune_grpo.models.logprobs import chunked_logprobs, sequence_logprobs
 from tests.conftest import make_tiny_decoder
 
 

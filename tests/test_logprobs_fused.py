@@ -4,7 +4,7 @@ import pytest
 import torch
 from torchtune.modules import TiedLinear
 
-from torchtune_grpo.logprobs import _projection_weight, chunked_logprobs, sequence_logprobs
+from torchtune_grpo.models.logprobs import _projection_weight, chunked_logprobs, sequence_logprobs
 from tests.conftest import make_tiny_decoder
 
 
@@ -59,7 +59,7 @@ def test_sequence_logprobs_of_a_decoder_match_with_and_without_fusion():
             out = sequence_logprobs(model, tokens, start=2, with_entropy=True, chunk_size=7)
         else:
             # The generic path, as before fusion: per-chunk checkpointing.
-            import torchtune_grpo.logprobs as lp
+            import torchtune_grpo.models.logprobs as lp
 
             original = lp._projection_weight
             lp._projection_weight = lambda project: None

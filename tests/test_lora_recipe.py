@@ -3,7 +3,7 @@
 In process (tests.recipe_utils.run_in_process): metrics, the adapter in PEFT format, the merged Hugging Face
 model and resumption, for LoRA and QLoRA; through `tune run`: 2 processes. Also in process: the reference
 logprobs are the base model's, only adapter parameters get gradients, base weights never move, and the
-PEFT export (torchtune_grpo.lora) gives PEFT the same model as torchtune's, for Qwen2 and Llama layouts.
+PEFT export (torchtune_grpo.models.lora) gives PEFT the same model as torchtune's, for Qwen2 and Llama layouts.
 """
 
 import json
@@ -27,14 +27,14 @@ from tests.recipe_utils import (
     REQUIRED_METRICS, read_jsonl, recipe_in_process, run_in_process, run_tune, weights, write_config,
 )
 from torchtune_grpo.assets import asset_path
-from torchtune_grpo.lora import (
+from torchtune_grpo.models.lora import (
     load_nf4_base_weights,
     lora_hyperparams,
     peft_adapter_weights,
     read_hf_config,
     save_adapter,
 )
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.models.logprobs import sequence_logprobs
 
 LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
 RECIPE = "grpo_lora_finetune_distributed"

@@ -17,8 +17,8 @@ from torchtune.models.qwen2 import lora_qwen2, qwen2
 from torchtune_grpo.generation import WeightPublisher, WeightSyncCheck, WeightSyncError
 from torchtune_grpo.generation._lora_sync import adapter_weights, base_weights, merged_weights
 from torchtune_grpo.generation._vllm_lora import check_adapter_targets, vllm_lora_rank
-from torchtune_grpo.logprobs import sequence_logprobs
-from torchtune_grpo.lora import LoRAHyperparams, lora_hyperparams, nf4_parameters
+from torchtune_grpo.models.logprobs import sequence_logprobs
+from torchtune_grpo.models.lora import LoRAHyperparams, lora_hyperparams, nf4_parameters
 
 CPU = torch.device("cpu")
 # NF4 needs each adapted weight's size to be a multiple of 64 x 256: 128 x 128 and 128 x 256 are.
@@ -181,7 +181,7 @@ def test_vllm_adapter_limits_are_named():
 
 
 def test_the_algorithm_card_states_the_lora_sync():
-    from torchtune_grpo.algorithm_card import algorithm_card, AlgorithmSpec
+    from torchtune_grpo.config.algorithm_card import algorithm_card, AlgorithmSpec
 
     policy = _lora_policy()
     adapter = _publisher(LoRACopyEngine(policy)).describe(policy)

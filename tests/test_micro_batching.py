@@ -1,4 +1,4 @@
-"""Token-budget micro-batches (torchtune_grpo/micro_batching.py, `max_tokens_per_micro_batch`).
+"""Token-budget micro-batches (torchtune_grpo/training/micro_batches.py, `max_tokens_per_micro_batch`).
 
 The plan by hand; every row exactly once and within the budget; the count agreed over ranks; and the
 update (every loss aggregation mode) and the no-grad logprob passes independent of the split: the same
@@ -14,9 +14,9 @@ import torch
 
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.loss import GRPOLoss
-from torchtune_grpo.micro_batching import agreed_counts, agreed_plan, count_histogram, plan_micro_batches
-from torchtune_grpo.training_batch import TrainingBatch
-from torchtune_grpo.update import batch_token_logprobs, Experience, PolicyUpdate
+from torchtune_grpo.training.micro_batches import agreed_counts, agreed_plan, count_histogram, plan_micro_batches
+from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.training.update import batch_token_logprobs, Experience, PolicyUpdate
 
 G = 3
 

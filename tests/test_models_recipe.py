@@ -90,7 +90,7 @@ def test_qwen3_qlora_in_process_adapter_and_merged_model_load(tmp_path: Path, cl
     from omegaconf import OmegaConf
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from torchtune_grpo.lora import nf4_parameters
+    from torchtune_grpo.models.lora import nf4_parameters
     from torchtune_grpo.models import tune_to_hf_param
 
     src = make_model_dir(tmp_path / "Qwen3-tiny", hidden_size=128, intermediate_size=256, num_key_value_heads=4,

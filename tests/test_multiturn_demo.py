@@ -11,7 +11,7 @@ from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (
     arithmetic_problems, careless_calculator_traces, tool_sft_dataset, ToolTraceDataset,
 )
-from torchtune_grpo.evaluation import evaluate, EvalSums
+from torchtune_grpo.rollouts.evaluation import evaluate, EvalSums
 from torchtune_grpo.generation import GenerationEngine, Rollout
 from torchtune_grpo.models import hf_tokenizer
 from torchtune_grpo.multiturn import Calculator, MultiTurn, run_episodes, ToolEnvironment

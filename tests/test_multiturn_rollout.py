@@ -136,7 +136,7 @@ def test_sample_and_score_episodes(tmp_path):
     from torchtune_grpo.data import PromptBatch
     from torchtune_grpo.multiturn import MultiTurn
     from torchtune_grpo.rewards import RewardSet
-    from torchtune_grpo.rollout import RolloutGroups, sample_and_score
+    from torchtune_grpo.rollouts.groups import RolloutGroups, sample_and_score
 
     tok = hf_tokenizer(str(make_tokenizer_dir(tmp_path / "tok", "qwen2_5_tools")))
 

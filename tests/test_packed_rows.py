@@ -1,4 +1,4 @@
-"""Packed rows (torchtune_grpo/packed_rows.py, `pack_sequences_in_training`): several sequences per row,
+"""Packed rows (torchtune_grpo/training/packed_rows.py, `pack_sequences_in_training`): several sequences per row,
 document-masked, positions restarting per sequence; logprobs, entropies and gradients equal to one padded row
 per sequence (fp32), for two model families, any micro-batch split and under activation checkpointing; a
 token-budget plan of packed rows bounds the real tokens. The update's split-independence with packed rows:
@@ -13,8 +13,8 @@ from torchtune.modules import TransformerSelfAttentionLayer
 
 from tests.conftest import make_tiny_decoder
 from tests.test_shared_prompt import _llama_tiny, _logprobs_and_grads
-from torchtune_grpo.packed_rows import packed_layout
-from torchtune_grpo.training_batch import TrainingBatch
+from torchtune_grpo.training.packed_rows import packed_layout
+from torchtune_grpo.training.batch import TrainingBatch
 
 
 def test_layout_by_hand():
@@ -128,7 +128,7 @@ def test_flex_block_mask_attends_exactly_the_dense_masks_pairs(width):
     # sequence, causal, and a pad slot seeing itself. Checked on the CPU through eager FlexAttention's
     # forward (the CPU has no FlexAttention backward; the device's gradients: tests/test_gpu.py), with
     # grouped-query heads, against the dense mask's SDPA.
-    from torchtune_grpo.packed_rows import _block_mask, flex_packed_attention, PackedMask
+    from torchtune_grpo.training.packed_rows import _block_mask, flex_packed_attention, PackedMask
 
     gen = torch.Generator().manual_seed(width)
     rows, segments = 3, torch.full((3, width), -1, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Training precision (torchtune_grpo/precision.py): `dtype: bf16` keeps fp32 master weights and computes in bf16,
+"""Training precision (torchtune_grpo/runtime/precision.py): `dtype: bf16` keeps fp32 master weights and computes in bf16,
 `dtype: bf16_pure` keeps bf16 weights. In-process recipe runs on the tiny model (one process, where bf16 mixed
 precision goes through FSDP2 as on N processes; CPU has bf16 matmuls).
 """
@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipe_utils import read_jsonl, recipe_in_process, write_config
-from torchtune_grpo.precision import PRECISIONS, Precision
+from torchtune_grpo.runtime.precision import PRECISIONS, Precision
 
 
 def _weights(model):

@@ -1,13 +1,13 @@
-"""PromptStream and RolloutProducer (torchtune_grpo/producer.py) without a process group."""
+"""PromptStream and RolloutProducer (torchtune_grpo/rollouts/producer.py) without a process group."""
 
 import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests.conftest import make_tiny_decoder
-from torchtune_grpo.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
 from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.producer import FixedRollouts, PromptStream, RolloutProducer
+from torchtune_grpo.rollouts.producer import FixedRollouts, PromptStream, RolloutProducer
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.rewards import RewardSet
 

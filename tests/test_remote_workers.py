@@ -1,5 +1,5 @@
-"""Generation workers on other nodes (torchtune_grpo/worker_channel.py): a worker started on its own with
-``python -m torchtune_grpo.rollout_worker --listen HOST:PORT`` serves a trainer over TCP exactly as a local
+"""Generation workers on other nodes (torchtune_grpo/workers/channel.py): a worker started on its own with
+``python -m torchtune_grpo.workers.process --listen HOST:PORT`` serves a trainer over TCP exactly as a local
 worker process does, survives being restarted mid-run (the trainer reconnects and the run ends unchanged),
 and every misconfiguration stops the run at setup naming the key or the variable."""
 
@@ -15,8 +15,8 @@ import torch
 
 from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, recipe_in_process, run_in_process, tune_env, weights, write_config
-from torchtune_grpo.worker_channel import AUTHKEY_ENV
-from torchtune_grpo.worker_rollouts import WorkerError
+from torchtune_grpo.workers.channel import AUTHKEY_ENV
+from torchtune_grpo.workers.client import WorkerError
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "entropy", "staleness/max", "generation/logprob_mismatch")
 SECRET = "test-secret"
@@ -33,7 +33,7 @@ def worker_server(port: int, secret: str = SECRET):
     """A worker listening on 127.0.0.1:``port`` in a process of its own (as on another node), until the block
     ends; yields the process."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torchtune_grpo.rollout_worker", "--listen", f"127.0.0.1:{port}"],
+        [sys.executable, "-m", "torchtune_grpo.workers.process", "--listen", f"127.0.0.1:{port}"],
         env=tune_env(**{AUTHKEY_ENV: secret}), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

@@ -9,9 +9,9 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipe_utils import read_jsonl, recipe_in_process, write_config
-from torchtune_grpo.advantages import BatchStdAdvantage, GroupRelativeAdvantage, normalize_components
-from torchtune_grpo.step_metrics import step_metrics
-from torchtune_grpo.token_selection import HighEntropyTokens
+from torchtune_grpo.rollouts.advantages import BatchStdAdvantage, GroupRelativeAdvantage, normalize_components
+from torchtune_grpo.training.step_metrics import step_metrics
+from torchtune_grpo.loss.token_selection import HighEntropyTokens
 
 S = 1 / math.sqrt(2.0)  # 0.707107: a group of two values normalised by its sample std
 
@@ -56,7 +56,7 @@ def test_component_metrics_by_hand():
 
 
 def _base_sums():
-    from torchtune_grpo.step_metrics import LOSS_METRICS, STEP_METRICS
+    from torchtune_grpo.training.step_metrics import LOSS_METRICS, STEP_METRICS
 
     keys = {key for metric in STEP_METRICS.values() for key in metric if isinstance(key, tuple)}
     return {**dict.fromkeys(keys, 1.0), **{("update", name): 1.0 for name in LOSS_METRICS}}
@@ -113,7 +113,7 @@ def test_recipe_with_both_options_in_process(tmp_path, clean_env, one_thread):
 
     cfg = OmegaConf.load(write_config(
         tmp_path, max_steps=2, save_every_n_steps=None,
-        advantage={"_component_": "torchtune_grpo.advantages.BatchStdAdvantage", "normalize_components": True},
+        advantage={"_component_": "torchtune_grpo.rollouts.advantages.BatchStdAdvantage", "normalize_components": True},
         token_selection={"fraction": 0.3},
     ))
     with recipe_in_process(cfg) as recipe:

@@ -1,4 +1,4 @@
-"""RolloutCorrection (torchtune_grpo/offpolicy.py): weights, masks and metrics worked out by hand, row-split
+"""RolloutCorrection (torchtune_grpo/loss/rollout_correction.py): weights, masks and metrics worked out by hand, row-split
 independence, the algorithm-card lines and errors. The recipe-level check (masks counted globally, 1 vs 4
 micro-batches vs 2 processes) is tests/test_algorithms_recipe.py::test_every_variant_is_independent_of_micro_batches_and_processes."""
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from torchtune_grpo.algorithm_card import AlgorithmSpec, algorithm_card
-from torchtune_grpo.offpolicy import RolloutCorrection, correction_metrics
+from torchtune_grpo.config.algorithm_card import AlgorithmSpec, algorithm_card
+from torchtune_grpo.loss.rollout_correction import RolloutCorrection, correction_metrics
 
 LN = math.log
 

@@ -1,10 +1,10 @@
-"""RolloutGroups.select / concat carry every field by its declared kind (torchtune_grpo/rollout.py)."""
+"""RolloutGroups.select / concat carry every field by its declared kind (torchtune_grpo/rollouts/groups.py)."""
 
 from dataclasses import fields
 
 import torch
 
-from torchtune_grpo.rollout import RolloutGroups
+from torchtune_grpo.rollouts.groups import RolloutGroups
 
 
 def _groups(tag: str, with_logprobs: bool = True) -> RolloutGroups:

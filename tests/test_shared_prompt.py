@@ -1,4 +1,4 @@
-"""Training with each prompt computed once per group (torchtune_grpo/training_batch.py, `share_prompt_in_training`),
+"""Training with each prompt computed once per group (torchtune_grpo/training/batch.py, `share_prompt_in_training`),
 and on one process without FSDP2 (`fsdp_single_process: false`, the default) against FSDP2
 (`fsdp_single_process: true`).
 
@@ -18,7 +18,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.training_batch import (
+from torchtune_grpo.training.batch import (
     install_shared_prompt_attention,
     shared_prompt_layout,
     supports_shared_prompt,

@@ -1,4 +1,4 @@
-"""The policy update (torchtune_grpo/update.py) with several optimizer steps per step (`ppo_mini_batches`).
+"""The policy update (torchtune_grpo/training/update.py) with several optimizer steps per step (`ppo_mini_batches`).
 
 On a tiny decoder, in fp32 with SGD (the update is the raw gradient): each mini-batch is one optimizer step
 normalised by its own token/sequence counts (the same as separate one-step updates on each mini-batch),
@@ -15,8 +15,8 @@ import torch
 
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.loss import GRPOLoss
-from torchtune_grpo.training_batch import TrainingBatch
-from torchtune_grpo.update import batch_logprobs, Experience, PolicyUpdate
+from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.training.update import batch_logprobs, Experience, PolicyUpdate
 
 G = 3  # completions per prompt
 

@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent(
     from torchtune_grpo.assets import asset_path, register_resolvers
     from torchtune_grpo.data import arithmetic_dataset
     from torchtune_grpo.generation import NativeGenerator, VLLMGenerator, WeightSyncCheck
-    from torchtune_grpo.training_batch import pack_sequences
-    from torchtune_grpo.logprobs import sequence_logprobs
+    from torchtune_grpo.training.batch import pack_sequences
+    from torchtune_grpo.models.logprobs import sequence_logprobs
 
     register_resolvers()  # ${grpo_asset:...} in the config
     asset = str(asset_path("tiny_qwen2_arith"))

@@ -39,8 +39,8 @@ SCRIPT = textwrap.dedent(
     from torchtune_grpo.assets import asset_path, register_resolvers
     from torchtune_grpo.generation import VLLMGenerator, WeightPublisher, WeightSyncCheck
     from torchtune_grpo.generation._lora_sync import merged_weights
-    from torchtune_grpo.logprobs import sequence_logprobs
-    from torchtune_grpo.lora import load_nf4_base_weights, nf4_parameters
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+    from torchtune_grpo.models.lora import load_nf4_base_weights, nf4_parameters
     from vllm import SamplingParams
 
     register_resolvers()

@@ -28,7 +28,7 @@ from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_confi
 from tests.test_vllm_recipe import NudgeEnvironment  # noqa: F401  (the multi-turn run's environment)
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import NativeGenerator, WeightSyncError
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.models.logprobs import sequence_logprobs
 
 CONFIG = REPO / "configs" / "tiny" / "lora_vllm_grpo_cpu.yaml"
 RECIPE = "grpo_lora_finetune_distributed"

@@ -59,8 +59,8 @@ SCRIPT = textwrap.dedent(
     from torchtune_grpo.assets import asset_path, register_resolvers
     from torchtune_grpo.data import arithmetic_dataset
     from torchtune_grpo.generation import NativeGenerator, VLLMServerError, VLLMServerGenerator, WeightSyncCheck
-    from torchtune_grpo.logprobs import sequence_logprobs
-    from torchtune_grpo.training_batch import pack_sequences
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+    from torchtune_grpo.training.batch import pack_sequences
 
     register_resolvers()
     asset = str(asset_path("tiny_qwen2_arith"))  # SFT-trained: peaked distributions, no greedy near-ties

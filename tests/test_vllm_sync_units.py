@@ -13,8 +13,8 @@ from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune_grpo.generation import TuneToHFNames, VLLMGenerator, WeightSyncCheck, WeightSyncError
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.loss import GRPOLoss
-from torchtune_grpo.offpolicy import logprob_mismatch_sum, tis_weights
-from torchtune_grpo.training_batch import response_values
+from torchtune_grpo.loss.rollout_correction import logprob_mismatch_sum, tis_weights
+from torchtune_grpo.training.batch import response_values
 
 from tests.recipe_utils import run_script_expecting
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.generation import WeightPublisher, WeightSyncCheck, WeightSyncError
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.models.logprobs import sequence_logprobs
 
 
 class CopyEngine:

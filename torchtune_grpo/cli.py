@@ -102,7 +102,7 @@ def _load_config(path: str, overrides: List[str], options: set) -> Tuple[Any, An
     (defaults applied); command options are split off and returned.
 
     Raises:
-        ValueError: naming a bad key or value (torchtune_grpo/config.py).
+        ValueError: naming a bad key or value (torchtune_grpo/config/__init__.py).
     """
     from omegaconf import OmegaConf
 
@@ -136,8 +136,8 @@ def _build_policy(cfg, config, checkpoint_dir: Optional[str]):
     from omegaconf import OmegaConf
     from torchtune import config as tt_config, training, utils
 
-    from torchtune_grpo.checkpointing import model_files
-    from torchtune_grpo.precision import Precision
+    from torchtune_grpo.checkpoints.storage import model_files
+    from torchtune_grpo.runtime.precision import Precision
     from torchtune_grpo.rewards import build_reward_set
 
     device = utils.get_device(device=config.device)
@@ -195,7 +195,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from torchtune import config as tt_config
     from tqdm import tqdm
 
-    from torchtune_grpo.evaluation import evaluate
+    from torchtune_grpo.rollouts.evaluation import evaluate
 
     cfg, config, opts = _load_config(args.config, args.overrides, EVAL_OPTIONS)
     if config.validation is None:
@@ -234,7 +234,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from torchtune_grpo.plotting import plot_run
+    from torchtune_grpo.metrics.plotting import plot_run
 
     try:
         out = plot_run(args.output_dir, out=args.out, title=args.title)
@@ -249,7 +249,7 @@ def _cmd_rejection_sample(args: argparse.Namespace) -> int:
     from torchtune import config as tt_config
     from tqdm import tqdm
 
-    from torchtune_grpo.rejection_sampling import rejection_sample, write_jsonl
+    from torchtune_grpo.rollouts.rejection_sampling import rejection_sample, write_jsonl
 
     cfg, config, opts = _load_config(args.config, args.overrides, RS_OPTIONS)
     if "output" not in opts:
@@ -286,7 +286,7 @@ def _cmd_vllm_serve(args: argparse.Namespace) -> int:
     from torchtune import config as tt_config
 
     from torchtune_grpo.generation import VLLMServerGenerator
-    from torchtune_grpo.precision import Precision
+    from torchtune_grpo.runtime.precision import Precision
 
     cfg, config, _ = _load_config(args.config, args.overrides, set())
     engine = tt_config.instantiate(cfg.generation)

@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 from torchtune_grpo.data._prompt import PromptDataset
 from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._verifiable import load_rows, require_columns
-from torchtune_grpo.code_tests import normalize_tests
+from torchtune_grpo.rewards.code_tests import normalize_tests
 
 __all__ = ["CODE_SYSTEM_PROMPT", "code_dataset"]
 

@@ -5,7 +5,7 @@ from typing import Any, Dict, Optional, Sequence, Union
 from torchtune_grpo.data._prompt import PromptDataset
 from torchtune_grpo.data._rows import describe_source, InvalidRows
 from torchtune_grpo.data._verifiable import load_rows, require_columns
-from torchtune_grpo.answers import extract_answer
+from torchtune_grpo.rewards.answers import extract_answer
 
 __all__ = ["extract_boxed_answer", "math_dataset"]
 

@@ -15,7 +15,7 @@ from typing import Callable, List, Optional, Tuple, Union
 
 from torchtune.data import Message
 
-from torchtune_grpo.chat_prompts import decode_prompt, tokenize_chat_prompt
+from torchtune_grpo.models.chat_prompts import decode_prompt, tokenize_chat_prompt
 
 # The instruction shared by both styles. Kept short: it is part of every prompt, so every token of it
 # costs prompt length (the tiny demo model uses max_prompt_length=128).

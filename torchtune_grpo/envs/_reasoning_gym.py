@@ -24,7 +24,7 @@ import logging
 import random
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
-from torchtune_grpo.answers import EXTRACT_MODES, extract_answer
+from torchtune_grpo.rewards.answers import EXTRACT_MODES, extract_answer
 from torchtune_grpo.data import PromptDataset
 from torchtune_grpo.envs._extras import require
 from torchtune_grpo.rewards import Reward, RewardSample
@@ -261,7 +261,7 @@ class ReasoningGymReward(Reward):
     Args:
         extract (Optional[str]): what the scorer sees: ``"answer_tag"``, the text of the last
             ``<answer_tag>...</answer_tag>`` block (reasoning-gym's own ``extract_answer``; no block is no answer);
-            ``"last_number"`` or ``"boxed"`` (:func:`torchtune_grpo.answers.extract_answer`, for models that answer
+            ``"last_number"`` or ``"boxed"`` (:func:`torchtune_grpo.rewards.answers.extract_answer`, for models that answer
             in prose); None, the whole completion, stripped. Default is ``"answer_tag"``.
         answer_tag (str): the tag of ``extract="answer_tag"``. Default is ``"answer"``.
         name (str): the component's name (metrics ``reward/<name>/mean``; the ``eval_reward`` of held-out

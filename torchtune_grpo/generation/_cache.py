@@ -20,7 +20,7 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from torchtune_grpo.attention import attention_installed, EngineKVCache
+from torchtune_grpo.models.attention import attention_installed, EngineKVCache
 
 __all__ = [
     "CacheState",
@@ -101,8 +101,8 @@ def attention_modules(model: nn.Module) -> List[nn.Module]:
 def attached_caches(attns: List[nn.Module], caches: List[nn.Module]) -> Iterator[None]:
     """Attach ``caches[i]`` to ``attns[i]`` (enabled) for the duration; restore the previous state after.
 
-    Modules that :func:`~torchtune_grpo.attention.installable` accepts run
-    :func:`~torchtune_grpo.attention.attention_forward` meanwhile (the engine's cached attention); others
+    Modules that :func:`~torchtune_grpo.models.attention.installable` accepts run
+    :func:`~torchtune_grpo.models.attention.attention_forward` meanwhile (the engine's cached attention); others
     keep their own forward, which reaches the cache through torchtune's ``kv_cache.update``.
     """
     saved = [(a.kv_cache, a.cache_enabled) for a in attns]

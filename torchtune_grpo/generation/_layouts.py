@@ -159,7 +159,7 @@ def _run_decoder(
 
 def _layer_input(model: nn.Module, h: torch.Tensor) -> torch.Tensor:
     # The layers' forward is called without FSDP2's hooks, so nothing casts their input: under mixed
-    # precision (fp32 embeddings, bf16 layers; torchtune_grpo/precision.py) do it here.
+    # precision (fp32 embeddings, bf16 layers; torchtune_grpo/runtime/precision.py) do it here.
     return h.to(next(model.layers[0].parameters()).dtype)
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from torchtune.modules.peft import LoRALinear
 
-from torchtune_grpo.lora import lora_hyperparams, LoRAHyperparams, nf4_parameters
+from torchtune_grpo.models.lora import lora_hyperparams, LoRAHyperparams, nf4_parameters
 
 __all__ = [
     "LORA_SYNC_MODES",

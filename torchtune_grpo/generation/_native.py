@@ -5,7 +5,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from torchtune_grpo.attention import installable
+from torchtune_grpo.models.attention import installable
 from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool
 from torchtune_grpo.generation._layouts import PerRowRollout, RolloutResources, SharedPrefixRollout
 from torchtune_grpo.generation._engine import GenerationEngine
@@ -14,7 +14,7 @@ from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import check_sampling, sample_tokens
 from torchtune_grpo.generation._session import NativeSession, RowViews
-from torchtune_grpo.logprobs import replace_unembed
+from torchtune_grpo.models.logprobs import replace_unembed
 
 __all__ = ["NativeGenerator", "can_skip_module_hooks"]  # the latter re-exported (tests)
 

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from torchtune_grpo.attention import EngineKVCache
+from torchtune_grpo.models.attention import EngineKVCache
 from torchtune_grpo.generation._cache import CacheState, write_slots
 
 __all__ = ["PrefixDecodeMask", "SharedPrefixKVCache", "lean_decode_eligible", "lean_decode_layer"]

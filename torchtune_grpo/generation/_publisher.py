@@ -28,7 +28,7 @@ from torchtune_grpo.generation._lora_sync import (
     merged_weights,
 )
 from torchtune_grpo.generation._weight_sync import WeightSyncCheck
-from torchtune_grpo.logprobs import sequence_logprobs
+from torchtune_grpo.models.logprobs import sequence_logprobs
 
 __all__ = ["WeightPublisher", "full_weights"]
 

@@ -41,7 +41,7 @@ from torchtune_grpo.generation._cache import attached_caches, attention_modules
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._layouts import PerRowRollout, SharedPrefixRollout
 from torchtune_grpo.generation._output import Rollout
-from torchtune_grpo.logprobs import replace_unembed
+from torchtune_grpo.models.logprobs import replace_unembed
 
 if TYPE_CHECKING:  # the engine imports this module: a type-only import, no cycle
     from torchtune_grpo.generation._native import NativeGenerator

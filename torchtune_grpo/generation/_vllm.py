@@ -25,7 +25,7 @@ from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
-from torchtune_grpo.lora import LoRAHyperparams
+from torchtune_grpo.models.lora import LoRAHyperparams
 from torchtune_grpo.models import read_hf_config
 
 __all__ = ["VLLMGenerator"]

@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 from safetensors.torch import save_file
 
-from torchtune_grpo.lora import LoRAHyperparams, peft_adapter_config, peft_adapter_weights
+from torchtune_grpo.models.lora import LoRAHyperparams, peft_adapter_config, peft_adapter_weights
 from torchtune_grpo.models import SUPPORTED_MODEL_TYPES
 
 __all__ = ["AdapterVersions", "vllm_lora_rank"]

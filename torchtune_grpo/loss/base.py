@@ -7,7 +7,7 @@ A subclass states only its policy term ``p_i,t`` (:meth:`PolicyGradientLoss._pol
 
 with ``w`` the product of the truncated importance weights against the engine's sampling logprobs (TIS,
 ``tis_cap``) and of any ``importance_weights`` the caller passes (rollout correction,
-:mod:`torchtune_grpo.offpolicy`), then aggregated by ``loss_agg_mode``.
+:mod:`torchtune_grpo.loss.rollout_correction`), then aggregated by ``loss_agg_mode``.
 
 Normalisation is over the *global* batch (docs/architecture.md, "Loss normalisation"): the caller passes
 ``num_tokens`` and ``num_seqs`` counted over all micro-batches and all ranks, and each micro-batch returns
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.loss.kl import KL_ESTIMATORS, MAX_LOG_RATIO, kl_estimate
-from torchtune_grpo.offpolicy import tis_weights
+from torchtune_grpo.loss.rollout_correction import tis_weights
 
 __all__ = ["LOSS_AGG_MODES", "LossOutput", "PolicyGradientLoss", "PolicyTerm", "sequence_mean"]
 
@@ -230,7 +230,7 @@ class PolicyGradientLoss(nn.Module):
                 sampled tokens, shape ``[B, T]`` (constants); used for TIS when ``tis_cap`` is set.
                 Default is None.
             importance_weights (Optional[torch.Tensor]): ``[B, T]`` constants multiplying each token's policy
-                term (the rollout correction's weights, :class:`~torchtune_grpo.offpolicy.RolloutCorrection`).
+                term (the rollout correction's weights, :class:`~torchtune_grpo.loss.rollout_correction.RolloutCorrection`).
                 Default is None (1).
 
         Returns:

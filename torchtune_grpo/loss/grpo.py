@@ -14,7 +14,7 @@ arXiv:1707.06347); GRPO (Shao et al. 2024, arXiv:2402.03300); clip-higher ``eps_
 et al. 2025, arXiv:2503.14476); dual clip (Ye et al. 2020, arXiv:1912.09729); sequence-level ratio (GSPO,
 Zheng et al. 2025, arXiv:2507.18071); constant normaliser (Dr. GRPO, Liu et al. 2025, arXiv:2503.20783);
 truncated importance sampling for an engine that samples with other kernels than the trainer's (TIS, Yao et
-al. 2025, https://fengyao.notion.site/off-policy-rl; torchtune_grpo/offpolicy.py);
+al. 2025, https://fengyao.notion.site/off-policy-rl; torchtune_grpo/loss/rollout_correction.py);
 KL estimators k1/k2/k3 (Schulman 2020, "Approximating KL Divergence",
 http://joschu.net/blog/kl-approx.html).
 

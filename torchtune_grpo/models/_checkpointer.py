@@ -37,7 +37,7 @@ _NOT_COPIED_NAMES = {INDEX_FILE, "pytorch_model.bin.index.json", "adapter_config
 class HFArchitecture:
     """What the LoRA recipe reads as ``checkpointer._model_type.name`` (``"LLAMA"``, ``"QWEN3"``, ...).
 
-    ``torchtune_grpo.lora`` decides by this name whether adapters need torchtune's RoPE permutation in
+    ``torchtune_grpo.models.lora`` decides by this name whether adapters need torchtune's RoPE permutation in
     the PEFT export (``QWEN2``/``QWEN3`` keep Hugging Face's layout).
     """
 

@@ -26,7 +26,7 @@ from fractions import Fraction
 from typing import Any, Dict, List, Optional
 
 from torchtune_grpo.rewards._base import NO_TIMEOUT, Reward, RewardBatch
-from torchtune_grpo.answers import extract_answer, EXTRACT_MODES
+from torchtune_grpo.rewards.answers import extract_answer, EXTRACT_MODES
 
 __all__ = [
     "BACKENDS",

@@ -247,7 +247,7 @@ class ModelJudge(Reward):
         if self.chat:
             from torchtune.data import Message
 
-            from torchtune_grpo.chat_prompts import tokenize_chat_prompt
+            from torchtune_grpo.models.chat_prompts import tokenize_chat_prompt
 
             tokens = tokenize_chat_prompt(
                 self.tokenizer,

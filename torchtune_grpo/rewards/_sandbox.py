@@ -50,7 +50,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from torchtune_grpo.code_tests import normalize_tests
+from torchtune_grpo.rewards.code_tests import normalize_tests
 
 __all__ = [
     "NETWORK_MODES",

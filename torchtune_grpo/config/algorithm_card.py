@@ -1,0 +1,444 @@
+"""The algorithm card: an exact, human-readable statement of what a run optimises.
+
+The recipe builds an :class:`AlgorithmSpec` from its resolved config at start-up, prints
+:func:`algorithm_card` and writes it to ``${output_dir}/algorithm_card.md``. It answers the questions users
+of GRPO trainers keep asking: which loss (aggregation, clipping, KL estimator and where the KL goes), which
+advantage, how many prompts and samples make one optimizer step, how many optimizer steps reuse one
+generation round (how off-policy the updates are), and whether a reference model is in memory.
+
+Everything here is pure: plain values in, markdown out.
+"""
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from torchtune_grpo.loss.grpo import ppo_formula_lines
+
+__all__ = ["AlgorithmSpec", "algorithm_card", "config_values", "write_algorithm_card"]
+
+_AGGREGATION = {
+    "token-mean": ("L = (1 / M) * sum_i sum_t l_i,t", "every token weighs the same (DAPO)"),
+    "seq-mean-token-mean": (
+        "L = (1 / N) * sum_i (1 / |o_i|) * sum_t l_i,t",
+        "every sequence weighs the same (GRPO, GSPO)",
+    ),
+    "seq-mean-token-sum": ("L = (1 / N) * sum_i sum_t l_i,t", "sum over tokens, mean over sequences"),
+    "seq-mean-token-sum-norm": (
+        "L = (1 / (N * {L_max})) * sum_i sum_t l_i,t",
+        "constant normaliser N x max_response_length, no length bias (Dr. GRPO)",
+    ),
+}
+
+_KL_FORMULA = {
+    "k1": "k1 = -d",
+    "k2": "k2 = d^2 / 2",
+    "k3": "k3 = exp(d) - d - 1",
+    "k3+": "k3+ = exp(d) - d - 1 in value, gradient of d^2 / 2 (straight-through)",
+}
+
+
+@dataclass
+class AlgorithmSpec:
+    """Plain values that define a GRPO run (all from the resolved config and the instantiated components).
+
+    Attributes:
+        world_size (int): processes.
+        batch_size (int): prompts per process per optimizer step.
+        group_size (int): completions per prompt, ``G``.
+        micro_batch_size (int): sequences per forward/backward.
+        ppo_epochs (int): passes over each step's rollouts.
+        max_response_length (int): generation budget in tokens.
+        advantage (str): the advantage estimator's formula.
+        rewards (List[Tuple[str, float]]): reward components as ``(name, weight)``.
+        loss_agg_mode (Optional[str]): None for a loss component without one (then only ``loss_name`` is
+            reported).
+        loss_name (str): the loss component. Default is ``"GRPOLoss"``.
+        epsilon_low (float): lower clip range. Default is 0.2.
+        epsilon_high (float): upper clip range. Default is 0.2.
+        dual_clip (Optional[float]): dual-clip bound. Default is None.
+        tis_cap (Optional[float]): truncated importance sampling cap against the engine's sampling
+            logprobs. Default is None (off).
+        ratio_level (str): ``"token"`` or ``"sequence"``. Default is ``"token"``.
+        rollout_correction (Optional[List[str]]): the rollout correction's ``formula_lines()``. Default is
+            None (none).
+        token_selection (Optional[str]): the token selection's ``formula_line()``. Default is None (none).
+        policy_lines (Optional[List[str]]): the ratio and policy-term lines of the loss component's
+            ``formula_lines()``; None renders GRPOLoss's PPO clip from the clip fields above. Default is None.
+        entropy_coef (float): entropy bonus weight. Default is 0.0.
+        kl_coef (float): KL weight. Default is 0.0.
+        kl_estimator (str): KL estimator. Default is ``"k3"``.
+        kl_placement (str): ``"loss"`` or ``"reward"``. Default is ``"loss"``.
+        reference_model (bool): whether a reference model is loaded. Default is False.
+        reference_description (str): what the reference policy is, when there is one. Default is
+            "loaded (frozen copy of the initial policy)".
+        mask_truncated_completions (bool): truncated completions are left out of the loss. Default is
+            False.
+        dynamic_sampling (bool): DAPO dynamic sampling on. Default is False.
+        max_rounds (int): generation rounds per step at most. Default is 1.
+        optimizer (str): optimizer description. Default is ``""``.
+        clip_grad_norm (Optional[float]): gradient norm clipping. Default is None.
+        on_nonfinite (str): a NaN/inf gradient norm ``"stop"``s the run or ``"skip"``s the optimizer step.
+            Default is ``"stop"``.
+        environment (Optional[str]): multi-turn episodes: the environment and its limits, e.g.
+            ``"ToolEnvironment, at most 4 turns"``. Default is None (one completion per sample).
+        ppo_mini_batches (int): disjoint mini-batches per pass, one optimizer step each. Default is 1.
+        ppo_mini_batch_shuffle (bool): groups reshuffled across mini-batches before every pass. Default is
+            True.
+        precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
+        max_staleness (Optional[int]): rollouts from generation workers at this bound (docs/async.md); None:
+            sampled by the trainer's own weights. Default is None.
+        in_flight_updates (bool): generation workers take new weights while they generate (partial rollouts).
+            Default is False.
+        max_tokens_per_micro_batch (Optional[int]): micro-batches by token budget (their number then
+            depends on the lengths). Default is None (``micro_batch_size`` rows each).
+        weight_sync (Optional[str]): how an engine with its own weights (vLLM) gets the policy
+            (``WeightPublisher.describe``). Default is None (the engine samples with the trainer's model).
+    """
+
+    world_size: int
+    batch_size: int
+    group_size: int
+    micro_batch_size: int
+    ppo_epochs: int
+    max_response_length: int
+    advantage: str
+    rewards: List[Tuple[str, float]] = field(default_factory=list)
+    loss_agg_mode: Optional[str] = "token-mean"
+    loss_name: str = "GRPOLoss"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    dual_clip: Optional[float] = None
+    tis_cap: Optional[float] = None
+    ratio_level: str = "token"
+    policy_lines: Optional[List[str]] = None
+    rollout_correction: Optional[List[str]] = None
+    token_selection: Optional[str] = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_placement: str = "loss"
+    reference_model: bool = False
+    reference_description: str = "loaded (frozen copy of the initial policy)"
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False
+    max_rounds: int = 1
+    optimizer: str = ""
+    clip_grad_norm: Optional[float] = None
+    on_nonfinite: str = "stop"
+    environment: Optional[str] = None
+    ppo_mini_batches: int = 1
+    ppo_mini_batch_shuffle: bool = True
+    precision: Optional[str] = None
+    max_staleness: Optional[int] = None
+    in_flight_updates: bool = False
+    max_tokens_per_micro_batch: Optional[int] = None
+    weight_sync: Optional[str] = None
+
+    @classmethod
+    def from_components(
+        cls, *, loss: Any, advantage: Any, rewards: Any, optimizer: Any, lr_schedule: Optional[str] = None, **values: Any
+    ) -> "AlgorithmSpec":
+        """A spec from the run's instantiated components (read, never called) and plain ``values``.
+
+        A loss without ``loss_agg_mode`` (not a :class:`~torchtune_grpo.loss.base.PolicyGradientLoss`) is
+        reported by name.
+
+        Args:
+            loss (Any): the loss component; its ``loss_agg_mode``, clip ranges, ``ratio_level`` and
+                ``entropy_coef`` are read when present.
+            advantage (Any): the advantage estimator; its ``formula`` when present, else its class name.
+            rewards (Any): the :class:`~torchtune_grpo.rewards.RewardSet` (``names``, ``weights``).
+            optimizer (Any): the torch optimizer (its type and initial learning rate).
+            lr_schedule (Optional[str]): the LR schedule's name. Default is None.
+            **values (Any): the other fields of :class:`AlgorithmSpec`.
+
+        Returns:
+            AlgorithmSpec: the spec.
+        """
+        group = optimizer.param_groups[0]
+        described = f"{type(optimizer).__name__}(lr={group.get('initial_lr', group['lr']):g})"
+        return cls(
+            advantage=getattr(advantage, "formula", type(advantage).__name__),
+            rewards=list(zip(rewards.names, rewards.weights)),
+            loss_agg_mode=getattr(loss, "loss_agg_mode", None),
+            loss_name=type(loss).__name__,
+            epsilon_low=getattr(loss, "epsilon_low", 0.0),
+            epsilon_high=getattr(loss, "epsilon_high", 0.0),
+            dual_clip=getattr(loss, "dual_clip", None),
+            tis_cap=getattr(loss, "tis_cap", None),
+            ratio_level=getattr(loss, "ratio_level", "token"),
+            policy_lines=loss.formula_lines() if hasattr(loss, "formula_lines") else None,
+            entropy_coef=getattr(loss, "entropy_coef", 0.0),
+            optimizer=described + (f", schedule {lr_schedule}" if lr_schedule else ""),
+            **values,
+        )
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def _off_policy(epochs: int, k: int) -> str:
+    """How stale each optimizer step of a generation round is (all ratios are against pi_old)."""
+    steps = epochs * k
+    if steps == 1:
+        return "on-policy: every update uses rollouts of the current weights (ratio = 1)"
+    what = []
+    if k > 1:
+        what.append(f"each pass splits the rollouts into {k} disjoint mini-batches, one update each")
+    if epochs > 1:
+        what.append(f"{epochs} passes reuse the same rollouts")
+    return (
+        f"update 1 is on-policy; update j runs j - 1 updates after the weights that sampled, up to {steps - 1} "
+        f"update(s) stale ({'; '.join(what)}; ratios are against the sampling policy pi_old, clipping acts there)"
+    )
+
+
+def _micro_row(s: AlgorithmSpec, local: int, micro: int) -> Tuple[str, str, str]:
+    if s.max_tokens_per_micro_batch is None:
+        return (
+            "micro-batches per process per optimizer step",
+            str(micro),
+            f"ceil({local} / micro_batch_size {s.micro_batch_size}): gradient accumulation, same update",
+        )
+    return (
+        "micro-batches per process per optimizer step",
+        f"{micro} to {local}",
+        f"by length: up to max_tokens_per_micro_batch {s.max_tokens_per_micro_batch} tokens (padding included) "
+        f"and micro_batch_size {s.micro_batch_size} sequences each, as many on every process; gradient "
+        "accumulation, same update",
+    )
+
+
+def _batch_table(s: AlgorithmSpec) -> List[str]:
+    k = s.ppo_mini_batches
+    round_prompts = s.batch_size * s.world_size  # per generation round
+    prompts = round_prompts // k  # per optimizer step
+    seqs = prompts * s.group_size
+    local = s.batch_size * s.group_size // k
+    micro = math.ceil(local / max(1, min(s.micro_batch_size, local)))
+    off_policy = _off_policy(s.ppo_epochs, k)
+    per_step = f"batch_size {s.batch_size} x {s.world_size} process(es)"
+    if k > 1:
+        order = "reshuffled before every pass" if s.ppo_mini_batch_shuffle else "in rollout order"
+        per_step += f" / ppo_mini_batches {k} (whole groups, {order})"
+    if s.dynamic_sampling:
+        consumed = (
+            f"{round_prompts} to {round_prompts * s.max_rounds} ({s.batch_size} x {s.world_size} per round, 1 to "
+            f"{s.max_rounds} rounds)"
+        )
+        consumed_note = "dynamic sampling: extra rounds on new prompts until every process has informative groups"
+    else:
+        consumed, consumed_note = str(round_prompts), "one generation round per step"
+    if s.reference_model:
+        ref = (s.reference_description, f"kl_coef = {_g(s.kl_coef)} > 0")
+    else:
+        ref = ("not loaded", "kl_coef = 0")
+    rows = [
+        ("processes", str(s.world_size), "world size"),
+        ("prompts per optimizer step", str(prompts), per_step),
+        ("samples per prompt (G)", str(s.group_size), "group_size"),
+        (
+            "sequences per optimizer step (effective global batch)",
+            str(seqs),
+            f"{prompts} prompts x G {s.group_size}; the loss is normalised over all of them",
+        ),
+        _micro_row(s, local, micro),
+        (
+            "optimizer steps per generation round",
+            str(s.ppo_epochs * k),
+            ("ppo_epochs" if k == 1 else f"ppo_epochs {s.ppo_epochs} x ppo_mini_batches {k}") + f"; {off_policy}",
+        ),
+        ("prompts consumed per step", consumed, consumed_note),
+        ("reference model", ref[0], ref[1]),
+    ]
+    out = ["| quantity | value | from |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return out
+
+
+def _objective(s: AlgorithmSpec) -> List[str]:
+    lines = list(s.policy_lines or ppo_formula_lines(s.epsilon_low, s.epsilon_high, s.dual_clip, s.ratio_level))
+    if s.tis_cap is not None:
+        lines.append(
+            f"           times min(pi_old(o_i,t) / mu(o_i,t), {_g(s.tis_cap)}), mu = the generation engine's "
+            "sampling probability   [truncated importance sampling]"
+        )
+    lines += s.rollout_correction or []
+    if s.token_selection:
+        lines.append(s.token_selection)
+    per_token = "p_i,t"
+    if s.kl_coef > 0 and s.kl_placement == "loss":
+        per_token += f" + {_g(s.kl_coef)} * {s.kl_estimator}_i,t"
+    if s.entropy_coef > 0:
+        per_token += f" - {_g(s.entropy_coef)} * H_i,t"
+    lines.append(f"per token  l_i,t = {per_token}")
+    if s.kl_coef > 0:
+        lines.append(
+            f"KL         {_KL_FORMULA[s.kl_estimator]},  d = log pi_ref(o_i,t) - log pi(o_i,t)   "
+            f"[estimator {s.kl_estimator}]"
+        )
+    if s.entropy_coef > 0:
+        lines.append("entropy    H_i,t = entropy of pi_theta(. | q, o_i,<t)   [bonus]")
+    formula, why = _AGGREGATION[s.loss_agg_mode]
+    lines.append(f"loss       {formula.format(L_max=s.max_response_length)}   [{s.loss_agg_mode}: {why}]")
+    lines.append(f"advantage  {s.advantage}")
+    reward = " + ".join(f"{_g(w)} * {name}" for name, w in s.rewards) or "(none)"
+    if s.kl_coef > 0 and s.kl_placement == "reward":
+        reward += f" - {_g(s.kl_coef)} * sum_t {s.kl_estimator}(log pi_old, log pi_ref)_i,t   [KL in the reward]"
+    lines.append(f"reward     R_i = {reward}")
+    return lines
+
+
+def _notes(s: AlgorithmSpec) -> List[str]:
+    seqs = "N = number of sequences" + (" not truncated" if s.mask_truncated_completions else "")
+    tokens = "their action tokens (the model's own)" if s.environment else "their response tokens"
+    notes = [
+        f"- Sums run over the global batch: {seqs}, M = {tokens}, summed over all "
+        "micro-batches and processes before any division, so the update does not depend on "
+        "micro_batch_size or on the number of processes.",
+        "- pi_old is the policy that generated the rollouts (no gradient); pi_ref the initial policy.",
+    ]
+    if s.environment:
+        notes.append(
+            f"- Multi-turn episodes ({s.environment}): o_i is a whole episode, the model's turns with the "
+            "environment's replies between them, and t runs over the model's own tokens only. The tokens the "
+            "environment injected (tool results, observations) are context: they are masked out of every loss "
+            "term (policy, ratio, KL, entropy, the KL-in-reward sum) and of every count (M, |o_i|)."
+        )
+    if s.kl_coef == 0:
+        notes.append("- No KL term: kl_coef = 0, so no reference model is loaded.")
+    elif s.kl_placement == "loss":
+        notes.append(f"- KL placement: loss (a per-token term weighted {_g(s.kl_coef)}, aggregated like the policy term).")
+    else:
+        notes.append(
+            "- KL placement: reward. The penalty uses the sampling policy's log-probabilities, is summed over "
+            "each sequence and subtracted from R_i before the advantage; it has no gradient of its own."
+        )
+    if s.rollout_correction:
+        notes.append(
+            "- Rollout correction: weights and masks come from pi_old and mu only, decided before the update; "
+            "tokens and sequences it masks leave M and N (counted after masking, over all processes)."
+        )
+    if s.mask_truncated_completions:
+        notes.append(
+            "- Truncated completions (no stop token within max_response_length) are masked out of the loss "
+            "(DAPO overlong filtering); they still count in their group's advantage baseline."
+        )
+    if s.dynamic_sampling:
+        notes.append(
+            f"- Dynamic sampling (DAPO): groups whose rewards are all equal are dropped and up to "
+            f"{s.max_rounds} generation rounds are run to fill the batch; if they run out, zero-variance groups "
+            "fill it (zero advantage)."
+        )
+    if s.max_staleness is not None:
+        k = s.max_staleness
+        corrected = (
+            "the loss corrects for it (truncated importance weights min(pi_old / mu, cap), or the rollout "
+            "correction above)" if (s.tis_cap is not None or s.rollout_correction) else
+            "nothing corrects for it (set loss.tis_cap or rollout_correction for the decoupled objective)"
+        )
+        notes.append(
+            f"- Asynchronous rollouts: a generation worker per process samples batch j with the weights after "
+            f"step max(start, j - 1 - {k}), so a sample is at most {k} training step(s) old when trained on "
+            f"(max_staleness = {k}). mu is the worker's policy (its log-probabilities of the sampled tokens); "
+            "pi_old is the trainer's policy at the start of the step (the proximal policy of decoupled PPO, "
+            "Fu et al. 2025, arXiv:2505.24298)"
+            + (f"; {corrected}." if k > 0 else "; at max_staleness 0 mu = pi_old.")
+        )
+        if s.in_flight_updates:
+            notes.append(
+                "- In-flight weight updates: a version that reaches a worker while it generates goes into its vLLM "
+                "server at once and running completions continue with it (their keys and values recomputed), so "
+                "one completion may span several versions: mu is per token the version that sampled it, and the "
+                "bound counts each row's oldest token. Not reproducible run to run."
+            )
+    if s.optimizer:
+        clip = f", gradient norm clipped to {_g(s.clip_grad_norm)}" if s.clip_grad_norm is not None else ""
+        nonfinite = ("skipped (its gradients dropped)" if s.on_nonfinite == "skip"
+                     else "never taken: the run stops")
+        notes.append(f"- Optimizer: {s.optimizer}{clip}; an optimizer step with a NaN/inf gradient norm is {nonfinite}.")
+    if s.precision:
+        notes.append(f"- Precision: {s.precision}.")
+    if s.weight_sync:
+        notes.append(f"- Generation engine weights: {s.weight_sync}.")
+    return notes
+
+
+def algorithm_card(spec: AlgorithmSpec) -> str:
+    """Renders the algorithm card as markdown.
+
+    Args:
+        spec (AlgorithmSpec): the run's settings.
+
+    Returns:
+        str: the card, ending with a newline.
+    """
+    out = [
+        "# Algorithm card",
+        "",
+        "What every optimizer step of this run minimises, stated from its resolved config.",
+        "",
+        "## Batch",
+        "",
+        *_batch_table(spec),
+        "",
+        "## Objective",
+        "",
+    ]
+    if spec.loss_agg_mode is None:
+        out += [f"Custom loss component `{spec.loss_name}`: see its documentation.", ""]
+        out += ["```text", f"advantage  {spec.advantage}", "```"]
+    else:
+        completion = (
+            "episode o_i of |o_i| action tokens (environment tokens excluded)" if spec.environment
+            else "completion o_i of |o_i| tokens"
+        )
+        out += [
+            f"Sequence i (of the N in the global batch) answers prompt q with {completion}; A_i is its advantage.",
+            "",
+            "```text",
+            *_objective(spec),
+            "```",
+        ]
+    out += ["", *_notes(spec), ""]
+    return "\n".join(out)
+
+
+def config_values(config: Any) -> Dict[str, Any]:
+    """The :class:`AlgorithmSpec` fields a recipe config decides by itself.
+
+    Args:
+        config (Any): a :class:`~torchtune_grpo.config.schema.RecipeConfig`.
+
+    Returns:
+        Dict[str, Any]: batch shape, update schedule, KL settings, clipping, masking.
+    """
+    kl_in_reward = config.kl_coef > 0 and config.kl_placement == "reward"
+    return dict(
+        batch_size=config.batch_size,
+        group_size=config.group_size,
+        micro_batch_size=config.micro_batch_size,
+        max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+        ppo_epochs=config.ppo_epochs,
+        ppo_mini_batches=config.ppo_mini_batches,
+        ppo_mini_batch_shuffle=config.ppo_mini_batch_shuffle,
+        max_response_length=config.max_response_length,
+        kl_coef=config.kl_coef,
+        kl_estimator=config.kl_estimator,
+        kl_placement="reward" if kl_in_reward else "loss",
+        mask_truncated_completions=config.mask_truncated_completions,
+        clip_grad_norm=None if config.clip_grad_norm is None else float(config.clip_grad_norm),
+        on_nonfinite=config.on_nonfinite,
+    )
+
+
+def write_algorithm_card(spec: AlgorithmSpec, output_dir: str) -> str:
+    """Write ``{output_dir}/algorithm_card.md`` and return the card's text."""
+    card = algorithm_card(spec)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "algorithm_card.md"), "w", encoding="utf-8") as f:
+        f.write(card)
+    return card

@@ -1,0 +1,150 @@
+"""Building the recipes' models: meta-device init, FSDP2 (or the plain module), weights loaded and checked.
+
+:class:`Placement` holds what decides where and how a model lives (device, process count, precision, the
+FSDP2 options of the config); :func:`build_model` builds the full-fine-tuning policy and reference with it,
+:func:`build_lora_model` (torchtune_grpo/runtime/lora_setup.py) the LoRA/QLoRA policy. Both follow torchtune's
+distributed recipes: instantiate on the meta device, shard, allocate, fill the RoPE caches, load the full
+state dict (each rank keeps its shards).
+"""
+
+from dataclasses import dataclass
+from functools import partial
+from itertools import chain
+from typing import Any, Dict, FrozenSet, Optional
+
+import torch
+from torch import nn
+from torchtune import config, modules, training, utils
+
+from torchtune_grpo.runtime.precision import Precision
+from torchtune_grpo.config.setup_checks import check_state_dict_shapes
+from torchtune_grpo.runtime.sharding import shard_model
+
+__all__ = ["Placement", "build_model", "check_max_seq_len", "init_rope"]
+
+log = utils.get_logger("INFO")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's models live and how they are wrapped.
+
+    Args:
+        device (torch.device): the rank's device.
+        world_size (int): the number of processes.
+        precision (Precision): the run's precision (torchtune_grpo/runtime/precision.py).
+        cpu_offload (bool): ``fsdp_cpu_offload``: parameters, gradients and optimizer state on the CPU.
+        single_process_fsdp (bool): ``fsdp_single_process``: FSDP2 even on one process.
+        reshard_after_forward (bool): ``fsdp_reshard_after_forward``.
+        activation_checkpointing (bool): ``enable_activation_checkpointing`` (trained models only).
+    """
+
+    device: torch.device
+    world_size: int
+    precision: Precision
+    cpu_offload: bool = False
+    single_process_fsdp: bool = False
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any, device: torch.device, world_size: int, precision: Precision) -> "Placement":
+        """The placement a :class:`~torchtune_grpo.config.schema.RecipeConfig` asks for."""
+        return cls(
+            device=device, world_size=world_size, precision=precision, cpu_offload=config.fsdp_cpu_offload,
+            single_process_fsdp=config.fsdp_single_process, reshard_after_forward=config.fsdp_reshard_after_forward,
+            activation_checkpointing=config.enable_activation_checkpointing,
+        )
+
+    def sharded(self, mixed: bool) -> bool:
+        """Whether a model is FSDP2-wrapped. One process trains the plain module unless FSDP2 is asked for
+        (it has nothing to shard there and only copies weights and gradients); mixed precision is FSDP2's
+        ``MixedPrecisionPolicy``, so it wraps on one process too (the same casts as on N)."""
+        return self.world_size > 1 or self.cpu_offload or self.single_process_fsdp or mixed
+
+    def shard(self, model: nn.Module, *, mixed: bool = False, ignored_params: FrozenSet[nn.Parameter] = frozenset()) -> None:
+        """FSDP2 per transformer layer, then the root; ``ignored_params`` (QLoRA's NF4 weights) left out."""
+        shard_model(
+            model,
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=None)],
+            cpu_offload=self.cpu_offload,
+            reshard_after_forward=self.reshard_after_forward,
+            precision=self.precision if mixed else None,
+            ignored_params=ignored_params,
+        )
+
+    def one_process_note(self, mixed: bool) -> Optional[str]:
+        """What a one-process run trains (the plain module or FSDP2, and why); None on several processes."""
+        if self.world_size > 1:
+            return None
+        if not self.sharded(mixed):
+            return "One process: training the plain model (fsdp_single_process: false)"
+        why = "fsdp_cpu_offload: true" if self.cpu_offload else "fsdp_single_process: true"
+        why = f"dtype: {self.precision.name}, mixed precision" if mixed else why
+        return f"One process: training the FSDP2-wrapped model ({why})"
+
+
+def check_max_seq_len(model: nn.Module, max_len: int) -> None:
+    """Fail when the prompt + response budget ``max_len`` exceeds the model's ``max_seq_len`` (RoPE cache)."""
+    if getattr(model, "max_seq_len", None) is not None and max_len > model.max_seq_len:
+        raise ValueError(
+            f"max_prompt_length + max_response_length = {max_len} exceeds the model's max_seq_len = {model.max_seq_len}"
+        )
+
+
+def init_rope(model: nn.Module, device: torch.device) -> None:
+    """Fill the RoPE caches: buffers that meta-device init left empty (in the weights' dtype)."""
+    with training.set_default_dtype(next(model.parameters()).dtype), device:
+        for m in model.modules():
+            if hasattr(m, "rope_init"):
+                m.rope_init()
+
+
+def build_model(
+    model_cfg: Any, state_dict: Dict[str, Any], placement: Placement, *, trainable: bool, source: str, max_len: int
+) -> nn.Module:
+    """The model of ``model_cfg`` with ``state_dict`` loaded: the trained policy or a frozen reference.
+
+    Args:
+        model_cfg (Any): the config's ``model`` node (a torchtune model builder).
+        state_dict (Dict[str, Any]): full weights in torchtune names (each rank keeps its shards).
+        placement (Placement): device, processes, precision, FSDP2 options.
+        trainable (bool): the policy (the precision's param dtype: fp32 master weights with bf16; activation
+            checkpointing when asked) or a frozen reference (the compute dtype, eval mode, no gradients).
+        source (str): where ``state_dict`` came from, for error messages.
+        max_len (int): ``max_prompt_length + max_response_length``, checked against the model's ``max_seq_len``.
+
+    Returns:
+        nn.Module: the model on ``placement.device``.
+
+    Raises:
+        ValueError: on a budget past ``max_seq_len`` or a state dict that does not fit the model (names and
+            shapes, naming ``source``).
+    """
+    mixed = trainable and placement.precision.mixed
+    param_dtype = placement.precision.param_dtype if trainable else placement.precision.compute_dtype
+    with training.set_default_dtype(param_dtype), torch.device("meta"):
+        model = config.instantiate(model_cfg)
+    check_max_seq_len(model, max_len)
+    check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), state_dict, source)
+    if trainable and placement.activation_checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+    shard = placement.sharded(mixed)
+    if trainable and (note := placement.one_process_note(mixed)):
+        utils.log_rank_zero(log, note)
+    if shard:
+        placement.shard(model, mixed=mixed)
+    else:
+        model.to_empty(device=placement.device)
+    init_rope(model, placement.device)
+    if shard:
+        training.load_from_full_model_state_dict(
+            model, state_dict, placement.device, strict=True, cpu_offload=placement.cpu_offload
+        )
+    else:
+        model.load_state_dict(state_dict, strict=True)
+    training.validate_no_params_on_meta_device(model)
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+    return model

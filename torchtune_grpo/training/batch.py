@@ -1,0 +1,552 @@
+"""Training layouts of a GRPO step's sequences, and their per-token logprobs.
+
+The ``G`` completions of a group share their prompt, and with causal attention the prompt's hidden states,
+keys and values are the same in all ``G`` rows. The default layout (one row per sequence,
+``prompt + completion``) computes them ``G`` times. :class:`TrainingBatch` with ``share_prompt=True`` packs
+the sequences of one prompt (within a micro-batch) into one row instead::
+
+    [ prompt (P slots) | completion 1 (C slots) | completion 2 (C slots) | ... | completion M (C slots) ]
+
+A response's last token predicts nothing, so a completion region holds all its tokens but the last (``C`` is
+the longest response minus one). The linear layers (most of the FLOPs) then see ``P + M x C`` tokens
+instead of ``M x (P + C + 1)``, and attention is split so that it never costs more than in the unshared
+layout: the prompt attends causally to itself once, and each completion attends to the prompt's keys and
+causally to its own tokens (``M`` blocks of ``C x (P + C)``; no completion ever sees another). Position ids
+continue from the prompt in each completion. Every logprob is the same function of the same inputs as in
+the unshared layout (tested to ~1e-6 in fp32, gradients included); only the order of some floating-point
+sums differs.
+
+The shared attention runs in the torchtune ``MultiHeadAttention`` modules of the model when a forward gets a
+:class:`SharedPromptMask` (an :class:`~torchtune_grpo.models.attention.AttentionLayout`) as its ``mask``:
+:func:`install_shared_prompt_attention` gives those modules :mod:`torchtune_grpo.models.attention`'s forward, which
+recognises it and otherwise runs torchtune's own forward unchanged. The layout travels as the
+``mask`` argument (not as global state), so activation checkpointing's recomputation in backward sees it.
+
+Results always come back in the unshared layout: column ``j`` of an ``[N, T]`` result is the prediction of
+token ``start + j + 1`` of the row ``prompt + response``, as
+:func:`~torchtune_grpo.models.logprobs.sequence_logprobs` gives it, with ``start = min(prompt lengths) - 1``;
+positions that are not response tokens hold 0. Masks, advantages, reference/old logprobs and loss
+aggregation therefore do not depend on the layout.
+"""
+
+import copy
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.modules import MultiHeadAttention, TransformerDecoder
+
+from torchtune_grpo.models.attention import AttentionLayout, install_attention, installable
+from torchtune_grpo.models.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
+from torchtune_grpo.training.micro_batches import agreed_plan, MicroBatchPlan, plan_micro_batches
+from torchtune_grpo.training.packed_rows import packed_layout, PackedLayout
+
+__all__ = [
+    "SharedPromptMask",
+    "TrainingBatch",
+    "install_shared_prompt_attention",
+    "pack_sequences",
+    "response_values",
+    "shared_prompt_layout",
+    "shared_prompt_unsupported",
+    "shared_row_length",
+    "supports_shared_prompt",
+]
+
+
+def pack_sequences(
+    prompt_ids: List[List[int]], response_ids: List[List[int]], pad_id: int
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Lay out ``prompt + response`` per row, right-padded, for training forwards.
+
+    Generation left-pads prompts; training re-packs each row so it starts at position 0. Then a plain
+    causal mask is exact (padding only ever follows real tokens), no position ids are needed, and
+    attention can take the fused ``is_causal`` path.
+
+    Args:
+        prompt_ids (List[List[int]]): N prompts.
+        response_ids (List[List[int]]): N responses.
+        pad_id (int): padding id.
+
+    Returns:
+        tuple[torch.Tensor, torch.Tensor]: ``tokens [N, L]`` (int64) and ``response_mask [N, L]`` (bool,
+        True on response tokens), with ``L = max(len(prompt) + len(response))``.
+    """
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    n, seq_len = len(lengths), max(lengths)
+    tokens = torch.full((n, seq_len), pad_id, dtype=torch.long)
+    response_mask = torch.zeros((n, seq_len), dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        tokens[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        response_mask[i, len(p) : len(p) + len(r)] = True
+    return tokens, response_mask
+
+
+def response_values(
+    prompt_ids: List[List[int]], values: List[List[float]], start: int, width: int
+) -> torch.Tensor:
+    """Lay out per-response-token values (e.g. sampling logprobs) like the trainer's logprobs.
+
+    The trainer's logprobs of a packed row (``pack_sequences``, prompt then response from position 0)
+    start at the prediction of token ``start + 1``; response token ``j`` of row ``i`` sits at position
+    ``len(prompt_i) + j``, so its logprob is column ``len(prompt_i) + j - 1 - start``.
+
+    Args:
+        prompt_ids (List[List[int]]): N prompts.
+        values (List[List[float]]): N lists, one value per response token.
+        start (int): the ``start`` passed to ``sequence_logprobs``.
+        width (int): ``T``, the number of logprob columns.
+
+    Returns:
+        torch.Tensor: ``[N, width]`` float32, 0 where no response token is.
+    """
+    out = torch.zeros((len(values), width), dtype=torch.float32)
+    for i, (prompt, row) in enumerate(zip(prompt_ids, values)):
+        if row:
+            first = len(prompt) - 1 - start
+            out[i, first : first + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
+
+
+class SharedPromptMask(AttentionLayout):
+    """The attention layout of a shared-prompt forward, passed to the decoder as its ``mask``.
+
+    A plain object (not a tensor), so that module hooks (FSDP2, activation checkpointing) pass it through.
+
+    Args:
+        prompt_slots (int): ``P``, the prompt region of every row (prompts right-padded to it).
+        completion_slots (int): ``C``, the region of each completion (right-padded to it).
+        num_completions (int): ``M``, completion regions per row.
+        prompt_lengths (torch.Tensor): ``[R]`` long, the real prompt length of each row.
+    """
+
+    def __init__(
+        self, prompt_slots: int, completion_slots: int, num_completions: int, prompt_lengths: torch.Tensor
+    ) -> None:
+        self.prompt_slots = prompt_slots
+        self.completion_slots = completion_slots
+        self.num_completions = num_completions
+        p, c, m = prompt_slots, completion_slots, num_completions
+        device = prompt_lengths.device
+        # [R*M, 1, C, P+C]: a completion token sees its row's real prompt tokens and its own earlier tokens.
+        sees_prompt = torch.arange(p, device=device)[None, :] < prompt_lengths[:, None]  # [R, P]
+        sees_prompt = sees_prompt.repeat_interleave(m, dim=0)[:, None, None, :].expand(-1, 1, c, p)
+        causal = torch.ones(c, c, dtype=torch.bool, device=device).tril()
+        causal = causal[None, None].expand(sees_prompt.size(0), 1, c, c)
+        self.completion_mask = torch.cat([sees_prompt, causal], dim=-1)
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
+    ) -> torch.Tensor:
+        """Shared-prompt attention: ``q [R, h, S, d]``, ``k, v [R, h_kv, S, d]`` -> ``[R, h, S, d]``."""
+        p, c, m = self.prompt_slots, self.completion_slots, self.num_completions
+        r, h_kv, d = k.size(0), k.size(1), k.size(3)
+        gqa = q.size(1) != h_kv
+        # The prompt once per row: right-padded, so plain causal attention is exact for its real tokens.
+        out_p = F.scaled_dot_product_attention(
+            q[:, :, :p], k[:, :, :p], v[:, :, :p], dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+        )
+
+        def per_completion(t: torch.Tensor) -> torch.Tensor:  # [R, heads, M*C, d] -> [R*M, heads, C, d]
+            return t[:, :, p:].unflatten(2, (m, c)).transpose(1, 2).flatten(0, 1)
+
+        def with_prompt(t: torch.Tensor) -> torch.Tensor:  # keys/values: the row's prompt, then its own
+            prompt = t[:, :, :p].unsqueeze(1).expand(r, m, h_kv, p, d).flatten(0, 1)
+            return torch.cat([prompt, per_completion(t)], dim=2)  # [R*M, h_kv, P+C, d]
+
+        out_c = F.scaled_dot_product_attention(
+            per_completion(q), with_prompt(k), with_prompt(v), attn_mask=self.completion_mask,
+            dropout_p=dropout_p, enable_gqa=gqa,
+        )  # [R*M, h, C, d]
+        out_c = out_c.unflatten(0, (r, m)).transpose(1, 2).flatten(2, 3)  # [R, h, M*C, d]
+        return torch.cat([out_p, out_c], dim=2)
+
+
+def _attention_modules(model: nn.Module) -> List[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+
+
+def shared_prompt_unsupported(model: nn.Module) -> Optional[str]:
+    """Why ``model`` cannot run shared-prompt forwards, or None when it can.
+
+    It can when it is a torchtune :class:`~torchtune.modules.TransformerDecoder` (FSDP-wrapped or not) whose
+    attention modules are all plain causal self-attention ``MultiHeadAttention`` (LoRA projections are fine)
+    and which returns no intermediate hidden states.
+    """
+    if not isinstance(model, TransformerDecoder):
+        return f"the model is a {type(model).__name__}, not a torchtune TransformerDecoder"
+    if model.output_hidden_states:
+        return "the model returns intermediate hidden states (output_hidden_states)"
+    attns = _attention_modules(model)
+    if not attns:
+        return "the model has no torchtune MultiHeadAttention modules"
+    for a in attns:
+        if not installable(a):
+            return f"its attention {type(a).__name__} has its own forward"
+        if not a.is_causal:
+            return "its attention is not causal self-attention"
+    return None
+
+
+def supports_shared_prompt(model: nn.Module) -> bool:
+    """Whether ``model`` can run shared-prompt forwards (see :func:`shared_prompt_unsupported`).
+
+    Anything else trains in the unshared layout.
+    """
+    return shared_prompt_unsupported(model) is None
+
+
+def shared_row_length(max_prompt_length: int, max_response_length: int, sequences_per_row: int) -> int:
+    """The longest shared-prompt row: ``P + M x C`` slots (``C = max_response_length - 1``, at least 1).
+
+    A micro-batch whose row would be longer than the model's ``max_seq_len`` is computed one row per
+    sequence (:meth:`TrainingBatch.logprobs`). ``sequences_per_row`` is ``min(group_size, micro_batch_size)``.
+    """
+    return max_prompt_length + sequences_per_row * max(1, max_response_length - 1)
+
+
+def install_shared_prompt_attention(model: nn.Module) -> bool:
+    """Let ``model``'s attention modules run :class:`SharedPromptMask` forwards (idempotent).
+
+    Every other forward is unchanged. Returns False (and changes nothing) when
+    :func:`supports_shared_prompt` is False.
+    """
+    if not supports_shared_prompt(model):
+        return False
+    for a in _attention_modules(model):
+        install_attention(a)
+    return True
+
+
+class SharedPromptLayout(NamedTuple):
+    """One micro-batch in the shared-prompt layout (see the module docstring). ``R`` rows, ``S`` slots.
+
+    Attributes:
+        tokens (torch.Tensor): ``[R, S]`` long, padded with the pad id.
+        input_pos (torch.Tensor): ``[R, S]`` long position ids (each completion continues its prompt).
+        mask (SharedPromptMask): the attention layout.
+        src (torch.Tensor): ``[K]`` long: flat ``R x S`` index of the hidden state predicting each response
+            token (the prompt's last real token for a completion's first token).
+        targets (torch.Tensor): ``[K]`` long: the response tokens.
+        dst (torch.Tensor): ``[K]`` long: flat index into the micro-batch's ``[n, T]`` result.
+    """
+
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    mask: SharedPromptMask
+    src: torch.Tensor
+    targets: torch.Tensor
+    dst: torch.Tensor
+
+
+def shared_prompt_layout(
+    prompt_ids: List[List[int]],
+    response_ids: List[List[int]],
+    pad_id: int,
+    start: int,
+    width: int,
+    device: Optional[torch.device] = None,
+) -> SharedPromptLayout:
+    """Pack consecutive sequences with the same prompt into one row each.
+
+    Args:
+        prompt_ids (List[List[int]]): ``n`` prompts (each non-empty); equal consecutive prompts share a row.
+        response_ids (List[List[int]]): ``n`` responses.
+        pad_id (int): padding id.
+        start (int): the result's first column predicts token ``start + 1`` of each ``prompt + response``.
+        width (int): ``T``, columns of the result.
+        device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+
+    Returns:
+        SharedPromptLayout: the packed rows and the gather/scatter indices of every response token.
+    """
+    runs: List[List[int]] = []  # sequence indices per row
+    for i, p in enumerate(prompt_ids):
+        if not p:
+            raise ValueError("shared-prompt packing needs non-empty prompts")
+        if runs and prompt_ids[runs[-1][0]] == p:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    p_slots = max(len(p) for p in prompt_ids)
+    # A response's last token predicts nothing: a completion region holds all its tokens but the last.
+    c_slots = max(1, max(len(r) for r in response_ids) - 1)
+    m = max(len(run) for run in runs)
+    s = p_slots + m * c_slots
+    # Pads need some position id; keep them inside the range the unshared rows use.
+    max_pos = max(len(p) + len(r) for p, r in zip(prompt_ids, response_ids)) - 1
+    tokens = torch.full((len(runs), s), pad_id, dtype=torch.long)
+    input_pos = torch.zeros((len(runs), s), dtype=torch.long)
+    prompt_lengths = torch.zeros(len(runs), dtype=torch.long)
+    src, targets, dst = [], [], []
+    c_range = torch.arange(c_slots)
+    for row, run in enumerate(runs):
+        prompt = prompt_ids[run[0]]
+        p_len = len(prompt)
+        prompt_lengths[row] = p_len
+        tokens[row, :p_len] = torch.tensor(prompt, dtype=torch.long)
+        input_pos[row, :p_slots] = torch.arange(p_slots).clamp(max=max_pos)
+        for slot in range(m):
+            base = p_slots + slot * c_slots
+            input_pos[row, base : base + c_slots] = (p_len + c_range).clamp(max=max_pos)
+            if slot >= len(run):
+                continue  # an empty completion region: attends to the prompt, feeds no result
+            i = run[slot]
+            resp = response_ids[i]
+            if not resp:
+                continue
+            k = len(resp)
+            tokens[row, base : base + k - 1] = torch.tensor(resp[:-1], dtype=torch.long)
+            # Token t of the response is predicted at the prompt's last token (t = 0) or at token t - 1.
+            pred = torch.arange(base - 1, base + k - 1)
+            pred[0] = p_len - 1
+            src.append(row * s + pred)
+            targets.append(torch.tensor(resp, dtype=torch.long))
+            dst.append(i * width + p_len - 1 - start + torch.arange(k))
+    empty = torch.zeros(0, dtype=torch.long)
+    src_t = torch.cat(src) if src else empty
+    targets_t = torch.cat(targets) if targets else empty
+    dst_t = torch.cat(dst) if dst else empty
+    return SharedPromptLayout(
+        tokens=tokens.to(device),
+        input_pos=input_pos.to(device),
+        mask=SharedPromptMask(p_slots, c_slots, m, prompt_lengths.to(device)),
+        src=src_t.to(device),
+        targets=targets_t.to(device),
+        dst=dst_t.to(device),
+    )
+
+
+class TrainingBatch:
+    """A step's ``N`` sequences laid out for the training forwards; per-token logprobs ``[N, T]`` of any rows.
+
+    Args:
+        prompt_ids (List[List[int]]): ``N`` prompts (consecutive sequences of a group repeat their prompt).
+        response_ids (List[List[int]]): ``N`` responses.
+        pad_id (int): padding id.
+        share_prompt (bool): compute each prompt once per group of sequences in the same micro-batch (see
+            the module docstring); False lays out one row per sequence. Models that
+            :func:`supports_shared_prompt` rejects use one row per sequence anyway. Default is True.
+        pack (bool): without ``share_prompt``: pack each micro-batch's sequences into rows as wide as its
+            longest, none attending to another (:mod:`~torchtune_grpo.training.packed_rows`); False pads one row per
+            sequence. Models :func:`supports_shared_prompt` rejects are not packed. Default is False.
+        device (Optional[torch.device]): where the tensors go. Default is None (CPU).
+        packed_attention (str): the packed rows' attention (:class:`~torchtune_grpo.training.packed_rows.PackedMask`):
+            ``"sdpa"`` or ``"flex"`` (FlexAttention on CUDA). Default is ``"sdpa"``.
+
+    Attributes:
+        tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.
+        start (int): ``min(prompt lengths) - 1``: column 0 of a result predicts token ``start + 1``.
+        response_mask (torch.Tensor): ``[N, T]`` bool, True where a column predicts a response token.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: List[List[int]],
+        response_ids: List[List[int]],
+        pad_id: int,
+        *,
+        share_prompt: bool = True,
+        pack: bool = False,
+        device: Optional[torch.device] = None,
+        packed_attention: str = "sdpa",
+    ) -> None:
+        tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
+        self.start = min(len(p) for p in prompt_ids) - 1
+        self.tokens = tokens.to(device)
+        self.response_mask = response_mask[:, self.start + 1 :].to(device)
+        self.prompt_ids, self.response_ids = prompt_ids, response_ids
+        # [N] real tokens per unshared row: a forward over some rows is cut to their longest.
+        self.lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+        self.pad_id = pad_id
+        self.share_prompt = share_prompt
+        self.pack = pack and not share_prompt
+        self.packed_attention = packed_attention
+        self.device = device
+        self.row_width: Optional[int] = None  # a packed plan's (select)
+        self._layouts: Dict[Tuple[int, int], "SharedPromptLayout | PackedLayout"] = {}
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, start: int = 0) -> "TrainingBatch":
+        """An unshared batch of already packed rows ``tokens [N, L]``, results from column ``start``."""
+        batch = cls.__new__(cls)
+        batch.tokens, batch.start = tokens, start
+        batch.response_mask = None
+        batch.prompt_ids = batch.response_ids = batch.lengths = None
+        batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
+        batch.packed_attention = "sdpa"
+        batch.row_width = None
+        batch._layouts = {}
+        return batch
+
+    def __len__(self) -> int:
+        return self.tokens.size(0)
+
+    @property
+    def width(self) -> int:
+        """``T``: result columns."""
+        return self.tokens.size(1) - 1 - self.start
+
+    def response_values(self, values: List[List[float]]) -> torch.Tensor:
+        """Per-response-token ``values`` (one list per sequence) in the result layout ``[N, T]``, 0 elsewhere.
+
+        E.g. the engine's sampling logprobs, next to the trainer's (see :func:`response_values`).
+        """
+        return response_values(self.prompt_ids, values, self.start, self.width).to(self.device)
+
+    def select(self, rows: List[int], row_width: Optional[int] = None) -> "TrainingBatch":
+        """The batch of ``rows`` (indices, in that order), in the same ``[*, T]`` result layout.
+
+        ``start`` (and so ``T``) stays this batch's, so values of the selection line up with the rest;
+        layouts are rebuilt for the new rows. ``row_width``: a packed plan's (:attr:`MicroBatchPlan.row_width`):
+        the packed layouts fill rows of that width in ``rows``' order.
+        """
+        batch = copy.copy(self)
+        batch.row_width = row_width
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
+        batch.tokens = self.tokens.index_select(0, index)
+        if self.response_mask is not None:
+            batch.response_mask = self.response_mask.index_select(0, index)
+        if self.prompt_ids is not None:
+            batch.prompt_ids = [self.prompt_ids[i] for i in rows]
+            batch.response_ids = [self.response_ids[i] for i in rows]
+            batch.lengths = [self.lengths[i] for i in rows]
+        batch._layouts = {}
+        return batch
+
+    def plan(
+        self,
+        *,
+        max_tokens: int,
+        max_rows: int,
+        all_reduce: Optional[Callable[[List[float]], List[float]]] = None,
+        num_micro_batches: Optional[int] = None,
+    ) -> MicroBatchPlan:
+        """Token-budget micro-batches of this batch's rows (:mod:`~torchtune_grpo.training.micro_batches`).
+
+        Units and costs follow this batch's layout: groups in the shared-prompt layout, sequences otherwise.
+
+        Args:
+            max_tokens (int): tokens per forward, padding included.
+            max_rows (int): sequences per micro-batch at most.
+            all_reduce (Optional[Callable[[List[float]], List[float]]]): sums floats over ranks; the number
+                of micro-batches is then the largest over ranks. Default is None (this rank's own count,
+                or ``num_micro_batches``).
+            num_micro_batches (Optional[int]): exactly this many (without ``all_reduce``). Default is None.
+
+        Returns:
+            MicroBatchPlan: the row order and the micro-batch sizes.
+        """
+        kw = dict(
+            max_tokens=max_tokens, max_rows=max_rows, prompt_ids=self.prompt_ids if self.share_prompt else None,
+            packed=self.pack,
+        )
+        prompt_lens = [len(p) for p in self.prompt_ids]
+        response_lens = [len(r) for r in self.response_ids]
+        if all_reduce is not None:
+            return agreed_plan(prompt_lens, response_lens, all_reduce=all_reduce, **kw)
+        return plan_micro_batches(prompt_lens, response_lens, num_micro_batches=num_micro_batches, **kw)
+
+    def real_tokens(self, rows: slice) -> int:
+        """Slots of a forward over ``rows`` that hold a real token (the rest of :meth:`padded_tokens` is
+        padding): ``prompt + response`` per sequence, or, shared, each row's prompt once and every response
+        but its last token."""
+        if self.prompt_ids is None:
+            return int(self.tokens[rows].numel())
+        if self.pack:  # a response's last token is an input to nothing
+            return sum(len(p) + max(len(r) - 1, 0) for p, r in zip(self.prompt_ids[rows], self.response_ids[rows]))
+        if not self.share_prompt:
+            return sum(self.lengths[rows])
+        prompts = self.prompt_ids[rows]
+        once = sum(len(p) for i, p in enumerate(prompts) if i == 0 or prompts[i - 1] != p)  # one per row
+        return once + sum(max(len(r) - 1, 0) for r in self.response_ids[rows])
+
+    def padded_tokens(self, rows: slice) -> int:
+        """Tokens a forward over ``rows`` holds, padding included (for padding metrics and benchmarks)."""
+        n = len(range(*rows.indices(len(self))))
+        if (self.share_prompt or self.pack) and self.prompt_ids is not None:
+            return int(self.layout(rows).tokens.numel())
+        if self.lengths is None:
+            return n * self.tokens.size(1)
+        return n * max(self.lengths[rows])
+
+    def layout(self, rows: slice) -> "SharedPromptLayout | PackedLayout":
+        """The shared-prompt (or, with ``pack``, packed) layout of ``rows`` (built once, reused by every pass
+        over the same rows)."""
+        key = (rows.start or 0, rows.stop if rows.stop is not None else len(self))
+        if key not in self._layouts:
+            a, b = key
+            args = (self.prompt_ids[a:b], self.response_ids[a:b], self.pad_id, self.start, self.width, self.device)
+            if self.pack:
+                self._layouts[key] = packed_layout(*args, row_width=self.row_width, attention=self.packed_attention)
+            else:
+                self._layouts[key] = shared_prompt_layout(*args)
+        return self._layouts[key]
+
+    def logprobs(
+        self,
+        model: nn.Module,
+        rows: slice,
+        *,
+        temperature: float = 1.0,
+        chunk_size: int = 512,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
+    ) -> TokenLogprobs:
+        """Per-token logprobs (and entropy) of ``rows`` under ``model``: ``[n, T]``, 0 off response tokens.
+
+        Arguments as :func:`~torchtune_grpo.models.logprobs.sequence_logprobs`. One forward over the rows.
+        """
+        # The shared-prompt and packed layouts run through the same attention replacement.
+        shared = (self.share_prompt or self.pack) and install_shared_prompt_attention(model)
+        if shared:
+            lay = self.layout(rows)
+            max_len = getattr(model, "max_seq_len", None)
+            shared = max_len is None or lay.tokens.size(1) <= max_len  # else: one row per sequence
+        if not shared:
+            tokens = self.tokens[rows]  # [n, L]
+            if self.lengths is not None:
+                # Cut to these rows' longest sequence: the rest is padding after every real token, which
+                # causal attention never lets a real token see.
+                tokens = tokens[:, : max(max(self.lengths[rows]), self.start + 2)]
+            out = sequence_logprobs(
+                model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
+                with_entropy=with_entropy, entropy_grad=entropy_grad,
+            )
+            if self.response_mask is None:
+                return out
+            # The same convention as the shared layout: 0 wherever no response token is predicted.
+            keep = self.response_mask[rows]
+            grow = self.width - out.logprobs.size(1)  # back to the batch's T columns
+
+            def zero(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+                if t is None:
+                    return None
+                t = F.pad(t, (0, grow))
+                return torch.where(keep, t, torch.zeros_like(t))
+
+            return TokenLogprobs(zero(out.logprobs), zero(out.entropy))
+        n, width = self.tokens[rows].size(0), self.width
+
+        def unembed(h: torch.Tensor) -> torch.Tensor:
+            # Only the hidden states that predict response tokens: [K, D].
+            picked = model.norm(h.reshape(-1, h.size(-1)).index_select(0, lay.src))
+            out = chunked_logprobs(
+                picked[None], lay.targets[None], model.output, temperature=temperature,
+                chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+            )
+            if out.entropy is None:
+                return out.logprobs[0].clone()  # [K]; a fresh tensor, not a view (FSDP2)
+            return torch.stack([out.logprobs[0], out.entropy[0]], dim=-1)  # [K, 2]
+
+        with replace_unembed(model, unembed):
+            out = model(lay.tokens, mask=lay.mask, input_pos=lay.input_pos)
+
+        def scatter(values: torch.Tensor) -> torch.Tensor:
+            flat = torch.zeros(n * width, dtype=values.dtype, device=values.device)
+            return flat.index_copy(0, lay.dst, values).view(n, width)
+
+        if with_entropy:
+            return TokenLogprobs(scatter(out[:, 0]), scatter(out[:, 1]))
+        return TokenLogprobs(scatter(out), None)

@@ -1,0 +1,274 @@
+"""From a step's scored rollouts to what the update trains on: :class:`ExperienceBuilder`.
+
+The selected :class:`~torchtune_grpo.rollouts.groups.RolloutGroups` become an :class:`~torchtune_grpo.training.update.Experience`:
+
+1. the training layout (:class:`~torchtune_grpo.training.batch.TrainingBatch`; with ``share_prompt`` a micro-batch's
+   completions of one prompt share one row, the prompt computed once);
+2. the loss mask: response tokens, minus the environment's tokens of multi-turn episodes (context, not
+   actions), minus truncated completions with ``mask_truncated`` (DAPO's overlong filtering: they leave
+   the loss and the sequence count but still shaped their group's advantage baseline);
+3. reference logprobs (a frozen model, or the policy in a context such as LoRA's adapters switched off;
+   none without a KL term) and ``pi_old``'s logprobs when anything needs them before the update;
+4. the advantage signal (the weighted reward, or GDPO's normalised components), the KL penalty taken off
+   each sequence's reward with ``kl_placement: reward``, and the advantages (batch statistics global);
+5. the masks and weights decided from ``pi_old`` before the update (rollout correction, token selection).
+
+Collectives are passed in (``all_reduce``, ``all_gather``), so the same code runs on one process, on N,
+and in benchmarks and tests without a process group.
+"""
+
+from contextlib import nullcontext
+from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torchtune_grpo.rollouts.advantages import advantage_signal, RewardStats
+from torchtune_grpo.models.logprobs import TokenLogprobs
+from torchtune_grpo.loss import kl_reward_penalty
+from torchtune_grpo.loss.masks import LossMasks
+from torchtune_grpo.metrics.sums import one_process_sum
+from torchtune_grpo.training.micro_batches import MicroBatchPlan
+from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.rollouts.groups import RolloutGroups
+from torchtune_grpo.training.update import batch_logprobs, batch_token_logprobs, Experience
+
+__all__ = ["BuiltExperience", "ExperienceBuilder", "Reference"]
+
+
+def _local_gather(values: torch.Tensor) -> torch.Tensor:
+    return values
+
+
+class Reference(NamedTuple):
+    """The policy the KL term is measured against.
+
+    Attributes:
+        model (nn.Module): a frozen model, or the policy itself (then ``context`` changes what it computes).
+        context (Callable[[], ContextManager]): entered around its forwards, e.g. LoRA's "adapters off".
+            Default is no context.
+    """
+
+    model: nn.Module
+    context: Callable[[], ContextManager] = nullcontext
+
+
+class BuiltExperience(NamedTuple):
+    """What :class:`ExperienceBuilder` returns.
+
+    Attributes:
+        experience (Experience): the update's input.
+        kl_penalty (torch.Tensor): ``[N]`` the per-sequence KL penalty taken off the rewards (zeros unless
+            ``kl_placement: reward``), for the metrics.
+    """
+
+    experience: Experience
+    kl_penalty: torch.Tensor
+
+
+class ExperienceBuilder:
+    """Selected rollouts -> :class:`~torchtune_grpo.training.update.Experience` (see the module docstring).
+
+    Args:
+        advantage: the advantage estimator (``advantage(rewards [N], group_size, batch_stats=...)``).
+        reward_weights (Sequence[float]): each reward component's weight (GDPO's signal).
+        group_size (int): completions per prompt.
+        pad_id (int): the tokenizer's pad id.
+        loss_masks (LossMasks): rollout correction and token selection.
+        micro_batch_size (int): rows per logprob forward (with ``max_tokens_per_micro_batch``: at most).
+        temperature (float): the sampling temperature the logprobs are computed at (> 0).
+        device (torch.device): the training device.
+        chunk_size (int): positions per log-softmax chunk. Default is 512.
+        share_prompt (bool): the shared-prompt training layout. Default is True.
+        pack_sequences (bool): without ``share_prompt``, pack several sequences per row
+            (:mod:`~torchtune_grpo.training.packed_rows`). Default is False.
+        packed_attention (str): packed rows' attention, ``"sdpa"`` or ``"flex"`` (FlexAttention on CUDA).
+            Default is ``"sdpa"``.
+        max_tokens_per_micro_batch (Optional[int]): logprob forwards by token budget (padding included,
+            :mod:`~torchtune_grpo.training.micro_batches`; the same number on every rank); None: ``micro_batch_size``
+            rows each. Default is None.
+        mask_truncated (bool): DAPO's overlong filtering. Default is False.
+        kl_coef (float): weight of the KL penalty (0: none). Default is 0.
+        kl_estimator (str): ``k1``, ``k2`` or ``k3``. Default is ``"k3"``.
+        kl_in_reward (bool): the KL penalty goes into each sequence's reward, not the loss. Default is False.
+        reference (Optional[Reference]): where reference logprobs come from; None: no reference (no KL).
+            Default is None.
+        update_needs_old_logprobs (bool): the update takes more than one optimizer step per rollout, so it
+            needs ``pi_old`` (``PolicyUpdate.needs_old_logprobs``). Default is False.
+        all_reduce (Callable[[List[float]], List[float]]): sums floats over ranks (batch statistics).
+            Default is the identity (one process).
+        all_gather (Callable[[torch.Tensor], torch.Tensor]): concatenates a 1-D CPU tensor of every rank
+            (token selection's global threshold). Default is the identity.
+    """
+
+    def __init__(
+        self,
+        *,
+        advantage: Any,
+        reward_weights: Sequence[float],
+        group_size: int,
+        pad_id: int,
+        loss_masks: LossMasks,
+        micro_batch_size: int,
+        temperature: float,
+        device: torch.device,
+        chunk_size: int = 512,
+        share_prompt: bool = True,
+        pack_sequences: bool = False,
+        packed_attention: str = "sdpa",
+        max_tokens_per_micro_batch: Optional[int] = None,
+        mask_truncated: bool = False,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        kl_in_reward: bool = False,
+        reference: Optional[Reference] = None,
+        update_needs_old_logprobs: bool = False,
+        all_reduce: Callable[[List[float]], List[float]] = one_process_sum,
+        all_gather: Callable[[torch.Tensor], torch.Tensor] = _local_gather,
+    ) -> None:
+        self.advantage = advantage
+        self.reward_weights = list(reward_weights)
+        self.group_size = int(group_size)
+        self.pad_id = pad_id
+        self.loss_masks = loss_masks
+        self.micro_batch_size = int(micro_batch_size)
+        self.temperature = float(temperature)
+        self.device = device
+        self.chunk_size = int(chunk_size)
+        self.share_prompt = bool(share_prompt)
+        self.pack_sequences = bool(pack_sequences)
+        self.packed_attention = packed_attention
+        self.max_tokens = None if max_tokens_per_micro_batch is None else int(max_tokens_per_micro_batch)
+        self.mask_truncated = bool(mask_truncated)
+        self.kl_coef = float(kl_coef)
+        self.kl_estimator = kl_estimator
+        self.kl_in_reward = bool(kl_in_reward)
+        self.reference = reference
+        self.update_needs_old_logprobs = bool(update_needs_old_logprobs)
+        self.all_reduce = all_reduce
+        self.all_gather = all_gather
+
+    def logprobs(
+        self, model: nn.Module, layout: "TrainingBatch | torch.Tensor", start: int = 0,
+        plan: Optional[MicroBatchPlan] = None,
+    ) -> torch.Tensor:
+        """Logprobs ``[N, T]`` of a ``TrainingBatch`` (or of packed rows ``[N, L]`` from ``start``), no grad;
+        micro-batches of ``plan`` (:meth:`plan`) when given."""
+        if isinstance(layout, torch.Tensor):
+            layout = TrainingBatch.from_tokens(layout, start)
+        return batch_logprobs(
+            model, layout, micro_batch_size=self.micro_batch_size, temperature=self.temperature,
+            chunk_size=self.chunk_size, plan=plan,
+        )
+
+    def planned_logprobs(self, model: nn.Module, layout: TrainingBatch) -> torch.Tensor:
+        """:meth:`logprobs` in the micro-batches :meth:`plan` gives (as pi_old's pass): the same values to the
+        last bit for the same weights (one all-reduce with a token budget: every rank calls it)."""
+        return self.logprobs(model, layout, plan=self.plan(layout))
+
+    def plan(self, layout: TrainingBatch) -> Optional[MicroBatchPlan]:
+        """The token-budget micro-batches of ``layout`` (one all-reduce agrees on their number), or None
+        without ``max_tokens_per_micro_batch``."""
+        if self.max_tokens is None:
+            return None
+        return layout.plan(max_tokens=self.max_tokens, max_rows=self.micro_batch_size, all_reduce=self.all_reduce)
+
+    def reference_logprobs(
+        self, layout: "TrainingBatch | torch.Tensor", start: int = 0, plan: Optional[MicroBatchPlan] = None
+    ) -> Optional[torch.Tensor]:
+        """Reference logprobs ``[N, T]`` of ``layout`` (in eval mode, inside the reference's context); None
+        without a reference."""
+        if self.reference is None:
+            return None
+        model = self.reference.model
+        was_training = model.training
+        model.eval()
+        try:
+            with self.reference.context():
+                return self.logprobs(model, layout, start, plan)
+        finally:
+            model.train(was_training)
+
+    def needs_old_logprobs(self, has_engine_logprobs: bool) -> bool:
+        """Whether anything needs ``pi_old``'s logprobs before the update (see :meth:`old_logprobs`)."""
+        return (
+            self.update_needs_old_logprobs or self.kl_in_reward
+            or self.loss_masks.needs_old_logprobs(has_engine_logprobs)
+        )
+
+    def old_logprobs(
+        self, policy: nn.Module, layout: TrainingBatch, has_engine_logprobs: bool,
+        plan: Optional[MicroBatchPlan] = None,
+    ) -> TokenLogprobs:
+        """``pi_old``'s logprobs (and, for token selection, entropy) ``[N, T]``; None fields when not needed.
+
+        With a single optimizer step the old policy *is* the current one (ratio 1): no extra forward,
+        unless the KL penalty in the reward or a loss mask needs ``pi_old`` before the update.
+        """
+        if not self.needs_old_logprobs(has_engine_logprobs):
+            return TokenLogprobs(None, None)
+        return batch_token_logprobs(
+            policy, layout, micro_batch_size=self.micro_batch_size, temperature=self.temperature,
+            chunk_size=self.chunk_size, with_entropy=self.loss_masks.needs_entropy, plan=plan,
+        )
+
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Advantages ``[N]`` of this rank's sequences; batch-level statistics are global (all-reduced)."""
+        if not getattr(self.advantage, "uses_batch_stats", False):
+            return self.advantage(rewards, self.group_size).advantages
+        stats = RewardStats(*self.all_reduce(list(RewardStats.of(rewards))))
+        return self.advantage(rewards, self.group_size, batch_stats=stats).advantages
+
+    def __call__(self, policy: nn.Module, trained: RolloutGroups) -> BuiltExperience:
+        """Lay out ``trained`` for the update (the policy is left in train mode).
+
+        Args:
+            policy (nn.Module): the policy (``pi_old``: the weights that sampled ``trained``).
+            trained (RolloutGroups): the groups the step trains on.
+
+        Returns:
+            BuiltExperience: the experience and the per-sequence KL penalty ``[N]``.
+        """
+        n = len(trained.response_ids)
+        layout = TrainingBatch(
+            trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt,
+            pack=self.pack_sequences, device=self.device, packed_attention=self.packed_attention,
+        )
+        kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
+        kept = kept.to(self.device)  # [N]
+        actions = layout.response_mask  # [N, T]
+        if trained.action_mask is not None:  # multi-turn: the environment's tokens are context, not actions
+            actions = actions & layout.response_values(trained.action_mask).bool()
+        mask = actions & kept.unsqueeze(1)  # [N, T]
+
+        # [N, T] the engine's sampling logprobs (vLLM; TIS, rollout correction, logprob_mismatch) or None
+        engine_logprobs = None
+        if trained.engine_logprobs is not None:
+            engine_logprobs = layout.response_values(trained.engine_logprobs)
+        plan = None  # token-budget micro-batches of the no-grad forwards (one all-reduce), when any runs
+        if self.reference is not None or self.needs_old_logprobs(engine_logprobs is not None):
+            plan = self.plan(layout)
+        ref_logprobs = self.reference_logprobs(layout, plan=plan)  # [N, T] or None
+        policy.train()
+        old = self.old_logprobs(policy, layout, engine_logprobs is not None, plan)  # pi_old [N, T] (+ entropy)
+        rewards, components = advantage_signal(  # the weighted sum, or GDPO's normalised components
+            self.advantage, trained.rewards, trained.per_component, self.reward_weights, self.group_size
+        )
+        kl_penalty = torch.zeros(n)
+        if self.kl_in_reward:
+            kl_penalty = kl_reward_penalty(old.logprobs, ref_logprobs, actions, self.kl_coef, self.kl_estimator).cpu()
+            rewards = rewards - kl_penalty
+        advantages = self.advantages(rewards).to(self.device)  # [N]
+        # Rollout correction and token selection, decided before the update: the update's global
+        # token/sequence counts (per mini-batch, torchtune_grpo/training/update.py) include them.
+        masks = self.loss_masks(
+            mask, kept, advantages, old_logprobs=old.logprobs, old_entropy=old.entropy,
+            engine_logprobs=engine_logprobs, gather=self.all_gather,
+        )
+        experience = Experience(
+            batch=layout, mask=masks.mask, kept=masks.kept, advantages=advantages,
+            old_logprobs=old.logprobs, ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
+            importance_weights=masks.weights,
+            metric_sums=masks.sums.merge(components.sums()) if components is not None else masks.sums,
+        )
+        return BuiltExperience(experience, kl_penalty)

@@ -1,0 +1,398 @@
+"""The policy update: one step's experience in, optimizer steps and loss statistics out.
+
+:class:`Experience` is everything the update needs of the rows a step trains on, already in the
+training layout ``[N, T]`` (column ``j`` predicts token ``start + j + 1``, see
+:class:`~torchtune_grpo.training.batch.TrainingBatch`): the loss mask and kept sequences, advantages, the
+old/reference/engine logprobs and any importance weights.
+
+:class:`PolicyUpdate` runs ``ppo_epochs`` passes over it; each pass splits the rows into
+``ppo_mini_batches`` disjoint mini-batches of whole groups and takes one optimizer step per mini-batch
+(``ppo_epochs x ppo_mini_batches`` optimizer steps per step). Each optimizer step accumulates gradients over
+micro-batches; every loss term is a sum over the micro-batch divided by the mini-batch's *global* token and
+sequence counts (all ranks; one all-reduce, through the callable the recipe passes, gives the counts of
+every mini-batch before the first update), so the summed gradient does not depend on the micro-batch size
+or the number of processes. FSDP2 averages gradients over ranks, so the loss is multiplied by the world
+size before ``backward``, and it reduce-scatters gradients only after an optimizer step's last
+micro-batch. Then: the global gradient norm (clipped when ``clip_grad_norm`` is set), the optimizer and
+learning-rate scheduler steps. A non-finite gradient norm is never stepped on: ``on_nonfinite="stop"`` raises
+:class:`~torchtune_grpo.runtime.nonfinite.NonFiniteError`, ``"skip"`` discards the gradients and counts the step
+(torchtune_grpo/runtime/nonfinite.py). The norm is global, so every rank decides the same.
+
+With more than one mini-batch the groups are shuffled before every pass: a permutation of this rank's
+groups seeded by ``(seed, step, epoch)``. Every rank holds the same number of whole groups
+(``batch_size``; dynamic sampling always selects exactly that many), so every rank runs the same number of
+optimizer steps and micro-batches, whatever its permutation; a group's rows never leave their rank.
+New loss inputs are added to :class:`Experience` and passed in :meth:`PolicyUpdate.loss_inputs`.
+"""
+
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from torchtune_grpo.models.logprobs import TokenLogprobs
+from torchtune_grpo.metrics.sums import one_process_sum, StepSums
+from torchtune_grpo.training.micro_batches import agreed_counts, count_histogram, MicroBatchPlan
+from torchtune_grpo.runtime.nonfinite import advice, check_policy, NonFiniteError
+from torchtune_grpo.loss.rollout_correction import logprob_mismatch_sum
+from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.training.step_metrics import LOSS_METRICS
+
+__all__ = [
+    "Experience", "PolicyUpdate", "UpdateStats", "batch_logprobs", "batch_token_logprobs", "micro_batches",
+]
+
+
+@dataclass
+class Experience:
+    """The rows a step trains on, laid out for the update. ``N`` sequences, ``T`` logprob columns.
+
+    Attributes:
+        batch (TrainingBatch): the ``N`` sequences in the training layout.
+        mask (torch.Tensor): ``[N, T]`` bool, the tokens the loss sees (response tokens of kept rows, minus
+            what the rollout correction or the token selection removed).
+        kept (torch.Tensor): ``[N]`` bool, the sequences that count in the loss's sequence count.
+        advantages (torch.Tensor): ``[N]`` per-sequence advantages, on the training device.
+        old_logprobs (Optional[torch.Tensor]): ``[N, T]`` logprobs under the sampling policy, or None when
+            the update takes one optimizer step (the current policy *is* the old one: ratio 1).
+        ref_logprobs (Optional[torch.Tensor]): ``[N, T]`` reference-policy logprobs, or None (no KL term).
+        engine_logprobs (Optional[torch.Tensor]): ``[N, T]`` the generation engine's sampling logprobs (an
+            engine with its own weights; truncated importance sampling and the mismatch metric), or None.
+        importance_weights (Optional[torch.Tensor]): ``[N, T]`` constants multiplying each token's policy
+            term (the rollout correction's), or None. Default is None.
+        metric_sums (StepSums): this rank's quantities of what was decided before the update (rollout
+            correction, per-component advantages), reduced with the step's metrics. Default is empty.
+    """
+
+    batch: TrainingBatch
+    mask: torch.Tensor
+    kept: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+    engine_logprobs: Optional[torch.Tensor]
+    importance_weights: Optional[torch.Tensor] = None
+    metric_sums: StepSums = field(default_factory=StepSums)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def select(self, rows: torch.Tensor, row_width: Optional[int] = None) -> "Experience":
+        """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order; ``row_width`` as
+        :meth:`TrainingBatch.select`)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in out.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = value[rows.to(value.device)]
+        out["batch"] = self.batch.select(rows.tolist(), row_width=row_width)
+        return replace(self, **out)
+
+
+class UpdateStats(NamedTuple):
+    """What an update reports.
+
+    Attributes:
+        losses (Dict[str, Any]): :data:`~torchtune_grpo.training.step_metrics.LOSS_METRICS` (this rank's
+            contributions to the global sums, averaged over optimizer steps; tensors or floats), plus
+            ``generation/logprob_mismatch`` when the experience has engine logprobs.
+        grad_norm (Optional[torch.Tensor]): the last optimizer step's global gradient norm (before
+            clipping). None only when no parameter has a gradient.
+        skipped_steps (int): optimizer steps not taken because the gradient norm was not finite
+            (``on_nonfinite="skip"``). Default is 0.
+    """
+
+    losses: Dict[str, Any]
+    grad_norm: Optional[torch.Tensor]
+    skipped_steps: int = 0
+
+
+def micro_batches(n: int, size: int, start: int = 0) -> List[slice]:
+    """Row slices of at most ``size`` rows covering ``[start, n)``."""
+    return [slice(i, min(i + size, n)) for i in range(start, n, size)]
+
+
+@torch.no_grad()
+def batch_token_logprobs(
+    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
+    chunk_size: int = 512, with_entropy: bool = False, plan: Optional[MicroBatchPlan] = None,
+) -> TokenLogprobs:
+    """Logprobs ``[N, T]`` (and entropy ``[N, T]``) of every row of ``batch`` under ``model``, no grad.
+
+    Micro-batches of ``micro_batch_size`` rows in order, or those of a token-budget ``plan``
+    (:meth:`TrainingBatch.plan`; results come back in the batch's row order either way).
+    """
+    ordered, mbs = batch, micro_batches(len(batch), micro_batch_size)
+    if plan is not None:
+        ordered, mbs = batch.select(plan.order, row_width=plan.row_width), plan.slices()
+    outs = [
+        ordered.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                         entropy_grad=False)
+        for mb in mbs
+    ]
+    logprobs = torch.cat([o.logprobs for o in outs])
+    entropy = torch.cat([o.entropy for o in outs]) if with_entropy else None
+    if plan is not None:
+        logprobs = plan.restore(logprobs)
+        entropy = plan.restore(entropy) if entropy is not None else None
+    return TokenLogprobs(logprobs, entropy)
+
+
+def batch_logprobs(
+    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
+    chunk_size: int = 512, plan: Optional[MicroBatchPlan] = None,
+) -> torch.Tensor:
+    """Logprobs ``[N, T]`` of every row of ``batch`` under ``model``, micro-batch by micro-batch, no grad."""
+    return batch_token_logprobs(
+        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size, plan=plan
+    ).logprobs
+
+
+class PolicyUpdate:
+    """``ppo_epochs x ppo_mini_batches`` optimizer steps on an :class:`Experience` (see the module docstring).
+
+    Args:
+        model (nn.Module): the policy (plain or FSDP2-sharded), in train mode.
+        optimizer (torch.optim.Optimizer): its optimizer.
+        loss_fn: a GRPO-family loss (:mod:`torchtune_grpo.loss`): ``loss_fn(logprobs, old_logprobs,
+            advantages, mask, ref_logprobs=, entropy=, num_tokens=, num_seqs=[, sampler_logprobs=]
+            [, importance_weights=])``.
+        lr_scheduler (Optional[Any]): stepped after every optimizer step. Default is None.
+        ppo_epochs (int): passes over the experience. Default is 1.
+        ppo_mini_batches (int): disjoint mini-batches of whole groups per pass, one optimizer step each.
+            Default is 1.
+        group_size (int): ``G``, consecutive rows of one prompt (kept together in a mini-batch). Default is 1.
+        seed (int): seeds the per-step shuffle of groups across mini-batches. Default is 0.
+        shuffle (bool): shuffle the groups across mini-batches before every pass (with more than one
+            mini-batch); False keeps the rollout order. Default is True.
+        micro_batch_size (int): rows per forward/backward (with ``max_tokens_per_micro_batch``: at most).
+        max_tokens_per_micro_batch (Optional[int]): micro-batches by tokens instead (padding included; see
+            :mod:`~torchtune_grpo.training.micro_batches`): each mini-batch's rows sorted by length and packed up to
+            this many tokens per forward, as many micro-batches on every rank (the largest count). None:
+            ``micro_batch_size`` rows in rollout order. Default is None.
+        clip_grad_norm (Optional[float]): clip the total gradient norm to this. Default is None.
+        world_size (int): processes sharing the global batch (FSDP2 averages their gradients). Default is 1.
+        all_reduce (Callable[[List[float]], List[float]]): sums a list of floats over all ranks (the recipe's
+            all-reduce); called once per update, on every rank. Default is the identity (one process).
+        temperature (float): the sampling temperature the logprobs are computed at. Default is 1.0.
+        chunk_size (int): positions per chunk of the logprob computation. Default is 512.
+        on_nonfinite (str): ``"stop"`` (raise) or ``"skip"`` (drop the optimizer step) when the gradient norm
+            is NaN or infinite. Default is ``"stop"``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn,
+        *,
+        lr_scheduler: Optional[Any] = None,
+        ppo_epochs: int = 1,
+        ppo_mini_batches: int = 1,
+        group_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        micro_batch_size: int,
+        max_tokens_per_micro_batch: Optional[int] = None,
+        clip_grad_norm: Optional[float] = None,
+        world_size: int = 1,
+        all_reduce: Callable[[List[float]], List[float]] = one_process_sum,
+        temperature: float = 1.0,
+        chunk_size: int = 512,
+        on_nonfinite: str = "stop",
+    ) -> None:
+        if int(ppo_epochs) < 1 or int(ppo_mini_batches) < 1:
+            raise ValueError(f"ppo_epochs and ppo_mini_batches must be >= 1, got {ppo_epochs}, {ppo_mini_batches}")
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.lr_scheduler = lr_scheduler
+        self.ppo_epochs = int(ppo_epochs)
+        self.ppo_mini_batches = int(ppo_mini_batches)
+        self.group_size = int(group_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.micro_batch_size = int(micro_batch_size)
+        self.max_tokens = None if max_tokens_per_micro_batch is None else int(max_tokens_per_micro_batch)
+        self.clip_grad_norm = clip_grad_norm
+        self.world_size = int(world_size)
+        self.all_reduce = all_reduce
+        self.temperature = temperature
+        self.chunk_size = int(chunk_size)
+        self.on_nonfinite = check_policy(on_nonfinite)
+        # Only a loss with truncated importance sampling takes the engine's logprobs (custom losses need not).
+        self._takes_engine_logprobs = getattr(loss_fn, "tis_cap", None) is not None
+        # Entropy comes from the same chunked forward (never full logits); it carries a gradient only
+        # when the loss has an entropy bonus.
+        self._entropy_grad = getattr(loss_fn, "entropy_coef", 0.0) > 0
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per update: ``ppo_epochs x ppo_mini_batches``."""
+        return self.ppo_epochs * self.ppo_mini_batches
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Whether the experience must carry ``pi_old``: every optimizer step after the first is off-policy."""
+        return self.optimizer_steps > 1
+
+    def mini_batches(self, exp: Experience) -> List[slice]:
+        """The rows of each optimizer step of a pass: ``ppo_mini_batches`` equal slices of whole groups."""
+        n, k = len(exp), self.ppo_mini_batches
+        if n % (k * self.group_size):
+            raise ValueError(
+                f"{n} rows = {n // self.group_size} groups of {self.group_size} do not split into "
+                f"ppo_mini_batches = {k} mini-batches of whole groups"
+            )
+        size = n // k
+        return [slice(i * size, (i + 1) * size) for i in range(k)]
+
+    def epoch_order(self, exp: Experience, step: int, epoch: int) -> Experience:
+        """The experience of pass ``epoch``: groups in a permutation seeded by ``(seed, step, epoch)``.
+
+        With one mini-batch the order cannot matter (every row is in the one optimizer step), so the rows
+        stay as they are (as they do with ``shuffle=False``).
+        """
+        if self.ppo_mini_batches == 1 or not self.shuffle:
+            return exp
+        num_groups = len(exp) // self.group_size
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step * 1_009 + epoch)
+        groups = torch.randperm(num_groups, generator=gen)  # [num_groups]
+        rows = (groups.unsqueeze(1) * self.group_size + torch.arange(self.group_size)).reshape(-1)  # [N]
+        return exp.select(rows)
+
+    def __call__(self, exp: Experience, step: int = 0) -> UpdateStats:
+        """Run the update.
+
+        Args:
+            exp (Experience): the step's rows.
+            step (int): the training step (seeds the shuffle). Default is 0.
+
+        Returns:
+            UpdateStats: loss statistics (global-sum contributions, summed on device) and the grad norm.
+        """
+        passes = [self.epoch_order(exp, step, e) for e in range(self.ppo_epochs)]
+        slices = self.mini_batches(exp)
+        # Every mini-batch's global token and sequence counts, with one all-reduce before the first update.
+        local = [
+            float(v)
+            for ex in passes
+            for rows in slices
+            for v in (ex.mask[rows].sum().item(), ex.kept[rows].sum().item())
+        ]
+        plans = [[self._plan(ex, rows) for rows in slices] for ex in passes] if self.max_tokens else None
+        if plans is not None:  # the micro-batch counts ride on the same all-reduce (their largest is used)
+            size = slices[0].stop - slices[0].start
+            local += [v for row in plans for p in row for v in count_histogram(len(p.sizes), size)]
+        counts = self.all_reduce(local)
+        if plans is not None:
+            agreed = agreed_counts(counts[2 * len(passes) * len(slices) :], size)
+            for e, ex in enumerate(passes):
+                for m, rows in enumerate(slices):
+                    if len(plans[e][m].sizes) != agreed[e * len(slices) + m]:
+                        plans[e][m] = self._plan(ex, rows, agreed[e * len(slices) + m])
+        stats: Dict[str, Any] = dict.fromkeys(LOSS_METRICS, 0.0)
+        mismatch = 0.0
+        grad_norm, skipped = None, 0
+        total_tokens = sum(counts[0 : 2 * len(slices) : 2])  # the first pass covers every row once
+        for e, ex in enumerate(passes):
+            for m, rows in enumerate(slices):
+                i = 2 * (e * len(slices) + m)
+                if plans is None:
+                    sub, mbs = ex, micro_batches(rows.stop, self.micro_batch_size, rows.start)
+                else:  # the mini-batch's rows in the plan's order: each micro-batch a slice of them
+                    plan = plans[e][m]
+                    sub = ex.select(torch.tensor([rows.start + r for r in plan.order], dtype=torch.long),
+                                    row_width=plan.row_width)
+                    mbs = plan.slices()
+                out = self._accumulate(sub, mbs, counts[i], counts[i + 1], stats)
+                if e == 0 and ex.engine_logprobs is not None:
+                    mismatch = mismatch + out / max(total_tokens, 1)
+                grad_norm, stepped = self._optimizer_step(step, e, m)
+                skipped += not stepped
+        if exp.engine_logprobs is not None:
+            stats["generation/logprob_mismatch"] = mismatch
+        return UpdateStats(stats, grad_norm, skipped)
+
+    def _plan(self, exp: Experience, rows: slice, num_micro_batches: Optional[int] = None) -> MicroBatchPlan:
+        """The token-budget micro-batches of mini-batch ``rows`` (indices relative to ``rows.start``)."""
+        sub = exp.batch
+        if (rows.start, rows.stop) != (0, len(exp)):
+            sub = sub.select(list(range(rows.start, rows.stop)))
+        return sub.plan(max_tokens=self.max_tokens, max_rows=self.micro_batch_size, num_micro_batches=num_micro_batches)
+
+    def _accumulate(
+        self, exp: Experience, mbs: List[slice], num_tokens: float, num_seqs: float, stats: Dict[str, Any]
+    ):
+        """Forward/backward over the micro-batches ``mbs`` (row slices of ``exp``) of one optimizer step; adds
+        to ``stats``, returns the mismatch sum."""
+        mismatch = 0.0
+        for i, mb in enumerate(mbs):
+            # Reduce-scatter gradients only after the last micro-batch.
+            if isinstance(self.model, FSDPModule):
+                self.model.set_requires_gradient_sync(i == len(mbs) - 1)
+            out_lp = exp.batch.logprobs(
+                self.model,
+                mb,
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+                with_entropy=True,
+                entropy_grad=self._entropy_grad,
+            )
+            old = exp.old_logprobs[mb] if exp.old_logprobs is not None else out_lp.logprobs.detach()
+            if exp.engine_logprobs is not None:
+                # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
+                mismatch += logprob_mismatch_sum(old, exp.engine_logprobs[mb], exp.mask[mb])
+            inputs = self.loss_inputs(exp, mb, out_lp)
+            out = self.loss_fn(
+                out_lp.logprobs, old, exp.advantages[mb], exp.mask[mb], num_tokens=num_tokens, num_seqs=num_seqs,
+                **inputs,
+            )
+            # FSDP averages gradients over ranks; the loss is already a global sum.
+            (out.loss * self.world_size).backward()
+            for key in LOSS_METRICS:
+                stats[key] = stats[key] + getattr(out, key).detach() / self.optimizer_steps
+        return mismatch
+
+    def loss_inputs(self, exp: Experience, mb: slice, out_lp: TokenLogprobs) -> Dict[str, Any]:
+        """The loss's keyword inputs for micro-batch ``mb`` (``out_lp``: its logprobs and entropy), counts aside."""
+        inputs: Dict[str, Any] = {
+            "ref_logprobs": exp.ref_logprobs[mb] if exp.ref_logprobs is not None else None,
+            "entropy": out_lp.entropy,
+        }
+        if exp.engine_logprobs is not None and self._takes_engine_logprobs:
+            inputs["sampler_logprobs"] = exp.engine_logprobs[mb]
+        if exp.importance_weights is not None:
+            inputs["importance_weights"] = exp.importance_weights[mb]
+        return inputs
+
+    def _optimizer_step(self, step: int, epoch: int, mini_batch: int) -> "tuple[Optional[torch.Tensor], bool]":
+        """Clip (or only measure) the gradients, then step; returns the global norm and whether it stepped.
+
+        Raises:
+            NonFiniteError: when the norm is NaN or infinite and ``on_nonfinite`` is ``"stop"``.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = None
+        if params:
+            # The norm before clipping; with FSDP2 a DTensor over the shards, made global (the same on every
+            # rank, so every rank takes the same decision below).
+            if self.clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=float(self.clip_grad_norm))
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+        finite = grad_norm is None or bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite and self.on_nonfinite == "stop":
+            raise NonFiniteError(advice(
+                f"The gradient norm is {float(grad_norm)} at training step {step + 1} (ppo epoch {epoch}, "
+                f"mini-batch {mini_batch}); the optimizer step was not taken"
+            ))
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # also after a skipped step: the schedule follows the training steps
+        return grad_norm, finite
