@@ -73,7 +73,10 @@ MOVED: Dict[str, str] = {
 
 #: Public names that left their old module for another one: old module -> {name: module that holds it now}.
 #: The old module path then serves a module of its own that looks these names up where they are.
-MOVED_NAMES: Dict[str, Dict[str, str]] = {}
+MOVED_NAMES: Dict[str, Dict[str, str]] = {
+    "config_checks": {"validate_config": "config"},  # config.checks' own needs the schema passed
+    "config_fields": {"ConfigSchema": "config.checks"},
+}
 
 _PACKAGE = "torchtune_grpo."
 

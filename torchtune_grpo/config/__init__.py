@@ -12,7 +12,8 @@ from typing import Any, List, Optional, Set, Tuple
 
 from omegaconf import DictConfig
 
-from torchtune_grpo.config.checks import NumericRule, numeric_rules, required_keys, validate_config
+from torchtune_grpo.config import checks
+from torchtune_grpo.config.checks import NumericRule, numeric_rules, required_keys
 from torchtune_grpo.config.schema import (
     DynamicSamplingConfig,
     KL_PLACEMENTS,
@@ -54,6 +55,20 @@ DYNAMIC_SAMPLING_KEYS: Set[str] = DynamicSamplingConfig.keys()
 
 #: Every numeric setting the recipes read, with its valid range. A key that is absent takes its default.
 NUMERIC_RULES: Tuple[NumericRule, ...] = numeric_rules(RecipeConfig)
+
+
+def validate_config(cfg: DictConfig, schema: type = RecipeConfig) -> None:
+    """:func:`~torchtune_grpo.config.checks.validate_config` with the full recipe's schema by default.
+
+    Args:
+        cfg (DictConfig): the run's config; components switched off with ``key=null`` become ``null``.
+        schema (type): the recipe's config dataclass. Default is :class:`RecipeConfig` (the LoRA recipe's is
+            :class:`LoRARecipeConfig`).
+
+    Raises:
+        ValueError: naming the unknown, missing or invalid key and its value.
+    """
+    checks.validate_config(cfg, schema)
 
 
 def build_multi_turn(config: RecipeConfig) -> Optional[Any]:

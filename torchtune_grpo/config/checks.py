@@ -1,20 +1,22 @@
-"""The recipe config's checks, derived from the schema (torchtune_grpo/config/schema.py).
+"""The recipe config's checks, derived from a schema's fields, and :class:`ConfigSchema`, the base of every
+config dataclass, which reads a config through them (the schema itself: torchtune_grpo/config/schema.py).
 
+The checks take the schema as an argument, so they work for any schema and need none in particular.
 Every error names the key and the value. The per-key checks (numbers and their ranges, choices, true/false,
 text, unknown keys of closed sections) come from the schema's fields; the few checks that relate two keys
 are written out in :func:`validate_config`.
 """
 
+import dataclasses
 import difflib
 import operator
-from typing import Any, Callable, NamedTuple, Optional, Set
+from typing import Any, Callable, Dict, NamedTuple, Optional, Set
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from torchtune_grpo.config.fields import COMPONENT, LIST, SECTION, Setting, settings
-from torchtune_grpo.config.schema import RecipeConfig
 
-__all__ = ["NumericRule", "numeric_rules", "required_keys", "validate_config"]
+__all__ = ["ConfigSchema", "NumericRule", "numeric_rules", "required_keys", "validate_config"]
 
 #: Shown in the error when a required component is switched off with ``key=null``.
 _COMPONENT_EXAMPLES = {
@@ -52,19 +54,19 @@ class NumericRule(NamedTuple):
     why: str
 
 
-def numeric_rules(schema: type = RecipeConfig) -> tuple:
+def numeric_rules(schema: type) -> tuple:
     """The :class:`NumericRule` of every key of ``schema`` with a range, in declaration order."""
     return tuple(
         NumericRule(s.key, s.kind, s.op, s.bound, s.nullable, s.why) for s in settings(schema) if s.op is not None
     )
 
 
-def required_keys(schema: type = RecipeConfig) -> Set[str]:
+def required_keys(schema: type) -> Set[str]:
     """The top-level keys of ``schema`` without which no run can start."""
     return {s.key for s in settings(schema) if s.required}
 
 
-def validate_config(cfg: DictConfig, schema: type = RecipeConfig) -> None:
+def validate_config(cfg: DictConfig, schema: type) -> None:
     """Fail early, naming the key and value, on unknown (misspelled), missing or invalid settings.
 
     Runs before anything is built. Also turns a component switched off on the command line into ``null``
@@ -74,8 +76,9 @@ def validate_config(cfg: DictConfig, schema: type = RecipeConfig) -> None:
 
     Args:
         cfg (DictConfig): the run's config.
-        schema (type): the recipe's config dataclass. Default is :class:`RecipeConfig` (the LoRA recipe's is
-            :class:`~torchtune_grpo.config.schema.LoRARecipeConfig`).
+        schema (type): the recipe's config dataclass (:class:`~torchtune_grpo.config.schema.RecipeConfig`, the
+            LoRA recipe's :class:`~torchtune_grpo.config.schema.LoRARecipeConfig`; :func:`torchtune_grpo.config.validate_config`
+            defaults to the first).
 
     Raises:
         ValueError: naming the unknown, missing or invalid key (with a close match for a typo) and its value.
@@ -184,3 +187,48 @@ def _as_number(value: Any, kind: Callable) -> Optional[float]:
     if kind is int and not number.is_integer():
         return None
     return number
+
+
+class ConfigSchema:
+    """The base of every config dataclass: its keys, and its typed values read from a checked config."""
+
+    @classmethod
+    def keys(cls) -> set:
+        """The top-level keys of this schema."""
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_cfg(cls, cfg: DictConfig) -> Any:
+        """Check ``cfg`` (:func:`validate_config`; the errors name key and value) and return its
+        typed values, defaults applied.
+
+        ``cfg`` is changed in place as :func:`validate_config` says
+        (components switched off with ``key=null`` become ``null``). Component values are ``cfg``'s own
+        nodes, for ``config.instantiate``.
+
+        Raises:
+            ValueError: naming the unknown, missing or invalid key and its value.
+        """
+        validate_config(cfg, cls)
+        return cls._typed(cfg)
+
+    @classmethod
+    def _typed(cls, node: Any) -> Any:
+        """The dataclass of ``node``'s (checked) values; absent keys take their defaults."""
+        node = node if node is not None else {}
+        values: Dict[str, Any] = {}
+        for s in settings(cls):
+            if "." in s.key:
+                continue
+            if s.section is not None:
+                values[s.key] = s.section._typed(node.get(s.key, None))
+            elif s.key in node:
+                values[s.key] = _coerce(node[s.key], s.kind)
+        return cls(**values)
+
+
+def _coerce(value: Any, kind: Any) -> Any:
+    """A checked value as its kind: ``2.0`` for an int key is 2; nodes and None as they are."""
+    if value is None or kind not in (int, float, bool, str):
+        return value
+    return kind(value)

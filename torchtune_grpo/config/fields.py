@@ -1,17 +1,16 @@
 """How a config key is declared: :func:`setting` and :func:`component` make a dataclass field whose
 ``metadata`` holds the key's doc, range, choices and whether ``null`` is allowed; :func:`settings` reads
-them back as :class:`Setting` rows, from which the checks, the derived tables and the docs are made.
+them back as :class:`Setting` rows, from which the checks (and :class:`~torchtune_grpo.config.checks.ConfigSchema`,
+the base of every config dataclass), the derived tables and the docs are made.
 
 The keys themselves are declared in torchtune_grpo/config/schema.py.
 """
 
 import dataclasses
 import typing
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
-from omegaconf import DictConfig
-
-__all__ = ["COMPONENT", "ConfigSchema", "LIST", "SECTION", "Setting", "component", "setting", "settings"]
+__all__ = ["COMPONENT", "LIST", "SECTION", "Setting", "component", "setting", "settings"]
 
 # Kinds of values besides int/float/bool/str (Setting.kind).
 COMPONENT, SECTION, LIST = "component", "section", "list"
@@ -145,50 +144,3 @@ def _scalar_kind(annotation: Any) -> type:
     """``int`` for ``int`` and ``Optional[int]``; likewise float, bool, str."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     return args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else annotation
-
-
-class ConfigSchema:
-    """The base of every config dataclass: its keys, and its typed values read from a checked config."""
-
-    @classmethod
-    def keys(cls) -> set:
-        """The top-level keys of this schema."""
-        return {f.name for f in dataclasses.fields(cls)}
-
-    @classmethod
-    def from_cfg(cls, cfg: DictConfig) -> Any:
-        """Check ``cfg`` (torchtune_grpo/config/checks.py; the errors name key and value) and return its
-        typed values, defaults applied.
-
-        ``cfg`` is changed in place as :func:`~torchtune_grpo.config.checks.validate_config` says
-        (components switched off with ``key=null`` become ``null``). Component values are ``cfg``'s own
-        nodes, for ``config.instantiate``.
-
-        Raises:
-            ValueError: naming the unknown, missing or invalid key and its value.
-        """
-        from torchtune_grpo.config.checks import validate_config  # the checks are derived from this module
-
-        validate_config(cfg, cls)
-        return cls._typed(cfg)
-
-    @classmethod
-    def _typed(cls, node: Any) -> Any:
-        """The dataclass of ``node``'s (checked) values; absent keys take their defaults."""
-        node = node if node is not None else {}
-        values: Dict[str, Any] = {}
-        for s in settings(cls):
-            if "." in s.key:
-                continue
-            if s.section is not None:
-                values[s.key] = s.section._typed(node.get(s.key, None))
-            elif s.key in node:
-                values[s.key] = _coerce(node[s.key], s.kind)
-        return cls(**values)
-
-
-def _coerce(value: Any, kind: Any) -> Any:
-    """A checked value as its kind: ``2.0`` for an int key is 2; nodes and None as they are."""
-    if value is None or kind not in (int, float, bool, str):
-        return value
-    return kind(value)

@@ -19,7 +19,8 @@ import dataclasses
 from typing import Any, Optional
 
 from torchtune_grpo.rollouts.advantages import ZERO_VARIANCE_RTOL
-from torchtune_grpo.config.fields import ConfigSchema, component, LIST, SECTION, setting
+from torchtune_grpo.config.checks import ConfigSchema
+from torchtune_grpo.config.fields import component, LIST, SECTION, setting
 from torchtune_grpo.loss import KL_ESTIMATORS
 from torchtune_grpo.runtime.nonfinite import NONFINITE_POLICIES
 from torchtune_grpo.training.packed_rows import PACKED_ATTENTION
