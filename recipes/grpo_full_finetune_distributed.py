@@ -59,29 +59,27 @@ from torchtune_grpo.config import build_multi_turn, instantiate_component, Recip
 from torchtune_grpo.runtime.crash_points import crash_point
 from torchtune_grpo.training.diagnostics import StepDiagnostics
 from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
-from torchtune_grpo.rollouts.evaluation import correctness_name, HeldOutEvaluation
+from torchtune_grpo.rollouts.evaluation import check_evaluation_keys, correctness_name, HeldOutEvaluation
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
 from torchtune_grpo.loss.masks import LossMasks
-from torchtune_grpo.runtime.model_setup import build_model, Placement
+from torchtune_grpo.runtime.model_setup import build_model, check_device, Placement
 from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.runtime.nonfinite import advice, NonFiniteError
 from torchtune_grpo.loss.rollout_correction import off_policy_note, RolloutCorrection
-from torchtune_grpo.runtime.output_lock import OutputDirLock
+from torchtune_grpo.runtime.output_lock import check_output_dir, OutputDirLock
 from torchtune_grpo.runtime.precision import Precision
 from torchtune_grpo.runtime.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
 from torchtune_grpo.rollouts.producer import PromptStream, RolloutProducer
 from torchtune_grpo.checkpoints.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.metrics.run_logs import RunLogs
-from torchtune_grpo.config.setup_checks import (
-    check_device, check_evaluation_keys, check_generation_workers, check_output_dir, training_layout,
-)
 from torchtune_grpo.runtime.sharding import unsharded
 from torchtune_grpo.loss.token_selection import HighEntropyTokens
+from torchtune_grpo.training.batch import training_layout
 from torchtune_grpo.training.step import count_nonfinite_weights, GRPOStep, StepResult
 from torchtune_grpo.training.update import PolicyUpdate
-from torchtune_grpo.workers.client import WorkerRollouts
+from torchtune_grpo.workers.client import check_generation_workers, WorkerRollouts
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs

@@ -24,7 +24,7 @@ from torchtune import config as tt_config
 from tests.conftest import TINY_CONFIG
 from tests.recipe_utils import write_config
 from torchtune_grpo.config import instantiate_component, validate_config
-from torchtune_grpo.config.setup_checks import check_device
+from torchtune_grpo.runtime.model_setup import check_device
 
 
 class Case(NamedTuple):

@@ -19,7 +19,7 @@ from tests.recipe_utils import (
 from tests.conftest import REPO
 from torchtune_grpo.config.schema import LoRARecipeConfig, RecipeConfig
 from torchtune_grpo.generation import WeightSyncError
-from torchtune_grpo.config.setup_checks import check_generation_workers
+from torchtune_grpo.workers.client import check_generation_workers
 from torchtune_grpo.training.step import staleness_metrics, staleness_sums
 from torchtune_grpo.workers.client import WorkerError
 

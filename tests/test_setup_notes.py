@@ -37,7 +37,7 @@ def test_recipe_setup_logs_each_fallback_once(tmp_path, clean_env, one_thread, c
 
 def test_a_model_that_cannot_share_prompts_falls_back_unless_asked_for():
     # The default falls back (with a note); a share_prompt_in_training written in the config fails.
-    from torchtune_grpo.config.setup_checks import training_layout
+    from torchtune_grpo.training.batch import training_layout
 
     args = dict(share_prompt=True, max_prompt_length=128, max_response_length=24, group_size=4, micro_batch_size=8)
     shared, note = training_layout(nn.Linear(2, 2), explicit=False, **args)

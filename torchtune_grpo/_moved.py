@@ -60,7 +60,7 @@ MOVED: Dict[str, str] = {
     "rollout": "rollouts.groups",
     "rollout_worker": "workers.process",
     "run_logs": "metrics.run_logs",
-    "setup_checks": "config.setup_checks",
+    "setup_checks": "runtime.model_setup",
     "sharding": "runtime.sharding",
     "step_metrics": "training.step_metrics",
     "token_selection": "loss.token_selection",
@@ -76,6 +76,13 @@ MOVED: Dict[str, str] = {
 MOVED_NAMES: Dict[str, Dict[str, str]] = {
     "config_checks": {"validate_config": "config"},  # config.checks' own needs the schema passed
     "config_fields": {"ConfigSchema": "config.checks"},
+    # The setup checks, each beside what it checks.
+    "setup_checks": {
+        "check_evaluation_keys": "rollouts.evaluation",
+        "check_generation_workers": "workers.client",
+        "check_output_dir": "runtime.output_lock",
+        "training_layout": "training.batch",
+    },
 }
 
 _PACKAGE = "torchtune_grpo."

@@ -29,7 +29,9 @@ import torch
 from torchtune_grpo.data import collate_prompts
 from torchtune_grpo.rollouts.groups import sample_and_score
 
-__all__ = ["EvalSums", "HeldOutEvaluation", "evaluate", "pass_at_k", "correctness_name"]
+__all__ = [
+    "check_evaluation_keys", "correctness_name", "EvalSums", "evaluate", "HeldOutEvaluation", "pass_at_k",
+]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -277,3 +279,28 @@ class HeldOutEvaluation:
         metrics = reduced.metrics()
         metrics["time/eval"] = time.perf_counter() - t0
         return metrics
+
+
+def check_evaluation_keys(
+    cfg: Any, has_validation: bool, reward_names: Sequence[str], eval_reward: Optional[str]
+) -> Optional[str]:
+    """Fail on an ``eval_reward`` that names no reward (before any model is built); without ``validation``,
+    say which ``eval_*`` keys go unused.
+
+    Args:
+        cfg (Any): the run's config (its keys).
+        has_validation (bool): whether ``validation`` is set.
+        reward_names (Sequence[str]): the reward components' names.
+        eval_reward (Optional[str]): the ``eval_reward`` key.
+
+    Returns:
+        Optional[str]: a note for the log, or None.
+
+    Raises:
+        ValueError: if ``eval_reward`` names no reward component.
+    """
+    if has_validation:
+        correctness_name(list(reward_names), eval_reward)
+        return None
+    unused = sorted(k for k in cfg if k.startswith("eval_") and cfg[k] is not None)
+    return f"No held-out evaluation (validation is not set): {unused} are not used." if unused else None

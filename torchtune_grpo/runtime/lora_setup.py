@@ -14,8 +14,7 @@ from torchtune import config, modules, training, utils
 from torchtune.modules.peft import get_adapter_params, LoRALinear, set_trainable_params
 
 from torchtune_grpo.models.lora import LoRAHyperparams, load_nf4_base_weights, lora_hyperparams, nf4_parameters
-from torchtune_grpo.runtime.model_setup import check_max_seq_len, init_rope, Placement
-from torchtune_grpo.config.setup_checks import check_state_dict_shapes
+from torchtune_grpo.runtime.model_setup import check_max_seq_len, check_state_dict_shapes, init_rope, Placement
 
 __all__ = ["build_lora_model"]
 

@@ -10,17 +10,18 @@ state dict (each rank keeps its shards).
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from typing import Any, Dict, FrozenSet, Optional
+from typing import Any, Dict, FrozenSet, Iterable, Optional, Tuple
 
 import torch
 from torch import nn
 from torchtune import config, modules, training, utils
 
 from torchtune_grpo.runtime.precision import Precision
-from torchtune_grpo.config.setup_checks import check_state_dict_shapes
 from torchtune_grpo.runtime.sharding import shard_model
 
-__all__ = ["Placement", "build_model", "check_max_seq_len", "init_rope"]
+__all__ = [
+    "build_model", "check_device", "check_max_seq_len", "check_state_dict_shapes", "init_rope", "Placement",
+]
 
 log = utils.get_logger("INFO")
 
@@ -148,3 +149,64 @@ def build_model(
         model.eval()
         model.requires_grad_(False)
     return model
+
+
+def check_device(device: str) -> None:
+    """Fail when ``device`` names an accelerator this machine does not have.
+
+    torchtune's ``get_device`` falls back to the CPU without a word; a run asked to train on a GPU must not
+    quietly train on the CPU instead.
+
+    Raises:
+        ValueError: naming ``device``, its value and what torch sees.
+    """
+    try:
+        kind = torch.device(str(device)).type
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a device torch knows ({e}); use cpu, cuda, cuda:N, ...") from e
+    if kind == "cpu":
+        return
+    backend = getattr(torch, kind, None)
+    is_available = getattr(backend, "is_available", None)
+    if is_available is None or not is_available():
+        build = f", built with CUDA {torch.version.cuda}" if torch.version.cuda else ", a build without CUDA"
+        raise ValueError(
+            f"device={device!r} but torch sees no {kind} device here (torch.{kind}.is_available() is False; "
+            f"torch {torch.__version__}{build if kind == 'cuda' else ''}). Set device=cpu to train on the CPU, "
+            "or install a torch build for this accelerator."
+        )
+    index = torch.device(str(device)).index
+    count = getattr(backend, "device_count", lambda: None)()
+    if index is not None and count is not None and index >= count:
+        raise ValueError(f"device={device!r} but only {count} {kind} device(s) are visible.")
+
+
+def check_state_dict_shapes(
+    model_tensors: Iterable[Tuple[str, torch.Tensor]], state_dict: Dict[str, torch.Tensor], source: str
+) -> None:
+    """Fail, naming a tensor and both shapes, when a checkpoint comes from a model of another shape.
+
+    Run it on the model still on the meta device: only shapes are read. Names in only one of the two are
+    left to the strict load that follows (it lists them).
+
+    Args:
+        model_tensors (Iterable[Tuple[str, torch.Tensor]]): the model's ``(name, tensor)``, e.g.
+            ``chain(model.named_parameters(), model.named_buffers())``.
+        state_dict (Dict[str, torch.Tensor]): the checkpoint's tensors under the model's names.
+        source (str): where the checkpoint came from (a directory), for the message.
+
+    Raises:
+        ValueError: listing the first mismatched tensors with the checkpoint's and the model's shape.
+    """
+    mismatched = [
+        (name, tuple(state_dict[name].shape), tuple(t.shape))
+        for name, t in model_tensors
+        if name in state_dict and tuple(state_dict[name].shape) != tuple(t.shape)
+    ]
+    if mismatched:
+        shown = "; ".join(f"{n}: checkpoint {c}, model {m}" for n, c, m in mismatched[:3])
+        more = f" (and {len(mismatched) - 3} more)" if len(mismatched) > 3 else ""
+        raise ValueError(
+            f"The checkpoint in {source} is from a model of another shape: {shown}{more}. Make `model:` "
+            "describe the checkpoint's model (or point checkpointer.checkpoint_dir at one of this shape)."
+        )

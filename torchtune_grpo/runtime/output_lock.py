@@ -17,11 +17,12 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["LOCK_FILE", "OutputDirBusy", "OutputDirLock"]
+__all__ = ["check_output_dir", "LOCK_FILE", "OutputDirBusy", "OutputDirLock"]
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +112,20 @@ def _read_owner(fd: int) -> str:
                 f"command {owner['command']!r}")
     except (OSError, ValueError, KeyError, TypeError):
         return "owner not recorded yet"
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Create ``output_dir`` if needed and make sure a file can be written in it.
+
+    Raises:
+        ValueError: naming ``output_dir``, its value and the operating system's reason.
+    """
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write_test_"):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"output_dir={output_dir!r} is not writable ({type(e).__name__}: {e.strerror or e}). Metrics and "
+            "checkpoints go there: set output_dir to a directory you can write."
+        ) from e

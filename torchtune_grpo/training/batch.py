@@ -43,15 +43,7 @@ from torchtune_grpo.training.micro_batches import agreed_plan, MicroBatchPlan, p
 from torchtune_grpo.training.packed_rows import packed_layout, PackedLayout
 
 __all__ = [
-    "SharedPromptMask",
-    "TrainingBatch",
-    "install_shared_prompt_attention",
-    "pack_sequences",
-    "response_values",
-    "shared_prompt_layout",
-    "shared_prompt_unsupported",
-    "shared_row_length",
-    "supports_shared_prompt",
+    "install_shared_prompt_attention", "pack_sequences", "response_values", "shared_prompt_layout", "shared_prompt_unsupported", "shared_row_length", "SharedPromptMask", "supports_shared_prompt", "training_layout", "TrainingBatch",
 ]
 
 
@@ -550,3 +542,76 @@ class TrainingBatch:
         if with_entropy:
             return TokenLogprobs(scatter(out[:, 0]), scatter(out[:, 1]))
         return TokenLogprobs(scatter(out), None)
+
+
+def training_layout(
+    model: nn.Module,
+    *,
+    share_prompt: bool,
+    explicit: bool,
+    max_prompt_length: Optional[int],
+    max_response_length: int,
+    group_size: int,
+    micro_batch_size: int,
+    pack: bool = False,
+) -> Tuple[bool, Optional[str]]:
+    """Whether training forwards share each prompt across its group's rows, and what to tell the user.
+
+    With ``share_prompt`` on and a model that cannot share prompts, the default falls back to one row per
+    sequence (same results), said in the returned note; asked for explicitly in the config, it is an error.
+    When a shared row can exceed the model's ``max_seq_len``, the note says such micro-batches are computed
+    one row per sequence.
+
+    Args:
+        model (nn.Module): the policy.
+        share_prompt (bool): ``share_prompt_in_training``.
+        explicit (bool): whether the config wrote ``share_prompt_in_training`` (rather than the default).
+        max_prompt_length (Optional[int]): the longest prompt, or None (unknown).
+        max_response_length (int): the response budget.
+        group_size (int): completions per prompt.
+        micro_batch_size (int): rows per forward.
+        pack (bool): ``pack_sequences_in_training`` (packed rows are for one row per sequence: with prompts
+            shared, the note says it is not used). Default is False.
+
+    Returns:
+        Tuple[bool, Optional[str]]: the layout to use, and a note to log (None: nothing to say).
+
+    Raises:
+        ValueError: ``share_prompt_in_training: true`` written in the config, with a model that cannot.
+    """
+    shared, note = _shared_layout(
+        model, share_prompt, explicit, max_prompt_length, max_response_length, group_size, micro_batch_size
+    )
+    if pack and shared:
+        note = (note + " " if note else "") + (
+            "pack_sequences_in_training: not used, prompts are shared (share_prompt_in_training); packed rows "
+            "are for one row per sequence."
+        )
+    return shared, note
+
+
+def _shared_layout(
+    model: nn.Module, share_prompt: bool, explicit: bool, max_prompt_length: Optional[int],
+    max_response_length: int, group_size: int, micro_batch_size: int,
+) -> Tuple[bool, Optional[str]]:
+    if not share_prompt:
+        return False, None
+    reason = shared_prompt_unsupported(model)
+    if reason is not None:
+        if explicit:
+            raise ValueError(f"share_prompt_in_training: true, but {reason}. Set share_prompt_in_training: false.")
+        return False, (
+            f"Training layout: one row per sequence, because {reason} (share_prompt_in_training is on by "
+            "default; the results are the same, the prompt is computed once per sequence)."
+        )
+    max_seq_len = getattr(model, "max_seq_len", None)
+    per_row = min(group_size, micro_batch_size)
+    longest = None if max_prompt_length is None else shared_row_length(max_prompt_length, max_response_length, per_row)
+    if max_seq_len is None or (longest is not None and longest <= max_seq_len):
+        return True, None
+    shown = "unknown (no max_prompt_length)" if longest is None else longest
+    return True, (
+        f"Training layout: a micro-batch whose shared-prompt row (prompt + {per_row} completions; longest "
+        f"{shown}) exceeds the model's max_seq_len {max_seq_len} is computed one row per sequence (same "
+        "results, no prompt sharing for it)."
+    )
