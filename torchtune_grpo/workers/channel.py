@@ -26,7 +26,7 @@ import queue
 import threading
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 __all__ = ["AUTHKEY_ENV", "ConnectionQueue", "authkey", "connect", "parse_address", "serve"]
 
@@ -125,17 +125,24 @@ def connect(address: Tuple[str, int], key: bytes) -> ConnectionQueue:
     return ConnectionQueue(Client(address, family="AF_INET", authkey=key))
 
 
-def serve(address: Tuple[str, int], key: bytes, *, connections: Optional[int] = None) -> None:
+def serve(
+    address: Tuple[str, int],
+    key: bytes,
+    worker_main: Callable[[Any, ConnectionQueue, ConnectionQueue], None],
+    *,
+    connections: Optional[int] = None,
+) -> None:
     """Serve trainers at ``address``, one connection at a time, each with a worker built from its spec.
 
     Args:
         address (Tuple[str, int]): where to listen (``("0.0.0.0", port)``: every interface).
         key (bytes): the shared secret.
+        worker_main (Callable): ``worker_main(spec, requests, replies)`` runs one trainer's worker until the
+            connection closes (:func:`torchtune_grpo.workers.process.worker_main`; passed in, because the
+            transport knows nothing of what is served over it).
         connections (Optional[int]): leave after this many connections; None serves until killed.
             Default is None.
     """
-    from torchtune_grpo.workers.process import worker_main
-
     served = 0
     with Listener(address, family="AF_INET", authkey=key) as listener:
         print(f"generation worker listening on {address[0]}:{listener.address[1]}", flush=True)

@@ -315,7 +315,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--listen", required=True, metavar="HOST:PORT", help="e.g. 0.0.0.0:29600 (every interface)")
     parser.add_argument("--connections", type=int, default=None, help="leave after this many trainers (default: serve until killed)")
     args = parser.parse_args(argv)
-    serve(parse_address(args.listen, "--listen"), authkey("--listen"), connections=args.connections)
+    serve(parse_address(args.listen, "--listen"), authkey("--listen"), worker_main, connections=args.connections)
 
 
 if __name__ == "__main__":
