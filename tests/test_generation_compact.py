@@ -132,6 +132,6 @@ def test_a_row_out_of_room_is_done_but_not_stopped():
     assert stopped.tolist() == [False, False, True]
     assert kept == [[1, 2], [0]]  # row 0 after its 2nd token; row 2 after its stop token
     engine = NativeGenerator(temperature=0.0, stop_check_interval=1)
-    plain = engine._decode_loop(scripted([0, 1, 2], -1), lambda tok, t: scripted([0, 1, 2], t), 8, 0, stop, 0.0,
+    plain = engine.decode_loop(scripted([0, 1, 2], -1), lambda tok, t: scripted([0, 1, 2], t), 8, 0, stop, 0.0,
                                 None, room=room)
     assert out.tolist() == plain[0].tolist() and stopped.tolist() == plain[1].tolist()

@@ -1,6 +1,6 @@
 """A decode loop whose batch shrinks as rows stop: decode cost follows the rows still generating.
 
-The plain loop (``NativeGenerator._decode_loop``) decodes every row until the last one stops, feeding
+The plain loop (``NativeGenerator.decode_loop``) decodes every row until the last one stops, feeding
 padding to the rows that are done: with long-tailed lengths most of a rollout's decode steps then run on
 rows whose output is thrown away. Here, at each stop check (every ``stop_check_interval`` tokens, where the
 plain loop already reads ``done`` back to the host), the rows that are done leave the decode batch: the

@@ -119,7 +119,11 @@ class NativeGenerator(GenerationEngine):
         # The open multi-turn session, if any: it owns the cache pool until it is closed.
         self._session: Optional["NativeSession"] = None
 
-    def _unembed_for(self, model: nn.Module) -> _LastPositionLogits:
+    # A session (generation/_session.py) drives a rollout through the public steps below, one turn at a time:
+    # unembed_for, new_rollout, first_turn, compacting_loop, decode_loop and session_closed.
+
+    def unembed_for(self, model: nn.Module) -> _LastPositionLogits:
+        """The last-position unembedding this engine uses for ``model`` (built once per model)."""
         fn = self._unembeds.get(id(model))
         if fn is None or fn.model is not model:
             fn = self._unembeds[id(model)] = _LastPositionLogits(model)
@@ -153,7 +157,7 @@ class NativeGenerator(GenerationEngine):
         self._check_no_open_session("release_cache")
         self.cache.release()
 
-    def _new_rollout(
+    def new_rollout(
         self,
         model: nn.Module,
         attns: List[nn.Module],
@@ -228,12 +232,12 @@ class NativeGenerator(GenerationEngine):
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
         # rollout is built after it, and a functional op there turns its tensors into normal ones.
-        with torch.inference_mode(), replace_unembed(model, self._unembed_for(model)):
+        with torch.inference_mode(), replace_unembed(model, self.unembed_for(model)):
             attns = attention_modules(model)
-            run = self._new_rollout(model, attns, prompts, group_size, max_new_tokens, pad_id)
+            run = self.new_rollout(model, attns, prompts, group_size, max_new_tokens, pad_id)
             stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.prompt.device)
             try:
-                out, done = self._first_turn(
+                out, done = self.first_turn(
                     model, attns, run, max_new_tokens, pad_id, stop, temperature, generator,
                     compact=self.compact_decode and not run.compiled,
                 )
@@ -273,6 +277,11 @@ class NativeGenerator(GenerationEngine):
         self._session = NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         return self._session
 
+    def session_closed(self, session: NativeSession) -> None:
+        """Forget ``session`` if it is the open one: the engine may start another or generate again."""
+        if self._session is session:
+            self._session = None
+
     def _check_no_open_session(self, call: str) -> None:
         # Sessions and generate() share the engine's one KV cache pool: a second user would overwrite the
         # open session's keys and values, and its next turn would attend to the wrong tokens, silently.
@@ -282,7 +291,7 @@ class NativeGenerator(GenerationEngine):
                 "cache between turns); close it first (session.close(), or use it in a `with` block)"
             )
 
-    def _first_turn(
+    def first_turn(
         self,
         model: nn.Module,
         attns: List[nn.Module],
@@ -313,13 +322,13 @@ class NativeGenerator(GenerationEngine):
 
         with attached_caches(attns, decoded().decode_caches):
             if compact or views is not None:
-                return self._compacting_loop(
+                return self.compacting_loop(
                     logits, feed, run.compact if views is None else views.compact, max_new_tokens, pad_id, stop,
                     temperature, generator,
                 )
-            return self._decode_loop(logits, feed, max_new_tokens, pad_id, stop, temperature, generator)
+            return self.decode_loop(logits, feed, max_new_tokens, pad_id, stop, temperature, generator)
 
-    def _compacting_loop(
+    def compacting_loop(
         self,
         logits: torch.Tensor,
         feed: Callable[[torch.Tensor, int], torch.Tensor],
@@ -340,7 +349,7 @@ class NativeGenerator(GenerationEngine):
             sample=lambda logits, **kw: sample_tokens(logits, **kw),
         )
 
-    def _decode_loop(
+    def decode_loop(
         self,
         logits: torch.Tensor,
         feed: Callable[[torch.Tensor, int], torch.Tensor],

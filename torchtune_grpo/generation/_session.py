@@ -32,7 +32,7 @@ either way (one uniform per sampled row). Compiled decoding (CUDA graphs, specia
 and ``compact_decode: false`` keep every row in the batch, the ended ones fed padding and not sampled from.
 """
 
-from typing import Dict, List, Optional, Sequence, TYPE_CHECKING, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -43,8 +43,36 @@ from torchtune_grpo.generation._layouts import PerRowRollout, SharedPrefixRollou
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.models.logprobs import replace_unembed
 
-if TYPE_CHECKING:  # the engine imports this module: a type-only import, no cycle
-    from torchtune_grpo.generation._native import NativeGenerator
+
+class SessionEngine(Protocol):
+    """What a session uses of its engine (:class:`~torchtune_grpo.generation.NativeGenerator`, which imports
+    this module): its sampling settings, its cache pool and the public steps of a rollout."""
+
+    temperature: float
+    compact_decode: bool
+    reuse_cache: bool
+    cache: Any
+
+    def unembed_for(self, model: nn.Module) -> Any: ...
+
+    def new_rollout(self, model: nn.Module, attns: List[nn.Module], prompts: List[List[int]], group_size: int,
+                    max_new_tokens: int, pad_id: int) -> Any: ...
+
+    def first_turn(self, model: nn.Module, attns: List[nn.Module], run: Any, max_new_tokens: int, pad_id: int,
+                   stop: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
+                   compact: bool = False, views: Optional["RowViews"] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def compacting_loop(self, logits: torch.Tensor, feed: Callable[[torch.Tensor, int], torch.Tensor],
+                        compact: Callable[[torch.Tensor], None], max_new_tokens: int, pad_id: int,
+                        stop: torch.Tensor, temperature: float, generator: Optional[torch.Generator],
+                        room: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def decode_loop(self, logits: torch.Tensor, feed: Callable[[torch.Tensor, int], torch.Tensor],
+                    max_new_tokens: int, pad_id: int, stop: torch.Tensor, temperature: float,
+                    generator: Optional[torch.Generator], rows: Optional[torch.Tensor] = None,
+                    room: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]: ...
+
+    def session_closed(self, session: "NativeSession") -> None: ...
 
 __all__ = ["NativeSession", "RowViews"]
 
@@ -102,7 +130,7 @@ class NativeSession:
     """A native engine's multi-turn session over ``N = B x G`` rows (:meth:`NativeGenerator.session`).
 
     Args:
-        engine (NativeGenerator): the engine (its sampling settings, cache pool and compiled steps).
+        engine (SessionEngine): the engine, a :class:`NativeGenerator` (its sampling settings, cache pool and rollout steps).
         model (nn.Module): the torchtune decoder; with FSDP2 unsharded for the whole session.
         prompts (List[List[int]]): B prompts.
         group_size (int): rows per prompt, G.
@@ -117,7 +145,7 @@ class NativeSession:
 
     def __init__(
         self,
-        engine: "NativeGenerator",
+        engine: SessionEngine,
         model: nn.Module,
         prompts: List[List[int]],
         group_size: int,
@@ -149,8 +177,7 @@ class NativeSession:
         """End the session (the engine frees the cache here unless it ``reuse_cache``)."""
         self._closed = True
         self._run = None
-        if self.engine._session is self:  # the engine may start another session or generate again
-            self.engine._session = None
+        self.engine.session_closed(self)
         if not self.engine.reuse_cache:
             self.engine.cache.release()
 
@@ -193,7 +220,7 @@ class NativeSession:
             raise ValueError(f"rows must be distinct indices in [0, {self.n}) with one response each, got {rows}")
         engine = self.engine
         temperature = engine.temperature if temperature is None else temperature
-        with torch.inference_mode(), replace_unembed(self.model, engine._unembed_for(self.model)):
+        with torch.inference_mode(), replace_unembed(self.model, engine.unembed_for(self.model)):
             if self._run is None:
                 return self._first_turn(rows, responses, max_new_tokens, generator, temperature)
             return self._next_turn(rows, responses, max_new_tokens, generator, temperature)
@@ -207,13 +234,13 @@ class NativeSession:
         engine, model = self.engine, self.model
         attns = attention_modules(model)
         # Sized once from the whole budget: later turns never outgrow it.
-        run = engine._new_rollout(model, attns, self.prompt_groups, self.group_size, self.budget, self.pad_id)
+        run = engine.new_rollout(model, attns, self.prompt_groups, self.group_size, self.budget, self.pad_id)
         self._run, self._attns = run, attns
         stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.prompt.device)
         views = None
         if engine.compact_decode and not run.compiled:
             views = RowViews(run, attns, torch.arange(self.n, device=run.prompt.device), False, "decode_caches")
-        out, stopped = engine._first_turn(
+        out, stopped = engine.first_turn(
             model, attns, run, min(max_new_tokens, self.budget), self.pad_id, stop, temperature, generator,
             views=views,
         )
@@ -282,14 +309,14 @@ class NativeSession:
 
             with attached_caches(self._attns, turn.row_decode_caches):
                 # The same noise as the full batch's loop: one draw per sampled row, in ``rows`` order.
-                out, stopped = engine._compacting_loop(
+                out, stopped = engine.compacting_loop(
                     logits, feed, views.compact, max_new_tokens, self.pad_id, stop, temperature, generator,
                     room=room,
                 )
             views.write_back()
         else:
             with attached_caches(self._attns, turn.row_decode_caches):
-                out, stopped = engine._decode_loop(
+                out, stopped = engine.decode_loop(
                     logits, lambda token, t: turn.decode_rows(
                         model, token, (start + t).clamp_(max=scratch), window(t), direct
                     ), max_new_tokens, self.pad_id, stop, temperature, generator, rows=idx, room=room,
