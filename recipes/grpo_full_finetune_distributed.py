@@ -40,6 +40,9 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ContextManager, Dict, NamedTuple, Optional
 
+# First: drops torchao's import-time line before torchtune imports it (torchtune_grpo/quiet.py).
+import torchtune_grpo.quiet  # noqa: F401, I001
+
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf

@@ -5,6 +5,8 @@ zero and GRPO has no signal. These rewards vary between samples, which guarantee
 therefore a real parameter update in recipe tests.
 """
 
+import os
+import time
 from typing import List
 
 from torchtune_grpo.rewards import RewardBatch
@@ -39,3 +41,19 @@ class HalfPromptsVowelReward:
             sum(c in "aeiou" for c in text) / max(len(text), 1) if len(prompt) % 2 == 0 else 0.0
             for prompt, text in zip(batch.prompts, batch.completions)
         ]
+
+
+class HangWhileFileExists:
+    """Vowel fraction, except that while the file ``path`` exists a call waits for it to go (an hour at most):
+    a reward that hangs inside a generation worker, which stays alive and connected but stops answering."""
+
+    name = "hang"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, batch: RewardBatch) -> List[float]:
+        deadline = time.monotonic() + 3600
+        while os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return VowelFractionReward()(batch)

@@ -16,6 +16,7 @@ from torchtune_grpo.rewards import (
     RewardBatch,
     RewardSet,
 )
+from torchtune_grpo import waits
 from torchtune_grpo.rewards import _base
 
 # Hanging rewards wait on this instead of sleeping, so the test can free their threads when it ends.
@@ -118,7 +119,7 @@ def test_yaml_default_and_timeout_null():
 
 
 def test_watchdog_names_a_reward_without_limit_that_runs_long(monkeypatch):
-    monkeypatch.setattr(_base, "DEFAULT_REWARD_TIMEOUT", 0.05)
+    monkeypatch.setattr(waits, "REPORT_EVERY", 0.05)
     logged = threading.Event()
     messages = []
 
@@ -127,7 +128,7 @@ def test_watchdog_names_a_reward_without_limit_that_runs_long(monkeypatch):
     class Flag(logging.Handler):
         def emit(self, record):
             messages.append(record.getMessage())
-            if "has been running" in record.getMessage():
+            if "still waiting for reward" in record.getMessage():
                 logged.set()
 
     handler = Flag(level=logging.WARNING)
@@ -144,7 +145,8 @@ def test_watchdog_names_a_reward_without_limit_that_runs_long(monkeypatch):
         logger.removeHandler(handler)
     assert logged.is_set() and out.errors == {"slow": 0}
     text = "\n".join(messages)
-    assert "reward 'slow' has been running for" in text and "no timeout" in text
+    assert "still waiting for reward 'slow' on a batch of 1 completions: " in text
+    assert "(no limit, `timeout: null` in its entry)" in text
 
 
 def test_math_reward_keeps_math_verify_limits_in_the_main_thread():

@@ -20,10 +20,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from torchtune_grpo.waits import WaitReport
+
 __all__ = ["VLLMServer", "VLLMServerError"]
 
 _LOG_TAIL_LINES = 40
 _PORT_ATTEMPTS = 3
+# Seconds of refused connections after which a listed server is taken to be absent, not starting: long
+# enough for a server that is restarting to listen again, short enough that a wrong address is said at once.
+REFUSED_FOR = 5.0
 
 
 class VLLMServerError(RuntimeError):
@@ -119,19 +124,42 @@ class VLLMServer:
         raise AssertionError("unreachable")
 
     @classmethod
-    def connect(cls, address: str, *, timeout: float = 60.0) -> "VLLMServer":
+    def connect(cls, address: str, *, timeout: float = 60.0, refused_for: float = REFUSED_FOR) -> "VLLMServer":
         """A server started elsewhere (``host:port`` or a URL), once it answers ``/health``.
 
+        Args:
+            address (str): ``host:port`` or ``http://host:port``.
+            timeout (float): seconds a server that accepts connections may take to answer. Default is 60.
+            refused_for (float): seconds of refused connections after which nothing is taken to listen there
+                (a server restarting is back within a few seconds). Default is :data:`REFUSED_FOR`.
+
         Raises:
-            VLLMServerError: nothing answers at ``address`` within ``timeout`` seconds.
+            VLLMServerError: nothing listens at ``address`` (refused for ``refused_for`` seconds), or
+                nothing answers within ``timeout`` seconds.
         """
         url = address if "://" in address else f"http://{address}"
         server = cls(url)
-        server.wait_healthy(timeout)
+        server.wait_healthy(timeout, refused_for=refused_for)
         return server
 
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def wait_healthy(self, timeout: float, *, refused_for: Optional[float] = None) -> None:
+        """Wait until ``/health`` answers 200, logging the wait every half minute.
+
+        Args:
+            timeout (float): seconds to wait at most.
+            refused_for (Optional[float]): stop early once every attempt for this many seconds was refused
+                (a listed server: nothing listens there); None waits ``timeout`` whatever happens (a server
+                this run started, which refuses connections until it listens). Default is None.
+
+        Raises:
+            VLLMServerError: the started server exited, connections were refused for ``refused_for``
+                seconds, or nothing answered within ``timeout``.
+        """
+        what = f"the vLLM server at {self.url} to answer /health"
+        if self.process is not None:
+            what = f"the vLLM server this run started (pid {self.process.pid}, log {self.log_path}) to answer /health"
+        report = WaitReport(what, limit=timeout, limit_key="generation.startup_timeout")
+        refused_since: Optional[float] = None
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise VLLMServerError(
@@ -142,11 +170,22 @@ class VLLMServer:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
                         return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
+                refused_since = None
+            except (urllib.error.URLError, OSError) as error:
+                reason = getattr(error, "reason", error)
+                if isinstance(reason, ConnectionRefusedError):
+                    refused_since = report.waited if refused_since is None else refused_since
+                    if refused_for is not None and report.waited - refused_since >= refused_for:
+                        raise VLLMServerError(
+                            f"nothing listens at {self.url}: connections refused for {refused_for:g} s. Start "
+                            "the server there first (docs/vllm.md, 'vLLM as a server'), or correct the address"
+                        ) from None
+                else:
+                    refused_since = None
+            if report.waited > timeout:
                 where = f"; the end of its log {self.log_path}:\n{_tail(self.log_path)}" if self.log_path else ""
                 raise VLLMServerError(f"no vLLM server answered at {self.url} within {timeout:g} s{where}")
+            report()
             time.sleep(0.5)
 
     def stop(self, timeout: float = 30.0) -> None:

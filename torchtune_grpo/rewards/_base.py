@@ -34,6 +34,7 @@ from torchtune_grpo.rewards._execution import (
     RewardTimeoutError,
     run_each,
 )
+from torchtune_grpo.waits import WaitReport
 
 __all__ = [
     "DEFAULT_REWARD_TIMEOUT",
@@ -317,32 +318,26 @@ def _opt(value: Any, reward: Any, attr: str, default: Any) -> Any:
 
 
 class _Watchdog:
-    """Logs, every :data:`DEFAULT_REWARD_TIMEOUT` seconds, that a reward without a time limit is still
-    running, so a reward that never returns is named in the log instead of hanging the run silently.
-    With a limit it does nothing: the limit ends the call and the fallback is logged."""
+    """Logs, every :data:`~torchtune_grpo.waits.REPORT_EVERY` seconds, that a reward is still running, so a slow
+    or hung reward is named in the log instead of holding the run silently. A limit shorter than the
+    interval ends the call before a report is due: then it does nothing (a timeout is logged anyway)."""
 
     def __init__(self, name: str, n: int, limit: Optional[float]) -> None:
-        self.name, self.n, self.every = name, n, DEFAULT_REWARD_TIMEOUT
-        self._done = threading.Event() if limit is None else None
-
-    def _watch(self) -> None:
-        waited = 0.0
-        while not self._done.wait(self.every):
-            waited += self.every
-            log.warning(
-                "reward %r has been running for %gs on a batch of %d completions and has no timeout "
-                "(`timeout: null`); it is waited for without limit",
-                self.name, waited, self.n,
-            )
+        self.limit = None if limit is None or math.isinf(limit) else float(limit)
+        key = "`timeout: null` in its entry" if self.limit is None else "`timeout` in its entry"
+        self.report = WaitReport(f"reward {name!r} on a batch of {n} completions", limit=self.limit,
+                                 limit_key=key, say=log.warning)
+        self._watch: Optional[Any] = None
 
     def __enter__(self) -> "_Watchdog":
-        if self._done is not None:
-            threading.Thread(target=self._watch, name=f"reward-watchdog-{self.name}", daemon=True).start()
+        if self.limit is None or self.limit > self.report.every:
+            self._watch = self.report.watch()
+            self._watch.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._done is not None:
-            self._done.set()
+        if self._watch is not None:
+            self._watch.__exit__(None, None, None)
 
 
 class RewardSet:

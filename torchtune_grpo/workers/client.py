@@ -55,6 +55,7 @@ from torchtune_grpo.rollouts.producer import PromptStream
 from torchtune_grpo.rollouts.groups import RolloutGroups
 from torchtune_grpo.workers.process import worker_main, WorkerSpec
 from torchtune_grpo.config.schema import LoRARecipeConfig
+from torchtune_grpo.waits import WaitReport
 from torchtune_grpo.workers.channel import AUTHKEY_ENV, authkey, connect, ConnectionQueue, parse_address
 
 __all__ = ["check_generation_workers", "WorkerError", "WorkerRollouts"]
@@ -251,9 +252,14 @@ class WorkerRollouts:
         if message[0] != "ready":
             raise WorkerError(f"{self.name}: expected 'ready', got {message[0]!r}")
 
+    def _wait_report(self) -> WaitReport:
+        return WaitReport(f"a reply from the {self.name}", limit=self.timeout, limit_key="generation_workers.timeout")
+
     def _connect(self) -> ConnectionQueue:
         """A connection to the remote worker, retried for ``connect_timeout`` seconds."""
         deadline = time.monotonic() + self.connect_timeout
+        report = WaitReport(f"the {self.name} to accept a connection", limit=self.connect_timeout,
+                            limit_key="generation_workers.connect_timeout")
         while True:
             try:
                 return connect(self._address, self._key)
@@ -267,6 +273,7 @@ class WorkerRollouts:
                         f"(generation_workers.connect_timeout; last error: {error}). Start the worker there with "
                         "`python -m torchtune_grpo.workers.process --listen HOST:PORT` (docs/async.md)"
                     ) from error
+                report()
                 time.sleep(0.5)
 
     def _replace(self, reason: str) -> None:
@@ -419,33 +426,38 @@ class WorkerRollouts:
             raise WorkerError(f"{self.name}: unexpected reply {message[0]!r}")
 
     def _get(self, replace: bool = True) -> Any:
-        """The worker's next reply; a dead or silent worker is replaced (``replace``) or stops the run."""
-        deadline = time.monotonic() + self.timeout
+        """The worker's next reply; a dead or silent worker is replaced (``replace``) or stops the run.
+
+        Every :data:`~torchtune_grpo.waits.REPORT_EVERY` seconds without a reply the wait is logged (which
+        worker, for how long, the limit); after ``timeout`` seconds the worker counts as silent.
+        """
+        report = self._wait_report()
         while True:
+            closed = False  # the connection broke (a remote worker) rather than the wait timing out
             try:
-                message = self._replies.get(timeout=min(5.0, max(0.0, deadline - time.monotonic())))
+                message = self._replies.get(timeout=min(5.0, report.every, max(0.0, self.timeout - report.waited)))
             except queue.Empty:
                 message = None
             except (EOFError, OSError):  # the reply pipe broke: the worker was killed in the middle of a reply
                 message, closed = None, True
                 if self._process is not None:
                     self._process.join(timeout=5.0)
-            else:
-                closed = False
             if message is None:
                 who = self.name if self._process is None else f"{self.name} (pid {self._process.pid})"
                 if self._process is not None and not self._process.is_alive():
                     reason = f"{who} died with exit code {self._process.exitcode}"
                 elif self._process is None and closed:
                     reason = f"{who} closed the connection (the worker died or was stopped)"
-                elif time.monotonic() >= deadline:
-                    reason = f"{who} sent nothing for {self.timeout:g} s (generation_workers.timeout)"
+                elif report.waited >= self.timeout:
+                    reason = (f"{who} sent nothing for {report.waited:.0f} s (limit {self.timeout:g} s, "
+                              "generation_workers.timeout)")
                 else:
+                    report()
                     continue
                 if not replace:
                     raise WorkerError(reason)
                 self._replace(reason)
-                deadline = time.monotonic() + self.timeout
+                report = self._wait_report()
                 continue
             if message[0] == "error":  # an exception in the worker's code: a new worker would raise it again
                 raise WorkerError(f"{self.name} failed:\n{message[1]}")
