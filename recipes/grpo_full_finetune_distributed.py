@@ -40,8 +40,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ContextManager, Dict, NamedTuple, Optional
 
-# First: drops torchao's import-time line before torchtune imports it (torchtune_grpo/quiet.py).
-import torchtune_grpo.quiet  # noqa: F401, I001
+# First: drops torchao's import-time line before torchtune imports it (torchtune_grpo/runtime/quiet.py).
+import torchtune_grpo.runtime.quiet  # noqa: F401, I001
 
 import torch
 import torch.distributed as dist

@@ -34,8 +34,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-# First: drops torchao's import-time line before torchtune imports it (torchtune_grpo/quiet.py).
-import torchtune_grpo.quiet  # noqa: F401, I001
+# First: drops torchao's import-time line before torchtune imports it (torchtune_grpo/runtime/quiet.py).
+import torchtune_grpo.runtime.quiet  # noqa: F401, I001
 
 import torch
 from omegaconf import DictConfig

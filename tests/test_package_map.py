@@ -63,6 +63,7 @@ OLD_PUBLIC_NAMES = {
     "precision": "PRECISIONS Precision",
     "preemption": "SIGTERM_EXIT_CODE StopOnSigterm",
     "producer": "FixedRollouts PromptStream RolloutProducer",
+    "quiet": "NOISE",
     "rejection_sampling": "RejectionStats rejection_sample write_jsonl",
     "resume": "BROKEN_CHECKPOINT_POLICIES ResumePoint config_changes earlier_run_note load_resume_point save_start_config",
     "rollout": "RolloutGroups sample_and_score",
@@ -75,6 +76,7 @@ OLD_PUBLIC_NAMES = {
     "train_step": "GRPOStep StepResult count_nonfinite_weights staleness_metrics staleness_sums trained_parameters",
     "training_batch": "SharedPromptMask TrainingBatch install_shared_prompt_attention pack_sequences response_values shared_prompt_layout shared_prompt_unsupported shared_row_length supports_shared_prompt",
     "update": "Experience PolicyUpdate UpdateStats batch_logprobs batch_token_logprobs micro_batches",
+    "waits": "REPORT_EVERY WaitReport",
     "worker_channel": "AUTHKEY_ENV ConnectionQueue authkey connect parse_address serve",
     "worker_rollouts": "WorkerError WorkerRollouts",
 }

@@ -1,4 +1,4 @@
-"""Import-time lines of other packages that say nothing to a user are dropped (torchtune_grpo/quiet.py), and
+"""Import-time lines of other packages that say nothing to a user are dropped (torchtune_grpo/runtime/quiet.py), and
 only those: another warning of the same packages still shows."""
 
 import subprocess

@@ -16,7 +16,7 @@ from torchtune_grpo.rewards import (
     RewardBatch,
     RewardSet,
 )
-from torchtune_grpo import waits
+from torchtune_grpo.runtime import waits
 from torchtune_grpo.rewards import _base
 
 # Hanging rewards wait on this instead of sleeping, so the test can free their threads when it ends.

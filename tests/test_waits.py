@@ -1,7 +1,7 @@
 """No silent waits: every wait of a run that can last longer than half a minute says what it waits for, and a
 listed address where nothing listens, or a worker that stops answering, is named at once or at its limit.
 
-- :class:`~torchtune_grpo.waits.WaitReport` on a hand-driven clock: when it speaks and what it says;
+- :class:`~torchtune_grpo.runtime.waits.WaitReport` on a hand-driven clock: when it speaks and what it says;
 - a listed vLLM server address where nothing listens fails in seconds (not ``startup_timeout``) naming the
   key and the address; a server still loading is reported while it is waited for;
 - a generation worker that stops answering, local (SIGSTOPped) or remote (a listener that takes the spec and
@@ -22,11 +22,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.recipe_utils import recipe_in_process, run_in_process, write_config
-from torchtune_grpo import waits
+from torchtune_grpo.runtime import waits
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
-from torchtune_grpo.worker_channel import AUTHKEY_ENV
-from torchtune_grpo.worker_rollouts import WorkerError
+from torchtune_grpo.workers.channel import AUTHKEY_ENV
+from torchtune_grpo.workers.client import WorkerError
 
 SECRET = "test-secret"
 

@@ -123,7 +123,7 @@ def test_one_step_of_each_recipe_from_the_wheel(installed, recipe, config):
         _run(installed, "tune-grpo", "cp", f"tiny/{config.replace('.yaml', '')}_grpo_cpu", config)
     out_dir = workdir / f"out_{config}"
     out = _run(installed, "tune", "run", recipe, "--config", config, "max_steps=1", f"output_dir={out_dir}")
-    # Only `tune` itself may say it (it imports torchtune before the recipe runs; torchtune_grpo/quiet.py).
+    # Only `tune` itself may say it (it imports torchtune before the recipe runs; torchtune_grpo/runtime/quiet.py).
     assert out.count(TORCHAO_LINE) <= 1, out
     assert (out_dir / "step_1").is_dir()
     assert '"step": 1' in (out_dir / "metrics.jsonl").read_text()

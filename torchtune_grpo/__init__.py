@@ -7,9 +7,9 @@ for one release, with a FutureWarning naming the new one (:mod:`torchtune_grpo._
 from torchtune_grpo import _moved
 
 # Before anything of the package imports torchtune (and so torchao): drops two known import-time lines that
-# say nothing to a user (torchtune_grpo/quiet.py). Every process that imports the package gets it, the
+# say nothing to a user (torchtune_grpo/runtime/quiet.py). Every process that imports the package gets it, the
 # generation workers included.
-from torchtune_grpo import quiet as _quiet  # noqa: F401
+from torchtune_grpo.runtime import quiet as _quiet  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -55,6 +55,7 @@ MOVED: Dict[str, str] = {
     "precision": "runtime.precision",
     "preemption": "runtime.preemption",
     "producer": "rollouts.producer",
+    "quiet": "runtime.quiet",
     "rejection_sampling": "rollouts.rejection_sampling",
     "resume": "checkpoints.resume",
     "rollout": "rollouts.groups",
@@ -67,6 +68,7 @@ MOVED: Dict[str, str] = {
     "train_step": "training.step",
     "training_batch": "training.batch",
     "update": "training.update",
+    "waits": "runtime.waits",
     "worker_channel": "workers.channel",
     "worker_rollouts": "workers.client",
 }

@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import torchtune_grpo.quiet  # noqa: F401 (first: before any subcommand imports torchtune)
+import torchtune_grpo.runtime.quiet  # noqa: F401 (first: before any subcommand imports torchtune)
 
 __all__ = ["config_path", "list_configs", "main"]
 

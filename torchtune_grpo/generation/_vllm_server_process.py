@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from torchtune_grpo.waits import WaitReport
+from torchtune_grpo.runtime.waits import WaitReport
 
 __all__ = ["VLLMServer", "VLLMServerError"]
 

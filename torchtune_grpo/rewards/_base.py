@@ -34,7 +34,7 @@ from torchtune_grpo.rewards._execution import (
     RewardTimeoutError,
     run_each,
 )
-from torchtune_grpo.waits import WaitReport
+from torchtune_grpo.runtime.waits import WaitReport
 
 __all__ = [
     "DEFAULT_REWARD_TIMEOUT",
@@ -318,7 +318,7 @@ def _opt(value: Any, reward: Any, attr: str, default: Any) -> Any:
 
 
 class _Watchdog:
-    """Logs, every :data:`~torchtune_grpo.waits.REPORT_EVERY` seconds, that a reward is still running, so a slow
+    """Logs, every :data:`~torchtune_grpo.runtime.waits.REPORT_EVERY` seconds, that a reward is still running, so a slow
     or hung reward is named in the log instead of holding the run silently. A limit shorter than the
     interval ends the call before a report is due: then it does nothing (a timeout is logged anyway)."""
 

@@ -55,7 +55,7 @@ from torchtune_grpo.rollouts.producer import PromptStream
 from torchtune_grpo.rollouts.groups import RolloutGroups
 from torchtune_grpo.workers.process import worker_main, WorkerSpec
 from torchtune_grpo.config.schema import LoRARecipeConfig
-from torchtune_grpo.waits import WaitReport
+from torchtune_grpo.runtime.waits import WaitReport
 from torchtune_grpo.workers.channel import AUTHKEY_ENV, authkey, connect, ConnectionQueue, parse_address
 
 __all__ = ["check_generation_workers", "WorkerError", "WorkerRollouts"]
@@ -428,7 +428,7 @@ class WorkerRollouts:
     def _get(self, replace: bool = True) -> Any:
         """The worker's next reply; a dead or silent worker is replaced (``replace``) or stops the run.
 
-        Every :data:`~torchtune_grpo.waits.REPORT_EVERY` seconds without a reply the wait is logged (which
+        Every :data:`~torchtune_grpo.runtime.waits.REPORT_EVERY` seconds without a reply the wait is logged (which
         worker, for how long, the limit); after ``timeout`` seconds the worker counts as silent.
         """
         report = self._wait_report()
