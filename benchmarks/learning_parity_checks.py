@@ -79,7 +79,7 @@ def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:
     """Our recipe's real step on ``rollouts``; returns grads, deltas, Adam state, masks, logprobs, metrics."""
     import torch
 
-    from torchtune_grpo.training.update import batch_token_logprobs
+    from torchtune_grpo.training.batch import batch_token_logprobs
 
     model, opt = recipe.model, recipe.optimizer
     before = {k: v.detach().clone() for k, v in model.named_parameters()}

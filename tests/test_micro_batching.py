@@ -16,7 +16,9 @@ from tests.conftest import make_tiny_decoder
 from torchtune_grpo.loss import GRPOLoss
 from torchtune_grpo.training.micro_batches import agreed_counts, agreed_plan, count_histogram, plan_micro_batches
 from torchtune_grpo.training.batch import TrainingBatch
-from torchtune_grpo.training.update import batch_token_logprobs, Experience, PolicyUpdate
+from torchtune_grpo.training.batch import batch_token_logprobs
+from torchtune_grpo.training.experience import Experience
+from torchtune_grpo.training.update import PolicyUpdate
 
 G = 3
 

@@ -16,7 +16,9 @@ import torch
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.loss import GRPOLoss
 from torchtune_grpo.training.batch import TrainingBatch
-from torchtune_grpo.training.update import batch_logprobs, Experience, PolicyUpdate
+from torchtune_grpo.training.batch import batch_logprobs
+from torchtune_grpo.training.experience import Experience
+from torchtune_grpo.training.update import PolicyUpdate
 
 G = 3  # completions per prompt
 

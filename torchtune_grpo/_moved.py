@@ -78,6 +78,8 @@ MOVED: Dict[str, str] = {
 MOVED_NAMES: Dict[str, Dict[str, str]] = {
     "config_checks": {"validate_config": "config"},  # config.checks' own needs the schema passed
     "config_fields": {"ConfigSchema": "config.checks"},
+    # Experience is the experience builder's output; the no-grad logprobs of a TrainingBatch are the batch's.
+    "update": {"batch_logprobs": "training.batch", "batch_token_logprobs": "training.batch"},
     # The setup checks, each beside what it checks.
     "setup_checks": {
         "check_evaluation_keys": "rollouts.evaluation",

@@ -43,7 +43,9 @@ from torchtune_grpo.training.micro_batches import agreed_plan, MicroBatchPlan, p
 from torchtune_grpo.training.packed_rows import packed_layout, PackedLayout
 
 __all__ = [
-    "install_shared_prompt_attention", "pack_sequences", "response_values", "shared_prompt_layout", "shared_prompt_unsupported", "shared_row_length", "SharedPromptMask", "supports_shared_prompt", "training_layout", "TrainingBatch",
+    "install_shared_prompt_attention", "pack_sequences", "response_values", "shared_prompt_layout",
+    "shared_prompt_unsupported", "shared_row_length", "SharedPromptMask", "supports_shared_prompt",
+    "training_layout", "TrainingBatch", "batch_logprobs", "batch_token_logprobs", "micro_batches",
 ]
 
 
@@ -615,3 +617,44 @@ def _shared_layout(
         f"{shown}) exceeds the model's max_seq_len {max_seq_len} is computed one row per sequence (same "
         "results, no prompt sharing for it)."
     )
+
+
+def micro_batches(n: int, size: int, start: int = 0) -> List[slice]:
+    """Row slices of at most ``size`` rows covering ``[start, n)``."""
+    return [slice(i, min(i + size, n)) for i in range(start, n, size)]
+
+
+@torch.no_grad()
+def batch_token_logprobs(
+    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
+    chunk_size: int = 512, with_entropy: bool = False, plan: Optional[MicroBatchPlan] = None,
+) -> TokenLogprobs:
+    """Logprobs ``[N, T]`` (and entropy ``[N, T]``) of every row of ``batch`` under ``model``, no grad.
+
+    Micro-batches of ``micro_batch_size`` rows in order, or those of a token-budget ``plan``
+    (:meth:`TrainingBatch.plan`; results come back in the batch's row order either way).
+    """
+    ordered, mbs = batch, micro_batches(len(batch), micro_batch_size)
+    if plan is not None:
+        ordered, mbs = batch.select(plan.order, row_width=plan.row_width), plan.slices()
+    outs = [
+        ordered.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                         entropy_grad=False)
+        for mb in mbs
+    ]
+    logprobs = torch.cat([o.logprobs for o in outs])
+    entropy = torch.cat([o.entropy for o in outs]) if with_entropy else None
+    if plan is not None:
+        logprobs = plan.restore(logprobs)
+        entropy = plan.restore(entropy) if entropy is not None else None
+    return TokenLogprobs(logprobs, entropy)
+
+
+def batch_logprobs(
+    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
+    chunk_size: int = 512, plan: Optional[MicroBatchPlan] = None,
+) -> torch.Tensor:
+    """Logprobs ``[N, T]`` of every row of ``batch`` under ``model``, micro-batch by micro-batch, no grad."""
+    return batch_token_logprobs(
+        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size, plan=plan
+    ).logprobs

@@ -1,6 +1,7 @@
-"""From a step's scored rollouts to what the update trains on: :class:`ExperienceBuilder`.
+"""From a step's scored rollouts to what the update trains on: :class:`Experience`, and :class:`ExperienceBuilder`
+that builds it.
 
-The selected :class:`~torchtune_grpo.rollouts.groups.RolloutGroups` become an :class:`~torchtune_grpo.training.update.Experience`:
+The selected :class:`~torchtune_grpo.rollouts.groups.RolloutGroups` become an :class:`Experience`:
 
 1. the training layout (:class:`~torchtune_grpo.training.batch.TrainingBatch`; with ``share_prompt`` a micro-batch's
    completions of one prompt share one row, the prompt computed once);
@@ -18,6 +19,7 @@ and in benchmarks and tests without a process group.
 """
 
 from contextlib import nullcontext
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -27,13 +29,57 @@ from torchtune_grpo.rollouts.advantages import advantage_signal, RewardStats
 from torchtune_grpo.models.logprobs import TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.loss.masks import LossMasks
-from torchtune_grpo.metrics.sums import one_process_sum
+from torchtune_grpo.metrics.sums import one_process_sum, StepSums
 from torchtune_grpo.training.micro_batches import MicroBatchPlan
-from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.training.batch import batch_logprobs, batch_token_logprobs, TrainingBatch
 from torchtune_grpo.rollouts.groups import RolloutGroups
-from torchtune_grpo.training.update import batch_logprobs, batch_token_logprobs, Experience
 
-__all__ = ["BuiltExperience", "ExperienceBuilder", "Reference"]
+__all__ = ["BuiltExperience", "Experience", "ExperienceBuilder", "Reference"]
+
+
+@dataclass
+class Experience:
+    """The rows a step trains on, laid out for the update. ``N`` sequences, ``T`` logprob columns.
+
+    Attributes:
+        batch (TrainingBatch): the ``N`` sequences in the training layout.
+        mask (torch.Tensor): ``[N, T]`` bool, the tokens the loss sees (response tokens of kept rows, minus
+            what the rollout correction or the token selection removed).
+        kept (torch.Tensor): ``[N]`` bool, the sequences that count in the loss's sequence count.
+        advantages (torch.Tensor): ``[N]`` per-sequence advantages, on the training device.
+        old_logprobs (Optional[torch.Tensor]): ``[N, T]`` logprobs under the sampling policy, or None when
+            the update takes one optimizer step (the current policy *is* the old one: ratio 1).
+        ref_logprobs (Optional[torch.Tensor]): ``[N, T]`` reference-policy logprobs, or None (no KL term).
+        engine_logprobs (Optional[torch.Tensor]): ``[N, T]`` the generation engine's sampling logprobs (an
+            engine with its own weights; truncated importance sampling and the mismatch metric), or None.
+        importance_weights (Optional[torch.Tensor]): ``[N, T]`` constants multiplying each token's policy
+            term (the rollout correction's), or None. Default is None.
+        metric_sums (StepSums): this rank's quantities of what was decided before the update (rollout
+            correction, per-component advantages), reduced with the step's metrics. Default is empty.
+    """
+
+    batch: TrainingBatch
+    mask: torch.Tensor
+    kept: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+    engine_logprobs: Optional[torch.Tensor]
+    importance_weights: Optional[torch.Tensor] = None
+    metric_sums: StepSums = field(default_factory=StepSums)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def select(self, rows: torch.Tensor, row_width: Optional[int] = None) -> "Experience":
+        """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order; ``row_width`` as
+        :meth:`TrainingBatch.select`)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in out.items():
+            if isinstance(value, torch.Tensor):
+                out[name] = value[rows.to(value.device)]
+        out["batch"] = self.batch.select(rows.tolist(), row_width=row_width)
+        return replace(self, **out)
 
 
 def _local_gather(values: torch.Tensor) -> torch.Tensor:
@@ -67,7 +113,7 @@ class BuiltExperience(NamedTuple):
 
 
 class ExperienceBuilder:
-    """Selected rollouts -> :class:`~torchtune_grpo.training.update.Experience` (see the module docstring).
+    """Selected rollouts -> :class:`Experience` (see the module docstring).
 
     Args:
         advantage: the advantage estimator (``advantage(rewards [N], group_size, batch_stats=...)``).

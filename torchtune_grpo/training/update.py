@@ -1,6 +1,6 @@
 """The policy update: one step's experience in, optimizer steps and loss statistics out.
 
-:class:`Experience` is everything the update needs of the rows a step trains on, already in the
+:class:`~torchtune_grpo.training.experience.Experience` (built by the experience builder) is everything the update needs of the rows a step trains on, already in the
 training layout ``[N, T]`` (column ``j`` predicts token ``start + j + 1``, see
 :class:`~torchtune_grpo.training.batch.TrainingBatch`): the loss mask and kept sequences, advantages, the
 old/reference/engine logprobs and any importance weights.
@@ -25,7 +25,6 @@ optimizer steps and micro-batches, whatever its permutation; a group's rows neve
 New loss inputs are added to :class:`Experience` and passed in :meth:`PolicyUpdate.loss_inputs`.
 """
 
-from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -33,61 +32,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtune_grpo.models.logprobs import TokenLogprobs
-from torchtune_grpo.metrics.sums import one_process_sum, StepSums
+from torchtune_grpo.metrics.sums import one_process_sum
 from torchtune_grpo.training.micro_batches import agreed_counts, count_histogram, MicroBatchPlan
 from torchtune_grpo.runtime.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.loss.rollout_correction import logprob_mismatch_sum
-from torchtune_grpo.training.batch import TrainingBatch
+from torchtune_grpo.training.batch import micro_batches, TrainingBatch
+from torchtune_grpo.training.experience import Experience
 from torchtune_grpo.training.step_metrics import LOSS_METRICS
 
-__all__ = [
-    "Experience", "PolicyUpdate", "UpdateStats", "batch_logprobs", "batch_token_logprobs", "micro_batches",
-]
-
-
-@dataclass
-class Experience:
-    """The rows a step trains on, laid out for the update. ``N`` sequences, ``T`` logprob columns.
-
-    Attributes:
-        batch (TrainingBatch): the ``N`` sequences in the training layout.
-        mask (torch.Tensor): ``[N, T]`` bool, the tokens the loss sees (response tokens of kept rows, minus
-            what the rollout correction or the token selection removed).
-        kept (torch.Tensor): ``[N]`` bool, the sequences that count in the loss's sequence count.
-        advantages (torch.Tensor): ``[N]`` per-sequence advantages, on the training device.
-        old_logprobs (Optional[torch.Tensor]): ``[N, T]`` logprobs under the sampling policy, or None when
-            the update takes one optimizer step (the current policy *is* the old one: ratio 1).
-        ref_logprobs (Optional[torch.Tensor]): ``[N, T]`` reference-policy logprobs, or None (no KL term).
-        engine_logprobs (Optional[torch.Tensor]): ``[N, T]`` the generation engine's sampling logprobs (an
-            engine with its own weights; truncated importance sampling and the mismatch metric), or None.
-        importance_weights (Optional[torch.Tensor]): ``[N, T]`` constants multiplying each token's policy
-            term (the rollout correction's), or None. Default is None.
-        metric_sums (StepSums): this rank's quantities of what was decided before the update (rollout
-            correction, per-component advantages), reduced with the step's metrics. Default is empty.
-    """
-
-    batch: TrainingBatch
-    mask: torch.Tensor
-    kept: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: Optional[torch.Tensor]
-    ref_logprobs: Optional[torch.Tensor]
-    engine_logprobs: Optional[torch.Tensor]
-    importance_weights: Optional[torch.Tensor] = None
-    metric_sums: StepSums = field(default_factory=StepSums)
-
-    def __len__(self) -> int:
-        return len(self.batch)
-
-    def select(self, rows: torch.Tensor, row_width: Optional[int] = None) -> "Experience":
-        """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order; ``row_width`` as
-        :meth:`TrainingBatch.select`)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name, value in out.items():
-            if isinstance(value, torch.Tensor):
-                out[name] = value[rows.to(value.device)]
-        out["batch"] = self.batch.select(rows.tolist(), row_width=row_width)
-        return replace(self, **out)
+__all__ = ["PolicyUpdate", "UpdateStats"]
 
 
 class UpdateStats(NamedTuple):
@@ -106,47 +59,6 @@ class UpdateStats(NamedTuple):
     losses: Dict[str, Any]
     grad_norm: Optional[torch.Tensor]
     skipped_steps: int = 0
-
-
-def micro_batches(n: int, size: int, start: int = 0) -> List[slice]:
-    """Row slices of at most ``size`` rows covering ``[start, n)``."""
-    return [slice(i, min(i + size, n)) for i in range(start, n, size)]
-
-
-@torch.no_grad()
-def batch_token_logprobs(
-    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
-    chunk_size: int = 512, with_entropy: bool = False, plan: Optional[MicroBatchPlan] = None,
-) -> TokenLogprobs:
-    """Logprobs ``[N, T]`` (and entropy ``[N, T]``) of every row of ``batch`` under ``model``, no grad.
-
-    Micro-batches of ``micro_batch_size`` rows in order, or those of a token-budget ``plan``
-    (:meth:`TrainingBatch.plan`; results come back in the batch's row order either way).
-    """
-    ordered, mbs = batch, micro_batches(len(batch), micro_batch_size)
-    if plan is not None:
-        ordered, mbs = batch.select(plan.order, row_width=plan.row_width), plan.slices()
-    outs = [
-        ordered.logprobs(model, mb, temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                         entropy_grad=False)
-        for mb in mbs
-    ]
-    logprobs = torch.cat([o.logprobs for o in outs])
-    entropy = torch.cat([o.entropy for o in outs]) if with_entropy else None
-    if plan is not None:
-        logprobs = plan.restore(logprobs)
-        entropy = plan.restore(entropy) if entropy is not None else None
-    return TokenLogprobs(logprobs, entropy)
-
-
-def batch_logprobs(
-    model: nn.Module, batch: TrainingBatch, *, micro_batch_size: int, temperature: float = 1.0,
-    chunk_size: int = 512, plan: Optional[MicroBatchPlan] = None,
-) -> torch.Tensor:
-    """Logprobs ``[N, T]`` of every row of ``batch`` under ``model``, micro-batch by micro-batch, no grad."""
-    return batch_token_logprobs(
-        model, batch, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size, plan=plan
-    ).logprobs
 
 
 class PolicyUpdate:

@@ -85,7 +85,7 @@ def behaviour_logprobs(
     """The log-probability of every response token under ``model`` (the weights that sampled it), per row.
 
     Computed with the trainer's own layout, forward and micro-batches (:class:`~torchtune_grpo.training.batch.TrainingBatch`,
-    :func:`~torchtune_grpo.training.update.batch_logprobs`; with ``max_tokens``, the token-budget plan of the whole
+    :func:`~torchtune_grpo.training.batch.batch_logprobs`; with ``max_tokens``, the token-budget plan of the whole
     batch), so with the same weights the values equal the trainer's (one process, one mini-batch: to the
     last bit).
 
@@ -93,7 +93,7 @@ def behaviour_logprobs(
         List[List[float]]: one list per row, ``len(response_ids[i])`` values.
     """
     from torchtune_grpo.training.batch import TrainingBatch
-    from torchtune_grpo.training.update import batch_logprobs
+    from torchtune_grpo.training.batch import batch_logprobs
 
     layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=device)
     plan = None if max_tokens is None else layout.plan(max_tokens=max_tokens, max_rows=micro_batch_size)
