@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import make_tiny_decoder
 from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.generation import _layouts
+from torchtune_grpo.generation import _rollout_caches
 from torchtune_grpo.generation._compact import compacting_decode_loop
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20, 21, 22, 23], [40]]
@@ -23,7 +23,7 @@ STOPS = list(range(30, 42))  # ~12% of the vocabulary: rows stop at scattered le
 def compactions(monkeypatch):
     """Row counts kept by every ``compact`` call of either layout."""
     seen = []
-    for cls in (_layouts.SharedPrefixRollout, _layouts.PerRowRollout):
+    for cls in (_rollout_caches.SharedPrefixRollout, _rollout_caches.PerRowRollout):
         original = cls.compact
 
         def spy(self, keep, original=original):
@@ -85,7 +85,7 @@ def test_a_session_first_turn_compacts_copies_and_keeps_every_cache(compactions,
     # (no compact() call) but decodes copies of the live rows (select_rows), written back as rows leave.
     # The same first turn as generate(), and a later turn of rows that stopped early reads their caches.
     selected = []
-    for cls in (_layouts.SharedPrefixRollout, _layouts.PerRowRollout):
+    for cls in (_rollout_caches.SharedPrefixRollout, _rollout_caches.PerRowRollout):
         original = cls.select_rows
         monkeypatch.setattr(cls, "select_rows", lambda self, rows, o=original: (selected.append(rows.numel()), o(self, rows))[1])
     model = make_tiny_decoder(scale=1.0)

@@ -7,7 +7,7 @@ from torch import nn
 
 from torchtune_grpo.models.attention import installable
 from torchtune_grpo.generation._cache import attached_caches, attention_modules, KVCachePool
-from torchtune_grpo.generation._layouts import PerRowRollout, RolloutResources, SharedPrefixRollout
+from torchtune_grpo.generation._rollout_caches import PerRowRollout, RolloutResources, SharedPrefixRollout
 from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._compact import compacting_decode_loop
@@ -53,7 +53,7 @@ class NativeGenerator(GenerationEngine):
       (:func:`~torchtune_grpo.generation._prefix_attention.lean_decode_layer`).
     - No device-to-host synchronisation per token: the loop checks whether every row has stopped once
       every ``stop_check_interval`` tokens.
-    - On CUDA the decode step (fixed shapes, see :mod:`~torchtune_grpo.generation._layouts`) is compiled with
+    - On CUDA the decode step (fixed shapes, see :mod:`~torchtune_grpo.generation._rollout_caches`) is compiled with
       ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); sampling stays eager and sync-free.
 
     Args:
@@ -166,7 +166,7 @@ class NativeGenerator(GenerationEngine):
         max_new_tokens: int,
         pad_id: int,
     ) -> Union[SharedPrefixRollout, PerRowRollout]:
-        """Left-pad the prompts and set up this rollout's cache layout (see ``_layouts.py``)."""
+        """Left-pad the prompts and set up this rollout's cache layout (see ``_rollout_caches.py``)."""
         # The caches hold what the attention layers compute in: their weights' dtype (bf16 under mixed
         # precision, whose fp32 master weights stay in the root module).
         param = next(attns[0].parameters()) if attns else next(model.parameters())

@@ -2,7 +2,7 @@
 
 A multi-turn episode grows by a model turn, then an environment reply, then another model turn. Re-sending
 the whole history every turn recomputes the prompt and every earlier turn. A :class:`NativeSession` keeps
-the rollout's static cache (either layout of ``_layouts.py``) for the session's length and, per row, which
+the rollout's static cache (either layout of ``_rollout_caches.py``) for the session's length and, per row, which
 of its response tokens already have keys and values there. A later turn prefills only what a row does not
 have yet: the last token the model sampled (sampled, never fed back) and the environment's reply; then it
 decodes from there.
@@ -39,7 +39,7 @@ from torch import nn
 
 from torchtune_grpo.generation._cache import attached_caches, attention_modules
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
-from torchtune_grpo.generation._layouts import PerRowRollout, SharedPrefixRollout
+from torchtune_grpo.generation._rollout_caches import PerRowRollout, SharedPrefixRollout
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.models.logprobs import replace_unembed
 
@@ -81,7 +81,7 @@ class RowViews:
     """A session turn's decode batch: rows of the session's caches, shrunk as rows stop.
 
     It starts as the session's rollout itself (``copy`` False: every row, in order) or as a copy of some
-    rows (:meth:`~torchtune_grpo.generation._layouts.SharedPrefixRollout.select_rows`). :meth:`compact` is
+    rows (:meth:`~torchtune_grpo.generation._rollout_caches.SharedPrefixRollout.select_rows`). :meth:`compact` is
     the compacting decode loop's callback: it writes the current copy's completion caches back to the
     session's storage, copies the kept rows out again and attaches their caches in place of the old ones.
     So stopped rows keep their caches for a later turn while the decode batch holds the live rows only.
