@@ -15,7 +15,7 @@ logits of a live row are the same function of the same cached keys and values; o
 the matrix products changes, and with it, on some BLAS kernels, the last bits of a row's result (CPU
 fp32: rows of a ``[n, 576] x [576, k]`` product differ from the full batch's by ~1 ulp for some ``n``).
 Tokens are therefore the same unless two candidates are that close (tested token for token on tiny models,
-greedy and seeded, both cache layouts).
+greedy and seeded, both kinds of rollout cache).
 """
 
 from typing import Callable, Optional

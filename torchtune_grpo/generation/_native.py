@@ -166,7 +166,7 @@ class NativeGenerator(GenerationEngine):
         max_new_tokens: int,
         pad_id: int,
     ) -> Union[SharedPrefixRollout, PerRowRollout]:
-        """Left-pad the prompts and set up this rollout's cache layout (see ``_rollout_caches.py``)."""
+        """Left-pad the prompts and set up this rollout's KV cache, shared-prefix or per-row (see ``_rollout_caches.py``)."""
         # The caches hold what the attention layers compute in: their weights' dtype (bf16 under mixed
         # precision, whose fp32 master weights stay in the root module).
         param = next(attns[0].parameters()) if attns else next(model.parameters())

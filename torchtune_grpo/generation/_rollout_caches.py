@@ -1,4 +1,4 @@
-"""A rollout's two KV-cache layouts and their decode steps (used by :class:`NativeGenerator`).
+"""A rollout's two kinds of KV cache (shared-prefix, per-row) and their decode steps, for :class:`NativeGenerator`.
 
 *Shared prefix* (float32 caches): each prompt's keys/values once per group plus each row's completion
 (:mod:`~torchtune_grpo.generation._prefix_attention`), decoded by :func:`prefix_decode_step`. *Per row*
@@ -10,7 +10,7 @@ A multi-turn session (:mod:`~torchtune_grpo.generation._session`) keeps a rollou
 turn and continues rows whose histories now differ in length: ``extend`` writes each row's appended tokens
 right after its own cached tokens (per-row write slots, ``c [N, s]`` completion indices) and ``decode_rows``
 decodes with a per-row slot, mask and position. Completion index ``c`` holds the row's response token ``c``
-in both layouts, so a row's tokens stay contiguous whatever the other rows hold.
+in both kinds, so a row's tokens stay contiguous whatever the other rows hold.
 """
 
 import copy
@@ -110,7 +110,7 @@ def prefix_decode_step(
     direct: bool = False,
     lean: bool = False,
 ) -> torch.Tensor:
-    """:func:`decode_step` for the shared-prefix cache layout (:class:`SharedPrefixKVCache` attached).
+    """:func:`decode_step` for the shared-prefix cache (:class:`SharedPrefixKVCache` attached).
 
     Args:
         model (nn.Module): the torchtune decoder.
