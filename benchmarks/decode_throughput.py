@@ -1,4 +1,4 @@
-"""Decode throughput of the native engine against the memory-bandwidth bound (issue #8, item 5).
+"""Decode throughput of the native engine against the memory-bandwidth bound, on a GPU.
 
 A decode step reads every weight once plus the KV cache of every row, so at batch ``b`` the step time is at
 least ``(weight bytes + KV bytes read) / memory bandwidth``; the bound on tokens/s is ``b`` over that. This
