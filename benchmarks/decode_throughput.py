@@ -1,4 +1,4 @@
-"""Decode throughput of the native engine against the memory-bandwidth bound (issue #8, item 5).
+"""Decode throughput of the native engine against the memory-bandwidth bound, on a GPU.
 
 A decode step reads every weight once plus the KV cache of every row, so at batch ``b`` the step time is at
 least ``(weight bytes + KV bytes read) / memory bandwidth``; the bound on tokens/s is ``b`` over that. This
@@ -11,7 +11,7 @@ subtracts a 1-token run to leave the decode steps only, and prints tokens/s and 
     # smoke test anywhere
     python benchmarks/decode_throughput.py --model tiny --device cpu --dtype fp32 --batch 1 8 --new-tokens 16
 
-H100 SXM: 3,350 GB/s (HBM3); H200: 4,800 GB/s. Numbers go in docs/benchmarks.md with the device name.
+H100 SXM: 3,350 GB/s (HBM3); H200: 4,800 GB/s. Numbers go in docs/benchmarks/gpu_runs.md with the device name.
 """
 
 import argparse

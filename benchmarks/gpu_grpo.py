@@ -42,7 +42,7 @@ output projection) and the peak the measured bf16 matrix rate of the ``ceilings`
     # smoke test on CPU (tiny models, fp32, aot_eager instead of inductor for the compiled decode)
     python benchmarks/gpu_grpo.py --device cpu --tiny
 
-Results go in docs/gpu.md and docs/benchmarks.md, with the device named.
+Results go in docs/gpu.md and docs/benchmarks/gpu_runs.md, with the device named.
 """
 
 import argparse

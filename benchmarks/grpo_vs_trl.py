@@ -94,7 +94,7 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
         "steps": 4,
         "lr": 1e-5,
     },
-    # Real shapes for a GPU (issue #8 item 5; not in the default CPU run): Qwen2.5-0.5B and -1.5B, random
+    # Real shapes for a GPU (not in the default CPU run): Qwen2.5-0.5B and -1.5B, random
     # weights, with the tiny tokenizer (ids above its 512 tokens decode to nothing; lengths are unaffected).
     "qwen2_5_0_5b": {
         "family": "qwen2",
@@ -137,9 +137,10 @@ WORKLOADS: Dict[str, Dict[str, Any]] = {
         "lr": 1e-6,
     },
 }
-# Long-tailed completion lengths (issue 30): the tiny model, whose near-uniform next-token distribution over
-# 512 ids with 2 stop ids makes lengths geometric (mean ~256, median ~177, 1.8 % cut at 1,024), so every batch
-# holds a few completions several times longer than most; both sides sample them.
+# Long-tailed completion lengths (docs/benchmarks/long_tails.md): the tiny model, whose near-uniform
+# next-token distribution over 512 ids with 2 stop ids makes lengths geometric (mean ~256, median ~177,
+# 1.8 % cut at 1,024), so every batch holds a few completions several times longer than most; both sides
+# sample them.
 WORKLOADS["tiny_longtail"] = {
     **WORKLOADS["tiny"],
     "model": {**WORKLOADS["tiny"]["model"], "max_seq_len": 2048},

@@ -1,4 +1,4 @@
-"""The late learning gap's cross-over (issue "the late learning gap against TRL"): several arms of
+"""The cross-over behind the late learning gap against TRL (docs/benchmarks/closed_loop.md): several arms of
 ``benchmarks/learning_vs_trl.py``, compared seed by seed.
 
 Every arm is a set of runs (``runs.json`` of ``learning_vs_trl.py``) with the benchmark's settings; a seed

@@ -1,4 +1,4 @@
-"""Our GRPO update vs TRL's on identical inputs, and our sampler vs exact sampling (issue #18, item 2).
+"""Our GRPO update vs TRL's on identical inputs, and our sampler vs exact sampling (docs/benchmarks/learning_parity.md).
 
 Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed with a verdict and numbers:
 
@@ -23,7 +23,8 @@ Load-independent checks on SmolLM2-135M-Instruct (tied embeddings), each printed
    ``--sequences`` per prompt, from our engine and from transformers' ``generate`` (TRL's sampler) with the
    same weights: mean length, fraction stopped and the base model's mean entropy over the sampled positions,
    with permutation p-values; a third side, the referee, samples exactly in the plainest way (transformers'
-   model forward, ``torch.multinomial`` over the float64 softmax, none of ``generate``'s processing). Where item 2 looks at three positions, this covers all 48.
+   model forward, ``torch.multinomial`` over the float64 softmax, none of ``generate``'s processing).
+   Where check 2 looks at three positions, this covers all 48.
 5. **The engine's own distributions** (``--checks engine_logprobs``, not in the default set): every
    distribution the native engine samples from (its KV-cached decode) against the trainer's teacher-forced
    forward of the finished sequences, sampled-token logprobs and entropies; with ``--model-dir`` a trained

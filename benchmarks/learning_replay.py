@@ -1,4 +1,4 @@
-"""Many steps of identical rollouts through our update and TRL's (issue #18, items 2 and 3).
+"""Many steps of identical rollouts through our update and TRL's: does a difference compound over steps?
 
 ``learning_parity_checks.py`` compares one step. Here our engine samples ``--steps`` batches once (each
 ``--groups`` prompts x ``--group-size`` completions of the benchmark's task from the base model, scored by
@@ -21,7 +21,8 @@ embedding split into the pad token's row (``<|im_end|>`` for SmolLM2) and the re
 ``--model-dir`` may be a trained checkpoint (e.g. a ``step_15`` kept by ``learning_vs_trl.py
 --keep-checkpoints``): the replay then starts where the policy's entropy is low, late in a run.
 
-``--closed-loop`` (issue 32) replays our *loop* instead: our recipe runs ``--steps`` steps exactly as a
+``--closed-loop`` (the late learning gap against TRL, docs/benchmarks/closed_loop.md) replays our *loop*
+instead: our recipe runs ``--steps`` steps exactly as a
 ``learning_vs_trl.py --sides ours`` run of ``--seed`` (prompt order) and ``--recipe-seed`` (sampling stream)
 does, each step sampling from the weights it has trained so far, and every step's rollouts are kept; TRL's
 update then replays them in order from the base weights. Both sides' weights are evaluated held-out every

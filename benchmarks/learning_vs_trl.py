@@ -27,7 +27,7 @@ once and shared. The seconds spent writing checkpoints are excluded from the tra
 
 ``--trl-sampler native`` runs TRL's loop and update with this project's native engine as the sampler
 (:func:`native_sampler_trainer`; a subclass replacing one method, TRL itself unedited): the other half
-of issue 32's cross-over. Give it its own ``--out``.
+of the closed-loop cross-over (docs/benchmarks/closed_loop.md). Give it its own ``--out``.
 
 Per step both sides log training reward, policy entropy (mean over completion tokens), response length,
 grad norm (before clipping) and step seconds. Outputs: ``runs.json`` (every run), ``report.md`` (tables:
@@ -198,7 +198,7 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
             "step": step, "reward": metrics["reward/mean"], "entropy": metrics.get("entropy"),
             "response_length": metrics["response_length/mean"], "grad_norm": metrics.get("grad_norm"),
             "seconds": metrics["time/step"], "elapsed": elapsed,
-            # the closed-loop diagnostics (issue "the late learning gap"; kl_step and the accuracies need
+            # the closed-loop diagnostics (docs/benchmarks/closed_loop.md; kl_step and the accuracies need
             # --ours-override step_diagnostics=true)
             **{key: metrics[key] for key in DIAGNOSTICS if key in metrics},
         })
@@ -216,7 +216,7 @@ def run_ours(model_dir: Path, run_dir: Path, seed: int, steps: int, eval_every: 
 
 def native_sampler_trainer(base: type, model_dir: Path, seed: int) -> type:
     """``base`` (TRL's ``GRPOTrainer``) sampling with this project's native engine instead of transformers'
-    ``generate`` (issue 32's cross-over: TRL's loop and update, our sampler).
+    ``generate`` (the closed-loop cross-over: TRL's loop and update, our sampler).
 
     Before each generation the trainer's current weights are converted to a torchtune copy of the model
     (the recipe's own checkpoint conversion) and the engine samples ``num_generations`` completions per

@@ -1,4 +1,4 @@
-"""Long-tailed completion lengths: padding, update time and decode speed, before/after in one run (issue 30).
+"""Long-tailed completion lengths: padding, update time and decode speed, before/after in one run.
 
 Two halves of a GRPO step pay for the longest completion:
 

@@ -1,4 +1,4 @@
-"""LoRA with the vLLM engine (issue 28): what a sync costs, and what a step costs, against the alternatives.
+"""LoRA with the vLLM engine: what a sync costs, and what a step costs, against the alternatives.
 
 ``sync``: one process, one ``VLLMGenerator``, a LoRA policy (rank 8 on q/k/v/o and the MLP) with random
 non-zero adapters; the time and bytes of each way the weights can reach the engine, with the sync check:
@@ -126,7 +126,7 @@ def steps(model_dir: str, engine: str, n: int, recipe: str, lora_sync: str = "ad
                      **LORA}
     else:
         cfg.model = {"_component_": "torchtune_grpo.models.hf_model", "path": model_dir, "max_seq_len": 512}
-        cfg.generation.pop("dtype")  # the trainer's (the default this issue introduced)
+        cfg.generation.pop("dtype")  # the trainer's (the default when dtype is unset)
         cfg.optimizer.lr = 1e-6
     cfg.tokenizer = {"_component_": "torchtune_grpo.models.hf_tokenizer", "path": model_dir}
     cfg.dataset.prompt_style = "chat"

@@ -1,4 +1,4 @@
-"""Why the update is slower in a process that also runs a vLLM engine (issue 28), measured side by side.
+"""Is the update slower in a process that also runs a vLLM engine? Measured side by side.
 
 One process, one model, the same update (forward with ``sequence_logprobs``, backward, AdamW step on a
 fixed batch), each timed right after a rollout as in the recipe: first with the native engine (before vLLM

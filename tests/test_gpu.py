@@ -201,7 +201,7 @@ def test_lora_and_qlora_steps(gpu_device, quantize_base, tmp_path, clean_env, on
 
 
 def test_chunked_logprobs_peak_memory_is_two_chunk_buffers(gpu_device, record_property):
-    # docs/benchmarks.md ("Logprob memory"): beyond the weight and hidden-state gradients, the fused chunked
+    # docs/benchmarks/memory.md ("Logprob + loss memory"): beyond the weight and hidden-state gradients, the fused chunked
     # logprob + loss path holds about two [chunk, V] fp32 buffers, whatever the number of tokens T. CUDA:
     # Qwen3's output layer (hidden 1024, V 151,936), chunk 512, the allocator's peak; CPU: a smaller layer
     # (V 32,768, chunk 256: 32 MiB per buffer, above the noise of the process's peak RSS).

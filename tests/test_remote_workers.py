@@ -7,14 +7,19 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
 from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, recipe_in_process, run_in_process, tune_env, weights, write_config
+from torchtune_grpo.runtime import waits
 from torchtune_grpo.workers.channel import AUTHKEY_ENV
 from torchtune_grpo.workers.client import WorkerError
 
@@ -29,16 +34,21 @@ def _free_port() -> int:
 
 
 @contextmanager
-def worker_server(port: int, secret: str = SECRET):
+def worker_server(port: int, secret: str = SECRET, log_dir: Optional[Path] = None):
     """A worker listening on 127.0.0.1:``port`` in a process of its own (as on another node), until the block
-    ends; yields the process."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torchtune_grpo.workers.process", "--listen", f"127.0.0.1:{port}"],
-        env=tune_env(**{AUTHKEY_ENV: secret}), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+    ends; yields the process. Its output goes to a file (``log_dir``/worker_PORT.log), never to a pipe: a pipe
+    that nobody reads fills after 64 KiB and then blocks the worker in its next print, silently."""
+    log_path = Path(log_dir or tempfile.mkdtemp(prefix="grpo_worker_")) / f"worker_{port}.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torchtune_grpo.workers.process", "--listen", f"127.0.0.1:{port}"],
+            env=tune_env(**{AUTHKEY_ENV: secret}), cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        )
     try:
-        line = proc.stdout.readline()
-        assert f"generation worker listening on 127.0.0.1:{port}" in line, line + proc.stdout.read()
+        deadline = time.monotonic() + 300
+        while f"generation worker listening on 127.0.0.1:{port}" not in log_path.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text(errors="replace")
+            time.sleep(0.1)
         yield proc
     finally:
         proc.kill()
@@ -58,23 +68,32 @@ def _config(directory: Path, **workers):
 def test_a_worker_on_another_node_gives_the_local_workers_run_and_survives_a_restart(
     tmp_path, clean_env, one_thread, monkeypatch
 ):
-    # One step off, 3 steps: a local worker process; the same worker served over TCP; and a second run on that
-    # TCP worker, SIGKILLed after step 1 (batches in flight) and started again on the same port: the trainer
-    # notices the closed connection, reconnects and re-sends what was not answered. All three: the same numbers.
+    # One step off, 3 steps: a local worker process; the same worker served over TCP, which stops for longer
+    # than the trainer's 5 s poll after step 1 (a slow node: the trainer waits, saying so, and goes on); and a
+    # second run on that TCP worker, SIGKILLed after step 1 (batches in flight) and started again on the same
+    # port: the trainer notices the closed connection, reconnects and re-sends what was not answered. All
+    # three: the same numbers.
     monkeypatch.setenv(AUTHKEY_ENV, SECRET)
+    monkeypatch.setattr(waits, "REPORT_EVERY", 1.0)
     run_in_process(_config(tmp_path / "local"))
     port = _free_port()
     address = {"addresses": [f"127.0.0.1:{port}"]}
     log: list = []
-    with worker_server(port) as server:
-        run_in_process(_config(tmp_path / "remote", **address))
+    with worker_server(port, log_dir=tmp_path) as server:
+        with recipe_in_process(_config(tmp_path / "remote", **address), log=log) as recipe:
+            recipe.train_step()
+            server.send_signal(signal.SIGSTOP)  # alive and connected, silent for 7 s
+            threading.Timer(7.0, server.send_signal, (signal.SIGCONT,)).start()
+            recipe.train()
+        assert any(m.startswith(f"still waiting for a reply from the generation worker of rank 0 at 127.0.0.1:{port}")
+                   for m in log), log
         # The same worker serves the next trainer once the first one has left.
         with recipe_in_process(_config(tmp_path / "restarted", **address), log=log) as recipe:
             assert recipe.step.rollouts.pid is None  # nothing spawned here
             recipe.train_step()
             server.send_signal(signal.SIGKILL)
             server.wait()
-            with worker_server(port):
+            with worker_server(port, log_dir=tmp_path):
                 recipe.train()
     assert any(f"generation worker of rank 0 at 127.0.0.1:{port} (generation_workers.addresses[0]) closed the "
                "connection (the worker died or was stopped): starting a new one (1 of 3 restarts)" in m for m in log), log

@@ -209,9 +209,15 @@ def test_recipe_weights_match_unshared_training(tmp_path, clean_env, one_thread)
                     results[other][k][key], value, atol=1e-5, rtol=0,
                     msg=lambda m: f"{other}, step {k + 1}, {key}: {m}",
                 )
+        # The step's metrics are fp32 sums over its ~400 response tokens, grouped differently (other
+        # micro-batches, prompts shared or not: ~sqrt(400) = 20 ulp, 2.4e-6 relative), of per-token terms whose
+        # log-ratios carry an absolute error of a few ulp of the logits (other matmul shapes). For the k3 KL
+        # that absolute error becomes a relative one (dk3 / k3 -> d(log-ratio) as the ratio grows; the KL
+        # reaches ~190 per token at step 7): ~1e-5 at logits of ~50 (1 ulp = 3.8e-6). Bound: 5e-5 relative,
+        # 1e-5 absolute for values near 0 (measured: 5.2e-6 relative, kl at step 7 with AVX2 kernels).
         for ma, mb in zip(results["unshared_metrics"], results[other + "_metrics"]):
             for key in ("loss", "policy_loss", "kl", "entropy", "clip_fraction", "truncated_fraction"):
-                assert mb[key] == pytest.approx(ma[key], abs=1e-5), (other, ma["step"], key)
+                assert mb[key] == pytest.approx(ma[key], rel=5e-5, abs=1e-5), (other, ma["step"], key)
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Optional
 from torchtune_grpo.data import PromptDataset
 from torchtune_grpo.envs._extras import require
 from torchtune_grpo.multiturn import EnvReply
+from torchtune_grpo.runtime.waits import WaitReport
 
 __all__ = ["OpenEnvEnvironment", "OpenEnvTimeout", "local_server", "openenv_dataset"]
 
@@ -154,6 +155,8 @@ def local_server(app: str, startup_timeout: float = 60.0) -> str:
         proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + startup_timeout
+        report = WaitReport(f"the OpenEnv server for app {app!r} (pid {proc.pid}, log {logfile.name}) to answer "
+                            "/health", limit=startup_timeout)
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
@@ -165,6 +168,7 @@ def local_server(app: str, startup_timeout: float = 60.0) -> str:
                     if response.status == 200:
                         break
             except OSError:
+                report()
                 time.sleep(0.2)
         log.info(f"OpenEnv server for {app} at {url} (pid {proc.pid}, log {logfile.name})")
         _servers[app], _urls[app] = proc, url

@@ -40,7 +40,7 @@ class NativeGenerator(GenerationEngine):
     row's next token sits in the same cache slot; padded slots are masked out of attention and position
     ids skip them, so a row's samples do not depend on how long the other prompts are.
 
-    Speed (docs/benchmarks.md):
+    Speed (docs/benchmarks/native_engine.md):
 
     - The KV cache is allocated once and reused across rollouts while the batch size, dtype and device
       stay the same and the sequence fits (it grows in steps of ``cache_len_multiple`` slots otherwise).

@@ -4,7 +4,7 @@
 ``generate`` call it copies the trainer's (gathered) weights into a Hugging Face model of the same directory
 and samples with ``model.generate`` (multinomial, temperature, top-k/top-p as configured). It serves two
 purposes: a reference sampler, to tell whether a difference in learning comes from the native engine's
-sampling or from the update (docs/benchmarks.md), and generation for architectures transformers knows and
+sampling or from the update (docs/benchmarks/closed_loop.md), and generation for architectures transformers knows and
 the native engine's KV-cache path does not.
 
 Its samples come from the trainer's weights of the moment (like the native engine, ``holds_weights`` is

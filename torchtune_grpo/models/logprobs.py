@@ -9,7 +9,7 @@ For a plain bias-free projection (``nn.Linear`` or torchtune's ``TiedLinear``: e
 output layer) a fused autograd function does this with hand-written gradients: backward recomputes a
 chunk's logits, turns them into the logits' gradient in place, and accumulates the weight's gradient into
 one buffer with ``addmm_``. Peak working memory is about two ``[chunk_size, V]`` fp32 buffers, and no
-per-chunk ``[V, D]`` weight-gradient temporaries (docs/benchmarks.md has the measurements). When all the
+per-chunk ``[V, D]`` weight-gradient temporaries (docs/benchmarks/memory.md has the measurements). When all the
 tokens fit in one chunk, forward keeps that chunk's logits for backward instead (one ``[tokens, V]``
 buffer, held from forward to backward; it saves a quarter of the projection's work). Any other
 projection takes the generic path: activation checkpointing per chunk.

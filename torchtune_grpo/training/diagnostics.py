@@ -1,5 +1,5 @@
-"""Closed-loop diagnostics of a training step (``step_diagnostics: true``; docs/benchmarks.md, issue "the late
-learning gap"): what a policy samples after it was trained, fed into its next update, measured per step.
+"""Closed-loop diagnostics of a training step (``step_diagnostics: true``; docs/benchmarks/closed_loop.md, the
+late learning gap against TRL): what a policy samples after it was trained, fed into its next update, measured per step.
 
 Each rank sums its part (:class:`~torchtune_grpo.metrics.sums.StepSums`, reduced over ranks by key like every
 step metric):
