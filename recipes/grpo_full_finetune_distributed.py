@@ -61,7 +61,7 @@ from torchtune_grpo.runtime.collectives import Collectives
 from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
 from torchtune_grpo.runtime.crash_points import crash_point
 from torchtune_grpo.training.diagnostics import StepDiagnostics
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.rollouts.evaluation import check_evaluation_keys, correctness_name, HeldOutEvaluation
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck

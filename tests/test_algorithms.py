@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from torchtune_grpo.config import validate_config
 from tests.conftest import TINY_CONFIG
 from torchtune_grpo.config.algorithm_card import AlgorithmSpec, algorithm_card
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling, GroupSelection
+from torchtune_grpo.rollouts.group_selection import DynamicSampling, GroupSelection
 from torchtune_grpo.rollouts.groups import RolloutGroups
 from torchtune_grpo.models.logprobs import chunked_logprobs
 from torchtune_grpo.rewards import RewardBatch, SoftOverlongPunishment

@@ -23,7 +23,7 @@ from torchtune_grpo.config.checks import numeric_rules
 from torchtune_grpo.config.doc_tables import keys_table, render, update_docs, values_table
 from torchtune_grpo.config.fields import setting
 from torchtune_grpo.config.schema import DynamicSamplingConfig, MultiTurnConfig
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.multiturn import MultiTurn
 
 

@@ -5,7 +5,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from tests.conftest import make_tiny_decoder
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.rollouts.producer import FixedRollouts, PromptStream, RolloutProducer
 from torchtune_grpo.data import collate_prompts

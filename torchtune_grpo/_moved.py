@@ -37,7 +37,7 @@ MOVED: Dict[str, str] = {
     "config_schema": "config.schema",
     "crash_points": "runtime.crash_points",
     "diagnostics": "training.diagnostics",
-    "dynamic_sampling": "rollouts.dynamic_sampling",
+    "dynamic_sampling": "rollouts.group_selection",
     "evaluation": "rollouts.evaluation",
     "experience": "training.experience",
     "logprobs": "models.logprobs",

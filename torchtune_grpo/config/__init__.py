@@ -50,7 +50,7 @@ REQUIRED_KEYS: Set[str] = required_keys(RecipeConfig)
 #: Keys of the ``multi_turn:`` section (:class:`~torchtune_grpo.multiturn.MultiTurn`).
 MULTI_TURN_KEYS: Set[str] = MultiTurnConfig.keys()
 
-#: Keys of the ``dynamic_sampling:`` section (:class:`~torchtune_grpo.rollouts.dynamic_sampling.DynamicSampling`).
+#: Keys of the ``dynamic_sampling:`` section (:class:`~torchtune_grpo.rollouts.group_selection.DynamicSampling`).
 DYNAMIC_SAMPLING_KEYS: Set[str] = DynamicSamplingConfig.keys()
 
 #: Every numeric setting the recipes read, with its valid range. A key that is absent takes its default.

@@ -51,7 +51,7 @@ _BUDGET_OF_MICRO_BATCH = _Absent()
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DynamicSamplingConfig(ConfigSchema):
-    """``dynamic_sampling:`` (DAPO; :class:`~torchtune_grpo.rollouts.dynamic_sampling.DynamicSampling`)."""
+    """``dynamic_sampling:`` (DAPO; :class:`~torchtune_grpo.rollouts.group_selection.DynamicSampling`)."""
 
     enabled: bool = setting(False, doc="drop groups whose rewards are all equal and generate more")
     max_rounds: int = setting(4, ge=1, doc="generation rounds per step at most, each on `batch_size` new prompts",

@@ -101,7 +101,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_size: int, rtol: float = Z
 
     A group is zero-variance when ``max - min <= rtol * max(1, |mean|)``: ``[0.3, 0.1 + 0.2]`` (a spread of
     5.6e-17) is, ``[1e7, 1e7 + 1e-3]`` is (relative tolerance), ``[0, 1e-3]`` is not. A group of one is.
-    Used for zero advantages here and by DAPO's dynamic sampling (:mod:`torchtune_grpo.rollouts.dynamic_sampling`).
+    Used for zero advantages here and by DAPO's dynamic sampling (:mod:`torchtune_grpo.rollouts.group_selection`).
 
     Args:
         rewards (torch.Tensor): ``[N]``; completions ``g*G .. (g+1)*G - 1`` form group ``g``.

@@ -20,7 +20,7 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtune_grpo.data import collate_prompts, PromptBatch
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.generation import GenerationEngine
 from torchtune_grpo.metrics.sums import one_process_sum
 from torchtune_grpo.multiturn import MultiTurn

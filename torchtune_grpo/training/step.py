@@ -26,7 +26,7 @@ from torchtune import utils
 from torchtune.training.lr_schedulers import get_lr
 
 from torchtune_grpo.training.diagnostics import advantage_sums, StepDiagnostics
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.training.experience import ExperienceBuilder
 from torchtune_grpo.metrics.sums import Key, Reduce, reduce_over_ranks, StepSums
 from torchtune_grpo.runtime.nonfinite import advice, count_nonfinite, NonFiniteError

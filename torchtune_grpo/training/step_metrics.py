@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 
-from torchtune_grpo.rollouts.dynamic_sampling import GroupSelection
+from torchtune_grpo.rollouts.group_selection import GroupSelection
 from torchtune_grpo.metrics.sums import Key, Mean, Metric, Reduce, StepSums, Std, Value
 from torchtune_grpo.loss.rollout_correction import CORRECTION_METRICS
 from torchtune_grpo.rollouts.groups import RolloutGroups

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torchtune import utils
 
-from torchtune_grpo.rollouts.dynamic_sampling import DynamicSampling
+from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.generation import full_weights, WeightSyncCheck
 from torchtune_grpo.models.logprobs import sequence_logprobs
 from torchtune_grpo.metrics.sums import one_process_sum

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling: train only on prompt groups whose rewards differ.
+"""The groups a step trains on: DAPO's dynamic sampling, which trains only on prompt groups whose rewards differ.
 
 A group whose ``G`` rewards are all equal (every completion right, or every one wrong) has zero
 advantage everywhere: it adds nothing to the policy gradient but still dilutes it through the loss
