@@ -98,6 +98,13 @@ def test_bf16_with_fp32_master_weights_moves_at_lr_1e6_and_tracks_fp32(
     rel_entropy = max(abs(y["entropy"] - x["entropy"]) / x["entropy"] for x, y in zip(m32, m16))
     record_property("bf16_vs_fp32_max_rel_policy_loss", rel_loss)
     record_property("bf16_vs_fp32_max_rel_entropy", rel_entropy)
+    # bf16 against fp32 is a precision difference, not an order one: bf16 keeps 8 significant bits (unit roundoff
+    # 2^-9 = 2e-3 per operation), ~1e-2 absolute on logprobs of a few units after the layers' matmuls. The loss and
+    # entropy are means over the step's tokens, where those errors (of random sign) average down by sqrt(tokens);
+    # the KL is a difference of policy and reference log-ratios, small after 3 steps at lr 1e-3, so the same
+    # absolute bf16 error is a larger share of it: 10% relative. Bounds: 5% (policy loss, +1e-3 for values near
+    # 0), 2% (entropy), 10% (KL); they concern bf16 arithmetic (CUDA, or oneDNN's on the CPU rehearsal), not the
+    # fp32 kernel choice. Measured on an H200: policy loss 0, entropy 1.7e-6 relative.
     assert rel_loss <= 0.05 and rel_entropy <= 0.02, (m32, m16)
     assert m32[-1]["kl"] > 0 and m16[-1]["kl"] == pytest.approx(m32[-1]["kl"], rel=0.1)
     # k_proj's bias shifts every score of a query equally (softmax ignores it): its gradient is noise.
@@ -174,6 +181,10 @@ def test_fsdp2_on_one_device_matches_the_plain_model(gpu_device, tmp_path, clean
     b1, sharded, m_fsdp, _ = _run_recipe(tmp_path / "fsdp", gpu_device, 2, fsdp_single_process=True, **common)
     assert b0.keys() == b1.keys() and all(torch.equal(b0[k], b1[k]) for k in b0)
     for x, y in zip(m_plain, m_fsdp):
+        # Step 1's weights are equal (checked above), so its loss is the same computation; step 2's follows weights
+        # that differ by the rounding of one update (FSDP2's sharded AdamW step and its gradient reduction in another
+        # order: a few ulp of the weights, 1.25e-6 measured on an H200), which moves a loss of O(0.1-1) by far less than
+        # 1e-4 relative. Bound: 1e-4 relative, 1e-6 absolute for a loss near 0.
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6), (x, y)
     diff = max((sharded[k] - plain[k]).abs().max().item() for k in plain)
     moved = max((plain[k] - b0[k]).abs().max().item() for k in plain)
@@ -278,6 +289,9 @@ def test_a_generation_worker_on_the_device_samples_what_the_trainer_does(
     record_property("worker_vs_sync_max_weight_diff", diff)
     assert [m["staleness/max"] for m in worker] == [0, 0] and mismatch <= 1e-4, mismatch
     for x, y in zip(sync, worker):  # the same tokens: kernels of one device and dtype on both sides
+        # Same tokens and weights on both sides; the loss differs only by the worker's behaviour logprobs entering
+        # as the old logprobs (mismatch <= 1e-4 above, computed on the same device and dtype in another batch shape):
+        # a ratio exp(delta) = 1 + delta with delta ~ 1e-5, 1e-4 relative at most. Bound: 1e-4 relative, 1e-6 absolute.
         assert y["reward/mean"] == x["reward/mean"] and y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6)
     assert diff <= 1e-5, diff
 
@@ -321,6 +335,10 @@ def test_packed_rows_flex_attention_equals_the_dense_mask(gpu_device, record_pro
     grad_diff = max((g_b[k] - g_a[k]).abs().max().item() for k in g_a)
     record_property("flex_vs_sdpa_max_logprob_diff", lp_diff)
     record_property("flex_vs_sdpa_max_grad_diff", grad_diff)
+    # Flex attention (compiled, blockwise online softmax) and the dense mask's SDPA sum the same attention terms in
+    # another order: a few ulp per attention output, carried through 2 layers and the head onto logits of |z| <~ 70
+    # (scale 1: 1 ulp = 7.6e-6): ~sqrt(9) ulp ~ 2.3e-5 typically, within 1e-4 = 13 ulp (0 measured on the CPU,
+    # where both run the dense mask).
     torch.testing.assert_close(lp_b, lp_a, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(ent_b, ent_a, atol=1e-4, rtol=1e-5)
     assert grad_diff <= 1e-4, grad_diff
