@@ -136,6 +136,9 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
     for key, value in base.items():
         lora = key.endswith(".weight") and f"{key[:-len('.weight')]}.lora_a.weight" in adapter
         expected = value + adapter_delta(adapter, key, scale) if lora else value
+        # W + s B A in fp32 both ways: a rank-8 product (8 roundings at |s B A| << |W|, the adapters are a few steps
+        # old) in another order, then one rounding of the sum at |W| <= 0.093 (ulp 7.5e-9): ~1e-8 apart at most; other
+        # keys are copies (0). Bound: 1e-6 (> 100 ulp of the largest weight), kernel-independent.
         torch.testing.assert_close(merged[key], expected, atol=1e-6, rtol=0, msg=key)
 
     # PEFT on the base, transformers on the merged model and torchtune's LoRA model: same logits.
