@@ -153,6 +153,10 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
         ).eval()
         peft_logits = peft_model(ids).logits
         tt_logits = tiny_lora_model(adapter, tmp_path / "scratch")(ids)
+    # PEFT (adapters on transformers' layers), the merged model in transformers and torchtune's LoRA model compute the
+    # same fp32 function in another order: x W + s (x A) B against x (W + s B A), ~15 matmuls, norms, attention and each
+    # library's RoPE tables, on the tiny asset's logits |z| <~ 2 (1 ulp 2.4e-7): a few ulp, <~ 1e-5 from the rope
+    # angles. Bound: 1e-4 + 1e-4 relative.
     torch.testing.assert_close(peft_logits, tt_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(hf_merged.logits, tt_logits, atol=1e-4, rtol=1e-4)
 
@@ -196,6 +200,9 @@ def test_qlora_runs_merged_model_matches_and_resumes(tmp_path, caplog, clean_env
     with torch.no_grad():
         hf_merged = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
         qlora = tiny_lora_model(adapter, tmp_path / "scratch", quantize_base=True)
+        # The merged file holds dequantised NF4 + s B A; the QLoRA model dequantises the same NF4 on the fly and adds s
+        # (x A) B: the same function in another order (as above), a few ulp at |z| <~ 2 plus the rope tables' <~ 1e-5.
+        # Bound: 1e-4 + 1e-4 relative.
         torch.testing.assert_close(hf_merged(ids).logits, qlora(ids), atol=1e-4, rtol=1e-4)
 
     # Resume from step 2: base weights from checkpointer.checkpoint_dir again, re-quantized.
@@ -290,6 +297,10 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
         base_model.load_state_dict(base_before)  # strict: exactly the base model's weights (dequantized NF4)
         with torch.no_grad():
             expected = sequence_logprobs(base_model.eval(), tokens).logprobs
+        # The recipe's reference forward runs the padded batch, the expected one the same tokens through the base model
+        # (dequantised NF4 weights loaded as plain fp32): other matmul shapes and the NF4 layer's dequantise-then-matmul
+        # in another order. A logprob is a logit minus a logsumexp at the tiny asset's |z| <~ 2 (1 ulp 2.4e-7): a few
+        # ulp each, ~1e-6. Bound: 1e-5 + 1e-5 relative (> 40 ulp).
         torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
         assert (policy - reference).abs().max() > 1e-4
         torch.testing.assert_close(recipe.step.build_experience.logprobs(model, tokens), policy, atol=0, rtol=0)
@@ -347,6 +358,9 @@ def test_peft_export_qwen2(tmp_path):
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)
         peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        # PEFT on transformers against torchtune's LoRA model: x W + s (x A) B in both, other op orders in ~15 matmuls,
+        # the norms and attention, and each library's RoPE tables over 10 positions (angles <= 10 rad, 1 ulp 9.5e-7), on
+        # logits |z| <~ 2 (1 ulp 2.4e-7): a few ulp, ~1e-6. Bound: 1e-5 + 1e-5 relative (> 40 ulp).
         torch.testing.assert_close(peft_logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
 
     ours = peft_adapter_weights(adapter, model_type="QWEN2", num_heads=4, num_kv_heads=4, dim=128)
@@ -392,4 +406,5 @@ def test_peft_export_llama(tmp_path):
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
         peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        # As above, for the Llama model: a few ulp of logits |z| <~ 2, ~1e-6. Bound: 1e-5 + 1e-5 relative.
         torch.testing.assert_close(peft_logits, model.eval()(ids), atol=1e-5, rtol=1e-5)

@@ -66,6 +66,9 @@ def test_single_process_run_and_resume(tmp_path, caplog, clean_env, one_thread):
     ids = torch.tensor([hf_tok.encode("What is 3 + 4? <answer>7</answer>")])
     tt_model = tiny_model_from(final, tmp_path)
     with torch.no_grad():
+        # transformers against torchtune on the trained tiny model (as tests/test_models.py): other op orders in ~15
+        # matmuls, the norms, attention and the RoPE tables, on logits |z| <~ 2 (1 ulp 2.4e-7): a few ulp, <~ 1e-5 from
+        # the rope angles. Bound: 1e-4 + 1e-4 relative.
         torch.testing.assert_close(hf_model(ids).logits, tt_model(ids), atol=1e-4, rtol=1e-4)
 
     # Simulate a crash right after the step-2 checkpoint: drop everything written later. The resumed run goes
@@ -116,6 +119,7 @@ def test_two_processes(tmp_path):
     hf_model = AutoModelForCausalLM.from_pretrained(out / "step_2").eval()
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
+        # As above: transformers against torchtune on the same weights. Bound: 1e-4 + 1e-4 relative.
         torch.testing.assert_close(hf_model(ids).logits, tiny_model_from(out / "step_2", tmp_path)(ids), atol=1e-4, rtol=1e-4)
 
 

@@ -107,8 +107,8 @@ def test_row_split_gives_the_same_decisions_and_sums():
         assert torch.equal(torch.cat([p.mask for p in parts]), whole.mask)
         assert torch.equal(torch.cat([p.kept for p in parts]), whole.kept)
         for key, value in whole.sums.items():
-            # Counts are exact; the kl sum adds the same fp32 per-token values (computed row by row, elementwise) in float64
-            # in another grouping: float64 roundings only (~1e-16 x the sum of |k3| < 1). Bound: 1e-9.
+            # Counts are exact; the kl sum adds the same fp32 per-token values (elementwise, row by row) in float64 in
+            # another grouping: float64 roundings only (~1e-16 x the sum of |k3| < 1). Bound: 1e-9.
             assert sum(p.sums[key] for p in parts) == pytest.approx(value, abs=1e-9), key
         assert 0 < whole.mask.sum() < mask.sum()  # the case really masks something
 
