@@ -315,6 +315,7 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
         # ulp each, ~1e-6. Bound: 1e-5 + 1e-5 relative (> 40 ulp).
         torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
         assert (policy - reference).abs().max() > 1e-4
+        # Exact: the same call on the same model and tokens.
         torch.testing.assert_close(recipe.step.build_experience.logprobs(model, tokens), policy, atol=0, rtol=0)
 
         # The reference is the policy itself, with its adapters switched off: no second copy of the weights.
