@@ -178,9 +178,7 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
         torch.testing.assert_close(resumed[key], adapter[key], atol=0, rtol=0)
     resumed_peft = weights(final)
     assert resumed_peft.keys() == uninterrupted_peft.keys()
-    # A resumed run is the uninterrupted computation itself: weights, optimizer and LR state, RNG streams and
-    # data order restored bit for bit, the same kernels on the same shapes. So it compares a computation with
-    # itself: exact (formerly 1e-6 + 1e-5 relative; measured bitwise equal with AVX-512, AVX2 and scalar kernels).
+    # As above: exact.
     for key in uninterrupted_peft:
         torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=0, rtol=0)
 
@@ -225,9 +223,7 @@ def test_qlora_runs_merged_model_matches_and_resumes(tmp_path, caplog, clean_env
     for key in adapter:
         torch.testing.assert_close(resumed[key], adapter[key], atol=0, rtol=0)
     resumed_peft = weights(final)
-    # A resumed run is the uninterrupted computation itself: weights, optimizer and LR state, RNG streams and
-    # data order restored bit for bit, the same kernels on the same shapes. So it compares a computation with
-    # itself: exact (formerly 1e-6 + 1e-5 relative; measured bitwise equal with AVX-512, AVX2 and scalar kernels).
+    # As above: exact.
     for key in uninterrupted_peft:
         torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=0, rtol=0)
 
