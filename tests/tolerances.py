@@ -40,6 +40,7 @@ def logit_ulps(model: torch.nn.Module, sequences, n: float) -> float:
     Returns:
         float: an absolute tolerance, ``n * eps(float32) * max |logit|``.
     """
+    device = next(model.parameters()).device
     with torch.no_grad():
-        largest = max(model(torch.tensor([list(s)])).abs().max() for s in sequences)
+        largest = max(model(torch.tensor([list(s)], device=device)).abs().max().cpu() for s in sequences)
     return ulps(largest, n)
