@@ -77,6 +77,10 @@ def test_advantages_sum_to_zero_per_group():
     torch.manual_seed(0)
     rewards = torch.rand(6 * 8)
     out = GroupRelativeAdvantage()(rewards, group_size=8)
+    # Each group's 8 advantages (|A| <= ~2: centred rewards in [0, 1] over a std of ~0.3) sum to 0 up to the fp32
+    # rounding of the mean (subtracted from each), the division and the sum of 8: ~8 roundings at <= 2 (ulp 2.4e-7),
+    # ~2e-6 worst case. Bound: 1e-5. The sample std of A is exactly std / (std + 1e-6), 1 - 3e-6 at std ~0.3, plus
+    # a few roundings at 1 (1.2e-7 each): bound 1e-4.
     torch.testing.assert_close(out.advantages.view(6, 8).sum(1), torch.zeros(6), atol=1e-5, rtol=0)
     # and each group has sample std 1 (up to eps)
     torch.testing.assert_close(out.advantages.view(6, 8).std(1), torch.ones(6), atol=1e-4, rtol=0)
@@ -152,14 +156,21 @@ def test_batch_std_uses_global_statistics_across_processes():
     summed = RewardStats(*[sum(v) for v in zip(*stats)])
     assert summed == RewardStats(4.0, 5.0, 11.0)  # count, sum 1+0+3+1, squares 1+0+9+1
     split = torch.cat([BatchStdAdvantage()(h, group_size=2, batch_stats=summed).advantages for h in halves])
+    # The split uses the same global statistics as the whole (float64 sums of exact small rewards, hence the same
+    # std); the centred rewards +-0.5, +-1 are exact, so both divide the same numbers by the same fp32 std: equal, or
+    # one rounding apart (1.2e-7 at |A| <= 0.8). Bound: 1e-6.
     torch.testing.assert_close(split, full, atol=1e-6, rtol=0)
     # Without the global statistics the rank-local std differs: the reason the recipe passes them.
     local = torch.cat([BatchStdAdvantage()(h, group_size=2).advantages for h in halves])
+    # The local std changes the advantages by ~0.3 (measured 0.31), 1e4 times allclose's 1e-5 relative: a difference of
+    # the statistics, not of rounding.
     assert not torch.allclose(local, full)
 
 
 def test_reward_stats_std():
     # [1, 0, 3, 1]: sample std sqrt(4.75 / 3); fewer than two rewards -> 0.
+    # Sums of exact small integers, then var and sqrt in float64 (or one fp32 rounding, 6e-8 relative): approx's
+    # default 1e-6 relative.
     assert RewardStats.of(torch.tensor([1.0, 0.0, 3.0, 1.0])).std == pytest.approx(math.sqrt(4.75 / 3))
     assert RewardStats.of(torch.tensor([2.0])).std == 0.0
     assert RewardStats.of(torch.tensor([2.0, 2.0, 2.0])).std == 0.0

@@ -110,6 +110,8 @@ def test_step_metrics_by_hand():
     # Two identical "ranks": sums double, extremes stay.
     reduced = reduce_over_ranks(sums, lambda values, op: [2 * v for v in values] if op is Reduce.SUM else values)
     m = step_metrics(reduced)
+    # Metric sums are float64 (python floats) of small exact values; each metric is a division or a square root of
+    # them: one or two roundings at 1e-16 relative. Bound: approx's default 1e-6 relative, far above.
     assert m["reward/mean"] == pytest.approx(0.75)  # (1 + 0 + 1 + 1) / 4
     assert m["reward/std"] == pytest.approx(0.75**0.5 * 0.25**0.5)  # population std of {1, 0, 1, 1}
     assert m["response_length/mean"] == 5.0  # 20 / 4

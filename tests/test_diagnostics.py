@@ -26,6 +26,9 @@ def test_diagnostics_agree_with_the_logged_completions(tmp_path, clean_env, one_
         step = [r for r in rows if r["step"] == m["step"]]
         assert len(step) == 16  # batch 4 x G 4, every one logged (no dynamic sampling: all trained)
         correct = sum(r["reward/vowels"] >= THRESHOLD for r in step) / len(step)
+        # Counts over 16 rows are exact; advantage/abs_mean is the float64 sum of the same fp32 |A_i| the completions
+        # log (exact in float64), summed here in another order: float64 roundings only (~1e-16 relative).
+        # greedy_accuracy x 4 is a count over 4 prompts. Bound: approx's default 1e-6 relative.
         assert m["diagnostics/sampled_accuracy"] == pytest.approx(correct)
         assert m["advantage/abs_mean"] == pytest.approx(sum(abs(r["advantage"]) for r in step) / len(step))
         assert 0.0 <= m["diagnostics/greedy_accuracy"] <= 1.0

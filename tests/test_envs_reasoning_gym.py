@@ -75,6 +75,7 @@ def test_reward_is_the_tasks_own_scorer():
         expected.append(scorer.score_answer(answer, row["rg_entry"]))
     batch = RewardBatch([""] * len(rows), completions, [[]] * len(rows), rows)
     assert reward(batch) == expected
+    # A float64 sum of scores 1.0 and 0.0: exact; approx's default.
     assert sum(expected) == pytest.approx(len(rows) - 20)  # the right ones score 1, the wrong ones 0
     # no <answer> block: no answer; extract=None scores the whole completion, last_number the prose's last number
     assert reward.score_one(RewardSample("", rows[1]["answer"], [], rows[1])) == 0.0

@@ -74,6 +74,7 @@ def _prompts(tokenizer, n=4):
 
 def test_pass_at_k_values():
     # n=4, c=1, k=2: 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5
+    # float64 ratios of exact binomials: one or two roundings (1e-16 relative); approx's default 1e-6 relative.
     assert pass_at_k(4, 1, 2) == pytest.approx(0.5)
     # k = n: "any of the n correct"
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
@@ -102,6 +103,8 @@ def test_evaluate_greedy_accuracy_reward_and_pass_at_k(tokenizer, rewards):
     sums = evaluate(model, tokenizer, engine, prompts, rewards, max_new_tokens=16, num_samples=4, k=2,
                     batch_size=3, records=records)
     m = sums.metrics()
+    # Counts and rewards (multiples of 0.5, exact in fp32) summed and divided in float64, and pass@2 terms as
+    # above: a few roundings at 1e-16 relative; approx's default 1e-6 relative here and below.
     assert m["eval/accuracy"] == pytest.approx(0.5)
     # greedy rewards: right ones 0.5 (format) + 1 (correct), wrong ones 0.5
     assert m["eval/reward/mean"] == pytest.approx((1.5 + 0.5 + 1.5 + 0.5) / 4)
@@ -125,6 +128,8 @@ def test_eval_sums_add_across_ranks(tokenizer, rewards):
     b = evaluate(torch.nn.Linear(1, 1), tokenizer,
                  AnswerEngine(tokenizer, answers[2:], [True, True], [0, 2]), prompts[2:], rewards, **kw)
     merged = EvalSums.from_list([x + y for x, y in zip(a.as_list(), b.as_list())], k=a.k)
+    # The same exact sums (counts, multiples of 0.5, float64 pass@k terms) in another grouping: float64 roundings
+    # only. Bound: approx's default 1e-6 relative.
     assert merged.metrics() == pytest.approx(whole.metrics())
 
 
@@ -208,6 +213,7 @@ def test_rejection_sample_keeps_correct_at_most_m_and_loads_in_sft_dataset(token
     rows, _ = rejection_sample(torch.nn.Linear(1, 1), tokenizer,
                                AnswerEngine(tokenizer, answers, [True] * 4, [4, 2, 0, 1]), prompts, rewards,
                                num_samples=4, max_new_tokens=16, threshold=1.5)
+    # 0.5 + 1.0 is exact in fp32; approx's default.
     assert len(rows) == 3 and all(r["reward"] == pytest.approx(1.5) for r in rows)
 
 
@@ -303,6 +309,9 @@ def test_recipe_logs_held_out_eval_and_shards_prompts_over_two_ranks(tmp_path, c
     assert [r["step"] for r in two_evals] == [0, 1] and two_evals[0]["eval/num_prompts"] == 5
     # (response lengths are not compared: padding differs with the batch split, and the random model's
     # near-tied logits may then pick another token)
+    # Greedy accuracy and the mean of rewards that are multiples of 0.5 over the same 5 prompts: exact sums, one
+    # float64 division each, the two-rank run's summed in another order (exact). Bound: approx's default 1e-6
+    # relative.
     for key in ("eval/accuracy", "eval/reward/mean"):
         assert two_evals[0][key] == pytest.approx(evals[0][key]), key
 

@@ -4,6 +4,7 @@ process group (the collectives default to one process)."""
 import torch
 
 from tests.conftest import make_tiny_decoder
+from tests.tolerances import logit_ulps
 from torchtune_grpo.rollouts.advantages import GroupRelativeAdvantage
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
 from torchtune_grpo.models.logprobs import sequence_logprobs
@@ -53,12 +54,20 @@ def test_reference_and_old_logprobs_are_the_models_logprobs_of_each_response():
     policy, reference = make_tiny_decoder(seed=0), make_tiny_decoder(seed=1)
     rollouts = _rollouts()
     exp, _ = _builder(reference=Reference(reference), update_needs_old_logprobs=True, kl_coef=0.1)(policy, rollouts)
+    # The builder's forward runs the whole padded batch, the expected one each sequence alone: other matmul
+    # shapes, so the logits (|z| up to ~150 with these x4 weights, 1 ulp = 1.5e-5) round differently. A logprob
+    # is a logit minus a logsumexp, each a few-ulp result of ~9 matmuls (2 layers x 4, the head): its error is
+    # a few ulp of the logits, whatever its own size (a likely token's logprob is ~0, where the former 1e-5 +
+    # 1e-5 relative allowed less than one ulp of the logits). Bound: 16 ulp of the largest logit of each model
+    # (measured: 4.6e-5, 3 ulp, with AVX-512 and AVX2 kernels, 3.1e-5 with scalar ones).
+    sequences = [p + r for p, r in zip(rollouts.prompt_ids, rollouts.response_ids)]
+    atol = {id(m): logit_ulps(m.eval(), sequences, 16) for m in (reference, policy)}
     for i, (prompt, response) in enumerate(zip(rollouts.prompt_ids, rollouts.response_ids)):
         tokens = torch.tensor([prompt + response])
         for model, got in ((reference, exp.ref_logprobs), (policy, exp.old_logprobs)):
             with torch.no_grad():
                 expected = sequence_logprobs(model.eval(), tokens).logprobs[0, len(prompt) - 1:]  # [len(response)]
-            torch.testing.assert_close(got[i][exp.batch.response_mask[i]], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got[i][exp.batch.response_mask[i]], expected, atol=atol[id(model)], rtol=0)
 
 
 def test_kl_in_the_reward_lowers_each_sequence_reward_before_the_advantage():

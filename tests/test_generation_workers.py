@@ -40,6 +40,7 @@ def test_staleness_counts_by_hand():
     reduced = {k: v for k, v in sums.items()}
     metrics = staleness_metrics(reduced, 2)
     assert metrics["staleness/max"] == 2
+    # Ratios of exact counts in float64 (one rounding): approx's default 1e-6 relative.
     assert metrics["staleness/mean"] == pytest.approx((0 * 1 + 1 * 2 + 2 * 3) / 6)
     assert metrics["staleness/fraction_2"] == pytest.approx(0.5)
     with pytest.raises(RuntimeError, match="3 steps behind at step 6: bound 2"):

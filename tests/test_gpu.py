@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import make_tiny_decoder, REPO
+from tests.tolerances import logit_ulps, ulps
 from tests.hf_models import hf_components, make_model_dir
 from tests.recipe_utils import read_jsonl, weights, write_config
 
@@ -98,6 +99,13 @@ def test_bf16_with_fp32_master_weights_moves_at_lr_1e6_and_tracks_fp32(
     rel_entropy = max(abs(y["entropy"] - x["entropy"]) / x["entropy"] for x, y in zip(m32, m16))
     record_property("bf16_vs_fp32_max_rel_policy_loss", rel_loss)
     record_property("bf16_vs_fp32_max_rel_entropy", rel_entropy)
+    # bf16 against fp32 is a precision difference, not an order one: bf16 keeps 8 significant bits (unit roundoff
+    # 2^-9 = 2e-3 per operation), ~1e-2 absolute on logprobs of a few units after the layers' matmuls. The loss and
+    # entropy are means over the step's tokens, where those errors (of random sign) average down by sqrt(tokens);
+    # the KL is a difference of policy and reference log-ratios, small after 3 steps at lr 1e-3, so the same
+    # absolute bf16 error is a larger share of it: 10% relative. Bounds: 5% (policy loss, +1e-3 for values near
+    # 0), 2% (entropy), 10% (KL); they concern bf16 arithmetic (CUDA, or oneDNN's on the CPU rehearsal), not the
+    # fp32 kernel choice. Measured on an H200: policy loss 0, entropy 1.7e-6 relative.
     assert rel_loss <= 0.05 and rel_entropy <= 0.02, (m32, m16)
     assert m32[-1]["kl"] > 0 and m16[-1]["kl"] == pytest.approx(m32[-1]["kl"], rel=0.1)
     # k_proj's bias shifts every score of a query equally (softmax ignores it): its gradient is noise.
@@ -154,14 +162,21 @@ def test_compiled_decode_equals_eager_tokens_and_logprobs(gpu_device, dtype, mon
     seqs = torch.tensor([p for p in prompts for _ in range(2)])
     full = torch.cat([seqs, runs["eager"][0]], dim=1).to(gpu_device)
     with torch.no_grad():
-        logits = model(full).float().log_softmax(-1).cpu()
+        raw = model(full).float()
+        logits = raw.log_softmax(-1).cpu()
     forward = logits[:, 11:-1].gather(2, runs["eager"][0].unsqueeze(-1)).squeeze(-1)
     diff_forward = (runs["eager"][1] - forward).abs().max().item()
     name = "fp32" if dtype == torch.float32 else "bf16"
     record_property(f"{name}_compiled_vs_eager_max_logprob_diff", diff)
     record_property(f"{name}_decode_vs_forward_max_logprob_diff", diff_forward)
-    # bf16: per-token logprobs of a few units carry ~1e-2 rounding (8 mantissa bits); fp32: ~1e-6.
-    tol = 1e-4 if dtype == torch.float32 else 0.1
+    # fp32: compiled against eager decode, and the KV-cached decode against one forward of the whole sequence,
+    # run other kernels and shapes: a logprob (a logit minus a logsumexp) is then a few ulp of the logits apart
+    # (x4 weights: |z| up to ~150, 1 ulp = 1.5e-5), ~4-5 ulp typically, above the former 1e-4 (6.7 ulp) as a
+    # worst case. Bound: 16 ulp of the largest logit (measured: 1.7e-5 on an H200, 1.6e-5 on the CPU).
+    # bf16: not derived. The logits themselves round to 8 significant bits (1 ulp = 0.5-1 at |z| ~ 64-150), so
+    # two kernels' logits can differ by ~1; the greedy token's logprob moves by (1 - p_greedy) x the change of
+    # the logit gaps, which these peaked distributions keep small: 0.1 (measured: 0.097 on an H200, 0 on the CPU).
+    tol = ulps(raw, 16) if dtype == torch.float32 else 0.1
     assert diff <= tol and diff_forward <= tol, (diff, diff_forward)
     torch._dynamo.reset()
 
@@ -174,10 +189,17 @@ def test_fsdp2_on_one_device_matches_the_plain_model(gpu_device, tmp_path, clean
     b1, sharded, m_fsdp, _ = _run_recipe(tmp_path / "fsdp", gpu_device, 2, fsdp_single_process=True, **common)
     assert b0.keys() == b1.keys() and all(torch.equal(b0[k], b1[k]) for k in b0)
     for x, y in zip(m_plain, m_fsdp):
+        # Step 1's weights are equal (checked above), so its loss is the same computation; step 2's follows weights
+        # that differ by the rounding of one update (FSDP2's sharded AdamW step and its gradient reduction in another
+        # order: a few ulp of the weights, 1.25e-6 measured on an H200), which moves a loss of O(0.1-1) by far less than
+        # 1e-4 relative. Bound: 1e-4 relative, 1e-6 absolute for a loss near 0.
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6), (x, y)
     diff = max((sharded[k] - plain[k]).abs().max().item() for k in plain)
     moved = max((plain[k] - b0[k]).abs().max().item() for k in plain)
     record_property("fsdp2_vs_plain_max_weight_diff", diff)
+    # Two AdamW steps (lr 1e-3) on gradients reduced in another order: the step lr m / (sqrt(v) + eps) is nearly
+    # insensitive to a gradient's relative rounding d (it changes by lr d eps / (|g| + eps)), largest where |g| is near
+    # eps; plus one rounding of each weight (|w| <~ 1: 6e-8). Bound: 1e-5 (measured 1.25e-6 on an H200).
     assert moved > 1e-4 and diff <= 1e-5, (moved, diff)
 
 
@@ -256,6 +278,10 @@ def test_recipe_checkpoint_loads_in_transformers_with_equal_logits(gpu_device, t
     for k, v in diffs.items():
         record_property(f"checkpoint_{k}_max_logit_diff", v)
     record_property("checkpoint_bf16_tolerance", bf16_tol)
+    # fp32: transformers against torchtune on the device, as tests/test_models.py (other op orders, each library's RoPE
+    # tables; logits |z| <~ 4): 1e-4 (measured 2.2e-6 on an H200). bf16: 8 significant bits, 2^-9 relative per
+    # operation, through 2 layers and the head: a few bf16 ulp (2^-7 = 0.8%) of the largest logit. Bound: 5% of the
+    # largest fp32 logit (measured: 0.047, 28% of it, on an H200).
     assert fp32_diff <= 1e-4, fp32_diff
     assert max(diffs.values()) <= bf16_tol, (diffs, bf16_tol)
 
@@ -276,8 +302,14 @@ def test_a_generation_worker_on_the_device_samples_what_the_trainer_does(
     diff = max((worker_w[k] - sync_w[k]).abs().max().item() for k in sync_w)
     record_property("worker_vs_trainer_max_logprob_mismatch", mismatch)
     record_property("worker_vs_sync_max_weight_diff", diff)
+    # The worker's behaviour logprobs and the trainer's come from the same weights, device and dtype in other batch
+    # shapes: a few ulp of the tiny model's logits (|z| <~ 2, 1 ulp 2.4e-7). Bound: 1e-4 (measured 0 on an H200); the
+    # weights after 2 steps: the same computation, 1e-5 (measured 0).
     assert [m["staleness/max"] for m in worker] == [0, 0] and mismatch <= 1e-4, mismatch
     for x, y in zip(sync, worker):  # the same tokens: kernels of one device and dtype on both sides
+        # Same tokens and weights on both sides; the loss differs only by the worker's behaviour logprobs entering
+        # as the old logprobs (mismatch <= 1e-4 above, computed on the same device and dtype in another batch shape):
+        # a ratio exp(delta) = 1 + delta with delta ~ 1e-5, 1e-4 relative at most. Bound: 1e-4 relative, 1e-6 absolute.
         assert y["reward/mean"] == x["reward/mean"] and y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-6)
     assert diff <= 1e-5, diff
 
@@ -321,6 +353,15 @@ def test_packed_rows_flex_attention_equals_the_dense_mask(gpu_device, record_pro
     grad_diff = max((g_b[k] - g_a[k]).abs().max().item() for k in g_a)
     record_property("flex_vs_sdpa_max_logprob_diff", lp_diff)
     record_property("flex_vs_sdpa_max_grad_diff", grad_diff)
-    torch.testing.assert_close(lp_b, lp_a, atol=1e-4, rtol=1e-5)
-    torch.testing.assert_close(ent_b, ent_a, atol=1e-4, rtol=1e-5)
-    assert grad_diff <= 1e-4, grad_diff
+    # Flex attention (compiled, blockwise online softmax) and the dense mask's SDPA sum the same attention terms in
+    # another order, as packed against padded rows do (tests/test_packed_rows.py, whose bounds these are): a
+    # logprob or entropy is a few ulp of the logits apart (|z| / 0.7 up to ~100 here, 1 ulp = 1.2e-5), a
+    # gradient ~sqrt(n) ulp of its partial sums over the batch's ~200 positions. Bounds: 16 ulp of the largest
+    # logit / 0.7 (the former 1e-4 + 1e-5 relative allowed 8 ulp for a logprob near 0), and 32 ulp of each
+    # gradient tensor's largest element (the former 1e-4 absolute was 5 ulp of the largest, ~170). On the CPU
+    # both run the dense mask (0 measured); not yet measured on a GPU with these bounds.
+    atol = logit_ulps(model, [p + r for p, r in zip(prompts, responses)], 16) / 0.7
+    torch.testing.assert_close(lp_b, lp_a, atol=atol, rtol=0)
+    torch.testing.assert_close(ent_b, ent_a, atol=atol, rtol=0)
+    for k in g_a:
+        torch.testing.assert_close(g_b[k], g_a[k], atol=ulps(g_a[k], 32), rtol=0, msg=lambda m: f"{k}: {m}")

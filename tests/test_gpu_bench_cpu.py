@@ -51,12 +51,14 @@ def test_decode_bound():
     # 1 GB of weights, 1 kB of KV per token, 10 rows, prompt 100 + 200 new (mean context 200) at 1 TB/s:
     # a step reads 1e9 + 10 * 200 * 1e3 = 1.002e9 bytes = 1.002 ms, so 10 / 1.002e-3 tokens/s.
     bound = gg.decode_bound_tokens_per_s(10**9, 1000, 10, 100, 200, 1e12)
+    # float64 arithmetic on exact integers and 1e12 (a few roundings, 1e-16 relative): approx's default 1e-6 relative.
     assert bound == pytest.approx(10 / 1.002e-3)
 
 
 def test_token_counts_and_reward():
     assert gg.count_tokens([[1, 2, 3], [4]], [[5, 6], []]) == 6
     # fractions of even ids: [2, 3, 4] -> 2/3, [1] -> 0, [] -> 0
+    # 2 / 3 as one float64 (or fp32: 3e-8 relative) rounding: approx's default 1e-6 relative.
     assert gg.even_token_reward([[2, 3, 4], [1], []]) == [pytest.approx(2 / 3), 0.0, 0.0]
     prompts = gg.random_prompts(20, 3, 5, 10, avoid=[8, 9], seed=0)
     assert all(3 <= len(p) <= 5 and not {8, 9} & set(p) for p in prompts)

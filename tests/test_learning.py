@@ -43,4 +43,6 @@ def test_short_demo_raises_held_out_accuracy(tmp_path):
     evals = [r for r in map(json.loads, (work / "grpo" / "metrics.jsonl").read_text().splitlines())
              if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 5, 10]
+    # Accuracies are counts of correct greedy answers over the same held-out prompts divided by their number: one
+    # float64 rounding each, equal when the same answers are counted. Bound: approx's default 1e-6 relative.
     assert evals[0]["eval/accuracy"] == pytest.approx(before) and evals[-1]["eval/accuracy"] == pytest.approx(after)

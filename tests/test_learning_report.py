@@ -28,6 +28,9 @@ RUNS = [
 def test_accuracy_by_step_is_mean_and_sample_spread_over_seeds():
     ours = report.accuracy_by_step(RUNS, "ours")
     # step 3: accuracies 0.5 and 0.7 -> mean 0.6, sample std sqrt(((-.1)^2 + .1^2) / 1) = 0.1414
+    # These are float64 means, stds and sums of a few decimal inputs (0.5, 0.7, ...), each a few roundings at 1e-16
+    # relative: pytest.approx's default 1e-6 relative bounds them here and below, far above any rounding; none of
+    # this report's arithmetic runs through torch kernels, so the CPU capability does not enter.
     assert ours[3]["mean"] == pytest.approx(0.6)
     assert ours[3]["std"] == pytest.approx(0.02**0.5)
     assert (ours[3]["min"], ours[3]["max"], ours[3]["n"]) == (0.5, 0.7, 2)
@@ -42,6 +45,7 @@ def test_accuracy_at_a_wall_clock_budget_is_the_last_checkpoint_evaluated_within
     assert report.accuracy_at_seconds(seed1, 40.0) == 0.7
     assert report.accuracy_at_seconds(seed1, 1e9) == 0.7  # a finished run keeps its final accuracy
     assert report.seconds_grid(RUNS, points=4) == [0, 20, 40, 60]  # longest evaluation: TRL at 60 s
+    # float64 means of decimal accuracies (a few roundings, 1e-16 relative): approx's default 1e-6 relative.
     by_time = report.accuracy_by_seconds(RUNS, "ours", [20, 40])
     assert by_time[20]["mean"] == pytest.approx(0.3)
     assert by_time[40]["mean"] == pytest.approx(0.6)
@@ -50,6 +54,7 @@ def test_accuracy_at_a_wall_clock_budget_is_the_last_checkpoint_evaluated_within
 
 def test_training_metric_window_averages_each_run_then_seeds():
     # steps 2-3: seed 0 entropy (0.8 + 0.6) / 2 = 0.7, seed 1 (0.6 + 0.2) / 2 = 0.4 -> mean 0.55
+    # float64 means of decimal metrics: approx's default 1e-6 relative.
     w = report.train_metric_window(RUNS, "ours", "entropy", 2, 3)
     assert w["mean"] == pytest.approx(0.55)
     assert (w["min"], w["max"]) == (pytest.approx(0.4), pytest.approx(0.7))
@@ -71,6 +76,7 @@ def test_permutation_test_by_hand():
     # pooled [1, 2, 3, 4], a = [3, 4]: diff 3.5 - 1.5 = 2; of the 6 splits only {3,4} and {1,2} reach |2|
     t = report.permutation_test([3.0, 4.0], [1.0, 2.0])
     assert (t["diff"], t["splits"]) == (2.0, 6)
+    # Exact enumeration of the 6 splits: 2 / 6 to one float64 rounding.
     assert t["p"] == pytest.approx(2 / 6)
     # identical values: every split has diff 0 -> p 1
     assert report.permutation_test([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
@@ -92,6 +98,7 @@ def test_runs_without_a_clock_or_a_step_log_count_only_where_they_have_data():
     # the permutation test, and stays out of the tables by seconds and of the training-metric windows.
     unclocked = {"side": "ours", "seed": 2, "steps": [],
                  "evals": [{"step": 0, "accuracy": 0.3, "elapsed": None}, {"step": 3, "accuracy": 0.9, "elapsed": None}]}
+    # float64 means of decimal accuracies: approx's default 1e-6 relative.
     runs = RUNS + [unclocked]
     assert report.accuracy_by_step(runs, "ours")[3]["mean"] == pytest.approx(0.7)  # (0.5 + 0.7 + 0.9) / 3
     assert report.accuracy_by_step(runs, "ours")[3]["elapsed"] == pytest.approx(35.0)  # clocked seeds only
@@ -126,6 +133,7 @@ crossover = load_benchmark("learning_crossover")
 
 def test_sign_flip_test_by_hand():
     # 3 seeds, all positive: only the all-plus and all-minus assignments are as extreme: p = 2/8.
+    # Exact enumeration of the 8 sign assignments (p) and a float64 mean (diff): approx's default 1e-6 relative.
     out = crossover.sign_flip_test([0.1, 0.2, 0.3])
     assert out["diff"] == pytest.approx(0.2) and out["p"] == pytest.approx(0.25) and out["n"] == 3
     # Opposite signs of equal size: every assignment is as extreme as |mean| = 0.
@@ -140,6 +148,7 @@ def test_crossover_pairs_seeds_and_finds_where_arms_part():
 
     a = {s: run(s, 0.6 + 0.01 * s, 0.2) for s in range(4)}
     b = {s: run(s, 0.8 + 0.01 * s, 0.5) for s in range(4)}
+    # float64 differences of decimal accuracies: approx's default 1e-6 relative.
     diffs = crossover.paired(a, b, lambda r: crossover.accuracy_at(r, 30))
     assert [s for s, _ in diffs] == [0, 1, 2, 3] and all(d == pytest.approx(-0.2) for _, d in diffs)
     # Equal through step 10, apart from 11-15 on (every seed -0.3): the first window judged apart.
@@ -153,6 +162,9 @@ def test_stratified_permutation_test_by_hand():
     # One seed, runs 0.6 and 0.4 in a, 0.1 in b: observed 0.5 - 0.1 = 0.4. The three equally likely splits
     # give 0.4, 0.35 - 0.4 = -0.05 and 0.25 - 0.6 = -0.35: only the observed one is as extreme, p = 1/3.
     out = crossover.stratified_permutation_test({0: [0.6, 0.4]}, {0: [0.1]})
+    # Not rounding: p is estimated from 20000 seeded random relabellings (plus the observed one), standard error
+    # sqrt(p (1 - p) / 20000) = 0.0033 at p = 1/3; 0.015 is ~4.5 standard errors (a statistical bound, and the
+    # seeded draw makes it deterministic). diff is float64 arithmetic on decimal inputs (approx's default).
     assert out["diff"] == pytest.approx(0.4) and out["p"] == pytest.approx(1 / 3, abs=0.015) and out["n"] == 1
     # Labels move only within a seed: a difference carried by the seeds (a seed effect) is not a loop effect.
     same = crossover.stratified_permutation_test({0: [0.1], 1: [0.9]}, {0: [0.1], 1: [0.9]})
@@ -172,6 +184,8 @@ def test_loops_pool_their_arms_and_permute_within_each_seed():
     out = crossover.pooled([x1, x2], [y], lambda r: crossover.accuracy_at(r, 30))
     # Observed: seed 0 0.6 - 0.4, seed 1 0.8 - 0.9: mean +0.05. Seed 0's splits give 0.2, -0.25, 0.05 and seed
     # 1's -0.1, +0.1: means 0.05, 0.15, -0.175, -0.075, -0.025, 0.075, five of six as far from 0: p = 5/6.
+    # 20000 seeded relabellings: standard error 0.0026 at p = 5/6, so 0.015 is ~5.7 standard errors (statistical, not
+    # rounding); diff is float64 arithmetic (approx's default).
     assert out["diff"] == pytest.approx(0.05) and out["p"] == pytest.approx(5 / 6, abs=0.015) and out["n"] == 2
     text = crossover.report({"x1": x1, "x2": x2, "y": y}, loops={"X": ["x1", "x2"], "Y": ["y"]})
     assert "| X | x1, x2 | 3 |" in text and "| X - Y | 2 | +0.050 (0.8" in text

@@ -35,6 +35,11 @@ def test_fused_values_and_gradients_match_the_generic_path(tied, with_entropy, e
         loss.backward()
         results.append((out, hidden.grad.clone(), weight.grad.clone()))
     (fused_out, fused_dh, fused_dw), (ref_out, ref_dh, ref_dw) = results
+    # The fused path computes log-softmax, entropy and the gradients (p - onehot) / T by hand chunk by chunk, the
+    # generic one through autograd: other op orders at the logits' magnitude (|z| / 0.7 <~ 23 for the logprobs, 1 ulp =
+    # 1.9e-6) and the gradients' (<~ 9, 1 ulp 9.5e-7), where dW sums 26 tokens and dh 50 vocab terms (~sqrt(n) ulp of
+    # the partial sums: ~5e-6). Bounds: assert_close's fp32 default (1e-5 + 1.3e-6 relative) for the logprobs, 1e-4 +
+    # 1e-5 relative for the entropy and gradients (measured: 1.9e-6 and 2.7e-6).
     torch.testing.assert_close(fused_out.logprobs, ref_out.logprobs)
     if with_entropy:
         torch.testing.assert_close(fused_out.entropy, ref_out.entropy, rtol=1e-5, atol=1e-4)
@@ -72,6 +77,9 @@ def test_sequence_logprobs_of_a_decoder_match_with_and_without_fusion():
     torch.testing.assert_close(grads[0][0], grads[1][0])
     # Same gradients up to fp32 rounding (this decoder's weights are scaled up 4x, so they are large).
     for a, b in zip(grads[0][1], grads[1][1]):
+        # Each parameter's gradient sums contributions of 27 positions and 97 vocab entries through 2 layers, fused and
+        # generic (other op orders): ~sqrt(n) ulp of the partial sums, below the tensor's largest element, plus a few
+        # ulp carried from the forward. Bound: 1e-4 of each tensor's largest element (~840 ulp; far above).
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()
 
 
@@ -98,6 +106,10 @@ def test_a_single_chunk_keeps_its_logits_and_gives_the_same_gradients(with_entro
         loss.backward()
         torch.testing.assert_close(hidden.grad, 2 * first[0])
         grads.append(first)
+    # One chunk of 26 tokens against chunks of 4: dh per token is the same 50-term sum (a re-blocked matmul: a few ulp
+    # at |dh| <~ 0.7, 1 ulp 6e-8); dW sums the 26 tokens' outer products at once or 4 by 4: ~sqrt(26) = 5 ulp of the
+    # partial sums at |dW| <~ 5.5 (1 ulp 4.8e-7) typically. Bound: 1e-6 + 1e-5 relative (measured: 1.9e-6 at |dW| ~ 5,
+    # 0.16 of the bound, with AVX-512 and AVX2 kernels).
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
 
@@ -127,8 +139,13 @@ def test_entropy_is_exact_when_logits_are_large(fused, single_chunk):
     log_p = torch.log_softmax(logits, dim=-1)
     ref = -(log_p.exp() * log_p).sum(-1)
     assert float(ref.min()) > 1.0  # not degenerate: over a nat of spread at every position
-    # 1.5e-5: the fixed paths measured up to 4.4e-6 (generic path; the summation order, hence the last bits,
-    # depends on the thread count), the old code 5e-5 and more.
+    # The entropy of logits shifted to their max is a p-weighted sum over 8192 entries of terms <~ 10: its
+    # rounding is relative to the partial sums (<= the entropy, ~8: 1 ulp 9.5e-7), and only the few hundred
+    # entries with non-negligible p contribute: ~sqrt(300) / 2 ulp ~ 1e-5 at worst typically. Bound: 1.5e-5 (16
+    # ulp of the entropy). Measured: up to 4.4e-6 (generic path; the summation order, hence the last bits,
+    # depends on the thread count), 8.5e-7 with AVX-512 and 1.2e-6 with AVX2 kernels here; the old unshifted
+    # code 5e-5 and more.
     torch.testing.assert_close(out.entropy[0].double(), ref, rtol=0, atol=1.5e-5)
-    # (logprobs carry the fp32 rounding of logits ~100 themselves: ulp 8e-6)
+    # A logprob is z_t - lse with z ~ 100: fp32 rounds the logsumexp and the difference at ~110 (1 ulp 7.6e-6),
+    # ~2 ulp against float64 on the same logits. Bound: 1e-4 (~13 ulp; measured 3.9e-6).
     torch.testing.assert_close(out.logprobs[0].double(), log_p.gather(-1, targets[0, :, None])[:, 0], rtol=0, atol=1e-4)

@@ -136,6 +136,9 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
     for key, value in base.items():
         lora = key.endswith(".weight") and f"{key[:-len('.weight')]}.lora_a.weight" in adapter
         expected = value + adapter_delta(adapter, key, scale) if lora else value
+        # W + s B A in fp32 both ways: a rank-8 product (8 roundings at |s B A| << |W|, the adapters are a few steps
+        # old) in another order, then one rounding of the sum at |W| <= 0.093 (ulp 7.5e-9): ~1e-8 apart at most; other
+        # keys are copies (0). Bound: 1e-6 (> 100 ulp of the largest weight), kernel-independent.
         torch.testing.assert_close(merged[key], expected, atol=1e-6, rtol=0, msg=key)
 
     # PEFT on the base, transformers on the merged model and torchtune's LoRA model: same logits.
@@ -150,6 +153,10 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
         ).eval()
         peft_logits = peft_model(ids).logits
         tt_logits = tiny_lora_model(adapter, tmp_path / "scratch")(ids)
+    # PEFT (adapters on transformers' layers), the merged model in transformers and torchtune's LoRA model compute the
+    # same fp32 function in another order: x W + s (x A) B against x (W + s B A), ~15 matmuls, norms, attention and each
+    # library's RoPE tables, on the tiny asset's logits |z| <~ 2 (1 ulp 2.4e-7): a few ulp, <~ 1e-5 from the rope
+    # angles. Bound: 1e-4 + 1e-4 relative.
     torch.testing.assert_close(peft_logits, tt_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(hf_merged.logits, tt_logits, atol=1e-4, rtol=1e-4)
 
@@ -164,12 +171,16 @@ def test_lora_run_outputs_load_agree_and_resume(tmp_path, caplog, clean_env, one
     assert not (final / "merged").exists()
     resumed = torch.load(final / "adapter_model.pt", weights_only=True)
     assert resumed.keys() == adapter.keys()
+    # A resumed run is the uninterrupted computation itself: weights, optimizer and LR state, RNG streams and
+    # data order restored bit for bit, the same kernels on the same shapes. So it compares a computation with
+    # itself: exact (formerly 1e-6 + 1e-5 relative; measured bitwise equal with AVX-512, AVX2 and scalar kernels).
     for key in adapter:
-        torch.testing.assert_close(resumed[key], adapter[key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(resumed[key], adapter[key], atol=0, rtol=0)
     resumed_peft = weights(final)
     assert resumed_peft.keys() == uninterrupted_peft.keys()
+    # As above: exact.
     for key in uninterrupted_peft:
-        torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=0, rtol=0)
 
 
 def test_qlora_runs_merged_model_matches_and_resumes(tmp_path, caplog, clean_env, one_thread):
@@ -193,6 +204,9 @@ def test_qlora_runs_merged_model_matches_and_resumes(tmp_path, caplog, clean_env
     with torch.no_grad():
         hf_merged = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=torch.float32).eval()
         qlora = tiny_lora_model(adapter, tmp_path / "scratch", quantize_base=True)
+        # The merged file holds dequantised NF4 + s B A; the QLoRA model dequantises the same NF4 on the fly and adds s
+        # (x A) B: the same function in another order (as above), a few ulp at |z| <~ 2 plus the rope tables' <~ 1e-5.
+        # Bound: 1e-4 + 1e-4 relative.
         torch.testing.assert_close(hf_merged(ids).logits, qlora(ids), atol=1e-4, rtol=1e-4)
 
     # Resume from step 2: base weights from checkpointer.checkpoint_dir again, re-quantized.
@@ -203,11 +217,15 @@ def test_qlora_runs_merged_model_matches_and_resumes(tmp_path, caplog, clean_env
     assert (final / "merged").is_dir()
     resumed = torch.load(final / "adapter_model.pt", weights_only=True)
     assert resumed.keys() == adapter.keys()
+    # A resumed run is the uninterrupted computation itself: weights, optimizer and LR state, RNG streams and
+    # data order restored bit for bit, the same kernels on the same shapes. So it compares a computation with
+    # itself: exact (formerly 1e-6 + 1e-5 relative; measured bitwise equal with AVX-512, AVX2 and scalar kernels).
     for key in adapter:
-        torch.testing.assert_close(resumed[key], adapter[key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(resumed[key], adapter[key], atol=0, rtol=0)
     resumed_peft = weights(final)
+    # As above: exact.
     for key in uninterrupted_peft:
-        torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(resumed_peft[key], uninterrupted_peft[key], atol=0, rtol=0)
 
 
 @pytest.mark.slow
@@ -287,8 +305,13 @@ def test_reference_is_base_model_and_only_adapters_train(tmp_path, clean_env, qu
         base_model.load_state_dict(base_before)  # strict: exactly the base model's weights (dequantized NF4)
         with torch.no_grad():
             expected = sequence_logprobs(base_model.eval(), tokens).logprobs
+        # The recipe's reference forward runs the padded batch, the expected one the same tokens through the base model
+        # (dequantised NF4 weights loaded as plain fp32): other matmul shapes and the NF4 layer's dequantise-then-matmul
+        # in another order. A logprob is a logit minus a logsumexp at the tiny asset's |z| <~ 2 (1 ulp 2.4e-7): a few
+        # ulp each, ~1e-6. Bound: 1e-5 + 1e-5 relative (> 40 ulp).
         torch.testing.assert_close(reference, expected, atol=1e-5, rtol=1e-5)
         assert (policy - reference).abs().max() > 1e-4
+        # Exact: the same call on the same model and tokens.
         torch.testing.assert_close(recipe.step.build_experience.logprobs(model, tokens), policy, atol=0, rtol=0)
 
         # The reference is the policy itself, with its adapters switched off: no second copy of the weights.
@@ -344,6 +367,9 @@ def test_peft_export_qwen2(tmp_path):
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(ASSET, dtype=torch.float32)
         peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        # PEFT on transformers against torchtune's LoRA model: x W + s (x A) B in both, other op orders in ~15 matmuls,
+        # the norms and attention, and each library's RoPE tables over 10 positions (angles <= 10 rad, 1 ulp 9.5e-7), on
+        # logits |z| <~ 2 (1 ulp 2.4e-7): a few ulp, ~1e-6. Bound: 1e-5 + 1e-5 relative (> 40 ulp).
         torch.testing.assert_close(peft_logits, model.eval()(ids), atol=1e-5, rtol=1e-5)
 
     ours = peft_adapter_weights(adapter, model_type="QWEN2", num_heads=4, num_kv_heads=4, dim=128)
@@ -389,4 +415,5 @@ def test_peft_export_llama(tmp_path):
     with torch.no_grad():
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
         peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(ids).logits
+        # As above, for the Llama model: a few ulp of logits |z| <~ 2, ~1e-6. Bound: 1e-5 + 1e-5 relative.
         torch.testing.assert_close(peft_logits, model.eval()(ids), atol=1e-5, rtol=1e-5)

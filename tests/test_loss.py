@@ -49,6 +49,8 @@ def test_on_policy_values(mode, expected):
     logprobs, old, adv, mask = _on_policy()
     out = GRPOLoss(loss_agg_mode=mode, max_response_length=4)(logprobs, old, adv, mask, num_tokens=3, num_seqs=2)
     assert isinstance(out, LossOutput)
+    # Ratio exp(0) = 1 and the sums of +-1, 0.5 are exact in fp32; only "/ 3" rounds (half an ulp of 0.5: 3e-8),
+    # whatever the kernel. Bound: 1e-7 (~2 ulp at 0.5); ratio_mean 3 / 3 is exact (approx's default 1e-6 relative).
     assert out.loss.item() == pytest.approx(expected, abs=1e-7)
     assert out.policy_loss.item() == pytest.approx(expected, abs=1e-7)
     assert out.kl.item() == 0.0  # kl_coef 0 and no ref: metric is 0
@@ -91,6 +93,9 @@ def test_off_policy_clipped_values_and_gradients():
     # ratio_mean: (1.5 + 0.5 + 1.1 + 0.5 + 1.5) / 5 = 5.1 / 5 = 1.02
     logprobs, old, adv, mask = _off_policy()
     out = GRPOLoss(epsilon=0.2)(logprobs, old, adv, mask, num_tokens=5, num_seqs=2)
+    # rho = exp(old + log r - old): log, add, subtract, exp each round (the vectorised and scalar exp/log differ by
+    # under 1 ulp), ~3 ulp at rho <= 1.5 (1 ulp = 1.2e-7): <= 4e-7 per token; the token-mean of 5 keeps that, plus
+    # one rounding. Bound: 1e-6 for loss and ratio_mean; clip_fraction 2 / 5 is one rounding (approx's 1e-6 rel).
     assert out.loss.item() == pytest.approx(-0.1, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(0.4)
     assert out.ratio_mean.item() == pytest.approx(1.02, abs=1e-6)
@@ -107,6 +112,7 @@ def test_clip_higher():
     #   tokens: -1.5, -0.5, -1.1, 0.8, 1.5 -> sum -0.8 -> token-mean -0.16; 1 clipped token / 5 = 0.2
     logprobs, old, adv, mask = _off_policy()
     out = GRPOLoss(epsilon=0.2, epsilon_high=0.6)(logprobs, old, adv, mask, num_tokens=5, num_seqs=2)
+    # Same computation as above (<= 4e-7 per token through log/exp, one rounding for / 5). Bound: 1e-6.
     assert out.loss.item() == pytest.approx(-0.16, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(0.2)
     out.loss.backward()
@@ -125,6 +131,9 @@ def test_k3_kl_value_and_gradient():
     out = GRPOLoss(kl_coef=0.1)(
         logprobs, logprobs.detach(), torch.zeros(1), mask, ref_logprobs=ref, num_tokens=2, num_seqs=1
     )
+    # ref = logp + ln2 rounds once (ulp 6e-8 at |ref| < 1), then d, exp(d) - d - 1 a few roundings at ~0.3-2
+    # (ulp <= 2.4e-7 at 2, cancelling to 0.3): k3 within ~5e-7 worst case, token-mean of 2 and x 0.1 one rounding
+    # each. Bound: 1e-6 for kl, 1e-7 for the loss (x 0.1: ~5e-8 worst case).
     assert out.kl.item() == pytest.approx(0.25, abs=1e-6)
     assert out.loss.item() == pytest.approx(0.025, abs=1e-7)
     assert out.policy_loss.item() == 0.0
@@ -140,6 +149,7 @@ def test_kl_metric_without_penalty():
         logprobs, logprobs.detach(), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
         ref_logprobs=ref, num_tokens=2, num_seqs=1,
     )
+    # As in test_k3_kl_value_and_gradient: k3 from a few roundings at magnitude <= 2, <= 5e-7. Bound: 1e-6.
     assert out.kl.item() == pytest.approx(0.25, abs=1e-6)
     assert out.loss.item() == 0.0
 
@@ -264,6 +274,12 @@ def test_micro_batches_and_processes_sum_to_full_batch(variant, counts_as_tensor
         [[slice(0, 2), slice(2, 4)], [slice(4, 6), slice(6, 8)]],  # 2 processes, 2 micro-batches each
     ):
         totals, grad, ent_grad = run(splits)
+        # Each field is a sum of per-token terms divided by the global counts: one sum of the 27 tokens (or 8 rows)
+        # against 4 micro-batch sums added up. Regrouping a sum of n terms moves it by ~sqrt(n) / 2 ulp of its partial
+        # sums typically (tests/tolerances.py: ~3 ulp here), the elementwise terms themselves being the same values (row
+        # by row). The fields are <~ 3 (entropy <= 5 x 0.01 bonus, ratios, k3; 1 ulp <= 2.4e-7), the gradients <~ 0.4 (1
+        # ulp 3e-8). Bound: 1e-6, >= 4 ulp of the largest field (measured: 2.4e-7, 1 ulp at 1.9, with AVX-512, AVX2 and
+        # scalar kernels).
         for name, total, whole in zip(LossOutput._fields, totals, full):
             torch.testing.assert_close(total, whole, atol=1e-6, rtol=0, msg=f"{variant}: {name}")
         torch.testing.assert_close(grad, full_grad, atol=1e-6, rtol=0)
@@ -306,6 +322,9 @@ def test_mini_batches_use_their_own_global_counts(variant):
         parts = [loss(torch.tensor([r])) for r in rows]  # 2 ranks x 2 micro-batches of one row
         total = sum(p.loss for p in parts)
         (grad,) = torch.autograd.grad(total, lp)
+        # As in test_micro_batches_and_processes_sum_to_full_batch: the same per-token terms, 4 one-row sums added up
+        # against one sum over the mini-batch's 14 tokens (~2 ulp of fields <~ 3 typically). Bound: 1e-6 (measured:
+        # 2.4e-7, 1 ulp at 2.97, with AVX-512, AVX2 and scalar kernels).
         torch.testing.assert_close(total, whole.loss, atol=1e-6, rtol=0, msg=str(variant))
         torch.testing.assert_close(grad, whole_grad, atol=1e-6, rtol=0)
         for name in ("kl", "clip_fraction", "ratio_mean", "entropy"):
@@ -327,6 +346,9 @@ def test_seq_mean_token_mean_matches_explicit_formula():
             # token-mean over row i alone is that row's mean token loss
             expected += token_loss(logprobs[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1],
                                    num_tokens=n_i, num_seqs=1).loss.item()
+    # The same per-token fp32 terms (|loss| <= ~4: ratio <= 1.5 times |A| <= ~2.5), summed per row and divided by
+    # its length in both; only the order of the final mean differs (fp32 in the loss, float64 here over fp32 row
+    # results): <= 8 roundings at magnitude <= 1 (ulp 1.2e-7), ~5e-7 worst case. Bound: 1e-6.
     assert out.loss.item() == pytest.approx(expected / 8, abs=1e-6)
 
 
@@ -369,6 +391,8 @@ def test_kl_estimator_in_the_loss(estimator):
         logprobs, logprobs.detach(), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
         ref_logprobs=ref, num_tokens=2, num_seqs=1,
     )
+    # Each estimator is a few fp32 roundings (ref = logp + ln2, d, exp/square) at magnitude <= 2 (ulp <= 2.4e-7),
+    # <= 5e-7 worst case; the mean of 2 and x 0.1 one rounding each. Bound: 1e-6 for kl, 1e-7 for 0.1 x kl.
     assert out.kl.item() == pytest.approx(sum(values) / 2, abs=1e-6)
     assert out.loss.item() == pytest.approx(0.1 * sum(values) / 2, abs=1e-7)
     out.loss.backward()
@@ -409,6 +433,8 @@ def test_epsilon_low_separate_from_epsilon_high():
     for eps_low, value, grad, clipped in ((0.1, 0.9, 0.0, 1.0), (None, 0.85, 0.85, 0.0)):
         logprobs = (old + math.log(0.85)).requires_grad_(True)
         out = GRPOLoss(epsilon=0.2, epsilon_low=eps_low)(logprobs, old, adv, mask, num_tokens=1, num_seqs=1)
+        # rho = exp(old + log 0.85 - old): ~3 roundings at ~1 (1.2e-7 each, exp/log kernels within 1 ulp); loss and
+        # gradient are rho or a constant, one more rounding. Bound: 1e-6 (~8 ulp).
         assert out.loss.item() == pytest.approx(value, abs=1e-6)
         assert out.clip_fraction.item() == clipped
         out.loss.backward()
@@ -431,6 +457,10 @@ def test_dual_clip_bounds_negative_advantages():
     ):
         logprobs = (old + ratios.log()).requires_grad_(True)
         out = GRPOLoss(epsilon=0.2, dual_clip=dual)(logprobs, old, adv, mask, num_tokens=3, num_seqs=1)
+        # rho = exp(old + log r - old) for r up to 4 (ulp 4.8e-7 at 4): ~3 roundings, but the clipped tokens give the
+        # exact constants 3 / 0.8 and the unclipped one rho = 2 (ulp 2.4e-7): the mean of 3 is within ~5e-7.
+        # Bound: 1e-6; clip_fraction 2/3, 1/3 one rounding (approx's 1e-6 relative); the gradient 2/3 rho / 3 with
+        # assert_close's fp32 default (1e-5 abs + 1.3e-6 rel).
         assert out.loss.item() == pytest.approx(value, abs=1e-6)
         assert out.clip_fraction.item() == pytest.approx(clipped)
         out.loss.backward()
@@ -444,6 +474,7 @@ def test_dual_clip_leaves_positive_advantages_alone():
     out = GRPOLoss(epsilon=0.2, epsilon_high=10.0, dual_clip=3.0)(
         logprobs, old, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool), num_tokens=1, num_seqs=1
     )
+    # rho = exp(old + log 4 - old) = 4 to ~3 roundings at 4 (ulp 4.8e-7): ~1.5e-6 worst case. Bound: 1e-5 (~20 ulp).
     assert out.loss.item() == pytest.approx(-4.0, abs=1e-5)
 
 
@@ -469,6 +500,8 @@ def test_gspo_sequence_ratio_values_and_gradients():
         logprobs, old, adv, mask, num_tokens=3, num_seqs=2
     )
     s0 = math.sqrt(2.0)
+    # s_0 = exp(mean of 2 log ratios) and the clip constant 0.8: a few roundings at ~1.4 (ulp 1.2e-7), ~4e-7;
+    # the seq-mean of 2 one more. Bound: 1e-6 for loss and ratio_mean; clip_fraction 1/3 one rounding.
     assert out.loss.item() == pytest.approx((-s0 + 0.8) / 2, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(1 / 3)
     assert out.ratio_mean.item() == pytest.approx((2 * s0 + 0.5) / 3, abs=1e-6)
@@ -484,6 +517,9 @@ def test_gspo_clips_the_whole_sequence():
         logprobs, old, adv, mask, num_tokens=3, num_seqs=2
     )
     # l_0 = -1.0004, l_1 = -min(-0.5, -0.9997) = 0.9997 -> (-1.0004 + 0.9997) / 2 = -0.00035
+    # Clipped: the loss is the constants 1 + 4e-4 and 1 - 3e-4 in fp32 (each rounded once, 6e-8), their difference
+    # and halving exact or one rounding: ~1e-7. Bound: 1e-6. The token-level gradient below is -1/2/2 with rho =
+    # exp(0) = 1: exact (approx's default relative 1e-6).
     assert out.loss.item() == pytest.approx((-1.0004 + 0.9997) / 2, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(1.0)
     out.loss.backward()
@@ -505,6 +541,8 @@ def test_entropy_bonus_value_gradient_and_metric():
     out = GRPOLoss(entropy_coef=0.1)(
         logprobs, logprobs.detach(), torch.zeros(2), mask, entropy=entropy, num_tokens=3, num_seqs=2
     )
+    # (1 + 2 + 3) / 3 is exact; -0.1 x 2 one rounding (fp32 0.1: 1.5e-9 relative). Bounds: approx's 1e-6 relative
+    # and 1e-7 absolute.
     assert out.entropy.item() == pytest.approx(2.0)
     assert out.loss.item() == pytest.approx(-0.2, abs=1e-7)
     out.loss.backward()

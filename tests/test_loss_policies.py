@@ -39,6 +39,11 @@ def test_cispo_values_and_gradients():
     out = CISPOLoss(epsilon_high=0.28)(logprobs, old, adv, mask, num_tokens=5, num_seqs=2)
     log_pi = [-1 + math.log(r) for r in (1.5, 0.5, 1.1)]
     expected = -(1.28 * log_pi[0] + 0.5 * log_pi[1] + 1.1 * log_pi[2]) + (0.5 * log_pi[1] + 1.28 * log_pi[0])
+    # ``expected`` is float64 arithmetic against the 6-digit hand value above (rounded to 5e-7): 1e-6. The loss
+    # sums 5 fp32 terms w log pi, each ~3 roundings (log, add, multiply) at magnitude <= 1.7 (ulp 1.2e-7 at 1-2),
+    # cancelling to ~1: ~5e-7 worst case before the / 5. Bound: 1e-6 for the loss and the ratio mean (5 ratios
+    # exp(old + log r - old) ~3 ulp each at <= 1.5, one rounding for / 5); 2/5 and 4/5 are one rounding (approx's
+    # default 1e-6 relative).
     assert expected == pytest.approx(0.995159, abs=1e-6)
     assert out.loss.item() == pytest.approx(expected / 5, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(0.4)
@@ -78,6 +83,8 @@ def test_gmpo_clips_in_log_space():
     logprobs, old, adv, mask = _two_sequences()
     out = GMPOLoss(epsilon=0.4, loss_agg_mode="seq-mean-token-mean")(logprobs, old, adv, mask, num_tokens=3, num_seqs=2)
     s0, s1 = math.exp(0.2), math.exp(-0.4)
+    # The clipped log ratios are the fp32 constants +-0.4 (rounded once); the mean, exp and halving a few roundings at
+    # ~1.2 (ulp 1.2e-7): ~4e-7 worst case against the float64 reference. Bound: 1e-6; 2/3 one rounding.
     assert out.loss.item() == pytest.approx((-s0 + s1) / 2, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(2 / 3)
     assert out.ratio_mean.item() == pytest.approx((2 * s0 + s1) / 3, abs=1e-6)
@@ -93,6 +100,8 @@ def test_gmpo_unclipped_and_token_mean():
     logprobs, old, adv, mask = _two_sequences()
     out = GMPOLoss(epsilon=1.0)(logprobs, old, adv, mask, num_tokens=3, num_seqs=2)
     r2 = math.sqrt(2.0)
+    # log ratios ln 2 (old + ln 2 - old, ~2 roundings at 1), mean, exp, sum and / 3: ~5 roundings at <= 2.8 (ulp
+    # 2.4e-7), ~6e-7 worst case before the / 3. Bound: 1e-6.
     assert out.loss.item() == pytest.approx((-2 * r2 + 0.5) / 3, abs=1e-6)
     assert out.clip_fraction.item() == 0.0
     out.loss.backward()
@@ -105,6 +114,8 @@ def test_gmpo_separate_bounds():
     logprobs, old, adv, mask = _two_sequences()
     loss = GMPOLoss(epsilon_high=0.8, epsilon_low=0.5, loss_agg_mode="seq-mean-token-mean")
     out = loss(logprobs, old, adv, mask, num_tokens=3, num_seqs=2)
+    # As above: a few roundings of log ratios, exp and a mean at ~1.4 (ulp 1.2e-7), ~4e-7. Bound: 1e-6; 1/3 one
+    # rounding.
     assert out.loss.item() == pytest.approx((-math.sqrt(2.0) + math.exp(-0.5)) / 2, abs=1e-6)
     assert out.clip_fraction.item() == pytest.approx(1 / 3)
 
@@ -126,6 +137,9 @@ def test_sapo_soft_gate_values_and_gradients():
     mask = torch.tensor([[True, True], [True, False]])
     out = SAPOLoss(tau_pos=1.0, tau_neg=2.0)(logprobs, old, torch.tensor([1.0, -1.0]), mask, num_tokens=3, num_seqs=2)
     sig1 = 1 / (1 + math.exp(-1.0))
+    # r from exp(old + ln 2 - old) (~3 ulp at 2), a sigmoid (the vectorised and scalar kernels within ~1-2 ulp), x 4 /
+    # tau: ~5 roundings at <= 3 (ulp 2.4e-7) per token, the sum of 3 at ~4.4 then / 3: ~8e-7 worst case.
+    # Bound: 1e-6 (the typical error, sqrt of the roundings, is ~3e-7).
     assert out.loss.item() == pytest.approx((-2 - 4 * sig1 + 2 * (1 - sig1)) / 3, abs=1e-6)
     assert out.clip_fraction.item() == 0.0
     out.loss.backward()
@@ -193,6 +207,7 @@ def test_importance_weights_scale_the_policy_term():
     w = torch.tensor([[2.0, 0.5], [3.0, 9.0]])
     out = GRPOLoss()(logprobs, logprobs.detach(), torch.tensor([1.0, -0.5]), mask, num_tokens=3, num_seqs=2,
                      importance_weights=w)
+    # Ratio exp(0) = 1, the products -A w exact, their sum exact; only / 3 rounds (3e-8). Bound: 1e-6.
     assert out.loss.item() == pytest.approx(-1 / 3, abs=1e-6)
     out.loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-2.0, -0.5], [1.5, 0.0]]) / 3)

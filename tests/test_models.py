@@ -42,6 +42,11 @@ def test_logits_equal_transformers(arch, saved, tmp_path):
     ref = hf_logits(saved[arch], tokens)
     assert ours.shape == ref.shape == (2, 100, VOCAB)
     assert ref.abs().max() > 1.0  # not a degenerate model
+    # transformers and torchtune compute the same fp32 function in another order: ~15 matmuls (2 layers x 7 projections,
+    # the head), the RMSNorms' reductions, attention, and RoPE tables each library builds itself (angles pos x theta up
+    # to ~100 rad, where 1 ulp is 7.6e-6: a relative error of that size in q and k). On logits |z| <~ 4 (1 ulp 4.8e-7):
+    # ~sqrt(15) = 4 ulp from the matmuls, ~1e-5 relative from the rope angles at worst. Bound: 1e-4 (measured 1.9e-6, 4
+    # ulp, with AVX-512 and AVX2 kernels).
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
 

@@ -136,6 +136,12 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         assert got.keys() == expected.keys() == start.keys(), arch
         moved = max((expected[k] - start[k]).abs().max().item() for k in start)
         assert moved > 1e-3, f"{arch}: two steps barely moved the weights ({moved})"
+        # One process and two compute each step's gradient as the same sum of per-token terms in another grouping
+        # (micro-batches of 4 or 2 rows, the ranks' gloo all-reduce): ~sqrt(n) ulp of each sum (tests/tolerances.py),
+        # ~1e-7 relative at these random models' scale; SGD (lr 0.05, no clipping) moves the weights by lr x that, ~1e-8
+        # per step, plus one rounding of each weight (ulp 7.5e-9 at 0.1), over 2 steps. Bound: 1e-5 on the weights (>
+        # 100x that); 1e-5 absolute on the logged loss and kl (the same regrouped fp32 sums, ~1e-6 at O(1)); rewards and
+        # lengths are exact.
         for key, value in expected.items():
             torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{arch}, {key}: {m}")
         # The logged global metrics agree too (sums over micro-batches and ranks).

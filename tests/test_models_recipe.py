@@ -33,6 +33,10 @@ def check_trained_directory(src: Path, step_dir: Path, tmp_path: Path) -> None:
     start, end = weights(src), weights(step_dir)
     assert start.keys() == end.keys()
     assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-4
+    # transformers against torchtune on the same weights (as tests/test_models.py): other op orders in ~15 matmuls, the
+    # norms, attention and each library's RoPE tables (angles up to ~100 rad, 1 ulp 7.6e-6), on logits |z| <~ 4 (1 ulp
+    # 4.8e-7): a few ulp, ~1e-5 relative at worst from the rope angles. Bound: 1e-4 (measured 1.6e-6 with AVX-512 and
+    # AVX2 kernels) here and for the PEFT and NF4 comparisons below.
     torch.testing.assert_close(hf_logits(step_dir, _tokens()), _our_logits(step_dir, tmp_path), atol=1e-4, rtol=0)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (step_dir / name).read_bytes() == (src / name).read_bytes(), name
@@ -79,6 +83,8 @@ def test_qwen3_lora_adapter_and_merged_model_load_in_peft(tmp_path: Path, clean_
     # applied before the q/k norms as in the merge).
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), step).eval()
     with torch.no_grad():
+        # PEFT (x W + s (x A) B, in transformers) against the merged model (x (W + s B A)): the same function in another
+        # order, a few ulp of logits |z| <~ 4 (1 ulp 4.8e-7). Bound: 1e-4.
         torch.testing.assert_close(peft(_tokens()).logits, hf_logits(merged, _tokens()), atol=1e-4, rtol=0)
         assert (peft(_tokens()).logits - hf_logits(src, _tokens())).abs().max() > 1e-4  # the adapter is not zero
 
@@ -134,6 +140,8 @@ def test_qwen3_qlora_in_process_adapter_and_merged_model_load(tmp_path: Path, cl
             layer = peft.get_base_model().get_submodule(hf_name[: -len(".weight")])
             quantisation_error = max(quantisation_error, (layer.base_layer.weight - hf_weight).abs().max().item())
             layer.base_layer.weight.copy_(hf_weight)
+        # PEFT on the dequantised NF4 base against our QLoRA model: the same function in another order (as above), a few
+        # ulp of the logits plus the RoPE tables' <~ 1e-5. Bound: 1e-4.
         torch.testing.assert_close(peft(_tokens()).logits, ours, atol=1e-4, rtol=0)
     assert quantisation_error > 1e-3  # the base really was quantised (so the check above is not the plain one)
 

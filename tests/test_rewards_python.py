@@ -148,6 +148,8 @@ def test_from_yaml_with_timeout_and_fallback():
     # guarded: "slow" times out -> -1 (x2 weight); "fast" 1.0 (x2). with_threshold: 0.1 each.
     assert out.per_component["guarded"].tolist() == [-1.0, 1.0]
     assert out.errors == {"guarded": 1, "with_threshold": 0}
+    # Weighted sum of exact small values (-1, 1, 0.1 x weights 2 and 1) in fp32: 0.1 is rounded once (1.5e-9 relative)
+    # and each of 2 products/adds rounds once (6e-8 relative). Bound: approx's default 1e-6 relative.
     assert out.total.tolist() == pytest.approx([-1.9, 2.1])
 
 
@@ -194,6 +196,7 @@ def test_docs_example_through_yaml(monkeypatch):
     # concise_correct: 4 words -> 1.0; 6 words -> 0.75.  polite: "thanks" -> 1.0 (x 0.1).
     assert out.per_component["concise_correct"].tolist() == [1.0, 0.75]
     assert out.per_component["polite"].tolist() == [1.0, 0.0]
+    # As above: fp32 0.1 and one or two roundings (~1e-7 relative). Bound: approx's default 1e-6 relative.
     assert out.total.tolist() == pytest.approx([1.1, 0.75])
 
 

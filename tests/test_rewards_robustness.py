@@ -290,6 +290,8 @@ def test_build_reward_set_pops_options():
     out = rs(make_batch(["hang", "ok"]))
     assert out.per_component["guarded"].tolist() == [-1.0, 1.0]
     assert out.errors == {"guarded": 1, "format_reward": 0}
+    # Sums of exact binary fractions (-1, 1, 0.25 and weights) in fp32: exact or one rounding; allclose's default
+    # (1e-5 relative) far above.
     assert torch.allclose(out.total, torch.tensor([-0.5, 0.5]))
     assert set(OPTION_KEYS) == {"weight", "name", "timeout", "fallback", "per_sample", "concurrency"}
 

@@ -35,6 +35,9 @@ def test_token_truncation_one_and_two_sided():
     torch.testing.assert_close(out.weights, torch.tensor([[2.0, 1.0, 0.25], [1.5, 1.5, 0.0]]))
     assert torch.equal(out.mask, mask) and out.kept.tolist() == [True, True]
     assert out.sums[("rollout_correction", "truncated")] == 1 and out.sums[("rollout_correction", "masked")] == 0
+    # Per-token k3 in fp32 from log w = old - mu (old = mu + ln w rounded once, ulp <= 2.4e-7 at |old| < 4), then
+    # w - 1 - log w: ~5 roundings at <= 3 (ulp 2.4e-7) per token, an error of ~1e-6 on each of 5 tokens in the
+    # worst case, summed in float64. Bound: 1e-5 on the sum, 1e-6 on its mean over 5 tokens (below).
     assert out.sums[("rollout_correction", "kl")] == pytest.approx(KL_SUM, abs=1e-5)
     # two-sided [0.5, 2]: 0.25 is raised to 0.5, 2 tokens truncated
     out = RolloutCorrection(level="token", mode="truncate", upper=2.0, lower=0.5)(old, mu, mask, adv)
@@ -50,6 +53,8 @@ def test_token_masking_is_icepop_two_sided():
     torch.testing.assert_close(out.weights, torch.tensor([[0.0, 1.0, 0.0], [1.5, 1.5, 0.0]]))
     assert out.kept.tolist() == [True, True]  # a token mask keeps every sequence in the count
     metrics = correction_metrics(out.sums)
+    # 2 / 5 of exact counts, one float64 rounding (approx's default 1e-6 relative); the kl mean: as in
+    # test_token_truncation_one_and_two_sided, ~1e-6 / 5 per-token error. Bound: 1e-6.
     assert metrics["rollout_correction/masked_fraction"] == pytest.approx(2 / 5)
     assert metrics["rollout_correction/seq_masked_fraction"] == 0.0
     assert metrics["rollout_correction/kl"] == pytest.approx(KL_SUM / 5, abs=1e-6)
@@ -102,6 +107,8 @@ def test_row_split_gives_the_same_decisions_and_sums():
         assert torch.equal(torch.cat([p.mask for p in parts]), whole.mask)
         assert torch.equal(torch.cat([p.kept for p in parts]), whole.kept)
         for key, value in whole.sums.items():
+            # Counts are exact; the kl sum adds the same fp32 per-token values (elementwise, row by row) in float64 in
+            # another grouping: float64 roundings only (~1e-16 x the sum of |k3| < 1). Bound: 1e-9.
             assert sum(p.sums[key] for p in parts) == pytest.approx(value, abs=1e-9), key
         assert 0 < whole.mask.sum() < mask.sum()  # the case really masks something
 

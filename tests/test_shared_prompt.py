@@ -17,6 +17,7 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerSelfAttentionLayer
 
 from tests.conftest import make_tiny_decoder
+from tests.tolerances import logit_ulps, ulps
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.training.batch import (
     install_shared_prompt_attention,
@@ -103,10 +104,20 @@ def test_logprobs_entropy_and_gradients_match_unshared(family, micro_batch_size)
     mask = unshared.response_mask
     assert torch.equal(mask, shared.response_mask)
     assert (lp_a[mask] != 0).all() and (lp_a[~mask] == 0).all() and (lp_b[~mask] == 0).all()
-    torch.testing.assert_close(lp_b, lp_a, atol=1e-5, rtol=1e-6)  # |logprob| up to ~70 here
-    torch.testing.assert_close(ent_b, ent_a, atol=1e-5, rtol=1e-6)
+    # Shared and unshared rows run other matmul and attention shapes (a prompt computed once per group, another
+    # mask), so every layer's sums round in another order. A logprob is a logit / 0.7 minus a logsumexp, an
+    # entropy a logsumexp minus sum p z: each a few-ulp result of ~9 matmuls at the logits' magnitude (|z| / 0.7
+    # up to ~100 here, 1 ulp = 1.2e-5), not at the logprob's (which can be ~0): about sqrt(9) = 3 ulp each side.
+    # Bound: 16 ulp of the largest logit / 0.7. A weight's gradient sums per-position products over the batch's
+    # positions in another order (prompt positions once per group or once per row), on top of the forward's
+    # few ulp: ~sqrt(n) ulp of the partial sums, which stay below the tensor's largest element. Bound: 32 ulp
+    # of each gradient tensor's largest element (the tests/test_packed_rows.py bounds). Measured, with AVX-512,
+    # AVX2 and scalar kernels: logprobs 3.1e-5 apart (0.15 of the bound), gradients <= 0.19 of the bound.
+    atol = logit_ulps(model, [p + r for p, r in zip(prompts, responses)], 16) / 0.7
+    torch.testing.assert_close(lp_b, lp_a, atol=atol, rtol=0)
+    torch.testing.assert_close(ent_b, ent_a, atol=atol, rtol=0)
     for name, g in grads_a.items():
-        torch.testing.assert_close(grads_b[name], g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads_b[name], g, atol=ulps(g, 32), rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_activation_checkpointing_recomputes_the_shared_layout():
@@ -119,10 +130,14 @@ def test_activation_checkpointing_recomputes_the_shared_layout():
     model = make_tiny_decoder(scale=1.0).train()
     training.set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
     lp, _, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0), mbs)
-    torch.testing.assert_close(lp, reference[0], atol=1e-5, rtol=1e-6)
+    # Shared against unshared rows, as in test_logprobs_entropy_and_gradients_match_unshared (the recomputation
+    # itself repeats the same kernels): 16 ulp of the largest logit / 0.7 for the logprobs, 32 ulp of each
+    # gradient tensor's largest element.
+    atol = logit_ulps(model, [p + r for p, r in zip(prompts, responses)], 16) / 0.7
+    torch.testing.assert_close(lp, reference[0], atol=atol, rtol=0)
     assert len(grads) == len(reference[2])
     for (name, g), g_ckpt in zip(reference[2].items(), grads.values()):  # same order, wrapped names
-        torch.testing.assert_close(g_ckpt, g, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(g_ckpt, g, atol=ulps(g, 32), rtol=0, msg=lambda m: f"{name}: {m}")
 
 
 def test_generation_is_unchanged_by_the_training_attention():
@@ -172,10 +187,14 @@ def test_fsdp2_shared_matches_unshared(clean_env, one_thread):
         lp, ent, grads = _logprobs_and_grads(model, TrainingBatch(prompts, responses, 0, share_prompt=share), mbs)
         results.append((lp, ent, {k: v.full_tensor() for k, v in grads.items()}))
     (a, ea, ga), (b, eb, gb) = results
-    torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(eb, ea, atol=1e-5, rtol=1e-6)
+    # Shared against unshared rows under FSDP2, as in test_logprobs_entropy_and_gradients_match_unshared: 16 ulp
+    # of the largest logit / 0.7 (of the same, unsharded weights) for logprobs and entropies, 32 ulp of each
+    # gradient tensor's largest element.
+    atol = logit_ulps(make_tiny_decoder(scale=1.0), [p + r for p, r in zip(prompts, responses)], 16) / 0.7
+    torch.testing.assert_close(b, a, atol=atol, rtol=0)
+    torch.testing.assert_close(eb, ea, atol=atol, rtol=0)
     for k in ga:
-        torch.testing.assert_close(gb[k], ga[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(gb[k], ga[k], atol=ulps(ga[k], 32), rtol=0, msg=lambda m: f"{k}: {m}")
 
 
 @pytest.mark.slow
@@ -202,6 +221,11 @@ def test_recipe_weights_match_unshared_training(tmp_path, clean_env, one_thread)
         out = run_dir / "out"
         results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
         results[name + "_metrics"] = read_jsonl(out / "metrics.jsonl")
+    # The three runs compute each step's gradient as the same sum of per-token terms in another grouping (shared or
+    # unshared prompts, micro-batches of 3 or 16 rows: other matmul shapes, logits a few ulp apart) and take the same
+    # SGD step (lr 0.05, no clipping) on weights |w| <~ 1 (1 ulp 1.2e-7): ~sqrt(n) ulp of each gradient's partial sums
+    # times lr, plus one rounding of each weight, per step, over the 7 steps. Bound: 1e-5 (~80 ulp of the largest
+    # weight).
     for other in ("shared", "plain"):
         for k in range(len(VARIANTS)):
             for key, value in results["unshared"][k].items():
@@ -241,5 +265,8 @@ def test_plain_module_on_one_process_resumes_exactly(tmp_path, clean_env, one_th
         run_in_process(with_overrides(cfg, resume_from_checkpoint=True))
     assert f"Resuming from {out / 'step_1'}" in caplog.text
     resumed = weights(out / "step_2")
+    # A resumed run is the uninterrupted computation itself: weights, optimizer and LR state, RNG streams and
+    # data order restored bit for bit, the same kernels on the same shapes. So it compares a computation with
+    # itself: exact (formerly 1e-6 + 1e-5 relative; measured bitwise equal with AVX-512, AVX2 and scalar kernels).
     for key in uninterrupted:
-        torch.testing.assert_close(resumed[key], uninterrupted[key], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(resumed[key], uninterrupted[key], atol=0, rtol=0)

@@ -17,6 +17,7 @@ from torchtune_grpo.loss.rollout_correction import logprob_mismatch_sum, tis_wei
 from torchtune_grpo.training.batch import response_values
 
 from tests.recipe_utils import run_script_expecting
+from tests.tolerances import ulps
 
 LLAMA = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16}
 QWEN2 = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 16}
@@ -92,7 +93,10 @@ def test_weight_sync_check_schedule_probe_and_verdict():
     assert random_probe.probe(vocab_size=50, prompt=list(range(100, 120))) == probe
     # |[-1, -2, -3] - [-1.001, -2.02, -3]| = [0.001, 0.02, 0] -> max 0.02
     diff = check.measure(torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([-1.001, -2.02, -3.0]))
-    assert diff == pytest.approx(0.02)
+    # measure subtracts in float64, but the inputs are fp32: -2.02 is rounded once, by up to half an ulp at 2
+    # (1.2e-7; here 1.9e-8), which the difference keeps: 6e-6 of 0.02 at worst, above approx's default 1e-6
+    # relative (which held only because this rounding happens to be small). No kernel enters. Bound: 1 ulp at 2.
+    assert diff == pytest.approx(0.02, abs=ulps(torch.tensor(2.02), 1))
     check.verify(0.01, step=4)  # at the tolerance: passes
     with pytest.raises(WeightSyncError, match=r"after step 4: .* by up to 0\.02 \(tolerance 0\.01\)"):
         check.verify(diff, step=4)
@@ -166,6 +170,8 @@ def test_tis_weights_by_hand():
     mask = torch.tensor([[True, True, False]])
     # ratios pi_old / mu: 0.5/0.5 = 1, 0.9/0.3 = 3 -> capped at 2, masked -> 1
     w = tis_weights(old, sampler, mask, cap=2.0)
+    # w = exp(log 0.5 - log 0.5) = exp(0) = 1 exactly, the cap 2.0 and the masked 1 exact: allclose's default
+    # (1e-5 relative) far above.
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, 1.0]]))
     assert not w.requires_grad
 
@@ -180,6 +186,10 @@ def test_grpo_loss_with_tis_scales_the_policy_term():
     # (cap 3 not reached), so policy_t = [[-2, -1], [0.5, 1]]; token-mean over 4 tokens = -1.5 / 4.
     loss = GRPOLoss(tis_cap=3.0)
     out = loss(logprobs, logprobs.detach(), adv, mask, num_tokens=4, num_seqs=2, sampler_logprobs=sampler)
+    # w = exp(log 0.5 - log 0.25) = 2: two fp32 logs (half an ulp each, ~6e-8 at 0.7-1.4), a subtraction and exp
+    # (~1 ulp): 2 (1 + ~3e-7) at worst; weighted by |A| = 1 into a sum of 4 then / 4: ~2e-7 / 4 off -0.375 at
+    # worst, 1.3e-7 relative. Bound: approx's default 1e-6 relative; the gradient -A w / 4 likewise against
+    # allclose's 1e-5 relative. Without TIS rho = exp(0) = 1 and the sum is exactly 0 (approx(0.0): 1e-12).
     assert out.loss.item() == pytest.approx(-1.5 / 4)
     # Gradient d loss / d logprob_t = -A w_t / 4 (d rho / d logprob = rho = 1).
     out.loss.backward()
@@ -200,6 +210,7 @@ def test_response_values_line_up_with_the_trainers_logprob_columns():
     # start = min prompt length - 1 = 1. Response token j of row i is at position len(p_i) + j, its
     # logprob at column len(p_i) + j - 1 - start: row 0 -> columns 1, 2; row 1 -> column 0.
     out = response_values([[1, 2, 3], [4, 5]], [[-0.1, -0.2], [-0.3]], start=1, width=3)
+    # The values are copied (fp32 of -0.1 etc., as the reference): exact; allclose's default.
     assert torch.allclose(out, torch.tensor([[0.0, -0.1, -0.2], [-0.3, 0.0, 0.0]]))
 
 
@@ -207,4 +218,5 @@ def test_logprob_mismatch_sum_only_counts_response_tokens():
     a = torch.tensor([[-1.0, -2.0, float("nan")]])
     b = torch.tensor([[-1.5, -2.0, 0.0]])
     mask = torch.tensor([[True, True, False]])
+    # |-1 - -1.5| + |-2 - -2| = 0.5 exactly in fp32; approx's default.
     assert logprob_mismatch_sum(a, b, mask).item() == pytest.approx(0.5)

@@ -9,7 +9,7 @@ largest value compared, worked out next to the test from the operations between 
 
 import torch
 
-__all__ = ["ulps"]
+__all__ = ["logit_ulps", "ulps"]
 
 
 def ulps(reference: torch.Tensor, n: float, dtype: torch.dtype = torch.float32) -> float:
@@ -24,3 +24,23 @@ def ulps(reference: torch.Tensor, n: float, dtype: torch.dtype = torch.float32) 
         float: an absolute tolerance, ``n * eps(dtype) * max|reference|``.
     """
     return float(n * torch.finfo(dtype).eps * reference.detach().abs().max().to(torch.float64))
+
+
+def logit_ulps(model: torch.nn.Module, sequences, n: float) -> float:
+    """``n`` fp32 ulp of the largest logit ``model`` gives on ``sequences`` (token-id lists, each run alone).
+
+    Logprobs and entropies are differences of logits and a logsumexp over them: their rounding error is a number
+    of ulp of the logits, not of the (possibly small) logprob, so bounds on them are stated at this magnitude.
+
+    Args:
+        model (torch.nn.Module): a decoder returning ``[1, T, V]`` logits for ``[1, T]`` tokens.
+        sequences: lists of token ids.
+        n (float): how many units in the last place.
+
+    Returns:
+        float: an absolute tolerance, ``n * eps(float32) * max |logit|``.
+    """
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        largest = max(model(torch.tensor([list(s)], device=device)).abs().max().cpu() for s in sequences)
+    return ulps(largest, n)
