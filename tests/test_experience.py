@@ -55,7 +55,7 @@ def test_reference_and_old_logprobs_are_the_models_logprobs_of_each_response():
     rollouts = _rollouts()
     exp, _ = _builder(reference=Reference(reference), update_needs_old_logprobs=True, kl_coef=0.1)(policy, rollouts)
     # The builder's forward runs the whole padded batch, the expected one each sequence alone: other matmul
-    # shapes, so the logits (|z| up to ~150 with these x4 weights, 1 ulp = 1.5e-5) round differently. A logprob
+    # shapes, so the logits (|z| up to ~190 with these x4 weights, 1 ulp = 1.5e-5) round differently. A logprob
     # is a logit minus a logsumexp, each a few-ulp result of ~9 matmuls (2 layers x 4, the head): its error is
     # a few ulp of the logits, whatever its own size (a likely token's logprob is ~0, where the former 1e-5 +
     # 1e-5 relative allowed less than one ulp of the logits). Bound: 16 ulp of the largest logit of each model

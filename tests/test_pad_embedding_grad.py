@@ -43,10 +43,11 @@ def test_tied_pad_row_loses_exactly_its_input_positions_gradient():
     # The output side (the tied head's gradient) is the same computation in both runs. exact[PAD] adds the
     # embedding backward's sum of the 3 pad positions' gradients to it (one rounding at |exact[PAD]|); the
     # reference then subtracts this test's own sum of the same 3 rows (their order may differ: 2 roundings at
-    # |input_side|) and rounds once more. A few roundings at magnitudes up to ~21 here (x4 weights; 1 ulp =
-    # 1.9e-6), each at most half an ulp of the largest: ~2 ulp worst case, also for elements near 0, where the
-    # former 1e-6 + 1e-5 relative allowed half an ulp. Bound: 8 ulp of the largest of the three (measured:
-    # 3.3e-6, 1.75 ulp, with AVX-512 and AVX2 kernels, 2.7e-6 with scalar ones).
+    # |input_side|) and rounds once more. The operands reach ~170 here (x4 weights; 1 ulp = 1.5e-5) and
+    # largely cancel (the difference is ~21): a few roundings of at most half an ulp of the operands, ~2 ulp
+    # worst case, for elements near 0 too, where the former 1e-6 + 1e-5 relative allowed 0.07 ulp of them.
+    # Bound: 8 ulp of the largest operand (measured: 3.3e-6 with AVX-512 and AVX2 kernels, 2.7e-6 with scalar
+    # ones: ~0.2 ulp).
     atol = ulps(torch.stack([exact[PAD], input_side, dropped[PAD]]), 8)
     torch.testing.assert_close(dropped[PAD], exact[PAD] - input_side, rtol=0, atol=atol)
     others = torch.arange(97) != PAD
