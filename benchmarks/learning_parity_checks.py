@@ -73,7 +73,7 @@ def hf_named(model_dir: Path, tensors: Dict[str, Any]) -> Dict[str, Any]:
     from torchtune_grpo.models import HFModelSpec, tune_to_hf_param
 
     spec = HFModelSpec.from_directory(model_dir)
-    return dict(tune_to_hf_param(k, v, rope_layout=spec.rope_layout, head_dim=spec.head_dim) for k, v in tensors.items())
+    return dict(tune_to_hf_param(k, v, rope_order=spec.rope_order, head_dim=spec.head_dim) for k, v in tensors.items())
 
 
 def run_ours(recipe, rollouts, model_dir: Path) -> Dict[str, Any]:

@@ -136,7 +136,7 @@ def test_qwen3_qlora_in_process_adapter_and_merged_model_load(tmp_path: Path, cl
     quantisation_error = 0.0
     with torch.no_grad():
         for name, weight in nf4.items():
-            hf_name, hf_weight = tune_to_hf_param(name, weight, rope_layout="half", head_dim=32)
+            hf_name, hf_weight = tune_to_hf_param(name, weight, rope_order="half", head_dim=32)
             layer = peft.get_base_model().get_submodule(hf_name[: -len(".weight")])
             quantisation_error = max(quantisation_error, (layer.base_layer.weight - hf_weight).abs().max().item())
             layer.base_layer.weight.copy_(hf_weight)

@@ -13,6 +13,7 @@ from torchtune.models.qwen2._convert_weights import qwen2_hf_to_tune
 from torchtune_grpo.generation import TuneToHFNames, VLLMGenerator, WeightSyncCheck, WeightSyncError
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.loss import GRPOLoss
+from torchtune_grpo.models import tune_to_hf_param
 from torchtune_grpo.loss.rollout_correction import logprob_mismatch_sum, tis_weights
 from torchtune_grpo.training.batch import response_values
 
@@ -36,7 +37,7 @@ def _hf_llama_state(seed: int = 0):
     }
 
 
-def test_llama_names_and_rope_layout_round_trip_through_torchtune():
+def test_llama_names_and_rope_order_round_trip_through_torchtune():
     # torchtune permutes q/k rows when reading HF Llama weights; going back must undo it exactly, one
     # parameter at a time (the recipe streams them).
     hf = _hf_llama_state()
@@ -220,3 +221,16 @@ def test_logprob_mismatch_sum_only_counts_response_tokens():
     mask = torch.tensor([[True, True, False]])
     # |-1 - -1.5| + |-2 - -2| = 0.5 exactly in fp32; approx's default.
     assert logprob_mismatch_sum(a, b, mask).item() == pytest.approx(0.5)
+
+
+def test_the_old_rope_keyword_still_converts_with_a_warning():
+    # tune_to_hf_param(rope_layout=...) and HFModelSpec.rope_layout are rope_order now ("layout" names how a
+    # training batch's rows are arranged, nothing else); the old names work for one release, warning.
+    q = torch.arange(4 * 8, dtype=torch.float32).reshape(8, 4)
+    name = "layers.0.attn.q_proj.weight"
+    new = tune_to_hf_param(name, q, rope_order="interleaved", head_dim=4)
+    with pytest.warns(FutureWarning, match=r"rope_layout=\.\.\.\) is now rope_order"):
+        old = tune_to_hf_param(name, q, rope_layout="interleaved", head_dim=4)
+    assert old[0] == new[0] and torch.equal(old[1], new[1]) and not torch.equal(new[1], q)
+    with pytest.raises(TypeError, match="needs rope_order"):
+        tune_to_hf_param(name, q, head_dim=4)

@@ -54,14 +54,14 @@ class TuneToHFNames:
                 f"No torchtune -> Hugging Face weight converter for model_type {model_type!r}; "
                 f"supported: {list(self.SUPPORTED)}"
             )
-        self._rope_layout = SUPPORTED_MODEL_TYPES[model_type]
+        self._rope_order = SUPPORTED_MODEL_TYPES[model_type]
         self._head_dim = int(
             hf_config.get("head_dim") or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
         )
 
     def __call__(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
         """``(torchtune name, tensor)`` -> ``(Hugging Face name, tensor)``."""
-        return tune_to_hf_param(name, tensor, rope_layout=self._rope_layout, head_dim=self._head_dim)
+        return tune_to_hf_param(name, tensor, rope_order=self._rope_order, head_dim=self._head_dim)
 
 
 class WeightSyncCheck:

@@ -105,7 +105,7 @@ def _linear(
 
 
 def _rope(spec: HFModelSpec) -> nn.Module:
-    if spec.rope_layout == "half":
+    if spec.rope_order == "half":
         return Qwen2RotaryPositionalEmbeddings(spec.head_dim, max_seq_len=spec.max_seq_len, base=spec.rope_base)
     if spec.rope_scaling is not None:
         s = spec.rope_scaling

@@ -8,7 +8,8 @@ on the way in and back on the way out, exactly as torchtune's own ``convert_weig
 """
 
 import re
-from typing import Dict, Tuple
+import warnings
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -50,8 +51,8 @@ def ignorable(name: str, spec: HFModelSpec) -> bool:
     return bool(_IGNORED.search(name)) or (spec.tie_word_embeddings and name == "lm_head.weight")
 
 
-def _permuted(rope_layout: str, tune_name: str) -> bool:
-    return rope_layout == "interleaved" and tune_name.endswith(("attn.q_proj.weight", "attn.k_proj.weight"))
+def _permuted(rope_order: str, tune_name: str) -> bool:
+    return rope_order == "interleaved" and tune_name.endswith(("attn.q_proj.weight", "attn.k_proj.weight"))
 
 
 def _to_interleaved(w: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -104,33 +105,44 @@ def hf_to_tune(state: Dict[str, torch.Tensor], spec: HFModelSpec, source: str = 
                 f"{source}: tensor {name!r} does not belong to a {spec.model_type} model as config.json "
                 "describes it (see docs/models.md for the supported architectures)"
             ) from None
-        out[tune] = _to_interleaved(tensor, spec.head_dim) if _permuted(spec.rope_layout, tune) else tensor
+        out[tune] = _to_interleaved(tensor, spec.head_dim) if _permuted(spec.rope_order, tune) else tensor
     return out
 
 
 def tune_to_hf_param(
-    name: str, tensor: torch.Tensor, *, rope_layout: str, head_dim: int
+    name: str, tensor: torch.Tensor, *, rope_order: Optional[str] = None, head_dim: int,
+    rope_layout: Optional[str] = None,
 ) -> Tuple[str, torch.Tensor]:
     """One torchtune ``(name, tensor)`` -> Hugging Face's (streamed weight sync, saving).
 
     Args:
         name (str): torchtune parameter name.
         tensor (torch.Tensor): the full (unsharded) parameter.
-        rope_layout (str): ``"interleaved"`` (Llama, Mistral: q/k rows permuted back) or ``"half"``
-            (Qwen2, Qwen3: renamed only); ``SUPPORTED_MODEL_TYPES[model_type]``.
+        rope_order (Optional[str]): the order of RoPE's rotated pairs in q/k rows: ``"interleaved"`` (Llama,
+            Mistral: q/k rows permuted back) or ``"half"`` (Qwen2, Qwen3: renamed only);
+            ``SUPPORTED_MODEL_TYPES[model_type]``. Required.
         head_dim (int): per-head width.
+        rope_layout (Optional[str]): the old name of ``rope_order`` (works until the next release, with a
+            FutureWarning). Default is None.
 
     Raises:
         KeyError: for a name no supported model has.
+        TypeError: without ``rope_order``.
     """
+    if rope_layout is not None:
+        warnings.warn("tune_to_hf_param(rope_layout=...) is now rope_order=...; the old keyword works until the "
+                      "next release", FutureWarning, stacklevel=2)
+        rope_order = rope_layout if rope_order is None else rope_order
+    if rope_order is None:
+        raise TypeError("tune_to_hf_param() needs rope_order ('interleaved' or 'half')")
     hf = tune_name_to_hf(name)
-    return hf, (_to_halves(tensor, head_dim) if _permuted(rope_layout, name) else tensor)
+    return hf, (_to_halves(tensor, head_dim) if _permuted(rope_order, name) else tensor)
 
 
 def tune_to_hf(state: Dict[str, torch.Tensor], spec: HFModelSpec) -> Dict[str, torch.Tensor]:
     """The torchtune decoder's state dict -> Hugging Face's (no ``lm_head.weight`` when tied)."""
     return dict(
-        tune_to_hf_param(name, tensor, rope_layout=spec.rope_layout, head_dim=spec.head_dim)
+        tune_to_hf_param(name, tensor, rope_order=spec.rope_order, head_dim=spec.head_dim)
         for name, tensor in state.items()
     )
 

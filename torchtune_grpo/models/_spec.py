@@ -6,6 +6,7 @@ other than Llama 3's, quantised weights, ...) is an error naming the field, neve
 """
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Union
@@ -105,9 +106,17 @@ class HFModelSpec:
     attn_dropout: float = 0.0
 
     @property
-    def rope_layout(self) -> str:
-        """``"interleaved"`` (torchtune's Llama layout, q/k permuted) or ``"half"`` (Hugging Face's)."""
+    def rope_order(self) -> str:
+        """The order of RoPE's rotated pairs in q/k rows: ``"interleaved"`` (torchtune's Llama order, q/k
+        permuted) or ``"half"`` (Hugging Face's)."""
         return SUPPORTED_MODEL_TYPES[self.model_type]
+
+    @property
+    def rope_layout(self) -> str:
+        """The old name of :attr:`rope_order` (works until the next release, with a FutureWarning)."""
+        warnings.warn("HFModelSpec.rope_layout is now rope_order; the old name works until the next release",
+                      FutureWarning, stacklevel=2)
+        return self.rope_order
 
     @classmethod
     def from_directory(cls, path: Union[str, Path], max_seq_len: Optional[int] = None) -> "HFModelSpec":
