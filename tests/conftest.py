@@ -4,6 +4,7 @@ thread, and an environment restored after an in-process recipe."""
 import importlib.util
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -75,6 +76,13 @@ def tokenizer():
         merges_file=asset_path("tiny_qwen2", "merges.txt"),
         special_tokens_path=asset_path("tiny_qwen2", "tokenizer.json"),
     )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def write_jsonl(path: Path, rows) -> str:

@@ -13,13 +13,13 @@ The kill points are spread over the process counts to keep this file to a few ti
 import math
 import shutil
 import signal
-import socket
 import subprocess
 
 import pytest
 import torch
 
 from torchtune_grpo.runtime.crash_points import CRASH_ENV
+from tests.conftest import free_port
 from tests.recipe_utils import read_jsonl, run_tune, tune_command, tune_env, weights, write_config
 
 STEPS = 4
@@ -142,19 +142,13 @@ def test_sigterm_to_one_rank_saves_the_step_on_every_rank_and_resumes_exactly(tm
     assert f"Resuming from {out / 'step_3'}" in log
     assert_same_run(out, two_process_reference)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path, two_process_reference):
     # torchrun's multi-node path: two launchers (one per "node"), c10d rendezvous on 127.0.0.1. Judged by
     # both launchers' exit codes: the recipe leaves with os._exit(0) after cleanup under torchrun, which
     # sidesteps the gloo teardown abort (DESIGN.md), as test_recipe.py's two-process test relies on.
     cfg = write_config(tmp_path, **OVERRIDES)
-    port = _free_port()
+    port = free_port()
     launchers = [
         subprocess.Popen(
             tune_command(cfg, launcher_args=[

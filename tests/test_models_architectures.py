@@ -8,7 +8,6 @@
 
 import math
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import List, NamedTuple, Optional
@@ -17,7 +16,7 @@ import pytest
 import torch
 
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
-from tests.conftest import REPO
+from tests.conftest import free_port, REPO
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from tests.test_models_recipe import TWO_STEPS, check_trained_directory
 
@@ -66,12 +65,6 @@ class _Run(NamedTuple):
     lora: bool = False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, runs: List[_Run], store_port: int) -> None:
     """One of the two spawned processes: first its share of the one-process references (the two ranks run
     them side by side, each in its own one-process group), then every two-process run."""
@@ -88,7 +81,7 @@ def _rank_main(rank: int, runs: List[_Run], store_port: int) -> None:
             _run_in_process(Path(r.one_process), r.lora)
     for i, r in enumerate(runs):
         if rank == 0:
-            store.set(f"port/{i}", str(_free_port()))
+            store.set(f"port/{i}", str(free_port()))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=store.get(f"port/{i}").decode(), RANK=str(rank),
                           LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
         _run_in_process(Path(r.two_processes), r.lora)

@@ -4,7 +4,6 @@ worker process does, survives being restarted mid-run (the trainer reconnects an
 and every misconfiguration stops the run at setup naming the key or the variable."""
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ from typing import Optional
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import free_port, REPO
 from tests.recipe_utils import read_jsonl, recipe_in_process, run_in_process, tune_env, weights, write_config
 from torchtune_grpo.runtime import waits
 from torchtune_grpo.workers.channel import AUTHKEY_ENV
@@ -25,12 +24,6 @@ from torchtune_grpo.workers.client import WorkerError
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "entropy", "staleness/max", "generation/logprob_mismatch")
 SECRET = "test-secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -76,7 +69,7 @@ def test_a_worker_on_another_node_gives_the_local_workers_run_and_survives_a_res
     monkeypatch.setenv(AUTHKEY_ENV, SECRET)
     monkeypatch.setattr(waits, "REPORT_EVERY", 1.0)
     run_in_process(_config(tmp_path / "local"))
-    port = _free_port()
+    port = free_port()
     address = {"addresses": [f"127.0.0.1:{port}"]}
     log: list = []
     with worker_server(port, log_dir=tmp_path) as server:
@@ -107,7 +100,7 @@ def test_a_worker_on_another_node_gives_the_local_workers_run_and_survives_a_res
 
 
 def test_worker_addresses_that_cannot_work_stop_the_run_at_setup_naming_the_key(tmp_path, clean_env, one_thread, monkeypatch):
-    port = _free_port()
+    port = free_port()
     cases = [
         ({"addresses": ["localhost"]}, ValueError, r"generation_workers.addresses\[0\]: expected 'host:port'"),
         ({"addresses": ["127.0.0.1:1", "127.0.0.1:2"]}, ValueError,

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import free_port, REPO
 from tests.hf_models import hf_components, make_model_dir
 from tests.recipe_utils import read_jsonl, run_results_script, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
@@ -382,14 +382,8 @@ def test_two_trainer_processes_each_with_its_own_server(tmp_path: Path):
 # ------------------------------------------------------------------------------------- errors, no vLLM
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_listed_address_where_nothing_answers_names_the_key():
-    engine = VLLMServerGenerator(model=str(asset_path("tiny_qwen2_arith")), servers=[f"127.0.0.1:{_free_port()}"],
+    engine = VLLMServerGenerator(model=str(asset_path("tiny_qwen2_arith")), servers=[f"127.0.0.1:{free_port()}"],
                                  startup_timeout=1)
     with pytest.raises(VLLMServerError, match=r"generation\.servers\[0\]: no vLLM server answered at http://127"):
         engine.server

@@ -14,13 +14,13 @@ import logging
 import os
 import re
 import signal
-import socket
 import threading
 from multiprocessing.connection import Listener
 
 import pytest
 from omegaconf import OmegaConf
 
+from tests.conftest import free_port
 from tests.recipe_utils import recipe_in_process, run_in_process, write_config
 from torchtune_grpo.runtime import waits
 from torchtune_grpo.assets import asset_path
@@ -29,12 +29,6 @@ from torchtune_grpo.workers.channel import AUTHKEY_ENV
 from torchtune_grpo.workers.client import WorkerError
 
 SECRET = "test-secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Clock:
@@ -97,7 +91,7 @@ def _log_of(logger_module):
 
 def test_a_listed_server_address_where_nothing_listens_is_named_in_seconds():
     # startup_timeout keeps its default (600 s): a refused connection must not be waited for that long.
-    port = _free_port()
+    port = free_port()
     engine = VLLMServerGenerator(model=str(asset_path("tiny_qwen2_arith")), servers=[f"127.0.0.1:{port}"])
     errors = []
 

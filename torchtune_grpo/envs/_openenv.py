@@ -154,11 +154,10 @@ def local_server(app: str, startup_timeout: float = 60.0) -> str:
         cmd = [sys.executable, "-c", _SERVE, app, str(port)]
         proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + startup_timeout
         report = WaitReport(f"the OpenEnv server for app {app!r} (pid {proc.pid}, log {logfile.name}) to answer "
                             "/health", limit=startup_timeout)
         while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is not None or report.waited > startup_timeout:
                 proc.kill()
                 with open(logfile.name, errors="replace") as f:
                     tail = f.read()[-3000:]

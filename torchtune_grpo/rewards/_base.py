@@ -16,13 +16,13 @@ Per component (YAML keys next to ``_component_``, or attributes of the reward ob
 - ``concurrency``: per-sample calls in flight at once (threads). Default: 1.
 """
 
+import contextlib
 import functools
 import logging
 import math
 import numbers
 import re
-import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -317,27 +317,16 @@ def _opt(value: Any, reward: Any, attr: str, default: Any) -> Any:
     return default if value is None else value
 
 
-class _Watchdog:
-    """Logs, every :data:`~torchtune_grpo.runtime.waits.REPORT_EVERY` seconds, that a reward is still running, so a slow
-    or hung reward is named in the log instead of holding the run silently. A limit shorter than the
-    interval ends the call before a report is due: then it does nothing (a timeout is logged anyway)."""
-
-    def __init__(self, name: str, n: int, limit: Optional[float]) -> None:
-        self.limit = None if limit is None or math.isinf(limit) else float(limit)
-        key = "`timeout: null` in its entry" if self.limit is None else "`timeout` in its entry"
-        self.report = WaitReport(f"reward {name!r} on a batch of {n} completions", limit=self.limit,
-                                 limit_key=key, say=log.warning)
-        self._watch: Optional[Any] = None
-
-    def __enter__(self) -> "_Watchdog":
-        if self.limit is None or self.limit > self.report.every:
-            self._watch = self.report.watch()
-            self._watch.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._watch is not None:
-            self._watch.__exit__(None, None, None)
+def _watchdog(name: str, n: int, limit: Optional[float]) -> ContextManager[Any]:
+    """While the block runs, logs every :data:`~torchtune_grpo.runtime.waits.REPORT_EVERY` seconds that the reward
+    is still running, so a slow or hung reward is named in the log instead of holding the run silently. A limit
+    shorter than the interval ends the call before a report is due: then nothing is watched (a timeout is
+    logged anyway)."""
+    limit = None if limit is None or math.isinf(limit) else float(limit)
+    key = "`timeout: null` in its entry" if limit is None else "`timeout` in its entry"
+    report = WaitReport(f"reward {name!r} on a batch of {n} completions", limit=limit, limit_key=key,
+                        say=log.warning)
+    return report.watch() if limit is None or limit > report.every else contextlib.nullcontext()
 
 
 class RewardSet:
@@ -488,7 +477,7 @@ class RewardSet:
         """Scores of component ``k``: floats, or exceptions for failed samples."""
         reward, name, timeout = self.rewards[k], self.names[k], self.limits[k]
         if not self.per_sample[k]:
-            with _Watchdog(name, n, timeout):
+            with _watchdog(name, n, timeout):
                 out = call_with_timeout(lambda: reward(batch), timeout)
             if out.status != "ok":
                 return [self._timeout_error(k, out.value)] * n
@@ -501,7 +490,7 @@ class RewardSet:
             def one(i: int) -> Any:
                 return _check_scores(name, resolve_awaitable(reward(batch.select([i]))), 1)[0]
 
-        with _Watchdog(name, n, timeout):
+        with _watchdog(name, n, timeout):
             outcomes: List[Outcome] = run_each(one, n, timeout=timeout, concurrency=self.concurrency[k])
         scores = []
         for i, o in enumerate(outcomes):

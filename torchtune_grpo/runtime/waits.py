@@ -44,7 +44,6 @@ class WaitReport:
         self.clock = clock
         self.start = clock()
         self._next = self.start + self.every
-        self.reports = 0
 
     @property
     def waited(self) -> float:
@@ -62,7 +61,6 @@ class WaitReport:
         """Report if ``every`` seconds have passed since the last report (call it in the wait's loop)."""
         now = self.clock()
         if now >= self._next:
-            self.reports += 1
             self.say(self.message())
             # The next report is ``every`` after this one, not after the missed ticks of a long blocking call.
             self._next = now + self.every

@@ -257,7 +257,6 @@ class WorkerRollouts:
 
     def _connect(self) -> ConnectionQueue:
         """A connection to the remote worker, retried for ``connect_timeout`` seconds."""
-        deadline = time.monotonic() + self.connect_timeout
         report = WaitReport(f"the {self.name} to accept a connection", limit=self.connect_timeout,
                             limit_key="generation_workers.connect_timeout")
         while True:
@@ -267,7 +266,7 @@ class WorkerRollouts:
                 raise WorkerError(f"{self.name}: the worker refused the connection ({error}): set the same "
                                   f"{AUTHKEY_ENV} on both sides") from error
             except OSError as error:
-                if time.monotonic() >= deadline:
+                if report.waited >= self.connect_timeout:
                     raise WorkerError(
                         f"{self.name}: nothing accepted a connection for {self.connect_timeout:g} s "
                         f"(generation_workers.connect_timeout; last error: {error}). Start the worker there with "
