@@ -55,7 +55,7 @@ from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpoints.manager import (
     capture_training_state, CheckpointManager, restore_training_state, restored_rollouts,
 )
-from torchtune_grpo.checkpoints.checkpointer_facts import epoch_output_dir
+from torchtune_grpo.checkpoints.checkpointer_facts import epoch_output_dir, instantiate_checkpointer
 from torchtune_grpo.checkpoints.storage import checkpoint_retention, model_files
 from torchtune_grpo.runtime.collectives import Collectives
 from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
@@ -192,8 +192,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         builds base weights + adapters and uses the policy with its adapters off as the reference)."""
         checkpointer = base_checkpointer
         if resume_dir is not None:
-            checkpointer = config.instantiate(
-                cfg.checkpointer, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
+            checkpointer = instantiate_checkpointer(
+                cfg, checkpoint_dir=str(resume_dir), checkpoint_files=model_files(resume_dir)
             )
         policy_state = checkpointer.load_checkpoint()[training.MODEL_KEY]
         source = str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)
@@ -254,7 +254,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         if note and rc_cfg is None:  # rollout_correction is the other answer to the mismatch
             utils.log_rank_zero(log, note)
 
-        models = self.build_models(cfg, config.instantiate(cfg.checkpointer), resume_dir)
+        models = self.build_models(cfg, instantiate_checkpointer(cfg), resume_dir)
         self.model, self._checkpointer = models.policy, models.checkpointer
         reference = models.reference if c.kl_coef > 0 else None
         utils.log_rank_zero(
@@ -382,6 +382,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             loss=loss_fn, advantage=advantage, rewards=rewards, optimizer=self.optimizer,
             lr_schedule=cfg.lr_scheduler._component_ if lr_scheduler is not None else None,
             world_size=self.world_size, precision=self._placement.precision.describe(),
+            policy_model=getattr(self.model, "backend_note", None) or "torchtune TransformerDecoder (built from torchtune's modules)",
             reference_model=reference is not None, reference_description=models.reference_description,
             dynamic_sampling=dynamic.enabled, max_rounds=dynamic.max_rounds, **config_values(c),
             environment=None if multi_turn is None else (

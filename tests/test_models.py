@@ -137,7 +137,7 @@ def _config(directory: Path, **changes) -> Path:
     "arch, changes, names",
     [
         ("qwen3", {"model_type": "qwen3_moe"},
-         ["model_type", "'qwen3_moe'", "mixture-of-experts", "'qwen3'", "'llama'"]),
+         ["model_type", "'qwen3_moe'", "mixture-of-experts"]),
         ("qwen3", {"num_experts": 8}, ["num_experts", "dense models only"]),
         ("qwen3", {"use_sliding_window": True}, ["use_sliding_window"]),
         ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, ["layer_types", "sliding_attention"]),
@@ -151,13 +151,59 @@ def _config(directory: Path, **changes) -> Path:
     ],
 )
 def test_unsupported_config_is_named(arch, changes, names, tmp_path):
+    # Forced onto torchtune's modules, a field they do not build is an error naming it (and the key to change).
     directory = _saved_with(tmp_path / arch, arch, **changes)
     with pytest.raises(ValueError) as err:
-        hf_model(str(directory))
+        hf_model(str(directory), backend="torchtune")
     for name in names:
         assert name in str(err.value), (name, str(err.value))
+    moe_or_quantised = "experts" in str(changes) or "moe" in str(changes) or "quantization" in str(changes)
+    if not moe_or_quantised:
+        assert "model.backend" in str(err.value)
     with pytest.raises(ValueError):  # the checkpointer checks the same config
-        HFCheckpointer(str(directory), str(tmp_path / "out"))
+        HFCheckpointer(str(directory), str(tmp_path / "out"), backend="torchtune")
+
+
+@pytest.mark.parametrize(
+    "arch, changes, backend",
+    [
+        ("qwen3", {}, "torchtune"),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8}, "transformers"),
+        ("qwen2", {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8}, "transformers"),
+        ("llama3", {"hidden_act": "gelu"}, "transformers"),
+        ("llama3", {"attention_bias": True}, "transformers"),
+        ("mistral", {"sliding_window": 8}, "transformers"),  # a window shorter than the context
+        ("mistral", {"sliding_window": 512}, "torchtune"),  # = max_position_embeddings: never bites
+    ],
+)
+def test_auto_backend_is_torchtune_where_it_builds_the_same_model(arch, changes, backend, tmp_path):
+    directory = _saved_with(tmp_path / arch, arch, **changes)
+    model = hf_model(str(directory))
+    assert (type(model).__name__ == "TransformersDecoder") == (backend == "transformers")
+    assert HFCheckpointer(str(directory), str(tmp_path / "out")).backend == backend
+
+
+@pytest.mark.parametrize(
+    "changes, names",
+    [
+        ({"model_type": "qwen3_moe"}, ["qwen3_moe", "mixture-of-experts"]),
+        ({"num_experts": 8}, ["num_experts", "mixture-of-experts"]),
+        ({"quantization_config": {"quant_method": "gptq"}}, ["quantization_config", "gptq"]),
+        ({"is_encoder_decoder": True}, ["encoder-decoder"]),
+    ],
+)
+def test_refused_by_either_backend(changes, names, tmp_path):
+    directory = _saved_with(tmp_path / "m", "qwen3", **changes)
+    for backend in ("auto", "transformers"):
+        with pytest.raises(ValueError) as err:
+            hf_model(str(directory), backend=backend)
+        assert all(n in str(err.value) for n in names), str(err.value)
+
+
+def test_unknown_backend_names_the_key(tmp_path):
+    directory = _saved_with(tmp_path / "m", "qwen3")
+    with pytest.raises(ValueError, match=r"model.backend = 'tensorflow'.*'auto', 'torchtune', 'transformers'"):
+        hf_model(str(directory), backend="tensorflow")
 
 
 def test_hub_style_rope_fields(tmp_path):
@@ -175,11 +221,14 @@ def test_hub_style_rope_fields(tmp_path):
 def test_mistral_sliding_window_bounds_max_seq_len(tmp_path):
     # Attention within a window of 128 equals full attention on sequences of at most 128 tokens: the model
     # is built for exactly those, and asking for more is an error naming the field.
+    # That is the torchtune backend (forced); by default such a directory is transformers' own module, whose
+    # attention applies the window, for any length up to max_position_embeddings.
     directory = _saved_with(tmp_path / "m", "mistral", sliding_window=128)
-    assert hf_model(str(directory)).max_seq_len == 128
-    assert hf_model(str(directory), max_seq_len=64).max_seq_len == 64
+    assert hf_model(str(directory), backend="torchtune").max_seq_len == 128
+    assert hf_model(str(directory), backend="torchtune", max_seq_len=64).max_seq_len == 64
     with pytest.raises(ValueError, match="sliding_window = 128"):
-        hf_model(str(directory), max_seq_len=256)
+        hf_model(str(directory), backend="torchtune", max_seq_len=256)
+    assert hf_model(str(directory)).max_seq_len == 512
 
 
 def test_missing_config_json(tmp_path):

@@ -64,9 +64,14 @@ def test_qwen2_names_only():
     assert all(torch.equal(back[k], hf[k]) for k in hf)
 
 
-def test_unsupported_model_type_is_named():
+def test_unsupported_model_type_is_named_for_torchtune_names_and_hf_names_pass_through():
+    names = TuneToHFNames({**QWEN2, "model_type": "gemma2"})
     with pytest.raises(ValueError, match="model_type 'gemma2'"):
-        TuneToHFNames({**QWEN2, "model_type": "gemma2"})
+        names("layers.0.attn.q_proj.weight", torch.zeros(2, 2))
+    # A transformers policy's parameters already carry Hugging Face's names.
+    w = torch.randn(4, 4)
+    assert names("model.layers.0.self_attn.q_proj.weight", w) == ("model.layers.0.self_attn.q_proj.weight", w)
+    assert names("lm_head.weight", w)[0] == "lm_head.weight"
 
 
 def test_vllm_component_builds_without_vllm_and_validates():

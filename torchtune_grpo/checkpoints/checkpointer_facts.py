@@ -10,7 +10,7 @@ changes one file.
 from pathlib import Path
 from typing import Any, Dict
 
-__all__ = ["epoch_output_dir", "hf_config", "model_type_name"]
+__all__ = ["epoch_output_dir", "hf_config", "instantiate_checkpointer", "model_type_name"]
 
 
 def epoch_output_dir(checkpointer: Any, epoch: int) -> Path:
@@ -26,3 +26,18 @@ def model_type_name(checkpointer: Any) -> str:
 def hf_config(checkpointer: Any) -> Dict[str, Any]:
     """The checkpoint directory's ``config.json``, as the checkpointer read it."""
     return checkpointer._config
+
+
+def instantiate_checkpointer(cfg: Any, **overrides: Any) -> Any:
+    """The config's ``checkpointer`` component, told the policy's ``model.backend`` when it takes one.
+
+    :class:`~torchtune_grpo.models.HFCheckpointer` converts to torchtune's names or keeps transformers' own
+    depending on the backend; forcing ``model.backend`` in the config must reach it too, so the two cannot
+    disagree. Other checkpointers get only ``overrides``.
+    """
+    from torchtune import config as tt_config
+
+    backend = cfg.get("model", {}).get("backend", None) if hasattr(cfg, "get") else None
+    if backend is not None and str(cfg.checkpointer.get("_component_", "")).endswith("HFCheckpointer"):
+        overrides = {"backend": backend, **overrides}
+    return tt_config.instantiate(cfg.checkpointer, **overrides)

@@ -87,6 +87,8 @@ class AlgorithmSpec:
         ppo_mini_batch_shuffle (bool): groups reshuffled across mini-batches before every pass. Default is
             True.
         precision (Optional[str]): the training precision (``Precision.describe()``). Default is None.
+        policy_model (Optional[str]): which module the policy is (torchtune's or transformers' own, and its
+            attention implementation). Default is None.
         max_staleness (Optional[int]): rollouts from generation workers at this bound (docs/async.md); None:
             sampled by the trainer's own weights. Default is None.
         in_flight_updates (bool): generation workers take new weights while they generate (partial rollouts).
@@ -131,6 +133,7 @@ class AlgorithmSpec:
     ppo_mini_batches: int = 1
     ppo_mini_batch_shuffle: bool = True
     precision: Optional[str] = None
+    policy_model: Optional[str] = None
     max_staleness: Optional[int] = None
     in_flight_updates: bool = False
     max_tokens_per_micro_batch: Optional[int] = None
@@ -360,6 +363,8 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         nonfinite = ("skipped (its gradients dropped)" if s.on_nonfinite == "skip"
                      else "never taken: the run stops")
         notes.append(f"- Optimizer: {s.optimizer}{clip}; an optimizer step with a NaN/inf gradient norm is {nonfinite}.")
+    if s.policy_model:
+        notes.append(f"- Policy model: {s.policy_model}.")
     if s.precision:
         notes.append(f"- Precision: {s.precision}.")
     if s.weight_sync:

@@ -14,6 +14,8 @@ from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import check_sampling, sample_tokens
 from torchtune_grpo.generation._session import NativeSession, RowViews
+from torchtune_grpo.generation._transformers import sample_with_generate
+from torchtune_grpo.models import TransformersDecoder
 from torchtune_grpo.models.logprobs import replace_unembed
 
 __all__ = ["NativeGenerator", "can_skip_module_hooks"]  # the latter re-exported (tests)
@@ -229,6 +231,14 @@ class NativeGenerator(GenerationEngine):
         """
         self._check_no_open_session("generate")
         temperature = self.temperature if temperature is None else temperature
+        if isinstance(model, TransformersDecoder):
+            # transformers' own module: its generate() and KV cache (sliding windows, linear-attention state),
+            # on the live weights, as this engine samples with the torchtune model itself.
+            return sample_with_generate(
+                model.causal_lm, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                stop_tokens=stop_tokens, generator=generator, temperature=float(temperature), top_k=self.top_k,
+                top_p=self.top_p,
+            )
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
         # rollout is built after it, and a functional op there turns its tensors into normal ones.
@@ -274,6 +284,8 @@ class NativeGenerator(GenerationEngine):
             RuntimeError: while another session of this engine is open (one KV cache per engine).
         """
         self._check_no_open_session("session")
+        if isinstance(model, TransformersDecoder):
+            return None  # no KV cache kept between turns: each turn re-sends the row's history to generate()
         self._session = NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         return self._session
 

@@ -21,9 +21,9 @@ from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._publisher import full_weights
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
-from torchtune_grpo.models import read_hf_config
+from torchtune_grpo.models import read_hf_config, text_model_config
 
-__all__ = ["TransformersGenerator"]
+__all__ = ["TransformersGenerator", "sample_with_generate"]
 
 
 class TransformersGenerator(GenerationEngine):
@@ -59,9 +59,9 @@ class TransformersGenerator(GenerationEngine):
 
     def _hf_model(self, dtype: torch.dtype, device: torch.device) -> nn.Module:
         if self._hf is None:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM
 
-            config = AutoConfig.from_pretrained(self.model_dir)
+            config = text_model_config(self.model_dir)  # a multimodal directory's language model
             dtype = getattr(torch, self.dtype) if self.dtype else dtype
             self._hf = AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
             self._names = TuneToHFNames(read_hf_config(self.model_dir))
@@ -118,32 +118,75 @@ class TransformersGenerator(GenerationEngine):
         device = next(model.parameters()).device
         hf = self._load(model, device)
         temp = self.temperature if temperature is None else float(temperature)
-        rows = [list(p) for p in prompts for _ in range(group_size)]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-        for i, r in enumerate(rows):  # left padding: every row's last prompt token in the last column
-            ids[i, width - len(r):] = torch.tensor(r, device=device)
-            mask[i, width - len(r):] = 1
-        options: Dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, eos_token_id=list(stop_tokens), pad_token_id=pad_id,
-            do_sample=temp > 0, num_beams=1,
+        return sample_with_generate(
+            hf, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
+            stop_tokens=stop_tokens, generator=generator, temperature=temp, top_k=self.top_k, top_p=self.top_p,
         )
-        if temp > 0:
-            options.update(temperature=temp, top_k=self.top_k or 0, top_p=self.top_p)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item()) if generator is not None else None
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            if seed is not None:
-                torch.manual_seed(seed)
-            out = hf.generate(input_ids=ids, attention_mask=mask, **options)
-        stops = set(int(t) for t in stop_tokens)
-        responses, truncated = [], []
-        for row in out[:, width:].tolist():
-            cut = next((j for j, t in enumerate(row) if t in stops), None)
-            responses.append(row[: cut + 1] if cut is not None else row[:max_new_tokens])
-            truncated.append(cut is None)
-        return Rollout(rows, responses, torch.tensor(truncated, dtype=torch.bool))
 
     def close(self) -> None:
         self._hf = None
+
+
+@torch.no_grad()
+def sample_with_generate(
+    hf: nn.Module,
+    prompts: List[List[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    pad_id: int,
+    stop_tokens: Sequence[int],
+    generator: Optional[torch.Generator],
+    temperature: float,
+    top_k: Optional[int],
+    top_p: float,
+) -> Rollout:
+    """``group_size`` completions of each prompt sampled by transformers' ``generate`` on ``hf``.
+
+    Rows are left-padded (every row's last prompt token in the last column) with an attention mask, so a
+    row's samples do not depend on the other prompts' lengths; transformers' own KV cache (sliding-window and
+    linear-attention state included) serves the decode.
+
+    Args:
+        hf (nn.Module): a transformers causal LM (a copy of the weights, or a transformers policy's own module).
+        prompts (List[List[int]]): prompt token ids.
+        group_size (int): completions per prompt.
+        max_new_tokens (int): the response budget.
+        pad_id (int): the padding id.
+        stop_tokens (Sequence[int]): ids that end a completion (kept as its last token).
+        generator (Optional[torch.Generator]): seeds the sampling (transformers draws from torch's global RNG:
+            a seed drawn from ``generator`` is used inside a forked RNG, so the global stream is left alone).
+        temperature (float): 0 is greedy.
+        top_k (Optional[int]): keep the k most likely tokens; None: all.
+        top_p (float): nucleus sampling mass; 1.0: all.
+
+    Returns:
+        Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]``; no logprobs.
+    """
+    device = next(hf.parameters()).device
+    rows = [list(p) for p in prompts for _ in range(group_size)]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, device=device)
+        mask[i, width - len(r):] = 1
+    options: Dict[str, Any] = dict(
+        max_new_tokens=max_new_tokens, eos_token_id=list(stop_tokens), pad_token_id=pad_id,
+        do_sample=temperature > 0, num_beams=1,
+    )
+    if temperature > 0:
+        options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item()) if generator is not None else None
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = hf.generate(input_ids=ids, attention_mask=mask, **options)
+    stops = set(int(t) for t in stop_tokens)
+    responses, truncated = [], []
+    for row in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        responses.append(row[: cut + 1] if cut is not None else row[:max_new_tokens])
+        truncated.append(cut is None)
+    return Rollout(rows, responses, torch.tensor(truncated, dtype=torch.bool))

@@ -20,6 +20,8 @@ from torchtune_grpo.models import SUPPORTED_MODEL_TYPES, tune_to_hf_param
 
 __all__ = ["TuneToHFNames", "WeightSyncCheck", "WeightSyncError"]
 
+_HF_PREFIXES = ("model.", "lm_head.")  # transformers' causal LMs; no torchtune decoder name starts so
+
 
 class WeightSyncError(RuntimeError):
     """The engine's log-probabilities disagree with the trainer's after a weight sync."""
@@ -35,32 +37,39 @@ class TuneToHFNames:
 
     - ``qwen2`` (Qwen2, Qwen2.5), ``qwen3`` (Qwen3 dense, with its q/k norm weights): names only;
     - ``llama``, ``mistral`` (Llama 2/3/3.1/3.2/3.3, SmolLM2, Mistral): names, and ``q_proj``/``k_proj`` rows
-      permuted back to Hugging Face's rotary layout.
+      permuted back to Hugging Face's rotary layout;
+    - a transformers policy (every other architecture): its names are already Hugging Face's.
 
     Args:
         hf_config (Mapping[str, Any]): the model's Hugging Face ``config.json`` (``model_type``,
             ``num_attention_heads``, ``hidden_size``, optional ``head_dim``).
-
-    Raises:
-        ValueError: for a ``model_type`` without a converter here.
     """
 
     SUPPORTED = tuple(sorted(SUPPORTED_MODEL_TYPES))
 
     def __init__(self, hf_config: Mapping[str, Any]) -> None:
-        model_type = hf_config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"No torchtune -> Hugging Face weight converter for model_type {model_type!r}; "
-                f"supported: {list(self.SUPPORTED)}"
-            )
-        self._rope_order = SUPPORTED_MODEL_TYPES[model_type]
-        self._head_dim = int(
-            hf_config.get("head_dim") or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"])
-        )
+        self._model_type = hf_config.get("model_type")
+        self._rope_order = SUPPORTED_MODEL_TYPES.get(self._model_type)
+        heads = hf_config.get("num_attention_heads")
+        self._head_dim = int(hf_config.get("head_dim") or (int(hf_config["hidden_size"]) // int(heads) if heads else 0))
 
     def __call__(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
-        """``(torchtune name, tensor)`` -> ``(Hugging Face name, tensor)``."""
+        """``(torchtune name, tensor)`` -> ``(Hugging Face name, tensor)``.
+
+        A transformers policy (``model.backend: transformers``) already holds Hugging Face's names
+        (``model.*``, ``lm_head.*``; torchtune's start with ``tok_embeddings``, ``layers``, ``norm``,
+        ``output``): they pass through unchanged.
+
+        Raises:
+            ValueError: a torchtune name for a ``model_type`` without a converter here.
+        """
+        if name.startswith(_HF_PREFIXES):
+            return name, tensor
+        if self._rope_order is None:
+            raise ValueError(
+                f"No torchtune -> Hugging Face weight converter for model_type {self._model_type!r}; "
+                f"supported: {list(self.SUPPORTED)}"
+            )
         return tune_to_hf_param(name, tensor, rope_order=self._rope_order, head_dim=self._head_dim)
 
 

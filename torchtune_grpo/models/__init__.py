@@ -4,10 +4,12 @@
     checkpointer: {_component_: torchtune_grpo.models.HFCheckpointer, checkpoint_dir: DIR, output_dir: ...}
     tokenizer:    {_component_: torchtune_grpo.models.hf_tokenizer, path: DIR}
 
-Supported ``config.json`` ``model_type``: llama (Llama 3.x, SmolLM2, ...), mistral, qwen2 (Qwen2, Qwen2.5) and
-qwen3 (dense). See docs/models.md.
+llama (Llama 3.x, SmolLM2, ...), mistral, qwen2 (Qwen2, Qwen2.5) and qwen3 (dense) are built from torchtune's
+modules; every other causal LM transformers knows (Qwen3.5, Gemma 3/4, OLMo 3, SmolLM3, Phi-3/4, ...) is
+transformers' own module (``model.backend``, :mod:`torchtune_grpo.models._backend`). See docs/models.md.
 """
 
+from torchtune_grpo.models._backend import BACKENDS, Backend, choose_backend
 from torchtune_grpo.models._builder import HeadNormLinear, HeadNormLoRALinear, hf_model, lora_hf_model
 from torchtune_grpo.models._chat_template import ChatTemplateError
 from torchtune_grpo.models._checkpointer import HFCheckpointer, weight_files
@@ -15,8 +17,14 @@ from torchtune_grpo.models._convert import tune_to_hf_param
 from torchtune_grpo.models._padding_idx import drop_pad_input_embedding_grad
 from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
 from torchtune_grpo.models._tokenizer import HFTokenizer, hf_tokenizer
+from torchtune_grpo.models._transformers_policy import TransformersDecoder, TransformersHead, text_model_config
 
 __all__ = [
+    "BACKENDS",
+    "Backend",
+    "TransformersDecoder",
+    "TransformersHead",
+    "choose_backend",
     "ChatTemplateError",
     "HFCheckpointer",
     "HFModelSpec",
@@ -29,6 +37,7 @@ __all__ = [
     "hf_tokenizer",
     "lora_hf_model",
     "read_hf_config",
+    "text_model_config",
     "tune_to_hf_param",
     "weight_files",
 ]

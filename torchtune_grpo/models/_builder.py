@@ -13,6 +13,7 @@ that calls ``q_proj`` (torchtune's attention, this package's cached and shared-p
 """
 
 from functools import partial
+from pathlib import Path
 from typing import List, Optional
 
 import torch
@@ -31,7 +32,9 @@ from torchtune.modules import (
 from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.peft import LoRALinear
 
-from torchtune_grpo.models._spec import HFModelSpec
+from torchtune_grpo.models._backend import choose_backend
+from torchtune_grpo.models._spec import HFModelSpec, read_hf_config
+from torchtune_grpo.models._transformers_policy import build_transformers_decoder, text_model_config
 
 __all__ = ["HeadNormLinear", "HeadNormLoRALinear", "LORA_TARGETS", "hf_model", "lora_hf_model"]
 
@@ -194,25 +197,44 @@ def _check_nf4_sizes(spec: HFModelSpec, targets: List[str], path: str) -> None:
         )
 
 
-def hf_model(path: str, max_seq_len: Optional[int] = None) -> TransformerDecoder:
-    """The torchtune decoder of a Hugging Face model directory (Llama 3.x, SmolLM2, Mistral, Qwen2/2.5, Qwen3).
+def hf_model(
+    path: str, max_seq_len: Optional[int] = None, backend: str = "auto", attn_implementation: Optional[str] = None,
+) -> nn.Module:
+    """The policy module of a Hugging Face model directory, built from torchtune's modules or transformers' own.
 
-    Reads only ``{path}/config.json``; the weights are loaded by :class:`~torchtune_grpo.models.HFCheckpointer`
-    from the same directory. See docs/models.md for the supported architectures.
+    Reads only the directory's ``config.json``; the weights are loaded by
+    :class:`~torchtune_grpo.models.HFCheckpointer` from the same directory. See docs/models.md for which
+    backend serves which architecture.
 
     Args:
         path (str): the model directory (``tune download <repo> --output-dir <path>``).
         max_seq_len (Optional[int]): build for at most this many positions (smaller RoPE and attention
             buffers). Default is None (the config's ``max_position_embeddings``).
+        backend (str): ``"auto"`` (torchtune's modules for Llama 3.x / SmolLM2, Mistral without a window that
+            bites, Qwen2/2.5, Qwen3 dense; transformers' ``AutoModelForCausalLM`` for every other causal LM),
+            ``"torchtune"`` or ``"transformers"``. Default is ``"auto"``.
+        attn_implementation (Optional[str]): the transformers backend's attention (``"sdpa"``, ``"eager"``, ...);
+            None: transformers' default for the family. Default is None.
 
     Returns:
-        TransformerDecoder: the model, randomly initialised.
+        nn.Module: a torchtune ``TransformerDecoder``, or a
+        :class:`~torchtune_grpo.models.TransformersDecoder` (parameters on the meta device).
 
     Raises:
         FileNotFoundError: without ``config.json``.
         ValueError: for an architecture or config field that is not supported (the message names it).
     """
-    return build_decoder(HFModelSpec.from_directory(path, max_seq_len=max_seq_len))
+    hf_config = read_hf_config(path)
+    chosen = choose_backend(hf_config, backend, source=str(Path(path) / "config.json"))
+    if chosen.name == "torchtune":
+        if attn_implementation is not None:
+            raise ValueError("model.attn_implementation is for the transformers backend; this model is built "
+                             f"from torchtune's modules ({chosen.reason})")
+        return build_decoder(HFModelSpec.from_directory(path, max_seq_len=max_seq_len))
+    return build_transformers_decoder(
+        text_model_config(path), max_seq_len=max_seq_len, attn_implementation=attn_implementation,
+        reason=chosen.reason,
+    )
 
 
 def lora_hf_model(

@@ -20,7 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from torchtune_grpo.models._convert import expected_hf_shapes, hf_to_tune, ignorable, tune_to_hf
+from torchtune_grpo.models._backend import choose_backend, text_config
 from torchtune_grpo.models._spec import HFModelSpec, read_hf_config
+from torchtune_grpo.models._transformers_policy import build_transformers_decoder, text_model_config
+from torchtune_grpo.models._transformers_weights import LanguageWeights
 
 __all__ = ["HFArchitecture", "HFCheckpointer", "MODEL_KEY", "weight_files"]
 
@@ -89,6 +92,9 @@ class HFCheckpointer:
             Default is None (found from the index or ``model.safetensors``: see :func:`weight_files`).
         max_shard_size_gib (Optional[float]): split saved weights into shards of about this size with an
             index. Default is None (keep the source directory's sharding).
+        backend (str): the policy's backend, as ``model.backend`` (the recipe passes it): ``"auto"``,
+            ``"torchtune"`` (torchtune names, converted) or ``"transformers"`` (transformers' own names; a
+            multimodal directory's towers carried unchanged into every save). Default is ``"auto"``.
 
     Raises:
         FileNotFoundError: without ``config.json`` or with a missing weight file.
@@ -101,11 +107,17 @@ class HFCheckpointer:
         output_dir: str,
         checkpoint_files: Optional[List[str]] = None,
         max_shard_size_gib: Optional[float] = None,
+        backend: str = "auto",
     ) -> None:
         self._checkpoint_dir = Path(checkpoint_dir)
         self._config: Dict[str, Any] = read_hf_config(self._checkpoint_dir)
-        self._spec = HFModelSpec.from_hf_config(self._config, source=str(self._checkpoint_dir / "config.json"))
-        self._model_type = HFArchitecture(self._spec.model_type)
+        source = str(self._checkpoint_dir / "config.json")
+        self.backend = choose_backend(self._config, backend, source=source).name
+        self._spec: Optional[HFModelSpec] = None
+        self._language: Optional[LanguageWeights] = None
+        if self.backend == "torchtune":
+            self._spec = HFModelSpec.from_hf_config(self._config, source=source)
+        self._model_type = HFArchitecture(text_config(self._config)["model_type"])
         files = list(checkpoint_files) if checkpoint_files else weight_files(self._checkpoint_dir)
         for name in files:
             if not (self._checkpoint_dir / name).is_file():
@@ -121,8 +133,8 @@ class HFCheckpointer:
         self.repo_id = json.loads(repo_id_file.read_text()).get("repo_id") if repo_id_file.is_file() else None
 
     @property
-    def spec(self) -> HFModelSpec:
-        """The architecture read from ``config.json``."""
+    def spec(self) -> Optional[HFModelSpec]:
+        """The architecture read from ``config.json`` (None for the transformers backend)."""
         return self._spec
 
     def load_checkpoint(self) -> Dict[str, Any]:
@@ -135,6 +147,8 @@ class HFCheckpointer:
             ValueError: when a tensor is missing, unexpected, or shaped differently from what ``config.json``
                 describes (the message names the tensor, the file and both shapes).
         """
+        if self.backend == "transformers":
+            return {MODEL_KEY: self._load_language_weights()}
         expected = expected_hf_shapes(self._spec)
         state: Dict[str, torch.Tensor] = {}
         self._weight_map = {}
@@ -186,7 +200,13 @@ class HFCheckpointer:
             raise ValueError("HFCheckpointer.save_checkpoint writes full models; adapters are the recipe's job")
         target = self._output_dir / f"epoch_{epoch}"
         target.mkdir(parents=True, exist_ok=True)
-        hf_state = tune_to_hf(state_dict[MODEL_KEY], self._spec)
+        if self.backend == "transformers":
+            if self._language is None:
+                self._load_language_weights()
+            hf_state = self._language.to_disk(state_dict[MODEL_KEY])
+            self._weight_map = self._language.weight_map
+        else:
+            hf_state = tune_to_hf(state_dict[MODEL_KEY], self._spec)
         shards = self._shards(hf_state)
         for file_name, tensors in shards.items():
             tensors = {k: v.contiguous() for k, v in tensors.items()}
@@ -203,6 +223,19 @@ class HFCheckpointer:
                 shutil.copy2(item, target / item.name)
         log.info("Saved a Hugging Face model directory to %s (%d weight files)", target, len(shards))
         return target
+
+    def _load_language_weights(self) -> Dict[str, torch.Tensor]:
+        """The transformers policy's tensors (names and shapes from its meta-device module)."""
+        policy = build_transformers_decoder(text_model_config(str(self._checkpoint_dir)))
+        expected = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
+        tied = not any(k.endswith("lm_head.weight") for k in expected)
+        self._language = LanguageWeights(self._checkpoint_dir, self._files, expected, tied)
+        state = self._language.load()
+        self._weight_map = dict(self._language.weight_map)
+        if self._language.carried:
+            log.info("%s: %d tensors besides the language model's (vision/audio towers, projector, extra heads) "
+                     "are carried unchanged into every save", self._checkpoint_dir, len(self._language.carried))
+        return state
 
     def _shards(self, hf_state: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, torch.Tensor]]:
         """File name -> tensors: the source's sharding, or new shards of at most ``max_shard_size_gib``."""

@@ -71,6 +71,11 @@ def _projection_weight(project: Callable[[torch.Tensor], torch.Tensor]) -> Optio
         weight = project.weight
     elif type(project).__name__ == "TiedLinear" and hasattr(project, "tied_module"):
         weight = project.tied_module.weight
+    elif callable(getattr(project, "linear_weight", None)):
+        # A head that knows whether it is a plain projection (a transformers policy's: TransformersHead).
+        weight = project.linear_weight()
+        if weight is None:
+            return None
     else:
         return None
     # A sharded (DTensor) weight is only usable inside its FSDP module's forward: stay generic.

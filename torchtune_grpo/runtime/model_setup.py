@@ -94,11 +94,21 @@ def check_max_seq_len(model: nn.Module, max_len: int) -> None:
 
 
 def init_rope(model: nn.Module, device: torch.device) -> None:
-    """Fill the RoPE caches: buffers that meta-device init left empty (in the weights' dtype)."""
+    """Fill the buffers that meta-device init left empty: torchtune's RoPE caches (in the weights' dtype), or
+    the non-persistent buffers a transformers policy computed at construction (RoPE frequencies, embedding
+    scales: :meth:`~torchtune_grpo.models.TransformersDecoder.restore_buffers`)."""
+    if hasattr(model, "restore_buffers"):
+        model.restore_buffers(device)
+        return
     with training.set_default_dtype(next(model.parameters()).dtype), device:
         for m in model.modules():
             if hasattr(m, "rope_init"):
                 m.rope_init()
+
+
+def decoder_layer_classes(model: nn.Module) -> set:
+    """The classes of ``model``'s decoder layers, which activation checkpointing wraps one by one."""
+    return set(getattr(model, "layer_classes", None) or {modules.TransformerSelfAttentionLayer})
 
 
 def build_model(
@@ -129,7 +139,7 @@ def build_model(
     check_max_seq_len(model, max_len)
     check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), state_dict, source)
     if trainable and placement.activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        training.set_activation_checkpointing(model, auto_wrap_policy=decoder_layer_classes(model))
     shard = placement.sharded(mixed)
     if trainable and (note := placement.one_process_note(mixed)):
         utils.log_rank_zero(log, note)
@@ -145,6 +155,8 @@ def build_model(
     else:
         model.load_state_dict(state_dict, strict=True)
     training.validate_no_params_on_meta_device(model)
+    if trainable and (note := getattr(model, "backend_note", None)):
+        utils.log_rank_zero(log, f"Model: {note}")
     if not trainable:
         model.eval()
         model.requires_grad_(False)
