@@ -235,7 +235,7 @@ class NativeGenerator(GenerationEngine):
             # transformers' own module: its generate() and KV cache (sliding windows, linear-attention state),
             # on the live weights, as this engine samples with the torchtune model itself.
             return sample_with_generate(
-                model.causal_lm, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
                 stop_tokens=stop_tokens, generator=generator, temperature=float(temperature), top_k=self.top_k,
                 top_p=self.top_p,
             )

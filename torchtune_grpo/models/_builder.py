@@ -34,6 +34,7 @@ from torchtune.modules.peft import LoRALinear
 
 from torchtune_grpo.models._backend import choose_backend
 from torchtune_grpo.models._spec import HFModelSpec, read_hf_config
+from torchtune_grpo.models._transformers_lora import add_lora
 from torchtune_grpo.models._transformers_policy import build_transformers_decoder, text_model_config
 
 __all__ = ["HeadNormLinear", "HeadNormLoRALinear", "LORA_TARGETS", "hf_model", "lora_hf_model"]
@@ -247,7 +248,9 @@ def lora_hf_model(
     lora_dropout: float = 0.0,
     quantize_base: bool = False,
     max_seq_len: Optional[int] = None,
-) -> TransformerDecoder:
+    backend: str = "auto",
+    attn_implementation: Optional[str] = None,
+) -> nn.Module:
     """:func:`hf_model` with LoRA adapters (Hu et al. 2021, arXiv:2106.09685), for the LoRA recipe.
 
     Args:
@@ -264,14 +267,35 @@ def lora_hf_model(
             dequantised (torchtune's QLoRA builders do the same). NF4 quantises blocks of 64 values in groups
             of 256 blocks, so each adapted weight's size must be a multiple of 16,384. Default is False.
         max_seq_len (Optional[int]): as in :func:`hf_model`. Default is None.
+        backend (str): as in :func:`hf_model`. With transformers' module, ``lora_attn_modules`` and the MLP
+            targets map to the family's own layers (``o_proj``, ``gate_proj``, a fused ``qkv_proj``, ...), or
+            name them directly (:mod:`~torchtune_grpo.models._transformers_lora`). Default is ``"auto"``.
+        attn_implementation (Optional[str]): as in :func:`hf_model`. Default is None.
 
     Returns:
-        TransformerDecoder: the model with ``LoRALinear`` layers.
+        nn.Module: the model with ``LoRALinear`` layers.
 
     Raises:
         ValueError: for an unknown module name, an adapted weight NF4 cannot quantise (with
             ``quantize_base``; the message names it), or as :func:`hf_model`.
     """
+    hf_config = read_hf_config(path)
+    chosen = choose_backend(hf_config, backend, source=str(Path(path) / "config.json"))
+    if chosen.name == "transformers":
+        model = build_transformers_decoder(
+            text_model_config(path), max_seq_len=max_seq_len, attn_implementation=attn_implementation,
+            reason=chosen.reason,
+        )
+        targets = list(lora_attn_modules) + (["w1", "w2", "w3"] if apply_lora_to_mlp else [])
+        targets += ["output"] if apply_lora_to_output else []
+        add_lora(model, targets, rank=int(lora_rank), alpha=float(lora_alpha), dropout=float(lora_dropout),
+                 quantize_base=bool(quantize_base))
+        if quantize_base:
+            model.register_state_dict_post_hook(partial(
+                reparametrize_as_dtype_state_dict_post_hook, dtype=model.tok_embeddings.weight.dtype,
+                offload_to_cpu=True,
+            ))
+        return model
     unknown = sorted(set(lora_attn_modules) - set(LORA_ATTN_TARGETS))
     if unknown:
         raise ValueError(f"lora_attn_modules: unknown {unknown}; choose from {list(LORA_ATTN_TARGETS)}")

@@ -141,6 +141,7 @@ class TransformersDecoder(nn.Module):
         self.config = causal_lm.config
         self.backend_note = backend_note
         self._buffer_values = buffers
+        self._root_initialised = False
 
     @property
     def base(self) -> nn.Module:
@@ -161,6 +162,23 @@ class TransformersDecoder(nn.Module):
     def layer_classes(self) -> Set[type]:
         """The decoder layers' classes (what activation checkpointing wraps)."""
         return {type(getattr(layer, "_checkpoint_wrapped_module", layer)) for layer in self.layers}
+
+    def sampler(self) -> nn.Module:
+        """The causal LM itself, for transformers' ``generate`` on the live weights.
+
+        ``generate`` calls the causal LM's forward, not this module's. FSDP2 decides which module is the root
+        at the first forward: run one 1-token forward through this module first, so that the decoder layers
+        are not taken for roots themselves (FSDP2 then refuses every later forward through this one).
+        """
+        if not self._root_initialised:
+            from torch.distributed.fsdp import FSDPModule
+
+            if isinstance(self, FSDPModule):
+                device = self.tok_embeddings.weight.device
+                with torch.no_grad():
+                    self(torch.zeros(1, 1, dtype=torch.long, device=device))
+            self._root_initialised = True
+        return self.causal_lm
 
     def restore_buffers(self, device: torch.device) -> None:
         """Put the non-persistent buffers computed at construction on ``device`` (after meta-device init)."""

@@ -22,6 +22,7 @@ from torchtune.models import convert_weights
 from torchtune.modules.peft import LoRALinear
 
 from torchtune_grpo.models import HeadNormLoRALinear
+from torchtune_grpo.models._transformers_lora import peft_names
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -209,6 +210,17 @@ def save_adapter(
     if model_type.upper() in _NO_PEFT:
         return written
     text_config = hf_config.get("text_config", hf_config)
+    if any(key.startswith(("model.", "lm_head.")) for key in adapter_state):
+        # A transformers policy: its names are already Hugging Face's (models/_transformers_lora.py).
+        save_file({k: v.contiguous() for k, v in peft_names(adapter_state).items()}, directory / ADAPTER_PEFT_FILE,
+                  metadata={"format": "pt"})
+        config = {"r": hparams.rank, "lora_alpha": hparams.alpha, "target_modules": list(hparams.target_modules),
+                  "peft_type": "LORA", "task_type": "CAUSAL_LM", "bias": "none", "lora_dropout": 0.0}
+        if base_model_name_or_path:
+            config["base_model_name_or_path"] = base_model_name_or_path
+        with open(directory / ADAPTER_CONFIG_FILE, "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        return written + [directory / ADAPTER_PEFT_FILE, directory / ADAPTER_CONFIG_FILE]
     weights = peft_adapter_weights(
         adapter_state,
         model_type=model_type,

@@ -10,11 +10,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
-from torchtune import config, modules, training, utils
+from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, LoRALinear, set_trainable_params
 
 from torchtune_grpo.models.lora import LoRAHyperparams, load_nf4_base_weights, lora_hyperparams, nf4_parameters
-from torchtune_grpo.runtime.model_setup import check_max_seq_len, check_state_dict_shapes, init_rope, Placement
+from torchtune_grpo.runtime.model_setup import (
+    check_max_seq_len, check_state_dict_shapes, decoder_layer_classes, init_rope, Placement,
+)
 
 __all__ = ["build_lora_model"]
 
@@ -52,7 +54,7 @@ def build_lora_model(
     adapter_names = set(get_adapter_params(model))
     set_trainable_params(model, adapter_names)
     if placement.activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+        training.set_activation_checkpointing(model, auto_wrap_policy=decoder_layer_classes(model))
     nf4 = frozenset(p for _, p in nf4_parameters(model))
     placement.shard(model, ignored_params=nf4)
     # NF4 weights first: model.state_dict() (used by every load below) dequantizes them through a torchtune
