@@ -40,16 +40,16 @@ import torch
 from tests import family_templates as T
 
 __all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config", "layer_kinds",
-           "make_family_dir", "make_tokenizer", "peakedness", "sharpen"]
+           "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens", "sharpen"]
 
 WINDOW = 6
 PEAKED_MIN = 0.6
-# peakedness() of each fixture (seed 0) on tests/test_hf_families.py's 32-token sequence, fp32 eager attention
+# peakedness() of each fixture (seed 0) on probe_tokens(32), fp32 eager attention
 # (2-core AVX-512 Xeon, transformers 5.19). Uniform attention would give 1/(t + 1) = 0.03-0.11 over the
 # 9-32 visible keys of full layers and 1/6 = 0.17 in the 6-token windows.
-MEASURED_PEAKEDNESS = {"qwen3_5_text": 0.792, "gemma3_text": 0.896, "gemma4_text": 0.976, "olmo3": 0.885,
-                       "smollm3": 0.667, "phi3": 0.657, "mistral": 0.794, "ministral3": 0.698, "llama": 0.676,
-                       "qwen3": 0.852}
+MEASURED_PEAKEDNESS = {"qwen3_5_text": 0.813, "gemma3_text": 0.866, "gemma4_text": 0.974, "olmo3": 0.881,
+                       "smollm3": 0.670, "phi3": 0.673, "mistral": 0.772, "ministral3": 0.693, "llama": 0.698,
+                       "qwen3": 0.841}
 VOCAB = 512
 _SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
@@ -303,6 +303,12 @@ def layer_kinds(model: torch.nn.Module) -> set:
     if config.model_type == "smollm3":
         kinds.discard("full_attention")
     return kinds
+
+
+def probe_tokens(length: int = 32) -> torch.Tensor:
+    """``[1, length]`` random ids of plain BPE tokens (no specials), seed 0: the sequence the measured values
+    of this module are taken on."""
+    return torch.randint(0, 470, (1, length), generator=torch.Generator().manual_seed(0))
 
 
 def peakedness(model: torch.nn.Module, tokens: torch.Tensor, start: int = 8) -> float:
