@@ -17,7 +17,7 @@ What every fixture has:
   attention temperature past 16 positions (ministral3), fused qkv/gate_up with partial rotary (phi3);
 - windows of ``WINDOW`` = 6 tokens and YaRN's original length 16: shorter than the >= 24-token sequences of
   the tests, so a window (or a scaling) applied wrongly changes the numbers;
-- hidden 64, 4 heads of 16 (2 KV heads), intermediate 128, vocab 512 (>= the tokenizer's 480 + specials),
+- hidden 128, 4 heads of 32 (2 KV heads), intermediate 256, vocab 512 (>= the tokenizer's 480 + specials),
   2 to 4 layers; every weight random (norms and biases too, as :func:`tests.hf_models.randomize`);
 - peaked attention: the query/key gains are raised (q/k norm weights where the family has them, else the
   q/k projections) so that the mean, over query positions >= 8 of a 32-token random sequence, every
@@ -47,12 +47,14 @@ PEAKED_MIN = 0.6
 # peakedness() of each fixture (seed 0) on probe_tokens(32), fp32 eager attention
 # (2-core AVX-512 Xeon, transformers 5.19). Uniform attention would give 1/(t + 1) = 0.03-0.11 over the
 # 9-32 visible keys of full layers and 1/6 = 0.17 in the 6-token windows.
-MEASURED_PEAKEDNESS = {"qwen3_5_text": 0.813, "gemma3_text": 0.866, "gemma4_text": 0.974, "olmo3": 0.881,
-                       "smollm3": 0.670, "phi3": 0.673, "mistral": 0.772, "ministral3": 0.693, "llama": 0.698,
-                       "qwen3": 0.841}
+MEASURED_PEAKEDNESS = {"qwen3_5_text": 0.859, "gemma3_text": 0.914, "gemma4_text": 0.978, "olmo3": 0.877,
+                       "smollm3": 0.830, "phi3": 0.830, "mistral": 0.888, "ministral3": 0.833, "llama": 0.825,
+                       "qwen3": 0.859}
 VOCAB = 512
-_SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+# head_dim 32: the smallest vLLM's CPU attention runs (it supports 32, 64, 80, ..., 512); hidden 128 and
+# intermediate 256 keep q/o and MLP weights NF4-quantisable (multiples of 64 x 256 elements).
+_SIZES = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=256)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ FAMILIES: Dict[str, Family] = {
     "qwen3_5_text": Family(
         "qwen3_5_text",
         dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
-             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
              tie_word_embeddings=True,
              rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
         T.QWEN3_5, T.CHATML + T.QWEN_VISION, eos="<|im_end|>", pad="<|endoftext|>",
@@ -108,7 +110,7 @@ FAMILIES: Dict[str, Family] = {
         "gemma4_text",
         dict(num_hidden_layers=4, sliding_window=WINDOW, final_logit_softcapping=30.0,
              layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-             global_head_dim=32, num_kv_shared_layers=2, use_double_wide_mlp=True,
+             global_head_dim=64, num_kv_shared_layers=2, use_double_wide_mlp=True,
              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16,
              rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
                                   full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
@@ -241,7 +243,7 @@ def sharpen(model: torch.nn.Module, family: str, seed: int = 0) -> torch.nn.Modu
     return model
 
 
-def make_family_dir(family: str, directory, *, seed: int = 0) -> Path:
+def make_family_dir(family: str, directory, *, seed: int = 0, **overrides) -> Path:
     """Write ``family``'s tiny random checkpoint (config, fp32 safetensors, tokenizer, chat template) to
     ``directory`` (created if needed). The same ``seed`` gives byte-identical files.
 
@@ -249,6 +251,7 @@ def make_family_dir(family: str, directory, *, seed: int = 0) -> Path:
         family (str): a key of :data:`FAMILIES`.
         directory: where to write.
         seed (int): the weights' seed. Default is 0.
+        **overrides: config fields to change (e.g. ``num_key_value_heads=4`` for NF4-quantisable k/v).
 
     Returns:
         Path: ``directory``.
@@ -260,7 +263,7 @@ def make_family_dir(family: str, directory, *, seed: int = 0) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(family_config(family, **overrides), dtype=torch.float32)
     sharpen(randomize(model, seed), family, seed)
     model.save_pretrained(directory)
     write_tokenizer_files(family, directory)

@@ -78,7 +78,7 @@ def multimodal_config(family: str, **text_overrides):
     i = make_tokenizer(text_family).token_to_id
     if family == "qwen3_5":
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
-                      temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16)
+                      temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=16)
         return AutoConfig.for_model(
             "qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
             image_token_id=i("<|image_pad|>"), video_token_id=i("<|video_pad|>"),

@@ -73,7 +73,7 @@ def test_window_changes_the_last_positions_only(family, dirs, tokens):
     # entries differ), so equal up to a few ulp of the logits (SDPA may block the masked rows differently).
     assert torch.allclose(narrow[:WINDOW], wide[:WINDOW], rtol=0, atol=ulps(wide[:WINDOW], 16))
     # The last position attends to 6 of its 32 keys in the window: with peaked attention its logits move by
-    # more than their own scale (measured 1.15-1.74 x max|logit|), far above any rounding.
+    # more than their own scale (measured 1.17-1.61 x max|logit|), far above any rounding.
     assert (narrow[-1] - wide[-1]).abs().max() > 0.5 * wide[-1].abs().max()
 
 
@@ -81,7 +81,7 @@ def test_nope_layers_and_llama4_temperature_bite(dirs, tokens):
     # SmolLM3: the 4th layer has no RoPE; giving it RoPE changes the numbers.
     base = _logits(_load(dirs["smollm3"]), tokens)
     roped = _logits(_load(dirs["smollm3"], no_rope_layers=[1, 1, 1, 1]), tokens)
-    assert (base - roped).abs().max() > 0.1 * base.abs().max()  # measured 0.41 x max|logit|
+    assert (base - roped).abs().max() > 0.1 * base.abs().max()  # measured 0.39 x max|logit|
     # Ministral 3: queries are scaled by 1 + beta * log(1 + floor(pos / 16)): positions < 16 are unchanged
     # without it, later ones move.
     model = _load(dirs["ministral3"])
@@ -89,7 +89,7 @@ def test_nope_layers_and_llama4_temperature_bite(dirs, tokens):
     base = _logits(model, tokens)
     flat = _logits(_load(dirs["ministral3"], rope_parameters={**rope, "llama_4_scaling_beta": 0.0}), tokens)
     assert torch.allclose(base[:16], flat[:16], rtol=0, atol=ulps(base[:16], 16))  # same ops (scale factor 1)
-    assert (base[16:] - flat[16:]).abs().max() > 0.02 * base.abs().max()  # measured 0.08 x max|logit|
+    assert (base[16:] - flat[16:]).abs().max() > 0.02 * base.abs().max()  # measured 0.11 x max|logit|
 
 
 def test_tokenizers_and_chat_templates_are_each_familys(dirs):
