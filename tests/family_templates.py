@@ -137,6 +137,6 @@ GEMMA4_MEDIA = ["<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio>", "<
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
 
-__all__ = ["CHATML", "GEMMA", "GEMMA3", "GEMMA3_VISION", "GEMMA4", "GEMMA4_MEDIA", "GEMMA4_SPECIALS", "LLAMA3", "LLAMA3_2",
-           "MINISTRAL3", "MISTRAL", "MISTRAL_SPECIALS", "OLMO3", "PHI3", "QWEN3", "QWEN3_5", "QWEN_VISION",
-           "SMOLLM3"]
+__all__ = ["CHATML", "GEMMA", "GEMMA3", "GEMMA3_VISION", "GEMMA4", "GEMMA4_MEDIA", "GEMMA4_SPECIALS", "LLAMA3",
+           "LLAMA3_2", "MINISTRAL3", "MISTRAL", "MISTRAL_SPECIALS", "OLMO3", "PHI3", "QWEN3", "QWEN3_5",
+           "QWEN_VISION", "SMOLLM3"]

@@ -39,8 +39,9 @@ import torch
 
 from tests import family_templates as T
 
-__all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config", "layer_kinds",
-           "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens", "sharpen"]
+__all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
+           "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens", "sharpen",
+           "write_tokenizer_files"]
 
 WINDOW = 6
 PEAKED_MIN = 0.6
