@@ -20,7 +20,7 @@ from tests.hf_families import (
     peakedness,
     probe_tokens,
 )
-from tests.hf_multimodal import LANGUAGE_PREFIX, MULTIMODAL_FAMILIES, language_state_dict, make_multimodal_dir
+from tests.hf_multimodal import MULTIMODAL_FAMILIES, TEXT_FAMILY, language_state_dict, make_multimodal_dir
 from tests.tolerances import ulps
 
 SLIDING = ("gemma3_text", "gemma4_text", "olmo3", "mistral")
@@ -162,6 +162,10 @@ def test_multimodal_names_on_disk_and_in_memory(family, tmp_path, tokens):
         index = json.loads((directory / "model.safetensors.index.json").read_text())
         assert len(files) > 1 and set(index["weight_map"]) == disk
 
+    from torchtune_grpo.models import hf_tokenizer
+
+    assert hf_tokenizer(str(directory)).render([{"role": "user", "content": "Hi"}]) == hf_tokenizer(
+        str(make_family_dir(TEXT_FAMILY[family], tmp_path / "text"))).render([{"role": "user", "content": "Hi"}])
     full = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
     causal = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     assert type(causal).__name__ == CAUSAL_LM_CLASS[family]
