@@ -289,14 +289,19 @@ def write_tokenizer_files(family: str, directory: Path) -> None:
 
 
 def layer_kinds(model: torch.nn.Module) -> set:
-    """The layer kinds a loaded transformers model really has, read off its config and modules."""
+    """The layer kinds a loaded transformers model really has, read off its modules (Mistral's window, which
+    its attention modules do not hold, off its config)."""
     config = model.config.get_text_config()
-    kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if getattr(config, "sliding_window", None) and config.model_type == "mistral":
-        kinds = {"sliding_attention"}
+    kinds = set()
     for layer in model.model.layers:
         attn = getattr(layer, "self_attn", None)
-        if hasattr(attn, "use_rope"):
+        if hasattr(layer, "linear_attn"):
+            kinds.add("linear_attention")
+        elif getattr(attn, "sliding_window", None) or (config.model_type == "mistral" and config.sliding_window):
+            kinds.add("sliding_attention")
+        elif not hasattr(attn, "use_rope"):
+            kinds.add("full_attention")
+        if hasattr(attn, "use_rope"):  # SmolLM3: RoPE or NoPE per layer
             kinds.add("rope" if attn.use_rope else "nope")
         if hasattr(attn, "is_kv_shared_layer"):
             kinds.add("kv_shared" if attn.is_kv_shared_layer else "own_kv")
@@ -304,8 +309,6 @@ def layer_kinds(model: torch.nn.Module) -> set:
             kinds.add("per_layer_input")
         if getattr(layer.mlp, "intermediate_size", config.intermediate_size) > config.intermediate_size:
             kinds.add("double_wide_mlp")
-    if config.model_type == "smollm3":
-        kinds.discard("full_attention")
     return kinds
 
 
