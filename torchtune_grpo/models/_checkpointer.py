@@ -226,7 +226,8 @@ class HFCheckpointer:
 
     def _load_language_weights(self) -> Dict[str, torch.Tensor]:
         """The transformers policy's tensors (names and shapes from its meta-device module)."""
-        policy = build_transformers_decoder(text_model_config(str(self._checkpoint_dir)))
+        with torch.device("meta"):  # names and shapes only
+            policy = build_transformers_decoder(text_model_config(str(self._checkpoint_dir)))
         expected = {k: tuple(v.shape) for k, v in policy.state_dict().items()}
         tied = not any(k.endswith("lm_head.weight") for k in expected)
         self._language = LanguageWeights(self._checkpoint_dir, self._files, expected, tied)

@@ -217,7 +217,7 @@ def build_transformers_decoder(
     config: Any, *, max_seq_len: Optional[int] = None, attn_implementation: Optional[str] = None,
     dtype: Optional[torch.dtype] = None, reason: str = "",
 ) -> TransformersDecoder:
-    """transformers' causal LM for ``config``, parameters on the meta device, buffers computed.
+    """transformers' causal LM for ``config`` behind :class:`TransformersDecoder`'s interface.
 
     Args:
         config (Any): a transformers ``PretrainedConfig`` of a causal LM (a multimodal checkpoint's text config).
@@ -228,7 +228,8 @@ def build_transformers_decoder(
         reason (str): why this backend, for the note.
 
     Returns:
-        TransformersDecoder: the model, parameters on the meta device (to be loaded).
+        TransformersDecoder: the model; under a meta default device (as the recipes build models) its parameters
+        are on the meta device (to be loaded), else on the default device, randomly initialised.
 
     Raises:
         ValueError: when ``max_seq_len`` exceeds ``max_position_embeddings``.
@@ -240,15 +241,19 @@ def build_transformers_decoder(
     if max_seq_len is not None and max_seq_len > positions:
         raise ValueError(f"max_seq_len = {max_seq_len} exceeds the model's max_position_embeddings = {positions}")
     dtype = dtype or torch.get_default_dtype()
-    # Parameters on the meta device (loaded later, each rank its shards), buffers computed on the CPU: RoPE
-    # frequencies and embedding scales are not in the checkpoint and must be the model's own.
-    with torch.device("cpu"), init_empty_weights(include_buffers=False):
-        kwargs = {"dtype": dtype}
-        if attn_implementation is not None:
-            kwargs["attn_implementation"] = attn_implementation
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if torch.get_default_device().type == "meta":
+        # Built under the recipes' meta device: parameters on the meta device (loaded later, each rank its
+        # shards), buffers computed on the CPU: RoPE frequencies and embedding scales are not in the checkpoint
+        # and must be the model's own.
+        with torch.device("cpu"), init_empty_weights(include_buffers=False):
+            causal_lm = AutoModelForCausalLM.from_config(config, **kwargs)
+        # accelerate's meta parameters replace the tied head's shared parameter by a copy: tie again.
+        causal_lm.tie_weights()
+    else:  # a usable model on the default device, randomly initialised (as torchtune's builders give)
         causal_lm = AutoModelForCausalLM.from_config(config, **kwargs)
-    # accelerate's meta parameters replace the tied head's shared parameter by a copy: tie again.
-    causal_lm.tie_weights()
     persistent = set(causal_lm.state_dict().keys())
     buffers = {name: b.detach().clone() for name, b in causal_lm.named_buffers() if name not in persistent}
     attention = getattr(causal_lm.config, "_attn_implementation", None) or attn_implementation or "default"

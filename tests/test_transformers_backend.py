@@ -1,0 +1,271 @@
+"""transformers' own module as the policy, for every 2026 family (tiny checkpoints from tests/hf_families.py with
+peaked attention and 6-token windows, shorter than the 24-32-token sequences here):
+
+- per-token logprobs and entropies through the recipe's chunked head equal transformers' own
+  ``log_softmax(model(...).logits)``;
+- two GRPO steps through the recipe (native engine: transformers' generate on the live module) move the weights,
+  and the step directory loads in transformers with our model's logits; the same with LoRA (PEFT adapter = merged);
+- multimodal-on-disk checkpoints (Qwen3.5, Gemma 3, Gemma 4) train their language model and carry every other
+  tensor byte for byte;
+- resume equals the uninterrupted run.
+
+One and two processes, micro-batches and token budgets: tests/test_models_architectures.py (the same launch as
+the torchtune architectures).
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors import safe_open
+
+from tests.conftest import REPO
+from tests.hf_families import make_family_dir
+from tests.hf_models import hf_components
+from tests.hf_multimodal import LANGUAGE_PREFIX, make_multimodal_dir
+from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
+from tests.tolerances import ulps
+from torchtune_grpo.models import HFCheckpointer, TransformersDecoder, hf_model
+from torchtune_grpo.models.logprobs import sequence_logprobs
+from torchtune_grpo.runtime.model_setup import build_model, Placement
+from torchtune_grpo.runtime.precision import Precision
+
+TEXT_FAMILIES = ["qwen3_5_text", "gemma3_text", "gemma4_text", "olmo3", "smollm3", "phi3", "mistral", "ministral3"]
+TWO_STEPS = dict(max_steps=2, save_every_n_steps=2, lr_scheduler=None, **{"optimizer.lr": 1e-3})
+LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
+FP32 = Placement(device=torch.device("cpu"), world_size=1, precision=Precision.from_name("fp32"))
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory):
+    made = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = make_family_dir(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
+
+
+def _tokens(lengths=(32, 24, 28), pad_id: int = 0) -> torch.Tensor:
+    """Right-padded rows of random ids (a batch as the recipe trains it)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.full((len(lengths), max(lengths)), pad_id, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        rows[i, :n] = torch.randint(0, 480, (n,), generator=gen)
+    return rows
+
+
+def _policy(directory: Path, tmp_path: Path) -> torch.nn.Module:
+    """The policy as the recipe builds it: meta-device init, buffers restored, weights by HFCheckpointer."""
+    state = HFCheckpointer(str(directory), str(tmp_path / "scratch")).load_checkpoint()["model"]
+    cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_model", "path": str(directory)})
+    return build_model(cfg, state, FP32, trainable=False, source=str(directory), max_len=64)
+
+
+def _hf(directory: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_logprobs_equal_transformers_own(family, family_dir, tmp_path):
+    directory = family_dir(family)
+    policy = _policy(directory, tmp_path)
+    assert isinstance(policy, TransformersDecoder)
+    tokens, lengths = _tokens(), (32, 24, 28)
+    out = sequence_logprobs(policy, tokens, with_entropy=True, chunk_size=16)  # several chunks
+    with torch.no_grad():
+        logits = _hf(directory)(tokens).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    expected = logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)[:, :-1]
+    # The decoder is the same transformers code on the same weights and rows: its hidden states agree bit for bit
+    # but for the matmul blocking of [B*L, D] rows against [B, L, D]. What differs is the head: a logsumexp by
+    # chunks (max, sum of exp, log) against torch's fused log_softmax over V = 512, and the entropy as
+    # lse - sum p z against -sum p log p; each a few ulp of the logsumexp (|lse| < 16 here, 1 ulp 9.5e-7). Bound:
+    # 1e-5 (about 10 ulp), the issue's.
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(out.logprobs[i, : n - 1], expected[i, : n - 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.entropy[i, : n - 1], entropy[i, : n - 1], atol=1e-5, rtol=0)
+
+
+def test_head_post_processing_is_read_from_the_model(family_dir, tmp_path):
+    # A Gemma with final-logit soft-capping (Gemma 2's, which Gemma 3/4 configs may set): the head is the model's
+    # own forward (the generic chunked path), and the logprobs are those of the capped logits. Phi-3's head is a
+    # plain projection, found so bit for bit, and takes the fused kernel.
+    capped_dir = make_family_dir("gemma3_text", tmp_path / "capped", final_logit_softcapping=2.0)
+    capped, phi = _policy(capped_dir, tmp_path / "c"), _policy(family_dir("phi3"), tmp_path / "p")
+    tokens = _tokens()
+    out = sequence_logprobs(capped, tokens, chunk_size=16)
+    sequence_logprobs(phi, tokens)
+    assert capped.output.linear_weight() is None
+    assert phi.output.linear_weight() is phi.lm_head.weight
+    with torch.no_grad():
+        logits = _hf(capped_dir)(tokens).logits.float()
+    assert logits.abs().max() <= 2.0  # capped: the cap 2.0 really bites (uncapped logits reach ~10)
+    expected = torch.log_softmax(logits, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    # As test_logprobs_equal_transformers_own (here |lse| < 8): bound 1e-5.
+    for i, n in enumerate((32, 24, 28)):
+        torch.testing.assert_close(out.logprobs[i, : n - 1], expected[i, : n - 1], atol=1e-5, rtol=0)
+
+
+def _check_step_directory(src: Path, step_dir: Path, tmp_path: Path) -> None:
+    """Weights moved; transformers loads the step directory with our model's logits; tokenizer files came along."""
+    start, end = weights(src), weights(step_dir)
+    assert start.keys() == end.keys()
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-4
+    tokens = _tokens((24,))
+    with torch.no_grad():
+        ours = _policy(step_dir, tmp_path)(tokens)
+        theirs = _hf(step_dir)(tokens).logits
+    # The same transformers modules on the same weights, our [B*L] head against theirs: a few ulp of logits |z| < 16
+    # (1 ulp 9.5e-7). Bound: 1e-5.
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (step_dir / name).read_bytes() == (src / name).read_bytes(), name
+
+
+def _rows(run_dir: Path):
+    return [r for r in read_jsonl(run_dir / "out" / "metrics.jsonl") if "loss" in r]
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_two_grpo_steps_and_the_step_directory(family, family_dir, tmp_path, clean_env, one_thread):
+    src = family_dir(family)
+    log = []
+    run_in_process(write_config(tmp_path, **hf_components(src), **TWO_STEPS), log=log)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    _check_step_directory(src, tmp_path / "out" / "step_2", tmp_path)
+    card = (tmp_path / "out" / "algorithm_card.md").read_text()
+    assert "Policy model: transformers" in card and "(attention: sdpa)" in card
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_lora_adapter_loads_in_peft_and_equals_the_merged_model(family, family_dir, tmp_path, clean_env, one_thread):
+    from peft import PeftModel
+
+    src = family_dir(family)
+    components = hf_components(src)
+    components["model"] = {
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+        "lora_rank": 4, "lora_alpha": 8,
+    }
+    run_in_process(write_config(tmp_path, base=LORA_CONFIG, **components, **TWO_STEPS), lora=True)
+    step = tmp_path / "out" / "step_2"
+    _check_step_directory(src, step / "merged", tmp_path)
+    # PEFT loads the adapter (names, target modules, scale) onto the base and merges it as we did: W + (alpha / r) B A.
+    merged_by_peft = PeftModel.from_pretrained(_hf(src), step).merge_and_unload().state_dict()
+    ours, base = weights(step / "merged"), weights(src)
+    changed = 0
+    for key, value in ours.items():
+        if key not in merged_by_peft:  # a tied head, saved as the embedding only
+            continue
+        # B A is a rank-4 dot product per element (<= 4 roundings of |B A| <= |W'|), then the scale and the sum with W
+        # (one rounding each): <= 6 ulp of the tensor's largest value in any order. Bound: 8 ulp.
+        torch.testing.assert_close(merged_by_peft[key], value, atol=ulps(value, 8), rtol=0, msg=key)
+        changed += not torch.equal(value, base[key])
+    assert changed >= 2  # the adapters trained (B started at zero)
+
+
+def test_qlora_on_a_transformers_policy(family_dir, tmp_path, clean_env, one_thread):
+    # NF4 base weights (torchao) in the adapted layers of Phi-3's fused qkv_proj / gate_up_proj; the merged model is
+    # the NF4 base + adapters, so it differs from the source by the quantisation error.
+    src = family_dir("phi3")
+    components = hf_components(src)
+    components["model"] = {
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "output_proj"], "lora_rank": 4, "lora_alpha": 8, "quantize_base": True,
+    }
+    log = []
+    run_in_process(write_config(tmp_path, base=LORA_CONFIG, **components, **TWO_STEPS), lora=True, log=log)
+    line = next(line for line in log if "with NF4 base weights (QLoRA)" in line)
+    assert "'qkv_proj'" in line and "'o_proj'" in line and "gate_up_proj" not in line
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+    adapter = torch.load(tmp_path / "out" / "step_2" / "adapter_model.pt", weights_only=True)
+    assert {k.rsplit(".", 3)[-3] for k in adapter} == {"qkv_proj", "o_proj"}
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
+
+
+def test_lora_target_the_family_lacks_is_named(family_dir):
+    with pytest.raises(ValueError, match=r"LoRA target 'x_proj'.*its linear layers are \[.*'qkv_proj'"):
+        with torch.device("meta"):
+            from torchtune_grpo.models import lora_hf_model
+
+            lora_hf_model(str(family_dir("phi3")), lora_attn_modules=["x_proj"])
+
+
+def test_shared_prompt_layout_falls_back_to_rows_with_a_note(family_dir, tmp_path, clean_env, one_thread):
+    src = family_dir("gemma3_text")
+    log = []
+    run_in_process(write_config(tmp_path, **hf_components(src), **{**TWO_STEPS, "max_steps": 1,
+                                                                    "save_every_n_steps": 1}), log=log)
+    assert any("one row per sequence" in line and "TransformersDecoder" in line for line in log)
+    (tmp_path / "x").mkdir()
+    with pytest.raises(ValueError, match="share_prompt_in_training"):
+        run_in_process(write_config(tmp_path / "x", **hf_components(src), share_prompt_in_training=True,
+                                    **TWO_STEPS))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3", "gemma4"])
+def test_multimodal_checkpoint_trains_its_language_model_and_carries_the_rest(family, tmp_path, clean_env,
+                                                                              one_thread):
+    from transformers import AutoModelForImageTextToText
+
+    # Qwen3.5 sharded with an index, as the real checkpoints are.
+    src = make_multimodal_dir(family, tmp_path / family, max_shard_size="200KB" if family == "qwen3_5" else None)
+    run_in_process(write_config(tmp_path, **hf_components(src), **TWO_STEPS))
+    step = tmp_path / "out" / "step_2"
+    start, end = weights(src), weights(step)
+    assert start.keys() == end.keys()  # every tensor, under the checkpoint's own names (mtp.* included)
+    prefix = LANGUAGE_PREFIX[family]
+    carried = [k for k in start if not k.startswith(prefix) and k != "lm_head.weight"]
+    assert carried and any("vision" in k or "visual" in k for k in carried)
+    for key in carried:
+        assert start[key].dtype == end[key].dtype and torch.equal(start[key], end[key]), key
+    moved = max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(prefix))
+    assert moved > 1e-4
+    assert (step / "model.safetensors.index.json").is_file() == (src / "model.safetensors.index.json").is_file()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (step / name).read_bytes() == (src / name).read_bytes(), name
+    # The step directory loads in the original multimodal class, with the trained language model in it.
+    full = AutoModelForImageTextToText.from_pretrained(step, dtype=torch.float32).eval()
+    tokens = _tokens((24,))
+    with torch.no_grad():
+        theirs = full(input_ids=tokens).logits
+        ours = _policy(step, tmp_path)(tokens)
+    # As in _check_step_directory: the same modules on the same weights. Bound 1e-5.
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_resume_equals_the_uninterrupted_run(family_dir, tmp_path, clean_env, one_thread):
+    # Qwen3.5 (linear-attention state, an untied head, the generic weights path): 3 steps straight against
+    # 2 steps, then a resumed run to step 3. Exact: the same operations on the same numbers.
+    src = family_dir("qwen3_5_text")
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    straight = write_config(tmp_path / "a", **hf_components(src), max_steps=3, save_every_n_steps=3,
+                            lr_scheduler=None, **{"optimizer.lr": 1e-3})
+    run_in_process(straight)
+    first = write_config(tmp_path / "b", **hf_components(src), max_steps=2, save_every_n_steps=2, lr_scheduler=None,
+                         **{"optimizer.lr": 1e-3})
+    run_in_process(first)
+    resumed = write_config(tmp_path / "b", **hf_components(src), max_steps=3, save_every_n_steps=3, lr_scheduler=None,
+                           resume_from_checkpoint=True, **{"optimizer.lr": 1e-3})
+    run_in_process(resumed)
+    a, b = weights(tmp_path / "a" / "out" / "step_3"), weights(tmp_path / "b" / "out" / "step_3")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["loss"] for r in _rows(tmp_path / "a")][2] == [r["loss"] for r in _rows(tmp_path / "b")][-1]
+
+
+def test_hf_model_standalone_is_a_usable_random_model(family_dir):
+    # Outside the recipes' meta device, hf_model gives real parameters, as torchtune's builders do.
+    model = hf_model(str(family_dir("olmo3")))
+    assert next(model.parameters()).device.type == "cpu"
+    with torch.no_grad():
+        assert torch.isfinite(model(_tokens((8,)))).all()
