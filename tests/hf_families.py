@@ -244,7 +244,7 @@ def sharpen(model: torch.nn.Module, family: str, seed: int = 0) -> torch.nn.Modu
     return model
 
 
-def make_family_dir(family: str, directory, *, seed: int = 0, **overrides) -> Path:
+def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = True, **overrides) -> Path:
     """Write ``family``'s tiny random checkpoint (config, fp32 safetensors, tokenizer, chat template) to
     ``directory`` (created if needed). The same ``seed`` gives byte-identical files.
 
@@ -252,6 +252,9 @@ def make_family_dir(family: str, directory, *, seed: int = 0, **overrides) -> Pa
         family (str): a key of :data:`FAMILIES`.
         directory: where to write.
         seed (int): the weights' seed. Default is 0.
+        peaked (bool): sharpen the attention (:func:`sharpen`). False: plain random weights, for tests that compare
+            a model with itself computed in another grouping, where peaked softmaxes only amplify rounding.
+            Default is True.
         **overrides: config fields to change (e.g. ``num_key_value_heads=4`` for NF4-quantisable k/v).
 
     Returns:
@@ -265,7 +268,9 @@ def make_family_dir(family: str, directory, *, seed: int = 0, **overrides) -> Pa
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(family_config(family, **overrides), dtype=torch.float32)
-    sharpen(randomize(model, seed), family, seed)
+    randomize(model, seed)
+    if peaked:
+        sharpen(model, family, seed)
     model.save_pretrained(directory)
     write_tokenizer_files(family, directory)
     return directory

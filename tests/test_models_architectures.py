@@ -3,7 +3,8 @@
 - two steps on one process with the native engine; the step directory loads in transformers with our
   model's logits (Qwen3 also runs through `tune run` in test_models_recipe.py);
 - two steps on two processes (FSDP2) for every architecture in ONE two-process launch, each equal to the same
-  global batch on one process.
+  global batch on one process; in the same launch, two transformers-backend families (one and two processes, and
+  micro-batches from a token budget).
 """
 
 import math
@@ -15,9 +16,11 @@ from typing import List, NamedTuple, Optional
 import pytest
 import torch
 
+from tests.hf_families import make_family_dir
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
 from tests.conftest import free_port, REPO
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
+from tests.tolerances import ulps
 from tests.test_models_recipe import TWO_STEPS, check_trained_directory
 
 
@@ -93,6 +96,9 @@ def _rank_main(rank: int, runs: List[_Run], store_port: int) -> None:
 
 
 LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
+# Families trained as transformers' own module: Gemma 3 (sliding + global layers, scaled embeddings, tied), Qwen3.5
+# (Gated DeltaNet linear attention + gated full attention, untied).
+TRANSFORMERS_FAMILIES = ("gemma3_text", "qwen3_5_text")
 QLORA_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4, head_dim=32)  # NF4 blocks
 
 
@@ -118,6 +124,16 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "lora_rank": 4, "lora_alpha": 8, "quantize_base": True,
     }, base=LORA_CONFIG)
     runs.append(_Run(two_processes=str(qlora), lora=True))
+    # transformers' own modules (model.backend: auto on these families): FSDP2 per decoder layer on two processes
+    # equals one process, and so does a two-process run whose micro-batches come from a token budget.
+    for family in TRANSFORMERS_FAMILIES:
+        # Plain random weights: the runs compare the model with itself summed in another grouping; peaked attention
+        # (the equality tests' fixtures) would amplify rounding near softmax transitions past the bound below.
+        src = make_family_dir(family, tmp_path / family / "model", peaked=False)
+        one, two = (_split_config(tmp_path / family / name, src, size) for name, size in (("one", 4), ("two", 2)))
+        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+        budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
+        runs.append(_Run(two_processes=str(budget)))
     # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
     # raises with the traceback of a rank that failed and stops the other).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
@@ -145,6 +161,25 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
                 assert m2[key] == pytest.approx(m1[key], abs=1e-5), (arch, m1["step"], key)
         # What rank 0 saved from the two-process run is a Hugging Face model with our model's logits.
         check_trained_directory(src, two / "out" / "step_2", tmp_path / arch)
+
+    for family in TRANSFORMERS_FAMILIES:
+        src, one = tmp_path / family / "model", tmp_path / family / "one"
+        expected, start = weights(one / "out" / "step_2"), weights(src)
+        assert max((expected[k] - start[k]).abs().max().item() for k in start) > 1e-3, family
+        for run in ("two", "budget"):
+            got = weights(tmp_path / family / run / "out" / "step_2")
+            assert got.keys() == expected.keys(), (family, run)
+            # As for the torchtune architectures above (the same sums regrouped by micro-batch and rank). Bound 1e-5.
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{family} {run} {key}: {m}")
+            rows = [read_jsonl(r / "out" / "metrics.jsonl") for r in (one, tmp_path / family / run)]
+            for m1, m2 in zip(*rows):
+                for key in ("loss", "kl", "reward/mean"):
+                    # As above, but these models' step-2 KL reaches ~4 (the first SGD step moves them far): each
+                    # token's k3 = e^d - d - 1 carries d's few-ulp rounding (logits regrouped by micro-batch shape)
+                    # times e^d (d up to ~3), ~20x: 64 ulp of the value, or 1e-5 at O(1).
+                    bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
+                    assert m2[key] == pytest.approx(m1[key], abs=bound), (family, run, m1["step"], key)
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]

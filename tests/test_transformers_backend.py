@@ -201,12 +201,18 @@ def test_lora_target_the_family_lacks_is_named(family_dir):
             lora_hf_model(str(family_dir("phi3")), lora_attn_modules=["x_proj"])
 
 
-def test_shared_prompt_layout_falls_back_to_rows_with_a_note(family_dir, tmp_path, clean_env, one_thread):
+def test_shared_prompt_and_packed_layouts_fall_back_to_rows_with_a_note(family_dir, tmp_path, clean_env, one_thread):
     src = family_dir("gemma3_text")
     log = []
     run_in_process(write_config(tmp_path, **hf_components(src), **{**TWO_STEPS, "max_steps": 1,
                                                                     "save_every_n_steps": 1}), log=log)
     assert any("one row per sequence" in line and "TransformersDecoder" in line for line in log)
+    log.clear()
+    (tmp_path / "p").mkdir()
+    run_in_process(write_config(tmp_path / "p", **hf_components(src), share_prompt_in_training=False,
+                                pack_sequences_in_training=True, **{**TWO_STEPS, "max_steps": 1,
+                                                                    "save_every_n_steps": 1}), log=log)
+    assert any("pack_sequences_in_training: not used" in line and "TransformersDecoder" in line for line in log)
     (tmp_path / "x").mkdir()
     with pytest.raises(ValueError, match="share_prompt_in_training"):
         run_in_process(write_config(tmp_path / "x", **hf_components(src), share_prompt_in_training=True,

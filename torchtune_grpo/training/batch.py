@@ -584,6 +584,12 @@ def training_layout(
     shared, note = _shared_layout(
         model, share_prompt, explicit, max_prompt_length, max_response_length, group_size, micro_batch_size
     )
+    if pack and not shared and (reason := shared_prompt_unsupported(model)) is not None:
+        # Packed rows run through the same attention replacement as shared prompts (per-sequence positions and a
+        # block mask): a model without it trains one row per sequence, the same results unpacked.
+        note = (note + " " if note else "") + (
+            f"pack_sequences_in_training: not used, because {reason}; one row per sequence (the same results)."
+        )
     if pack and shared:
         note = (note + " " if note else "") + (
             "pack_sequences_in_training: not used, prompts are shared (share_prompt_in_training); packed rows "
