@@ -275,3 +275,46 @@ def test_hf_model_standalone_is_a_usable_random_model(family_dir):
     assert next(model.parameters()).device.type == "cpu"
     with torch.no_grad():
         assert torch.isfinite(model(_tokens((8,)))).all()
+
+
+def test_generation_worker_serves_a_transformers_policy(family_dir, tmp_path, clean_env, one_thread):
+    # The worker process builds the same policy from the config (transformers' module) and samples with its
+    # generate(); one step off (max_staleness 1), weights sent back each step.
+    src = family_dir("gemma3_text")
+    run_in_process(write_config(tmp_path, **hf_components(src), **TWO_STEPS,
+                                generation_workers={"enabled": True, "max_staleness": 1}))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    _check_step_directory(src, tmp_path / "out" / "step_2", tmp_path)
+
+
+def test_multi_turn_tool_episodes_train_a_transformers_policy(family_dir, tmp_path, clean_env, one_thread):
+    # Tool-calling episodes (scripted engine, calculator environment): environment tokens masked out of the loss
+    # of a Qwen3.5 policy exactly as of a torchtune one.
+    from tests.test_multiturn_recipe import assert_scripted_episodes, multi_turn_config
+
+    # The tool template's system message is long: a context of 1,024 positions.
+    components = hf_components(make_family_dir("qwen3_5_text", tmp_path / "model", max_position_embeddings=1024))
+    for key in ("tokenizer", "dataset.prompt_style", "dataset.system_prompt"):  # the tool template's tokenizer
+        components.pop(key)
+    run_in_process(multi_turn_config(tmp_path, **components, **TWO_STEPS))
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert_scripted_episodes(rows)
+
+
+def test_native_engine_samples_a_transformers_policy_turn_by_turn(family_dir, tmp_path):
+    # No KV cache kept between turns (session() is None: each turn re-sends the history to generate()); generate()
+    # gives every row its prompt, a response cut after its first stop token, and the same samples for the same seed.
+    from torchtune_grpo.generation import NativeGenerator
+
+    policy = _policy(family_dir("smollm3"), tmp_path)
+    engine = NativeGenerator(temperature=1.0)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    assert engine.session(policy, prompts, group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[3]) is None
+    runs = [engine.generate(policy, prompts, group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[3],
+                            generator=torch.Generator().manual_seed(1)) for _ in range(2)]
+    assert runs[0].prompt_ids == [[5, 6, 7, 8]] * 2 + [[9, 10]] * 2
+    assert runs[0].response_ids == runs[1].response_ids
+    for response, truncated in zip(runs[0].response_ids, runs[0].truncated.tolist()):
+        assert 1 <= len(response) <= 8 and (truncated or response[-1] == 3) and 3 not in response[:-1]
