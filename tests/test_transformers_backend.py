@@ -318,3 +318,17 @@ def test_native_engine_samples_a_transformers_policy_turn_by_turn(family_dir, tm
     assert runs[0].response_ids == runs[1].response_ids
     for response, truncated in zip(runs[0].response_ids, runs[0].truncated.tolist()):
         assert 1 <= len(response) <= 8 and (truncated or response[-1] == 3) and 3 not in response[:-1]
+
+
+def test_bf16_with_fp32_masters_on_a_transformers_policy(family_dir, tmp_path, clean_env, one_thread):
+    # dtype: bf16 in the full recipe: FSDP2's mixed precision (decoder layers in bf16, the head in fp32, fp32
+    # master weights and AdamW state), on transformers' modules as on torchtune's.
+    src = family_dir("olmo3")
+    log = []
+    run_in_process(write_config(tmp_path, **hf_components(src), **TWO_STEPS, dtype="bf16"), log=log)
+    assert any("One process: training the FSDP2-wrapped model (dtype: bf16, mixed precision)" in line for line in log)
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    saved = weights(tmp_path / "out" / "step_2")
+    assert all(t.dtype == torch.float32 for t in saved.values())  # the fp32 masters
+    assert "bf16" in (tmp_path / "out" / "algorithm_card.md").read_text()

@@ -52,6 +52,11 @@ class _StubBase(nn.Module):
         return _HiddenStatesOnly(self.hidden)
 
 
+def _input_in_weight_dtype(module: nn.Module, args: tuple) -> tuple:
+    hidden, *rest = args
+    return (hidden.to(module.weight.dtype), *rest)
+
+
 class _TiedHead(nn.Module):
     """The output projection of a tied model: the input embedding's weight, not a parameter of its own."""
 
@@ -128,6 +133,10 @@ class TransformersDecoder(nn.Module):
         head = causal_lm.get_output_embeddings()
         if head is not None and getattr(head, "weight", None) is embedding.weight:
             causal_lm.set_output_embeddings(_TiedHead(embedding))
+        # With FSDP2 mixed precision the root (embeddings, final norm, head) keeps fp32 parameters while the
+        # decoder layers hand it bf16: the head takes its input in its weight's dtype (in training the final-norm
+        # hook already did; transformers' generate() calls the head directly).
+        causal_lm.get_output_embeddings().register_forward_pre_hook(_input_in_weight_dtype)
         for name, child in causal_lm.named_children():
             if name in ("norm", "output"):
                 raise ValueError(f"{type(causal_lm).__name__} has a child module named {name!r}, which this wrapper uses")
