@@ -150,3 +150,21 @@ def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path):
     assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # sampled by older weights
+
+
+def test_transformers_policy_with_vllm_every_sync_checks_out(tmp_path: Path):
+    # Gemma 3 (sliding and global layers, soft-capped-capable head, tied) trained as transformers' own module:
+    # its parameters already carry the names vLLM loads, and each sync passes the check at fp32 rounding.
+    from tests.hf_families import make_family_dir
+
+    src = make_family_dir("gemma3_text", tmp_path / "gemma3")
+    config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3})
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation engine started, weights synced and checked" in output
+    assert "transformers Gemma3ForCausalLM" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # as test_recipe_trains_with_vllm_and_every_sync_checks_out
+        assert r["generation/sync_logprob_diff"] < 1e-4 and r["generation/logprob_mismatch"] < 1e-4, r
+    start, end = weights(src), weights(tmp_path / "out" / "step_3")
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3
