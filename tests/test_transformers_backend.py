@@ -332,3 +332,26 @@ def test_bf16_with_fp32_masters_on_a_transformers_policy(family_dir, tmp_path, c
     saved = weights(tmp_path / "out" / "step_2")
     assert all(t.dtype == torch.float32 for t in saved.values())  # the fp32 masters
     assert "bf16" in (tmp_path / "out" / "algorithm_card.md").read_text()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "gemma4_text"])
+def test_activation_checkpointing_wraps_the_family_layers_and_changes_nothing(family, family_dir, tmp_path,
+                                                                              clean_env, one_thread):
+    # Each decoder layer (transformers' own class, found on the model) recomputed in backward: the same
+    # operations on the same numbers, so the same weights bit for bit.
+    src = family_dir(family)
+    for name, on in (("off", False), ("on", True)):
+        (tmp_path / name).mkdir()
+        log = []
+        run_in_process(write_config(tmp_path / name, **hf_components(src), **TWO_STEPS,
+                                    enable_activation_checkpointing=on), log=log)
+    a, b = weights(tmp_path / "off" / "out" / "step_2"), weights(tmp_path / "on" / "out" / "step_2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # ... and it really recomputed: every decoder layer is wrapped.
+    import dataclasses
+
+    state = HFCheckpointer(str(src), str(tmp_path / "scratch")).load_checkpoint()["model"]
+    cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_model", "path": str(src)})
+    policy = build_model(cfg, state, dataclasses.replace(FP32, activation_checkpointing=True), trainable=True,
+                         source=str(src), max_len=64)
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in policy.layers)
