@@ -51,7 +51,7 @@ def make_dir(family: str, directory: Path) -> Path:
 
     from tests.hf_models import randomize
 
-    sizes = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    sizes = dict(vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                  max_position_embeddings=256, num_hidden_layers=2, bos_token_id=None, eos_token_id=482,
                  pad_token_id=480)
     if family == "qwen3_moe":
@@ -71,8 +71,26 @@ def make_dir(family: str, directory: Path) -> Path:
 
 
 def _last_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return (text[-1] if text else type(exc).__name__)[:300]
+    lines = [ln.strip() for ln in f"{type(exc).__name__}: {exc}".splitlines()
+             if ln.strip() and not ln.strip().startswith("For further information")]
+    return (lines[-1] if lines else type(exc).__name__)[:300]
+
+
+def _import_error(architecture: str) -> str:
+    """Why vLLM's module for ``architecture`` does not import ("" if it does): vLLM only says the class
+    "failed to be inspected"."""
+    import importlib
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    module = getattr(ModelRegistry.models.get(architecture), "module_name", None)
+    if module is None:
+        return f"{architecture} is not in vLLM's registry"
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # the cause, e.g. a missing optional package
+        return f"importing {module}: {_last_line(exc)}"
+    return ""
 
 
 def child(family: str, directory: Path) -> dict:
@@ -99,14 +117,28 @@ def child(family: str, directory: Path) -> dict:
             logits = model(torch.tensor([probe])).logits[0].double()
         return logits.log_softmax(-1)[:-1].gather(-1, torch.tensor(probe[1:])[:, None])[:, 0]  # [31]
 
+    # Both transformers references first: vLLM's Transformers backend (Olmo3, SmolLM3) patches transformers'
+    # modules in this process once it has started.
+    perturbed_dir = directory.parent / (directory.name + "_perturbed")
+    shutil.copytree(directory, perturbed_dir, dirs_exist_ok=True)
+    noise = torch.Generator().manual_seed(1)
+    tensors = {}
+    for file in sorted(perturbed_dir.glob("*.safetensors")):
+        shard = {k: v + 0.01 * torch.randn(v.shape, generator=noise) if v.is_floating_point() else v
+                 for k, v in load_file(file).items()}
+        save_file(shard, file, metadata={"format": "pt"})
+        tensors.update(shard)
+    ref, ref_after = reference(directory), reference(perturbed_dir)
+
     from vllm import LLM, SamplingParams
 
     kwargs = dict(model=str(directory), skip_tokenizer_init=True, dtype="float32", seed=0, enforce_eager=True,
                   max_model_len=256, kv_cache_memory_bytes=128 * 2**20, enable_chunked_prefill=False,
                   max_num_batched_tokens=8192, generation_config="vllm")
-    if family == "qwen3_moe":
-        kwargs["enable_return_routed_experts"] = True
     attempts = [{}]
+    if family == "qwen3_moe":  # routed experts need the V2 model runner; without them if that fails
+        attempts = [{"enable_return_routed_experts": True}, {}]
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if family in MULTIMODAL_FAMILIES:
         attempts = [{"language_model_only": True},
                     {"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}}]
@@ -114,12 +146,15 @@ def child(family: str, directory: Path) -> dict:
     for extra in attempts:
         try:
             llm = LLM(**kwargs, **extra)
-            row["text_only_by"] = ", ".join(f"{k}={v}" for k, v in extra.items())
+            row["engine_args"] = ", ".join(f"{k}={v}" for k, v in extra.items())
+            row["failed_first"] = errors
             break
         except Exception as exc:  # record why and try the next way
             errors.append(_last_line(exc))
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     if llm is None:
-        row["error"] = " / ".join(errors)
+        cause = _import_error(row["architecture"])
+        row["error"] = " / ".join(errors + ([cause] if cause else []))
         return row
     row["loads"] = True
 
@@ -137,28 +172,19 @@ def child(family: str, directory: Path) -> dict:
             routed = getattr(out.outputs[0], "routed_experts", None)
             row["routed_experts"] = None if routed is None else list(getattr(routed, "shape", [len(routed)]))
         before = vllm_logprobs()
-        ref = reference(directory)
         row["logprob_diff"] = float((before - ref).abs().max())
+        # positions 1-15: before YaRN's original length (16) and any 6-token window matter
+        row["logprob_diff_first15"] = float((before - ref)[:15].abs().max())
     except Exception as exc:
         row["error"] = _last_line(exc)
         return row
 
     try:  # the weight sync: every on-disk tensor, perturbed, under its on-disk name
-        perturbed_dir = directory.parent / (directory.name + "_perturbed")
-        shutil.copytree(directory, perturbed_dir, dirs_exist_ok=True)
-        noise = torch.Generator().manual_seed(1)
-        tensors = {}
-        for file in sorted(perturbed_dir.glob("*.safetensors")):
-            shard = {k: v + 0.01 * torch.randn(v.shape, generator=noise) if v.is_floating_point() else v
-                     for k, v in load_file(file).items()}
-            save_file(shard, file, metadata={"format": "pt"})
-            tensors.update(shard)
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items()),
                                                      "is_checkpoint_format": True})
         llm.apply_model(reprocess_tied_lm_head)
         llm.reset_prefix_cache()
         after = vllm_logprobs()
-        ref_after = reference(perturbed_dir)
         diff_after = float((after - ref_after).abs().max())
         moved = float((after - before).abs().max())
         row["load_weights_diff"] = diff_after
@@ -183,8 +209,11 @@ def table(rows) -> str:
         if r.get("load_weights_diff") is not None:
             lw += f" ({r['load_weights_diff']:.1e})"
         notes = [r.get("error", "")]
-        if r.get("text_only_by"):
-            notes.insert(0, f"text-only via {r['text_only_by']}")
+        if r.get("logprob_diff_first15") is not None and r["logprob_diff"] > 1e-4:
+            notes.insert(0, f"positions 1-15: max abs diff {r['logprob_diff_first15']:.1e}")
+        notes[:0] = [f"first tried and failed: {e}" for e in r.get("failed_first", [])]
+        if r.get("engine_args"):
+            notes.insert(0, f"started with {r['engine_args']}")
         if "routed_experts" in r:
             notes.insert(0, f"routed_experts: {r['routed_experts']}")
         note = "; ".join(n for n in notes if n).replace("|", "\\|")
