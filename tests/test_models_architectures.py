@@ -134,6 +134,14 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         runs.append(_Run(two_processes=str(two), one_process=str(one)))
         budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
         runs.append(_Run(two_processes=str(budget)))
+    # LoRA on transformers' own module, two processes (adapters sharded with their decoder layer).
+    lora_src = make_family_dir("gemma3_text", tmp_path / "lora_gemma3" / "model", peaked=False)
+    lora = _split_config(tmp_path / "lora_gemma3" / "two", lora_src, 2, model={
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
+        "lora_rank": 4, "lora_alpha": 8,
+    }, base=LORA_CONFIG)
+    runs.append(_Run(two_processes=str(lora), lora=True))
     # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
     # raises with the traceback of a rank that failed and stops the other).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
@@ -180,6 +188,13 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
                     # times e^d (d up to ~3), ~20x: 64 ulp of the value, or 1e-5 at O(1).
                     bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
                     assert m2[key] == pytest.approx(m1[key], abs=bound), (family, run, m1["step"], key)
+
+    lora_step = tmp_path / "lora_gemma3" / "two" / "out" / "step_2"
+    adapter = torch.load(lora_step / "adapter_model.pt", weights_only=True)
+    assert adapter and all(k.startswith("model.layers.") for k in adapter)  # transformers' names
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
+    merged, base = weights(lora_step / "merged"), weights(tmp_path / "lora_gemma3" / "model")
+    assert merged.keys() == base.keys() and any(not torch.equal(merged[k], base[k]) for k in base)
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]
