@@ -50,3 +50,71 @@ TORCHTUNE_BUILDERS = {
     "Llama-3.2-1B-Instruct": "torchtune.models.llama3_2.llama3_2_1b",
     "Llama-3.2-3B-Instruct": "torchtune.models.llama3_2.llama3_2_3b",
 }
+
+
+# The 2026 families (transformers backend). Their shape fields as published (Hugging Face model cards and
+# config.json copies; docs/models.md names the sources), nested as on disk for the checkpoints that are
+# multimodal there (Qwen3.5, Gemma 3 4B, Gemma 4: the language model's fields in ``text_config``; the towers'
+# configs are transformers' defaults here, since only the language model is built from them). RoPE scalings
+# that change no shape are left out (OLMo 3's YaRN on its full-attention layers, Phi-4-mini's LongRoPE factors).
+def _layers(pattern, n):
+    return [pattern[i % len(pattern)] for i in range(n)]
+
+
+def _qwen3_5(hidden, layers, intermediate, heads, kv_heads, linear_k_heads, linear_v_heads, tied):
+    text = dict(model_type="qwen3_5_text", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, vocab_size=248320,
+                linear_num_key_heads=linear_k_heads, linear_num_value_heads=linear_v_heads, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                layer_types=_layers(["linear_attention"] * 3 + ["full_attention"], layers),
+                max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu", attn_output_gate=True,
+                rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25))
+    return dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=text,
+                tie_word_embeddings=tied)
+
+
+_GEMMA_ROPE = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0))
+FAMILY_HUB_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "Qwen3.5-0.8B": _qwen3_5(1024, 24, 3584, 8, 2, 16, 16, tied=True),
+    "Qwen3.5-2B": _qwen3_5(2048, 24, 6144, 8, 2, 16, 16, tied=True),
+    "Qwen3.5-4B": _qwen3_5(2560, 32, 9216, 16, 4, 16, 32, tied=True),
+    "Qwen3.5-9B": _qwen3_5(4096, 32, 12288, 16, 4, 16, 32, tied=False),
+    "gemma-3-1b-it": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152, num_hidden_layers=26,
+        intermediate_size=6912, num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+        sliding_window=512, layer_types=_layers(["sliding_attention"] * 5 + ["full_attention"], 26),
+        max_position_embeddings=32768, query_pre_attn_scalar=256, tie_word_embeddings=True,
+        rope_parameters=dict(_GEMMA_ROPE, full_attention=dict(rope_type="default", rope_theta=1000000.0))),
+    "gemma-3-4b-it": dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], text_config=dict(
+        model_type="gemma3_text", hidden_size=2560, num_hidden_layers=34, intermediate_size=10240,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024,
+        layer_types=_layers(["sliding_attention"] * 5 + ["full_attention"], 34), max_position_embeddings=131072,
+        query_pre_attn_scalar=256,
+        rope_parameters=dict(_GEMMA_ROPE, full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0))),
+        tie_word_embeddings=True),
+    "gemma-4-E2B-it": dict(model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], text_config=dict(
+        model_type="gemma4_text", hidden_size=1536, num_hidden_layers=35, intermediate_size=6144,
+        num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,
+        vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256, sliding_window=512,
+        layer_types=_layers(["sliding_attention"] * 4 + ["full_attention"], 35), num_kv_shared_layers=20,
+        use_double_wide_mlp=True, max_position_embeddings=131072, final_logit_softcapping=30.0,
+        rope_parameters=dict(_GEMMA_ROPE, full_attention=dict(rope_type="proportional", partial_rotary_factor=0.25,
+                                                              rope_theta=1000000.0))),
+        tie_word_embeddings=True),
+    "Olmo-3-7B-Instruct": dict(
+        model_type="olmo3", architectures=["Olmo3ForCausalLM"], hidden_size=4096, num_hidden_layers=32,
+        intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32, vocab_size=100278,
+        sliding_window=4096, layer_types=_layers(["sliding_attention"] * 3 + ["full_attention"], 32),
+        max_position_embeddings=65536, tie_word_embeddings=False, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="default", rope_theta=500000)),
+    "SmolLM3-3B": dict(
+        model_type="smollm3", architectures=["SmolLM3ForCausalLM"], hidden_size=2048, num_hidden_layers=36,
+        intermediate_size=11008, num_attention_heads=16, num_key_value_heads=4, vocab_size=128256,
+        max_position_embeddings=65536, tie_word_embeddings=True, no_rope_layer_interval=4,
+        rope_parameters=dict(rope_type="default", rope_theta=5000000.0)),
+    "Phi-4-mini-instruct": dict(
+        model_type="phi3", architectures=["Phi3ForCausalLM"], hidden_size=3072, num_hidden_layers=32,
+        intermediate_size=8192, num_attention_heads=24, num_key_value_heads=8, vocab_size=200064,
+        max_position_embeddings=131072, original_max_position_embeddings=4096, tie_word_embeddings=True,
+        partial_rotary_factor=0.75, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+}

@@ -169,20 +169,28 @@ def test_format_reward_matches_prompt_style(path: Path):
             assert spec.get("think_in_prompt", True) == (style == "r1"), (style, spec)
 
 
-@pytest.mark.parametrize("name", REAL_CONFIGS)
-def test_real_config(name: str, tmp_path: Path):
-    cfg = _load(name)
+def assert_real_config_conventions(cfg: DictConfig) -> Path:
+    """What every config for a real model keeps (GPU, bf16, activation checkpointing, a math dataset whose
+    prompt limit is the config's, its own output directory, and one line to edit: model, tokenizer and weights
+    all read checkpointer.checkpoint_dir); returns that directory (``/tmp/<name>``, as `tune download <repo>
+    --output-dir /tmp/<name>` writes it)."""
     assert cfg.device == "cuda" and cfg.dtype == "bf16"
     assert cfg.enable_activation_checkpointing is True
     assert cfg.dataset._component_ in ("torchtune_grpo.data.gsm8k_dataset", "torchtune_grpo.data.math_dataset")
     assert cfg.dataset.max_prompt_length == cfg.max_prompt_length
     assert str(cfg.output_dir).startswith("/tmp/torchtune_grpo/")
-    # One line to edit: the model, the tokenizer and the weights all come from checkpointer.checkpoint_dir.
     assert cfg.checkpointer._component_ == "torchtune_grpo.models.HFCheckpointer"
     for key in ("model", "tokenizer"):
         assert OmegaConf.to_container(cfg[key])["path"] == "${checkpointer.checkpoint_dir}", key
     directory = Path(str(cfg.checkpointer.checkpoint_dir))
-    assert str(directory) == f"/tmp/{directory.name}"  # `tune download <repo> --output-dir /tmp/<name>`
+    assert str(directory) == f"/tmp/{directory.name}"
+    return directory
+
+
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_real_config(name: str, tmp_path: Path):
+    cfg = _load(name)
+    directory = assert_real_config_conventions(cfg)
     if name.startswith("qwen3/"):
         thinks = not any(tag in name for tag in ("nothink", "0.6B", "tools"))
         assert cfg.tokenizer.enable_thinking == thinks
