@@ -20,6 +20,7 @@ import json
 import re
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
@@ -151,6 +152,13 @@ def test_family_config_memory_comment_counts_the_real_model(name: str, tmp_path:
     billions = f"{parameters / 1e9:.2f}B"
     if "lora" in name:
         assert f"{billions} parameters x 2 bytes = {2 * parameters / 1e9:.1f} GB" in text
+        # The adapters the config's LoRA keys give the real model (on the meta device: no memory).
+        cfg.checkpointer.checkpoint_dir = str(real)
+        with torch.device("meta"):
+            lora = tt_config.instantiate(cfg.model)
+        adapters = sum(p.numel() for n, p in lora.named_parameters() if "lora_" in n)
+        assert f"trainable parameters: {adapters / 1e6:.0f}M of {billions}" in text
+        assert f"8 bytes x {adapters / 1e6:.0f}M = {8 * adapters / 1e9:.1f} GB" in text
     else:
         assert f"16 bytes/parameter x {billions} = {16 * parameters / 1e9:.1f} GB" in text
     assert model.max_seq_len == cfg.max_prompt_length + cfg.max_response_length
