@@ -140,9 +140,10 @@ def test_family_config_memory_comment_counts_the_real_model(name: str, tmp_path:
     real = tmp_path / Path(str(cfg.checkpointer.checkpoint_dir)).name
     real.mkdir()
     (real / "config.json").write_text(json.dumps(FAMILY_HUB_CONFIGS[real.name]))
-    # On the meta device (transformers' module of the real config.json, no weights); building for the config's
+    # On the meta device (transformers' module of the real config.json, no memory); building for the config's
     # lengths checks they fit max_position_embeddings.
-    model = hf_model(str(real), max_seq_len=cfg.max_prompt_length + cfg.max_response_length)
+    with torch.device("meta"):
+        model = hf_model(str(real), max_seq_len=cfg.max_prompt_length + cfg.max_response_length)
     assert next(model.parameters()).is_meta
     assert FIXTURES[name].causal_lm in model.backend_note
     parameters = sum(p.numel() for p in model.parameters())  # a tied head is the embedding: counted once
