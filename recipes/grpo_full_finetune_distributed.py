@@ -66,6 +66,7 @@ from torchtune_grpo.rollouts.evaluation import check_evaluation_keys, correctnes
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
 from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
 from torchtune_grpo.loss.masks import LossMasks
+from torchtune_grpo.runtime.compute import set_tf32
 from torchtune_grpo.runtime.model_setup import build_model, check_device, Placement
 from torchtune_grpo.models import drop_pad_input_embedding_grad
 from torchtune_grpo.runtime.nonfinite import advice, NonFiniteError
@@ -153,6 +154,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.world_size, self.rank = utils.get_world_size_and_rank()
         # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/runtime/precision.py)
         self._placement = Placement.from_config(c, device, self.world_size, self.precision(c))
+        set_tf32(c.tf32)  # the update's switches (activation checkpointing, logprob_head, compile): Placement
         self._dist = Collectives(device, self.world_size)
         # Faults (docs/recipe.md, "What survives what"; torchtune_grpo/runtime/nonfinite.py, checkpoints/resume.py, runtime/preemption.py)
         self.sigterm = StopOnSigterm(c.save_on_sigterm)

@@ -25,6 +25,8 @@ from torchtune_grpo.loss import KL_ESTIMATORS
 from torchtune_grpo.runtime.nonfinite import NONFINITE_POLICIES
 from torchtune_grpo.training.packed_rows import PACKED_ATTENTION
 from torchtune_grpo.runtime.precision import PRECISIONS
+from torchtune_grpo.runtime.compute import ACTIVATION_CHECKPOINTING
+from torchtune_grpo.models.logprobs import HEAD_PRECISIONS
 from torchtune_grpo.checkpoints.resume import BROKEN_CHECKPOINT_POLICIES
 
 __all__ = [
@@ -250,7 +252,28 @@ class RecipeConfig(ConfigSchema):
     dtype: str = setting(choices=tuple(sorted(PRECISIONS)), doc="`fp32`, `bf16` (fp32 master weights, bf16 compute) "
                          "or `bf16_pure` (torchtune_grpo/runtime/precision.py)")
     enable_activation_checkpointing: bool = setting(False, doc="recompute each transformer layer's activations in "
-                                                    "backward (policy only)")
+                                                    "backward (policy only); `activation_checkpointing`, when set, "
+                                                    "wins")
+    activation_checkpointing: Optional[str] = setting(
+        None, choices=ACTIVATION_CHECKPOINTING, shown="`enable_activation_checkpointing`",
+        doc="`on`: every layer recomputed in backward (least memory, a second forward); `off`: none (most memory); "
+            "`selective`: every `activation_checkpointing_every`-th layer; `auto`: `off` when the estimated peak "
+            "fits 80% of the device's memory, else `on` ([gpu.md](gpu.md#the-update-switches)); same numbers")
+    activation_checkpointing_every: int = setting(2, ge=1, why="with `selective`: every n-th layer is checkpointed",
+                                                  doc="with `activation_checkpointing: selective`, checkpoint every "
+                                                      "n-th decoder layer (1: all)")
+    logprob_head: str = setting(
+        "fp32", choices=HEAD_PRECISIONS,
+        doc="the output projection's products in the logprob head: `fp32` (the weights' dtype), or `bf16` (bf16 "
+            "inputs, fp32 accumulation, fp32 log-sum-exp; tensor-core speed, logprobs differ by the bf16 rounding "
+            "of the hidden states and weights: [gpu.md](gpu.md#the-update-switches))")
+    tf32: bool = setting(False, doc="fp32 matrix products on CUDA in TF32 (tensor cores, 10-bit mantissa inputs); "
+                                    "process-wide; no effect on CPU")
+    compile_training: Optional[str] = setting(
+        None, why="a torch.compile backend for the training forwards (null: eager)",
+        doc="compile each decoder layer for the training, reference and old-logprob forwards with this "
+            "`torch.compile` backend (`inductor` on a GPU; `aot_eager` checks on CPU), dynamic shapes across "
+            "micro-batches; compile seconds logged as `time/compile`; null: eager")
     fsdp_cpu_offload: bool = setting(False, doc="keep parameter shards on CPU (passed to torchtune's "
                                     "`shard_model`; not covered by tests)")
     fsdp_reshard_after_forward: bool = setting(True, doc="free gathered parameters after each layer's forward")

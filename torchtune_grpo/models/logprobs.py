@@ -13,17 +13,34 @@ per-chunk ``[V, D]`` weight-gradient temporaries (docs/benchmarks/memory.md has 
 tokens fit in one chunk, forward keeps that chunk's logits for backward instead (one ``[tokens, V]``
 buffer, held from forward to backward; it saves a quarter of the projection's work). Any other
 projection takes the generic path: activation checkpointing per chunk.
+
+The fused head's matrix products run in one of :data:`HEAD_PRECISIONS` (the config's ``logprob_head``):
+``fp32`` multiplies in the weight's dtype (fp32 master weights: the fp32 rate of the device), ``bf16``
+rounds the chunk's hidden states and the weight to bf16 and accumulates in fp32 with fp32 output (the
+tensor-core rate); the log-sum-exp, log-softmax and gradients of the logits stay fp32 in both, chunk by
+chunk. :func:`set_head_precision` sets it on a model; the generic path computes in the projection's own dtype.
 """
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Dict, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["TokenLogprobs", "chunked_logprobs", "replace_unembed", "sequence_logprobs"]
+__all__ = [
+    "HEAD_PRECISIONS", "TokenLogprobs", "chunked_logprobs", "head_matmul_kernel", "replace_unembed",
+    "sequence_logprobs", "set_head_precision",
+]
+
+#: The fused head's matrix-product precisions (``logprob_head``): the weight's dtype, or bf16 inputs with fp32
+#: accumulation and output.
+HEAD_PRECISIONS = ("fp32", "bf16")
+_HEAD_ATTR = "logprob_head_precision"
+# Per device type: whether torch's fp32-output bf16 kernels (``torch.mm(..., out_dtype=torch.float32)``, CUDA in
+# torch >= 2.8) ran; False: the same products on bf16-rounded inputs upcast to fp32 (CPU).
+_NATIVE_OUT_DTYPE: Dict[str, bool] = {}
 
 
 class TokenLogprobs(NamedTuple):
@@ -84,6 +101,61 @@ def _projection_weight(project: Callable[[torch.Tensor], torch.Tensor]) -> Optio
     return weight
 
 
+def set_head_precision(model: nn.Module, precision: str) -> None:
+    """Make ``model``'s fused logprob head multiply in ``precision`` (one of :data:`HEAD_PRECISIONS`).
+
+    Args:
+        model (nn.Module): a torchtune decoder (its ``output`` projection is marked; FSDP2-wrapped or not).
+        precision (str): ``"fp32"`` (the weight's dtype) or ``"bf16"`` (bf16 inputs, fp32 accumulation).
+
+    Raises:
+        ValueError: naming the ``logprob_head`` key and the valid values.
+    """
+    if precision not in HEAD_PRECISIONS:
+        raise ValueError(f"logprob_head must be one of {HEAD_PRECISIONS}, got {precision!r}")
+    setattr(model.output, _HEAD_ATTR, precision)
+
+
+def head_matmul_kernel(device: torch.device) -> str:
+    """Which bf16 product the ``bf16`` head used on ``device``'s type: ``"out_dtype"`` (torch's fp32-output
+    kernel), ``"upcast"`` (bf16-rounded inputs multiplied in fp32: the same products, fp32 rate) or
+    ``"unused"`` (not run yet)."""
+    native = _NATIVE_OUT_DTYPE.get(torch.device(device).type)
+    return "unused" if native is None else ("out_dtype" if native else "upcast")
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``a @ b`` (``out += a @ b`` with ``out``) for bf16 ``a``, ``b``: fp32 accumulation and fp32 result."""
+    kind = a.device.type
+    if _NATIVE_OUT_DTYPE.get(kind, True):
+        try:
+            if out is None:
+                result = torch.mm(a, b, out_dtype=torch.float32)
+            else:
+                result = torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
+            _NATIVE_OUT_DTYPE[kind] = True
+            return result
+        except (RuntimeError, NotImplementedError, TypeError):
+            _NATIVE_OUT_DTYPE[kind] = False  # no such kernel here (CPU): the same products, upcast
+    if out is None:
+        return torch.mm(a.float(), b.float())
+    return out.addmm_(a.float(), b.float())
+
+
+def _head_precision(project: Callable[[torch.Tensor], torch.Tensor], precision: Optional[str]) -> str:
+    precision = precision if precision is not None else getattr(project, _HEAD_ATTR, "fp32")
+    if precision not in HEAD_PRECISIONS:
+        raise ValueError(f"logprob_head must be one of {HEAD_PRECISIONS}, got {precision!r}")
+    return precision
+
+
+def _project(h: torch.Tensor, weight: torch.Tensor, bf16_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """A chunk's logits ``[C, V]`` in fp32: the weight's dtype, or bf16 inputs with fp32 accumulation."""
+    if bf16_weight is None:
+        return F.linear(h, weight).float()
+    return _mm32(h.to(torch.bfloat16), bf16_weight.t())
+
+
 class _FusedChunkedLogprobs(torch.autograd.Function):
     """Per-token logprob (and entropy) of a linear projection, chunk by chunk, with manual gradients.
 
@@ -95,8 +167,10 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad):
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size, with_entropy, entropy_grad, bf16):
         m = hidden.size(0)
+        # The bf16 head: one bf16 copy of the weight per call ([V, D], half the fp32 weight's bytes).
+        bf16_weight = weight.to(torch.bfloat16) if bf16 else None
         # One chunk holds everything: keep its logits for backward instead of recomputing them there (the
         # [m, V] buffer exists in forward anyway; with several chunks, backward recomputes chunk by chunk).
         keep_logits = m <= chunk_size and any(ctx.needs_input_grad[:2])
@@ -106,7 +180,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(m, dtype=torch.float32, device=hidden.device) if with_entropy else None
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
-            z = F.linear(hidden[start:end], weight).float()  # [C, V]
+            z = _project(hidden[start:end], weight, bf16_weight)  # [C, V] fp32
             if temperature != 1.0:
                 z.div_(temperature)
             # logsumexp by hand, so that exp(z - max) is the only other [C, V] buffer (and becomes p). z is
@@ -134,6 +208,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
         ctx.chunk_size = chunk_size
         ctx.with_entropy = with_entropy
         ctx.entropy_grad = entropy_grad
+        ctx.bf16 = bf16
         ctx.mark_non_differentiable(lse)
         if with_entropy:
             if not entropy_grad:
@@ -151,6 +226,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
         grad_w = torch.zeros_like(weight) if need_w else None
         if g_logp is None:
             g_logp = torch.zeros_like(lse)
+        bf16_weight = weight.to(torch.bfloat16) if ctx.bf16 else None
         m = hidden.size(0)
         for start in range(0, m, ctx.chunk_size):
             end = min(start + ctx.chunk_size, m)
@@ -159,7 +235,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
                 kept, shifted_lse = ctx.kept_logits
                 z = kept - shifted_lse[:, None]  # log p; a new buffer: backward may run again
             else:
-                z = F.linear(h, weight).float()
+                z = _project(h, weight, bf16_weight)
                 if tau != 1.0:
                     z.div_(tau)
                 z.sub_(lse[start:end, None])  # log p
@@ -177,6 +253,17 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
             z[rows, targets[start:end]] += g_lp.squeeze(-1)
             if tau != 1.0:
                 z.div_(tau)
+            if bf16_weight is not None:  # bf16 products, fp32 accumulation into fp32 gradients
+                dz = z.to(torch.bfloat16)
+                del z
+                if need_h:
+                    grad_h[start:end] = _mm32(dz, bf16_weight).to(grad_h.dtype)
+                if need_w and grad_w.dtype == torch.float32:  # fp32 master weights: accumulate in place
+                    _mm32(dz.t(), h.to(torch.bfloat16), out=grad_w)
+                elif need_w:  # bf16 weights (bf16_pure): the chunk's product rounded once, as the fp32 head's
+                    grad_w.add_(_mm32(dz.t(), h.to(torch.bfloat16)).to(grad_w.dtype))
+                del dz
+                continue
             dz = z.to(weight.dtype)
             del z
             if need_h:
@@ -184,7 +271,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
             if need_w:
                 grad_w.addmm_(dz.t(), h)
             del dz
-        return grad_h, grad_w, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None
 
 
 def chunked_logprobs(
@@ -197,6 +284,7 @@ def chunked_logprobs(
     with_entropy: bool = False,
     entropy_grad: bool = True,
     fused: bool = True,
+    head_precision: Optional[str] = None,
 ) -> TokenLogprobs:
     """Log-probabilities of ``targets`` under ``softmax(project(hidden) / temperature)``, chunk by chunk.
 
@@ -214,6 +302,9 @@ def chunked_logprobs(
         fused (bool): use the fused function with manual gradients when ``project`` is a plain bias-free
             linear layer (see the module docstring); False always uses per-chunk checkpointing.
             Default is True.
+        head_precision (Optional[str]): the fused head's products, one of :data:`HEAD_PRECISIONS`; None: what
+            :func:`set_head_precision` set on ``project`` (``"fp32"`` when nothing). The generic path ignores it.
+            Default is None.
 
     Returns:
         TokenLogprobs: ``logprobs`` and optional ``entropy``, each ``[B, T]`` float32.
@@ -225,8 +316,9 @@ def chunked_logprobs(
     flat_targets = targets.reshape(b * t)
     weight = _projection_weight(project) if fused else None
     if weight is not None:
+        bf16 = _head_precision(project, head_precision) == "bf16"
         logp, entropy = _FusedChunkedLogprobs.apply(
-            flat_hidden, weight, flat_targets, temperature, chunk_size, with_entropy, entropy_grad
+            flat_hidden, weight, flat_targets, temperature, chunk_size, with_entropy, entropy_grad, bf16
         )
         return TokenLogprobs(logp.reshape(b, t), entropy.reshape(b, t) if with_entropy else None)
     # Recompute each chunk's logits in backward instead of keeping them: that is the whole point.

@@ -13,7 +13,10 @@ from torch import nn
 from torchtune import config, training, utils
 from torchtune.modules.peft import get_adapter_params, LoRALinear, set_trainable_params
 
+from torchtune_grpo.models.compiled import compile_decoder_layers
+from torchtune_grpo.models.logprobs import set_head_precision
 from torchtune_grpo.models.lora import LoRAHyperparams, load_nf4_base_weights, lora_hyperparams, nf4_parameters
+from torchtune_grpo.runtime.compute import apply_activation_checkpointing
 from torchtune_grpo.runtime.model_setup import (
     check_max_seq_len, check_state_dict_shapes, decoder_layer_classes, init_rope, Placement,
 )
@@ -53,8 +56,10 @@ def build_lora_model(
     check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), base_state, source)
     adapter_names = set(get_adapter_params(model))
     set_trainable_params(model, adapter_names)
-    if placement.activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy=decoder_layer_classes(model))
+    apply_activation_checkpointing(model, placement.checkpointed_layers(model), decoder_layer_classes(model))
+    set_head_precision(model, placement.logprob_head)
+    if placement.compile_backend is not None:  # the training layout's forwards only (models/compiled.py)
+        compile_decoder_layers(model, placement.compile_backend, decoder_layer_classes(model))
     nf4 = frozenset(p for _, p in nf4_parameters(model))
     placement.shard(model, ignored_params=nf4)
     # NF4 weights first: model.state_dict() (used by every load below) dequantizes them through a torchtune

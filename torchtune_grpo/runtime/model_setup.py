@@ -10,12 +10,18 @@ state dict (each rank keeps its shards).
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from typing import Any, Dict, FrozenSet, Iterable, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Optional, Set, Tuple
 
 import torch
 from torch import nn
 from torchtune import config, modules, training, utils
 
+from torchtune_grpo.models.compiled import compile_decoder_layers
+from torchtune_grpo.models.logprobs import set_head_precision
+from torchtune_grpo.runtime.compute import (
+    apply_activation_checkpointing, checkpointed_layers, device_memory_bytes, resolve_activation_checkpointing,
+    training_memory_estimate,
+)
 from torchtune_grpo.runtime.precision import Precision
 from torchtune_grpo.runtime.sharding import shard_model
 
@@ -37,7 +43,16 @@ class Placement:
         cpu_offload (bool): ``fsdp_cpu_offload``: parameters, gradients and optimizer state on the CPU.
         single_process_fsdp (bool): ``fsdp_single_process``: FSDP2 even on one process.
         reshard_after_forward (bool): ``fsdp_reshard_after_forward``.
-        activation_checkpointing (bool): ``enable_activation_checkpointing`` (trained models only).
+        activation_checkpointing (str): ``off``, ``on``, ``selective`` or ``auto`` (trained models only;
+            torchtune_grpo/runtime/compute.py). Default is ``"off"``.
+        checkpoint_every (int): with ``selective``, every n-th layer. Default is 2.
+        micro_batch_tokens (Optional[int]): tokens of the largest micro-batch (``auto``'s memory estimate).
+            Default is None.
+        chunk_size (int): the logprob head's chunk (``auto``'s estimate). Default is 512.
+        logprob_head (str): the fused logprob head's products, ``fp32`` or ``bf16``. Default is ``"fp32"``.
+        compile_backend (Optional[str]): ``compile_training``: the decoder layers' training forwards compiled
+            with this ``torch.compile`` backend; None: eager. Default is None.
+        reference (bool): a frozen reference model is built too (``auto``'s estimate). Default is False.
     """
 
     device: torch.device
@@ -46,16 +61,50 @@ class Placement:
     cpu_offload: bool = False
     single_process_fsdp: bool = False
     reshard_after_forward: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: str = "off"
+    checkpoint_every: int = 2
+    micro_batch_tokens: Optional[int] = None
+    chunk_size: int = 512
+    logprob_head: str = "fp32"
+    compile_backend: Optional[str] = None
+    reference: bool = False
 
     @classmethod
     def from_config(cls, config: Any, device: torch.device, world_size: int, precision: Precision) -> "Placement":
-        """The placement a :class:`~torchtune_grpo.config.schema.RecipeConfig` asks for."""
+        """The placement a :class:`~torchtune_grpo.config.schema.RecipeConfig` asks for
+        (``activation_checkpointing``, when set, wins over ``enable_activation_checkpointing``)."""
+        mode = config.activation_checkpointing
+        if mode is None:
+            mode = "on" if config.enable_activation_checkpointing else "off"
+        tokens = config.max_tokens_per_micro_batch
+        if tokens is None and config.max_prompt_length is not None:
+            tokens = config.micro_batch_size * (config.max_prompt_length + config.max_response_length)
         return cls(
             device=device, world_size=world_size, precision=precision, cpu_offload=config.fsdp_cpu_offload,
             single_process_fsdp=config.fsdp_single_process, reshard_after_forward=config.fsdp_reshard_after_forward,
-            activation_checkpointing=config.enable_activation_checkpointing,
+            activation_checkpointing=mode, checkpoint_every=config.activation_checkpointing_every,
+            micro_batch_tokens=tokens, chunk_size=config.logprob_chunk_size, logprob_head=config.logprob_head,
+            compile_backend=config.compile_training, reference=config.kl_coef > 0,
         )
+
+    def checkpointed_layers(self, model: nn.Module) -> Set[int]:
+        """The decoder layers of ``model`` (a meta-device model is enough) to checkpoint: ``auto`` decided by
+        :func:`~torchtune_grpo.runtime.compute.training_memory_estimate` (``on`` when the micro-batch size is
+        unknown), the decision logged."""
+        mode = self.activation_checkpointing
+        if mode == "auto":
+            estimate = None
+            if self.micro_batch_tokens is not None:
+                estimate = training_memory_estimate(
+                    model, tokens=self.micro_batch_tokens, bytes_per_param=self.precision.bytes_per_param,
+                    compute_bytes=torch.finfo(self.precision.compute_dtype).bits // 8,
+                    world_size=self.world_size, chunk_size=self.chunk_size, reference=self.reference,
+                )
+            total = device_memory_bytes(self.device)
+            mode = resolve_activation_checkpointing(mode, estimate, total)
+            need = f"{estimate.total(False) / 2**30:.1f} GiB estimated without it" if estimate else "micro-batch size unknown"
+            utils.log_rank_zero(log, f"activation_checkpointing: auto -> {mode} ({need}, {total / 2**30:.1f} GiB device)")
+        return checkpointed_layers(len(model.layers), mode, self.checkpoint_every)
 
     def sharded(self, mixed: bool) -> bool:
         """Whether a model is FSDP2-wrapped. One process trains the plain module unless FSDP2 is asked for
@@ -138,8 +187,11 @@ def build_model(
         model = config.instantiate(model_cfg)
     check_max_seq_len(model, max_len)
     check_state_dict_shapes(chain(model.named_parameters(), model.named_buffers()), state_dict, source)
-    if trainable and placement.activation_checkpointing:
-        training.set_activation_checkpointing(model, auto_wrap_policy=decoder_layer_classes(model))
+    if trainable:
+        apply_activation_checkpointing(model, placement.checkpointed_layers(model), decoder_layer_classes(model))
+    set_head_precision(model, placement.logprob_head)
+    if placement.compile_backend is not None:  # used by the training layout's forwards only (models/compiled.py)
+        compile_decoder_layers(model, placement.compile_backend, decoder_layer_classes(model))
     shard = placement.sharded(mixed)
     if trainable and (note := placement.one_process_note(mixed)):
         utils.log_rank_zero(log, note)

@@ -38,6 +38,7 @@ from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
 from torchtune_grpo.models.attention import AttentionLayout, install_attention, installable
+from torchtune_grpo.models.compiled import compiled_layers
 from torchtune_grpo.models.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
 from torchtune_grpo.training.micro_batches import agreed_plan, MicroBatchPlan, plan_micro_batches
 from torchtune_grpo.training.packed_rows import packed_layout, PackedLayout
@@ -504,10 +505,11 @@ class TrainingBatch:
                 # Cut to these rows' longest sequence: the rest is padding after every real token, which
                 # causal attention never lets a real token see.
                 tokens = tokens[:, : max(max(self.lengths[rows]), self.start + 2)]
-            out = sequence_logprobs(
-                model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
-                with_entropy=with_entropy, entropy_grad=entropy_grad,
-            )
+            with compiled_layers(model):  # compile_training's layers (a no-op without them)
+                out = sequence_logprobs(
+                    model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
+                    with_entropy=with_entropy, entropy_grad=entropy_grad,
+                )
             if self.response_mask is None:
                 return out
             # The same convention as the shared layout: 0 wherever no response token is predicted.
@@ -534,7 +536,7 @@ class TrainingBatch:
                 return out.logprobs[0].clone()  # [K]; a fresh tensor, not a view (FSDP2)
             return torch.stack([out.logprobs[0], out.entropy[0]], dim=-1)  # [K, 2]
 
-        with replace_unembed(model, unembed):
+        with replace_unembed(model, unembed), compiled_layers(model):
             out = model(lay.tokens, mask=lay.mask, input_pos=lay.input_pos)
 
         def scatter(values: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ and in benchmarks and tests without a process group.
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, ContextManager, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from torchtune_grpo.models.logprobs import TokenLogprobs
 from torchtune_grpo.loss import kl_reward_penalty
 from torchtune_grpo.loss.masks import LossMasks
 from torchtune_grpo.metrics.sums import one_process_sum, StepSums
+from torchtune_grpo.metrics.timing import device_clock
 from torchtune_grpo.training.micro_batches import MicroBatchPlan
 from torchtune_grpo.training.batch import batch_logprobs, batch_token_logprobs, TrainingBatch
 from torchtune_grpo.rollouts.groups import RolloutGroups
@@ -56,6 +57,8 @@ class Experience:
             term (the rollout correction's), or None. Default is None.
         metric_sums (StepSums): this rank's quantities of what was decided before the update (rollout
             correction, per-component advantages), reduced with the step's metrics. Default is empty.
+        seconds (Dict[str, float]): this rank's time building it by phase (``time/reference``,
+            ``time/old_logprobs``: the no-grad forwards, device work included). Default is empty.
     """
 
     batch: TrainingBatch
@@ -67,6 +70,7 @@ class Experience:
     engine_logprobs: Optional[torch.Tensor]
     importance_weights: Optional[torch.Tensor] = None
     metric_sums: StepSums = field(default_factory=StepSums)
+    seconds: Dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -294,9 +298,12 @@ class ExperienceBuilder:
         plan = None  # token-budget micro-batches of the no-grad forwards (one all-reduce), when any runs
         if self.reference is not None or self.needs_old_logprobs(engine_logprobs is not None):
             plan = self.plan(layout)
+        t0 = device_clock(self.device)
         ref_logprobs = self.reference_logprobs(layout, plan=plan)  # [N, T] or None
+        t1 = device_clock(self.device)
         policy.train()
         old = self.old_logprobs(policy, layout, engine_logprobs is not None, plan)  # pi_old [N, T] (+ entropy)
+        seconds = {"time/reference": t1 - t0, "time/old_logprobs": device_clock(self.device) - t1}
         rewards, components = advantage_signal(  # the weighted sum, or GDPO's normalised components
             self.advantage, trained.rewards, trained.per_component, self.reward_weights, self.group_size
         )
@@ -316,5 +323,6 @@ class ExperienceBuilder:
             old_logprobs=old.logprobs, ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
             importance_weights=masks.weights,
             metric_sums=masks.sums.merge(components.sums()) if components is not None else masks.sums,
+            seconds=seconds,
         )
         return BuiltExperience(experience, kl_penalty)

@@ -29,6 +29,8 @@ from torchtune_grpo.training.diagnostics import advantage_sums, StepDiagnostics
 from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.training.experience import ExperienceBuilder
 from torchtune_grpo.metrics.sums import Key, Reduce, reduce_over_ranks, StepSums
+from torchtune_grpo.metrics.timing import device_clock
+from torchtune_grpo.models.compiled import compile_seconds
 from torchtune_grpo.runtime.nonfinite import advice, count_nonfinite, NonFiniteError
 from torchtune_grpo.runtime.crash_points import crash_point
 from torchtune_grpo.data import PromptBatch
@@ -111,8 +113,13 @@ class GRPOStep:
         selection = self.dynamic.select(generated, self.batch_size)
         trained = generated.select(selection.indices)
         diagnosed = self.diagnostics.before_update(policy, generated) if self.diagnostics is not None else None
+        compiled0 = compile_seconds()  # compile_training: its compile time, apart from the phases' work
+        t_experience = device_clock(self.device)
         exp, kl_penalty = self.build_experience(policy, trained)
+        t_update = device_clock(self.device)
         stats = self.update(exp, step=step)
+        phases = {**exp.seconds, "time/experience": t_update - t_experience,
+                  "time/update": device_clock(self.device) - t_update, "time/compile": compile_seconds() - compiled0}
         if diagnosed is not None:
             diagnosed.merge(self.diagnostics.after_update(policy, exp, exp.old_logprobs))
         crash_point("update", step + 1)
@@ -142,6 +149,7 @@ class GRPOStep:
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else None,
         )
         metrics["nonfinite/skipped_optimizer_steps"] = stats.skipped_steps
+        metrics.update(phases)
         if generated.weight_versions is not None:  # sampled by a generation worker, overlapped with training
             metrics.update(staleness_metrics(reduced, self.max_staleness))
             # The worker's own generation and reward times overlap training: the trainer waited t_rollouts.

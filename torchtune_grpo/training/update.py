@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from torchtune_grpo.models.compiled import compiled_layers
 from torchtune_grpo.models.logprobs import TokenLogprobs
 from torchtune_grpo.metrics.sums import one_process_sum
 from torchtune_grpo.training.micro_batches import agreed_counts, count_histogram, MicroBatchPlan
@@ -59,6 +60,11 @@ class UpdateStats(NamedTuple):
     losses: Dict[str, Any]
     grad_norm: Optional[torch.Tensor]
     skipped_steps: int = 0
+
+
+class _MicroBatchOut(NamedTuple):
+    loss: Any  # the loss function's output (loss terms as global-sum contributions)
+    mismatch: Any  # the engine-vs-trainer logprob mismatch sum (0.0 without engine logprobs)
 
 
 class PolicyUpdate:
@@ -244,28 +250,38 @@ class PolicyUpdate:
             # Reduce-scatter gradients only after the last micro-batch.
             if isinstance(self.model, FSDPModule):
                 self.model.set_requires_gradient_sync(i == len(mbs) - 1)
-            out_lp = exp.batch.logprobs(
-                self.model,
-                mb,
-                temperature=self.temperature,
-                chunk_size=self.chunk_size,
-                with_entropy=True,
-                entropy_grad=self._entropy_grad,
-            )
-            old = exp.old_logprobs[mb] if exp.old_logprobs is not None else out_lp.logprobs.detach()
-            if exp.engine_logprobs is not None:
-                # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
-                mismatch += logprob_mismatch_sum(old, exp.engine_logprobs[mb], exp.mask[mb])
-            inputs = self.loss_inputs(exp, mb, out_lp)
-            out = self.loss_fn(
-                out_lp.logprobs, old, exp.advantages[mb], exp.mask[mb], num_tokens=num_tokens, num_seqs=num_seqs,
-                **inputs,
-            )
-            # FSDP averages gradients over ranks; the loss is already a global sum.
-            (out.loss * self.world_size).backward()
+            # compile_training's layers stay in use through backward: a checkpointed layer is recomputed there,
+            # and must recompute with the forward it saved tensors for (models/compiled.py).
+            with compiled_layers(self.model):
+                out = self._micro_batch(exp, mb, num_tokens, num_seqs)
+            mismatch += out.mismatch
             for key in LOSS_METRICS:
-                stats[key] = stats[key] + getattr(out, key).detach() / self.optimizer_steps
+                stats[key] = stats[key] + getattr(out.loss, key).detach() / self.optimizer_steps
         return mismatch
+
+    def _micro_batch(self, exp: Experience, mb: slice, num_tokens: float, num_seqs: float) -> "_MicroBatchOut":
+        """Forward, loss and backward of micro-batch ``mb``."""
+        mismatch = 0.0
+        out_lp = exp.batch.logprobs(
+            self.model,
+            mb,
+            temperature=self.temperature,
+            chunk_size=self.chunk_size,
+            with_entropy=True,
+            entropy_grad=self._entropy_grad,
+        )
+        old = exp.old_logprobs[mb] if exp.old_logprobs is not None else out_lp.logprobs.detach()
+        if exp.engine_logprobs is not None:
+            # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
+            mismatch += logprob_mismatch_sum(old, exp.engine_logprobs[mb], exp.mask[mb])
+        inputs = self.loss_inputs(exp, mb, out_lp)
+        out = self.loss_fn(
+            out_lp.logprobs, old, exp.advantages[mb], exp.mask[mb], num_tokens=num_tokens, num_seqs=num_seqs,
+            **inputs,
+        )
+        # FSDP averages gradients over ranks; the loss is already a global sum.
+        (out.loss * self.world_size).backward()
+        return _MicroBatchOut(out, mismatch)
 
     def loss_inputs(self, exp: Experience, mb: slice, out_lp: TokenLogprobs) -> Dict[str, Any]:
         """The loss's keyword inputs for micro-batch ``mb`` (``out_lp``: its logprobs and entropy), counts aside."""
