@@ -3,12 +3,16 @@
 #
 #   bash scripts/gpu_check.sh [--wheels DIR | --no-wheels] [--out DIR] [--budget SECONDS]   # on a GPU
 #   bash scripts/gpu_check.sh --device cpu --tiny --wheels DIR --out DIR           # its CPU rehearsal
+#   bash scripts/gpu_check.sh --stages install,env,ablation                      # only these stages
 #
 # 1. installs the carried wheels (DIR, default .whl/: scripts/gpu_wheels.py downloads them) with
 #    `pip install --no-index --no-deps --target SITE`, SITE a fresh temporary directory put on PYTHONPATH
 #    (after this checkout and its recipes/); with no wheels, the interpreter's own packages are used;
 # 2. env: the device and every package's version and origin (scripts/gpu_report.py env);
 # 3. tests: the GPU test set, pytest -m gpu tests/test_gpu.py --device DEVICE (JUnit XML with their figures);
+# 3b. ablation: benchmarks/gpu_ablation.py, the update with each switch alone and all together on the 0.6B
+#    and 1.7B shapes (what each computes against the baseline, tokens/s, MFU, peak memory), variants that
+#    would start past its share skipped and listed;
 # 4. grpo_0_6b: benchmarks/gpu_grpo.py on the Qwen3-0.6B shape: ceilings, decode, one GRPO step, the recipe;
 # 5. trl: benchmarks/gpu_trl.py, TRL's GRPOTrainer on the same model and batch (the step-time ratio);
 # 6. grpo_1_7b: benchmarks/gpu_grpo.py on the Qwen3-1.7B shape: decode and the recipe, in the time left;
@@ -27,6 +31,7 @@ OUT_DIR="$REPO/gpu_check_out"
 DEVICE=cuda
 TINY=()
 BUDGET=540
+STAGES=all
 PYTHON="${PYTHON:-python3}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -36,13 +41,14 @@ while [[ $# -gt 0 ]]; do
     --device) DEVICE="$2"; shift 2 ;;
     --tiny) TINY=(--tiny); shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
+    --stages) STAGES="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
 
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,gpu_check.json,gpu_check.md,*.log}
+rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,ablation.json,gpu_check.json,gpu_check.md,*.log}
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 START=$SECONDS
@@ -52,6 +58,9 @@ cd "$REPO"
 # OUT/NAME.log and the terminal, its exit status and duration to OUT/stages.jsonl.
 stage() {
   local name="$1" share="$2"; shift 2
+  if [[ "$STAGES" != all && ",$STAGES," != *",$name,"* ]]; then
+    return  # not asked for (--stages): not run, not reported
+  fi
   local left=$(( BUDGET - (SECONDS - START) ))
   (( share > left )) && share=$left
   if (( share < 10 )); then
@@ -89,6 +98,19 @@ stage env 60 "$PYTHON" scripts/gpu_report.py env "$OUT_DIR"
 # FlexAttention's compile): 180 s, taken from the 1.7B stage's remainder.
 stage tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider -n 0 -m gpu --device "$DEVICE" \
   --junitxml "$OUT_DIR/gpu_tests.xml" tests/test_gpu.py
+# The ablation (docs/gpu.md, "The update switches") decides the CUDA defaults, so it runs before the
+# benchmarks already measured once: 240 s of the default plan (its own budget stops starting variants 50 s
+# before, so the variant under way can finish), or what is left when it runs with fewer stages (--stages).
+ABLATION_SHARE=240
+[[ "$STAGES" != all ]] && ABLATION_SHARE=$BUDGET
+if (( ${#TINY[@]} )); then  # the CPU rehearsal: the tiny shape, the baseline, two switches and all of them
+  stage ablation 120 "$PYTHON" benchmarks/gpu_ablation.py --device "$DEVICE" --tiny --model-dir "$MODELS" \
+    --variants baseline bf16_head auto_ac all --json "$OUT_DIR/ablation.json"
+else
+  stage ablation "$ABLATION_SHARE" "$PYTHON" benchmarks/gpu_ablation.py --device "$DEVICE" --model-dir "$MODELS" \
+    --models qwen3_0_6b qwen3_1_7b --variants baseline all bf16_head no_ac compiled tf32 selective_ac auto_ac \
+    --steps 1 --json "$OUT_DIR/ablation.json" --time-budget $(( ABLATION_SHARE - 50 ))
+fi
 GRPO=("$PYTHON" benchmarks/gpu_grpo.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS")
 # Measured on an H200: the recipe's 3 steps 72 s (the first, compiling the decode step, 50 s); each
 # compiled decode shape 43 s (40 s of it compiling); TRL 53 s of training for 2 steps (+15 s loading).

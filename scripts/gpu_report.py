@@ -6,7 +6,9 @@
 ``report`` reads what the check's stages left in DIR (any may be missing: a stage that did not finish is
 reported as such): ``env.json``, ``stages.jsonl`` (one line per stage: name, exit status, seconds),
 ``gpu_tests.xml`` (pytest's JUnit XML, with the figures the tests recorded as properties),
-``grpo_*.json`` (benchmarks/gpu_grpo.py) and ``trl.json`` (benchmarks/gpu_trl.py). Its exit status is 0
+``grpo_*.json`` (benchmarks/gpu_grpo.py), ``trl.json`` (benchmarks/gpu_trl.py) and ``ablation.json``
+(benchmarks/gpu_ablation.py: the update's switches; with the recipe's generation and reward seconds of the
+same shape, when the check measured them, each variant's whole-step MFU). Its exit status is 0
 only when every stage exited 0, every GPU test passed, and no benchmark part raised.
 """
 
@@ -88,6 +90,7 @@ def build_report(directory: Path) -> Dict[str, Any]:
     grpo = [_read_json(Path(p)) for p in sorted(glob.glob(str(directory / "grpo_*.json")))]
     grpo = [g for g in grpo if g]
     trl = _read_json(directory / "trl.json")
+    ablation = _read_json(directory / "ablation.json")
     problems = [f"stage {s['name']} exited {s['rc']}" + (" (time limit)" if s.get("timed_out") else "")
                 for s in stages if s["rc"] != 0]
     if tests is None:
@@ -98,13 +101,32 @@ def build_report(directory: Path) -> Dict[str, Any]:
             problems.append("no GPU test ran")
     for g in grpo:
         problems += [f"gpu_grpo {e['part']}: {e['error']}" for e in g.get("errors", [])]
+    if ablation:
+        problems += [f"gpu_ablation {e['part']}: {e['error']}" for e in ablation.get("errors", [])]
+        _whole_step_mfu(ablation, grpo)
     report: Dict[str, Any] = {"env": _read_json(directory / "env.json"), "stages": stages, "tests": tests,
-                              "grpo": grpo, "trl": trl, "problems": problems, "ok": not problems}
+                              "grpo": grpo, "trl": trl, "ablation": ablation, "problems": problems,
+                              "ok": not problems}
     ours = _recipe_step(grpo, trl["model"]) if trl else None
     if ours and trl.get("median_step_s"):
         report["ours_vs_trl"] = {"model": trl["model"], "ours_step_s": ours, "trl_step_s": trl["median_step_s"],
                                  "ratio": ours / trl["median_step_s"]}
     return report
+
+
+def _whole_step_mfu(ablation: Dict[str, Any], grpo: List[Dict[str, Any]]) -> None:
+    """Each variant's MFU over a whole step: 6 N tokens over the recipe's generation + reward seconds of the
+    same shape and batch (gpu_grpo.py's recipe part, when it ran) plus the variant's update step."""
+    for r in ablation.get("ablation", []):
+        recipe = next((x for g in grpo for x in g.get("recipe", []) if x["model"] == r.get("model")), None)
+        peak = (ablation.get("ceilings") or {}).get("matmul_bf16_tflops")
+        if recipe is None or not peak or "flop_params" not in r:
+            continue
+        m = recipe["median"]
+        rest = (m.get("time/generation") or 0.0) + (m.get("time/reward") or 0.0)
+        step = rest + r["median"]["step_s"]
+        r["whole_step"] = {"generation_reward_s": rest, "step_s": step,
+                           "mfu_step": 6 * r["flop_params"] * r["tokens"] / step / (peak * 1e12)}
 
 
 def _recipe_step(grpo: List[Dict[str, Any]], shape: str) -> Optional[float]:
@@ -148,6 +170,8 @@ def markdown(report: Dict[str, Any]) -> str:
         lines.append("")
     for g in report["grpo"]:
         lines += _grpo_tables(g)
+    if report.get("ablation"):
+        lines += _ablation_table(report["ablation"])
     trl = report.get("trl")
     if trl:
         lines += ["## TRL GRPOTrainer", "",
@@ -159,6 +183,25 @@ def markdown(report: Dict[str, Any]) -> str:
         lines += [f"**Step time, ours / TRL ({ratio['model']}): {ratio['ratio']:.2f}x** "
                   f"({_fmt(ratio['ours_step_s'])} s / {_fmt(ratio['trl_step_s'])} s).", ""]
     return "\n".join(lines) + "\n"
+
+
+def _ablation_table(a: Dict[str, Any]) -> List[str]:
+    lines = [f"## The update's switches (benchmarks/gpu_ablation.py, {a.get('device')}, {a.get('dtype')})", "",
+             "| model | variant | checkpointed | step s | reference s | update s | warm-up compile s | tokens/s | "
+             "MFU update | MFU step | peak GiB | logprob diff mean / max | grad rel. L2 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in a.get("ablation", []):
+        m, d = r["median"], r.get("vs_baseline") or {}
+        diff = f"{_fmt(d['logprob_abs_mean'])} / {_fmt(d['logprob_abs_max'])}" if d else ""
+        lines.append(f"| {r['model']} | {r['variant']} | {r['checkpointed_layers']} | {_fmt(m['step_s'])} | "
+                     f"{_fmt(m['reference_s'])} | {_fmt(m['update_s'])} | {_fmt(r['warmup']['compile_s'])} | "
+                     f"{_fmt(r['tokens_per_s'])} | {_fmt(r.get('mfu_train'))} | "
+                     f"{_fmt((r.get('whole_step') or {}).get('mfu_step'))} | {_fmt(r.get('peak_allocated_gib'))} | "
+                     f"{diff} | {_fmt(d.get('grad_rel_l2'))} |")
+    lines.append("")
+    if a.get("skipped"):
+        lines += ["Skipped (time budget): " + ", ".join(a["skipped"]), ""]
+    return lines
 
 
 def _grpo_tables(g: Dict[str, Any]) -> List[str]:

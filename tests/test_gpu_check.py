@@ -60,7 +60,8 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["problems"] == []
-    assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "grpo_0_6b", "trl", "grpo_1_7b"]
+    assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "ablation", "grpo_0_6b", "trl",
+                                                     "grpo_1_7b"]
     # The carried packages were imported from the site directory, not from this interpreter's.
     packages = report["env"]["packages"]
     for name in ("torchtune", "torchao", "omegaconf", "datasets", "trl"):
@@ -78,8 +79,25 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert [r["model"] for r in first["recipe"] + second["recipe"]] == ["tiny_qwen3", "tiny_qwen3"]
     assert report["trl"]["rows"] == 16 and report["trl"]["median_step_s"] > 0
     assert report["ours_vs_trl"]["ratio"] > 0
+    # The ablation: each variant trained (a finite gradient norm), the same as the baseline except the bf16
+    # head's rounding: identical with the switches that change no arithmetic (auto checkpointing decides
+    # "off" for a model of kilobytes: recomputation or not, the same operations).
+    ablation = {r["variant"]: r for r in report["ablation"]["ablation"]}
+    assert list(ablation) == ["baseline", "bf16_head", "auto_ac", "all"]
+    assert ablation["auto_ac"]["checkpointed_layers"] == "0/2" and ablation["baseline"]["checkpointed_layers"] == "2/2"
+    assert ablation["auto_ac"]["vs_baseline"]["logprob_abs_max"] == 0.0
+    assert ablation["all"]["compile_backend"] == "aot_eager" and ablation["all"]["warmup"]["compile_s"] > 0
+    for name in ("bf16_head", "all"):
+        d = ablation[name]["vs_baseline"]
+        # bf16 rounding of the hidden states and the weight (relative 2^-9 each) moves a logit by at most
+        # 2 x 2^-9 x sum_i |h_i w_i|: normed hidden states ~1 and weights ~0.02 over 64 dimensions give
+        # sum |h_i w_i| ~ 0.8, so 3e-3 per logit, and a logprob (a logit minus a log-sum-exp) twice that:
+        # 6e-3 < 1e-2 (measured: max 8.8e-4). Not zero: the switch must really change the products.
+        assert 0 < d["logprob_abs_mean"] <= d["logprob_abs_max"] < 1e-2, d
+        assert d["grad_cosine"] > 0.99, d
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check: OK") and "Step time, ours / TRL (tiny_qwen3)" in md
+    assert "## The update's switches" in md
 
 
 def test_device_wheel_bundle_fits_and_covers_every_requirement():

@@ -19,6 +19,8 @@ from torch import nn
 __all__ = ["compile_decoder_layers", "compile_seconds", "compiled_layers"]
 
 _STATE = "_grpo_compiled_forward"
+#: Recompilations of the layer forward allowed (``torch._dynamo.config.recompile_limit`` raised to at least this).
+RECOMPILE_LIMIT = 64
 
 
 class _LayerForward:
@@ -59,6 +61,12 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor", classes:
     Raises:
         ValueError: when ``model`` has no decoder layer (names the model's class).
     """
+    # Every layer shares one compiled code object (the layer class's forward), recompiled per variant: train /
+    # eval, with / without gradients, shared-prompt or packed masks or none, each model built in the process.
+    # Past dynamo's default limit of 8 it would silently run eager: allow more.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
     count = 0
     for layer in _layers(model, classes):
         if not isinstance(getattr(layer, _STATE, None), _LayerForward):
