@@ -383,7 +383,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         spec = AlgorithmSpec.from_components(
             loss=loss_fn, advantage=advantage, rewards=rewards, optimizer=self.optimizer,
             lr_schedule=cfg.lr_scheduler._component_ if lr_scheduler is not None else None,
-            world_size=self.world_size, precision=self._placement.precision.describe(),
+            world_size=self.world_size, precision=self._placement.precision.describe() + (
+                "; logprob head: bf16 products with fp32 accumulation (logprob_head: bf16)"
+                if c.logprob_head == "bf16" else ""),
             policy_model=getattr(self.model, "backend_note", None) or "torchtune TransformerDecoder (built from torchtune's modules)",
             reference_model=reference is not None, reference_description=models.reference_description,
             dynamic_sampling=dynamic.enabled, max_rounds=dynamic.max_rounds, **config_values(c),
