@@ -146,9 +146,10 @@ def run_variant(name: str, path: Path, device: torch.device, args: argparse.Name
     tf32_before = _tf32_state()
     set_tf32(tf32)
     max_len = args.max_prompt_len + args.response_len
+    default_ac = "on" if args.activation_checkpointing else "off"
     placement = Placement(
         device=device, world_size=1, precision=Precision.from_name(args.dtype),
-        activation_checkpointing=switches.get("activation_checkpointing", "on" if args.activation_checkpointing else "off"),
+        activation_checkpointing=switches.get("activation_checkpointing", default_ac),
         checkpoint_every=2, micro_batch_tokens=args.micro_batch * max_len, chunk_size=args.chunk_size,
         logprob_head=switches.get("logprob_head", "fp32"), compile_backend=backend, reference=True,
     )

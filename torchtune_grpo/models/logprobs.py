@@ -22,25 +22,22 @@ chunk. :func:`set_head_precision` sets it on a model; the generic path computes 
 """
 
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from torchtune_grpo.models.head_precision import (
+    bf16_mm, head_matmul_kernel, HEAD_PRECISIONS, project_chunk, resolve_head_precision, set_head_precision,
+)
+
 __all__ = [
     "HEAD_PRECISIONS", "TokenLogprobs", "chunked_logprobs", "head_matmul_kernel", "replace_unembed",
     "sequence_logprobs", "set_head_precision",
 ]
 
-#: The fused head's matrix-product precisions (``logprob_head``): the weight's dtype, or bf16 inputs with fp32
-#: accumulation and output.
-HEAD_PRECISIONS = ("fp32", "bf16")
-_HEAD_ATTR = "logprob_head_precision"
-# Per device type: whether torch's fp32-output bf16 kernels (``torch.mm(..., out_dtype=torch.float32)``, CUDA in
-# torch >= 2.8) ran; False: the same products on bf16-rounded inputs upcast to fp32 (CPU).
-_NATIVE_OUT_DTYPE: Dict[str, bool] = {}
 
 
 class TokenLogprobs(NamedTuple):
@@ -101,61 +98,6 @@ def _projection_weight(project: Callable[[torch.Tensor], torch.Tensor]) -> Optio
     return weight
 
 
-def set_head_precision(model: nn.Module, precision: str) -> None:
-    """Make ``model``'s fused logprob head multiply in ``precision`` (one of :data:`HEAD_PRECISIONS`).
-
-    Args:
-        model (nn.Module): a torchtune decoder (its ``output`` projection is marked; FSDP2-wrapped or not).
-        precision (str): ``"fp32"`` (the weight's dtype) or ``"bf16"`` (bf16 inputs, fp32 accumulation).
-
-    Raises:
-        ValueError: naming the ``logprob_head`` key and the valid values.
-    """
-    if precision not in HEAD_PRECISIONS:
-        raise ValueError(f"logprob_head must be one of {HEAD_PRECISIONS}, got {precision!r}")
-    setattr(model.output, _HEAD_ATTR, precision)
-
-
-def head_matmul_kernel(device: torch.device) -> str:
-    """Which bf16 product the ``bf16`` head used on ``device``'s type: ``"out_dtype"`` (torch's fp32-output
-    kernel), ``"upcast"`` (bf16-rounded inputs multiplied in fp32: the same products, fp32 rate) or
-    ``"unused"`` (not run yet)."""
-    native = _NATIVE_OUT_DTYPE.get(torch.device(device).type)
-    return "unused" if native is None else ("out_dtype" if native else "upcast")
-
-
-def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a @ b`` (``out += a @ b`` with ``out``) for bf16 ``a``, ``b``: fp32 accumulation and fp32 result."""
-    kind = a.device.type
-    if _NATIVE_OUT_DTYPE.get(kind, True):
-        try:
-            if out is None:
-                result = torch.mm(a, b, out_dtype=torch.float32)
-            else:
-                result = torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
-            _NATIVE_OUT_DTYPE[kind] = True
-            return result
-        except (RuntimeError, NotImplementedError, TypeError):
-            _NATIVE_OUT_DTYPE[kind] = False  # no such kernel here (CPU): the same products, upcast
-    if out is None:
-        return torch.mm(a.float(), b.float())
-    return out.addmm_(a.float(), b.float())
-
-
-def _head_precision(project: Callable[[torch.Tensor], torch.Tensor], precision: Optional[str]) -> str:
-    precision = precision if precision is not None else getattr(project, _HEAD_ATTR, "fp32")
-    if precision not in HEAD_PRECISIONS:
-        raise ValueError(f"logprob_head must be one of {HEAD_PRECISIONS}, got {precision!r}")
-    return precision
-
-
-def _project(h: torch.Tensor, weight: torch.Tensor, bf16_weight: Optional[torch.Tensor]) -> torch.Tensor:
-    """A chunk's logits ``[C, V]`` in fp32: the weight's dtype, or bf16 inputs with fp32 accumulation."""
-    if bf16_weight is None:
-        return F.linear(h, weight).float()
-    return _mm32(h.to(torch.bfloat16), bf16_weight.t())
-
-
 class _FusedChunkedLogprobs(torch.autograd.Function):
     """Per-token logprob (and entropy) of a linear projection, chunk by chunk, with manual gradients.
 
@@ -180,7 +122,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
         entropy = torch.empty(m, dtype=torch.float32, device=hidden.device) if with_entropy else None
         for start in range(0, m, chunk_size):
             end = min(start + chunk_size, m)
-            z = _project(hidden[start:end], weight, bf16_weight)  # [C, V] fp32
+            z = project_chunk(hidden[start:end], weight, bf16_weight)  # [C, V] fp32
             if temperature != 1.0:
                 z.div_(temperature)
             # logsumexp by hand, so that exp(z - max) is the only other [C, V] buffer (and becomes p). z is
@@ -235,7 +177,7 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
                 kept, shifted_lse = ctx.kept_logits
                 z = kept - shifted_lse[:, None]  # log p; a new buffer: backward may run again
             else:
-                z = _project(h, weight, bf16_weight)
+                z = project_chunk(h, weight, bf16_weight)
                 if tau != 1.0:
                     z.div_(tau)
                 z.sub_(lse[start:end, None])  # log p
@@ -257,11 +199,11 @@ class _FusedChunkedLogprobs(torch.autograd.Function):
                 dz = z.to(torch.bfloat16)
                 del z
                 if need_h:
-                    grad_h[start:end] = _mm32(dz, bf16_weight).to(grad_h.dtype)
+                    grad_h[start:end] = bf16_mm(dz, bf16_weight).to(grad_h.dtype)
                 if need_w and grad_w.dtype == torch.float32:  # fp32 master weights: accumulate in place
-                    _mm32(dz.t(), h.to(torch.bfloat16), out=grad_w)
+                    bf16_mm(dz.t(), h.to(torch.bfloat16), out=grad_w)
                 elif need_w:  # bf16 weights (bf16_pure): the chunk's product rounded once, as the fp32 head's
-                    grad_w.add_(_mm32(dz.t(), h.to(torch.bfloat16)).to(grad_w.dtype))
+                    grad_w.add_(bf16_mm(dz.t(), h.to(torch.bfloat16)).to(grad_w.dtype))
                 del dz
                 continue
             dz = z.to(weight.dtype)
@@ -316,7 +258,7 @@ def chunked_logprobs(
     flat_targets = targets.reshape(b * t)
     weight = _projection_weight(project) if fused else None
     if weight is not None:
-        bf16 = _head_precision(project, head_precision) == "bf16"
+        bf16 = resolve_head_precision(project, head_precision) == "bf16"
         logp, entropy = _FusedChunkedLogprobs.apply(
             flat_hidden, weight, flat_targets, temperature, chunk_size, with_entropy, entropy_grad, bf16
         )

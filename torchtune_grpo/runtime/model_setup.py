@@ -102,8 +102,8 @@ class Placement:
                 )
             total = device_memory_bytes(self.device)
             mode = resolve_activation_checkpointing(mode, estimate, total)
-            need = f"{estimate.total(False) / 2**30:.1f} GiB estimated without it" if estimate else "micro-batch size unknown"
-            utils.log_rank_zero(log, f"activation_checkpointing: auto -> {mode} ({need}, {total / 2**30:.1f} GiB device)")
+            need = f"{estimate.total(False) / 2**30:.1f} GiB estimated without it" if estimate else "size unknown"
+            utils.log_rank_zero(log, f"activation_checkpointing: auto -> {mode} ({need}; device {total / 2**30:.1f} GiB)")
         return checkpointed_layers(len(model.layers), mode, self.checkpoint_every)
 
     def sharded(self, mixed: bool) -> bool:
