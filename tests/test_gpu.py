@@ -365,3 +365,18 @@ def test_packed_rows_flex_attention_equals_the_dense_mask(gpu_device, record_pro
     torch.testing.assert_close(ent_b, ent_a, atol=atol, rtol=0)
     for k in g_a:
         torch.testing.assert_close(g_b[k], g_a[k], atol=ulps(g_a[k], 32), rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_bf16_head_accumulates_in_fp32_on_the_device(gpu_device, record_property):
+    # logprob_head: bf16 on the device against float64 of the same bf16-rounded inputs, with the bounds of
+    # tests/test_update_switches.py (80 ulp of the largest sum |h w| for logprobs and entropies; 2^-8 |dz| |W|
+    # per gradient element). On CUDA it must run torch's fp32-output bf16 kernels (a bf16-output product would
+    # round the logits to 8 bits and miss the bounds); on the CPU, the upcast products.
+    from tests.test_update_switches import bf16_head_against_float64
+
+    out = bf16_head_against_float64(gpu_device)
+    for key in ("logprob", "entropy", "grad_h", "grad_w"):
+        record_property(f"bf16_head_{key}_error_over_bound", out[key])
+    record_property("bf16_head_kernel", out["kernel"])
+    assert out["kernel"] == ("out_dtype" if gpu_device.type == "cuda" else "upcast"), out
+    assert max(out[k] for k in ("logprob", "entropy", "grad_h", "grad_w")) <= 1, out

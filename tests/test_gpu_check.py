@@ -35,6 +35,7 @@ GPU_TESTS = {
     "test_a_generation_worker_on_the_device_samples_what_the_trainer_does",
     "test_multi_turn_sessions_compact_on_the_device",
     "test_packed_rows_flex_attention_equals_the_dense_mask",
+    "test_bf16_head_accumulates_in_fp32_on_the_device",
 }
 
 
