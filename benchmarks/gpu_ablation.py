@@ -124,6 +124,20 @@ def rollouts(vocab: int, args: argparse.Namespace, seed: int):
 def run_variant(name: str, path: Path, device: torch.device, args: argparse.Namespace,
                 baseline: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     """One variant: build, one warm-up step (compared with the baseline's), ``--steps`` measured steps."""
+    from torchtune_grpo.runtime.compute import set_tf32
+
+    gpu_grpo.free_memory()  # what a failed variant left (its traceback held it) goes before this one starts
+    tf32_before = _tf32_state()
+    set_tf32(VARIANTS[name].get("tf32", False))  # process-wide: restored whatever happens
+    try:
+        return _run_variant(name, path, device, args, baseline)
+    finally:
+        _restore_tf32(tf32_before)
+        gpu_grpo.free_memory()
+
+
+def _run_variant(name: str, path: Path, device: torch.device, args: argparse.Namespace,
+                 baseline: Optional[Dict[str, Any]]) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
     from torchtune_grpo.loss import GRPOLoss
@@ -133,7 +147,6 @@ def run_variant(name: str, path: Path, device: torch.device, args: argparse.Name
     from torchtune_grpo.models.compiled import compile_seconds
     from torchtune_grpo.models.logprobs import head_matmul_kernel
     from torchtune_grpo.rollouts.advantages import GroupRelativeAdvantage
-    from torchtune_grpo.runtime.compute import set_tf32
     from torchtune_grpo.runtime.model_setup import build_model, Placement
     from torchtune_grpo.runtime.precision import Precision
     from torchtune_grpo.training.batch import batch_logprobs
@@ -142,9 +155,7 @@ def run_variant(name: str, path: Path, device: torch.device, args: argparse.Name
 
     switches = dict(VARIANTS[name])
     backend = ("inductor" if device.type == "cuda" else "aot_eager") if switches.pop("compile", False) else None
-    tf32 = switches.pop("tf32", False)
-    tf32_before = _tf32_state()
-    set_tf32(tf32)
+    switches.pop("tf32", None)  # set by run_variant
     max_len = args.max_prompt_len + args.response_len
     default_ac = "on" if args.activation_checkpointing else "off"
     placement = Placement(
@@ -218,8 +229,6 @@ def run_variant(name: str, path: Path, device: torch.device, args: argparse.Name
         out["mfu_train"] = 6 * n * tokens / med["step_s"] / args.peak_flops
         out["mfu_train_6n_2n"] = 8 * n * tokens / med["step_s"] / args.peak_flops
     del policy, ref, optimizer, update, build, exp0
-    _restore_tf32(tf32_before)
-    gpu_grpo.free_memory()
     return out
 
 
