@@ -32,7 +32,8 @@ REQUIRED_METRICS = {
     "step", "loss", "policy_loss", "kl", "entropy", "reward/mean", "reward/std", "clip_fraction",
     "response_length/mean", "response_length/terminated_mean", "truncated_fraction", "zero_std_fraction",
     "dynamic_sampling/rounds", "dynamic_sampling/groups_dropped", "grad_norm", "lr", "tokens_per_second",
-    "time/generation", "time/train", "time/step",
+    "time/generation", "time/train", "time/step", "time/reference", "time/old_logprobs", "time/experience",
+    "time/update", "time/compile",
 }
 
 # Every key torchtune's full_finetune_single_device recipe reads (the demos' SFT configs must have them).
