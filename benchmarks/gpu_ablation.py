@@ -210,7 +210,7 @@ def _run_variant(name: str, path: Path, device: torch.device, args: argparse.Nam
         out["_logprobs"], out["_grads"], out["_loss"] = logprobs[mask].float().cpu(), optimizer.first, warm["loss"]
         if baseline is not None:
             d = (out["_logprobs"] - baseline["_logprobs"]).abs()
-            g, g0 = optimizer.first, baseline["_grads"]
+            g, g0 = optimizer.first.double(), baseline["_grads"].double()  # 1e8 terms: fp32 sums drift by %
             out["vs_baseline"] = {
                 "logprob_abs_mean": float(d.mean()), "logprob_abs_max": float(d.max()),
                 "loss_abs": abs(warm["loss"] - baseline["_loss"]),
