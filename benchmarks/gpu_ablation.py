@@ -170,7 +170,7 @@ def _run_variant(name: str, path: Path, device: torch.device, args: argparse.Nam
     ref = build_model(model_cfg, state, placement, trainable=False, source=str(path), max_len=max_len)
     del state
     layers = list(policy.layers)
-    checkpointed = sum(type(m).__name__ == "CheckpointWrapper" for m in layers)
+    checkpointed = sum("CheckpointWrapper" in type(m).__name__ for m in layers)  # FSDP2 renames the class
     optimizer = _FirstGradients(policy.parameters(), keep=args.check, lr=1e-6, weight_decay=0.0)
     loss_fn = GRPOLoss(epsilon=0.2, kl_coef=0.04, kl_estimator="k3", loss_agg_mode="token-mean")
     mbs, tokens_budget = args.micro_batch, args.micro_batch * max_len
@@ -247,6 +247,8 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--model-dir", default=str(gpu_grpo.MODEL_DIR))
     parser.add_argument("--time-budget", type=float, default=None, help="seconds: later variants are skipped")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--save-logprobs", default=None,
+                        help="torch.save each variant's compared response-token logprobs here (runs of other dtypes)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.tiny:
@@ -305,6 +307,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 gpu_grpo.free_memory()
             save()
     save()
+    if args.save_logprobs:
+        torch.save({f"{r['model']} {r['variant']}": r["_logprobs"] for r in results["ablation"] if "_logprobs" in r},
+                   args.save_logprobs)
     import torch.distributed as dist
 
     if dist.is_initialized():
