@@ -80,14 +80,14 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert [r["model"] for r in first["recipe"] + second["recipe"]] == ["tiny_qwen3", "tiny_qwen3"]
     assert report["trl"]["rows"] == 16 and report["trl"]["median_step_s"] > 0
     assert report["ours_vs_trl"]["ratio"] > 0
-    # The ablation: each variant trained (a finite gradient norm), the same as the baseline except the bf16
-    # head's rounding: identical with the switches that change no arithmetic (auto checkpointing decides
-    # "off" for a model of kilobytes: recomputation or not, the same operations).
+    # The ablation: the baseline, the bf16 head and every switch together ("auto" checkpointing decides "off"
+    # for a model of kilobytes; the layers compiled with aot_eager), each against the baseline: only the bf16
+    # head's rounding differs (checkpointing and compiling change no number: tests/test_update_switches_exact.py).
     ablation = {r["variant"]: r for r in report["ablation"]["ablation"]}
-    assert list(ablation) == ["baseline", "bf16_head", "auto_ac", "all"]
-    assert ablation["auto_ac"]["checkpointed_layers"] == "0/2" and ablation["baseline"]["checkpointed_layers"] == "2/2"
-    assert ablation["auto_ac"]["vs_baseline"]["logprob_abs_max"] == 0.0
+    assert list(ablation) == ["baseline", "bf16_head", "all"]
+    assert ablation["baseline"]["checkpointed_layers"] == "2/2" and ablation["all"]["checkpointed_layers"] == "0/2"
     assert ablation["all"]["compile_backend"] == "aot_eager" and ablation["all"]["warmup"]["compile_s"] > 0
+    assert ablation["all"]["vs_baseline"] == ablation["bf16_head"]["vs_baseline"]
     for name in ("bf16_head", "all"):
         d = ablation[name]["vs_baseline"]
         # bf16 rounding of the hidden states and the weight (relative 2^-9 each) moves a logit by at most
@@ -167,3 +167,25 @@ def test_report_reads_outcomes_figures_stages_and_the_trl_ratio(tmp_path):
 def test_report_without_any_test_result_is_not_ok(tmp_path):
     report = gpu_report.build_report(tmp_path)
     assert report["problems"] == ["no GPU test results (gpu_tests.xml)"] and not report["ok"]
+
+
+def test_report_of_the_ablation_alone(tmp_path):
+    # `--stages install,env,ablation`: no tests stage ran, so no test results is no problem; a variant that raised
+    # is one. The whole-step MFU of a variant: 6 N tokens over the recipe's generation + reward seconds of the
+    # same shape plus the variant's update step: 6 x 1e9 x 1e5 / (2 + 1 + 3) s / 1e15 FLOP/s = 0.1.
+    (tmp_path / "stages.jsonl").write_text('{"name": "ablation", "rc": 0, "seconds": 200}\n')
+    variant = {"model": "qwen3_0_6b", "variant": "baseline", "checkpointed_layers": "28/28", "tokens": 100_000,
+               "flop_params": 1_000_000_000, "median": {"step_s": 3.0, "reference_s": 0.5, "update_s": 2.0},
+               "warmup": {"compile_s": 0.0}, "tokens_per_s": 33_333.0, "mfu_train": 0.2}
+    (tmp_path / "ablation.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "dtype": "bf16", "ceilings": {"matmul_bf16_tflops": 1000.0},
+        "ablation": [variant], "errors": [{"part": "qwen3_1_7b no_ac", "error": "OutOfMemoryError: ..."}],
+        "skipped": ["qwen3_1_7b tf32"]}))
+    (tmp_path / "grpo_0_6b.json").write_text(json.dumps({
+        "argv": [], "decode": [], "grpo": [], "errors": [],
+        "recipe": [{"model": "qwen3_0_6b", "median": {"time/step": 9.0, "time/generation": 2.0, "time/reward": 1.0}}]}))
+    report = gpu_report.build_report(tmp_path)
+    assert report["problems"] == ["gpu_ablation qwen3_1_7b no_ac: OutOfMemoryError: ..."]
+    assert report["ablation"]["ablation"][0]["whole_step"]["mfu_step"] == pytest.approx(0.1)
+    md = gpu_report.markdown(report)
+    assert "| qwen3_0_6b | baseline | 28/28 | 3 |" in md and "Skipped (time budget): qwen3_1_7b tf32" in md
