@@ -102,7 +102,7 @@ stage tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider -n 0 -m gpu --device 
 # benchmarks already measured once: 240 s of the default plan (its own budget stops starting variants 50 s
 # before, so the variant under way can finish), or what is left when it runs with fewer stages (--stages).
 ABLATION_SHARE=240
-[[ "$STAGES" != all ]] && ABLATION_SHARE=$BUDGET
+[[ "$STAGES" != all ]] && ABLATION_SHARE=$(( BUDGET - (SECONDS - START) ))
 if (( ${#TINY[@]} )); then  # the CPU rehearsal: the tiny shape, the baseline, the bf16 head and all switches
   stage ablation 120 "$PYTHON" benchmarks/gpu_ablation.py --device "$DEVICE" --tiny --model-dir "$MODELS" \
     --variants baseline bf16_head all --json "$OUT_DIR/ablation.json"
