@@ -207,3 +207,5 @@ def test_checkpointed_layers_and_the_auto_decision_by_hand():
     assert resolve_activation_checkpointing("auto", est, int(need / 0.8) - 1) == "on"
     assert resolve_activation_checkpointing("auto", None, 10**12) == "on"  # size unknown: the safe choice
     assert resolve_activation_checkpointing("selective", est, 1) == "selective"
+    with pytest.raises(ValueError, match=r"compile_training = 'inductr' is not a torch.compile backend.*'inductor'"):
+        compile_decoder_layers(model, "inductr")

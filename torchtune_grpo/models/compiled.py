@@ -59,8 +59,12 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor", classes:
         int: the layers compiled.
 
     Raises:
-        ValueError: when ``model`` has no decoder layer (names the model's class).
+        ValueError: when ``backend`` is not a ``torch.compile`` backend, or ``model`` has no decoder layer
+            (names the key, the value and the choices or the model's class).
     """
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in known:
+        raise ValueError(f"compile_training = {backend!r} is not a torch.compile backend here; known: {known}")
     # Every layer shares one compiled code object (the layer class's forward), recompiled per variant: train /
     # eval, with / without gradients, shared-prompt or packed masks or none, each model built in the process.
     # Past dynamo's default limit of 8 it would silently run eager: allow more.
