@@ -352,7 +352,7 @@ def test_activation_checkpointing_wraps_the_family_layers_and_changes_nothing(fa
 
     state = HFCheckpointer(str(src), str(tmp_path / "scratch")).load_checkpoint()["model"]
     cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_model", "path": str(src)})
-    policy = build_model(cfg, state, dataclasses.replace(FP32, activation_checkpointing=True), trainable=True,
+    policy = build_model(cfg, state, dataclasses.replace(FP32, activation_checkpointing="on"), trainable=True,
                          source=str(src), max_len=64)
     assert all(type(layer).__name__ == "CheckpointWrapper" for layer in policy.layers)
 
