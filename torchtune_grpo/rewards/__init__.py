@@ -14,6 +14,7 @@ from torchtune_grpo.rewards._base import (
     RewardOutputError,
     RewardSample,
     RewardSet,
+    Steps,
     build_reward_set,
     reward_name,
     to_plain,
@@ -38,6 +39,16 @@ from torchtune_grpo.rewards._math import (
 )
 from torchtune_grpo.rewards._model_judge import JUDGE_METHODS, ModelJudge
 from torchtune_grpo.rewards._python import PythonReward, load_function, python_reward
+from torchtune_grpo.rewards._steps import (
+    AGGREGATES,
+    PythonStepReward,
+    StepReward,
+    StepSpan,
+    StepSplitter,
+    aggregate_steps,
+    token_offsets,
+)
+from torchtune_grpo.rewards._prm import HTTPStepReward, PRM_HEADS, PRMStepReward
 from torchtune_grpo.rewards._sandbox import (
     NETWORK_MODES,
     ProgramResult,
@@ -49,6 +60,17 @@ from torchtune_grpo.rewards._sandbox import (
 )
 
 __all__ = [
+    "AGGREGATES",
+    "HTTPStepReward",
+    "PRMStepReward",
+    "PRM_HEADS",
+    "PythonStepReward",
+    "StepReward",
+    "StepSpan",
+    "StepSplitter",
+    "Steps",
+    "aggregate_steps",
+    "token_offsets",
     "BACKENDS",
     "CODE_EXTRACT_MODES",
     "CodeExecutionReward",
