@@ -20,6 +20,7 @@ from torchtune_grpo.rewards._base import (
     to_plain,
 )
 from torchtune_grpo.rewards._length import SoftOverlongPunishment
+from torchtune_grpo.rewards._column_steps import column_addition_step
 from torchtune_grpo.rewards._code import CODE_EXTRACT_MODES, CodeExecutionReward, extract_code
 from torchtune_grpo.rewards._execution import RewardTimeoutError
 from torchtune_grpo.rewards._format import DEFAULT_EOS_TEXT, FormatReward, follows_format
@@ -103,6 +104,7 @@ __all__ = [
     "SoftOverlongPunishment",
     "answers_match",
     "build_reward_set",
+    "column_addition_step",
     "extract_answer",
     "extract_code",
     "follows_format",

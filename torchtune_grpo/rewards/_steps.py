@@ -106,8 +106,8 @@ class StepSplitter:
 
     With ``function`` (a callable or where to find one, see :func:`~torchtune_grpo.rewards.load_function`),
     ``function(completion: str, completion_ids: List[int], token_offsets: List[int]) -> List[int]``
-    returns the last token index of each step; the step texts are cut from the completion at those
-    tokens, and the last step is extended to the last token.
+    returns the last token index of each step, taken as they are; the step texts are cut from the
+    completion at those tokens, and a last step up to the last token is added when they stop short.
 
     Args:
         separator (str): the step separator. Default is ``"\\n\\n"``.
@@ -171,27 +171,28 @@ class StepSplitter:
                 "step-level rewards need the token offsets of each completion (RewardBatch.token_offsets, which "
                 f"sample_and_score fills); got {None if offsets is None else len(offsets)} for {n} tokens"
             )
-        if self.function is not None:
+        if self.function is not None:  # its boundaries are taken as they are
             ends = [int(e) for e in self.function(completion, list(completion_ids), list(offsets))]
             if any(b <= a for a, b in zip(ends, ends[1:])) or (ends and (ends[0] < 0 or ends[-1] > n - 1)):
                 raise ValueError(f"the step split function returned {ends}: need increasing indices in 0..{n - 1}")
-            cuts = [offsets[e] for e in ends]
-        else:
-            cuts = [c for c in self._char_cuts(completion)]
-            ends = [bisect.bisect_right(list(offsets), c - 1) for c in cuts]  # the token holding char c - 1
-        joiner = self.separator if self.function is None else " "
+            if not ends or ends[-1] != n - 1:
+                ends.append(n - 1)  # the last step takes the trailing tokens
+            starts = [0] + [offsets[e] for e in ends[:-1]]
+            return [StepSpan(completion[a : offsets[e]].strip(), e) for a, e in zip(starts, ends)]
+        cuts = self._char_cuts(completion)
+        ends = [bisect.bisect_right(list(offsets), c - 1) for c in cuts]  # the token holding char c - 1
         spans: List[StepSpan] = []
         begin = 0
         for c, e in zip(cuts + [len(completion)], ends + [n - 1]):
             piece = completion[begin:c]
             begin = c
-            if self.function is None and piece.endswith(self.separator):
+            if piece.endswith(self.separator):
                 piece = piece[: -len(self.separator)]
             text, e = piece.strip(), min(e, n - 1)
             if spans and (not text or e <= spans[-1].end):
                 # Whitespace only, or ending in the same token as the step before: part of that step.
                 prev = spans[-1]
-                spans[-1] = StepSpan(prev.text + joiner + text if text else prev.text, max(e, prev.end))
+                spans[-1] = StepSpan(prev.text + self.separator + text if text else prev.text, max(e, prev.end))
             elif text:
                 spans.append(StepSpan(text, e))
             # else: leading whitespace, whose tokens belong to the first step (it ends later)
