@@ -3,11 +3,8 @@ KL penalty in the reward, the algorithm card, completions.jsonl; the demo's step
 (1 vs 2 processes, micro-batches and packed rows with token-level advantages:
 tests/test_algorithms_recipe.py::test_every_variant_is_independent_of_micro_batches_and_processes.)"""
 
-import json
 import math
 
-import pytest
-import torch
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
