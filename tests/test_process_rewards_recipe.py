@@ -3,7 +3,10 @@ KL penalty in the reward, the algorithm card, completions.jsonl; the demo's step
 (1 vs 2 processes, micro-batches and packed rows with token-level advantages:
 tests/test_algorithms_recipe.py::test_every_variant_is_independent_of_micro_batches_and_processes.)"""
 
+import json
 import math
+
+import pytest
 
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
@@ -83,3 +86,17 @@ def test_demo_config_builds_both_arms():
     base = OmegaConf.load(REPO / "configs" / "tiny" / "demo_grpo.yaml")
     for key in ("model", "tokenizer", "dataset", "loss", "optimizer", "batch_size", "group_size"):
         assert cfg[key] == base[key], key
+
+
+def test_plot_compare_draws_every_seed_and_names_a_missing_metric(tmp_path):
+    from torchtune_grpo.metrics.plotting import plot_compare
+
+    for name, values in (("a0", [0.1, 0.2]), ("a1", [0.3, 0.5]), ("b0", [0.0, 0.1])):
+        (tmp_path / name).mkdir()
+        rows = [{"step": k + 1, "reward/x/mean": v} for k, v in enumerate(values)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = plot_compare({"a": [tmp_path / "a0", tmp_path / "a1"], "b": [tmp_path / "b0"]},
+                       [("reward/x/mean", "x")], tmp_path / "plot.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="the runs of 'a' logged no 'reward/y/mean'"):
+        plot_compare({"a": [tmp_path / "a0"]}, [("reward/y/mean", "y")], tmp_path / "other.png")
