@@ -16,7 +16,7 @@
 #
 # The last lines give, per arm, the mean over seeds of the last 5 steps' correctness and sound-derivation
 # share. Environment knobs: DEMO_DIR (/tmp/torchtune_grpo/demo_process), DEMO_SEEDS ("0 1 2"),
-# DEMO_SFT_EPOCHS (2), DEMO_SFT_PROBLEMS (7000), DEMO_CARRY_DROP (0.65), DEMO_LUCKY (0.5), DEMO_GRPO_STEPS (20),
+# DEMO_SFT_EPOCHS (4), DEMO_SFT_PROBLEMS (7000), DEMO_CARRY_DROP (0.65), DEMO_LUCKY (0.5), DEMO_GRPO_STEPS (20),
 # DEMO_GRPO_ARGS (key=value overrides of both GRPO runs).
 set -euo pipefail
 
@@ -24,7 +24,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$REPO/scripts/_python_env.sh"
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo_process}"
 SEEDS="${DEMO_SEEDS:-0 1 2}"
-SFT_EPOCHS="${DEMO_SFT_EPOCHS:-2}"
+SFT_EPOCHS="${DEMO_SFT_EPOCHS:-4}"
 SFT_PROBLEMS="${DEMO_SFT_PROBLEMS:-7000}"
 CARRY_DROP="${DEMO_CARRY_DROP:-0.65}"
 LUCKY="${DEMO_LUCKY:-0.5}"
