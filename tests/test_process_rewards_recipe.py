@@ -58,7 +58,7 @@ def test_process_advantages_in_the_recipe(tmp_path, clean_env, one_thread):
     record = read_jsonl(out / "completions.jsonl")[0]
     assert len(record["step_scores"]) == len(record["step_ends"]) > 0
     card = (out / "algorithm_card.md").read_text()
-    assert "end(i,j) >= t" in card and "DeepSeekMath 4.1.3" in card and "step-level" in card
+    assert "end(i,j) >= t" in card and "DeepSeekMath 4.1.3" in card and "step-level" in card and "A_i,t" in card
 
 
 def test_the_column_checker_tells_a_lucky_answer_from_a_sound_derivation():

@@ -417,7 +417,9 @@ def algorithm_card(spec: AlgorithmSpec) -> str:
             else "completion o_i of |o_i| tokens"
         )
         out += [
-            f"Sequence i (of the N in the global batch) answers prompt q with {completion}; A_i is its advantage.",
+            f"Sequence i (of the N in the global batch) answers prompt q with {completion}; "
+            + ("token t of it has its own advantage A_i,t, which takes the place of A_i below."
+               if spec.token_level_advantage else "A_i is its advantage."),
             "",
             "```text",
             *_objective(spec),
