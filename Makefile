@@ -3,6 +3,7 @@
 #
 #   make demo   # set up .venv's demo stage if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh)
 #   make demo-multi-turn   # the same for tool use: GRPO teaches the calculator (scripts/demo_multi_turn.sh)
+#   make demo-process-rewards   # outcome vs process-supervised advantages, 3 seeds each (scripts/demo_process_rewards.sh)
 #   make test   # set up .venv (both stages) if needed, then the whole test suite
 #   make gpu-wheels; make gpu-check   # the GPU check: wheels downloaded here, the check run there (docs/gpu.md)
 #
@@ -14,7 +15,7 @@ VENV ?= .venv
 PYTHON ?= python3
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: setup setup-demo demo demo-multi-turn test test-numerics test-oldest-torch gpu-wheels gpu-check
+.PHONY: setup setup-demo demo demo-multi-turn demo-process-rewards test test-numerics test-oldest-torch gpu-wheels gpu-check
 
 SETUP := VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" bash scripts/setup_env.sh
 
@@ -31,6 +32,9 @@ demo: setup-demo
 
 demo-multi-turn: setup-demo
 	$(RUN) bash scripts/demo_multi_turn.sh
+
+demo-process-rewards: setup-demo
+	$(RUN) bash scripts/demo_process_rewards.sh
 
 # -n auto: one pytest worker per core; --dist loadfile keeps each test file on one worker, so module-scoped
 # fixtures (a vLLM engine, a converted model) are built once; --no-loadscope-reorder hands files out in the order
@@ -55,7 +59,7 @@ NUMERIC_TESTS ?= tests/test_lora_sync.py tests/test_multiturn_continuation.py te
   tests/test_loss.py tests/test_loss_policies.py tests/test_logprobs.py tests/test_logprobs_fused.py \
   tests/test_packed_rows.py tests/test_generation_engine.py tests/test_models_architectures.py \
   tests/test_micro_batching.py tests/test_precision.py tests/test_transformers_backend.py tests/test_hf_families.py \
-  tests/test_update_switches.py
+  tests/test_update_switches.py tests/test_process_advantages.py tests/test_process_rewards.py
 OTHER_CAPABILITY := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo "avx2 AVX2" || echo "default SSE41")
 test-numerics: setup
 	$(RUN) ATEN_CPU_CAPABILITY=$(word 1,$(OTHER_CAPABILITY)) ONEDNN_MAX_CPU_ISA=$(word 2,$(OTHER_CAPABILITY)) \

@@ -46,3 +46,34 @@ class StepCyclingLoss(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> LossOutput:
         return self.losses[(_engines.GENERATE_CALLS - 1) % len(self.losses)](*args, **kwargs)
+
+
+class StepCyclingAdvantage:
+    """Step ``k`` of the run uses ``estimators[(k - 1) % len]`` (each a ``{_component_: ...}`` mapping), as
+    :class:`StepCyclingLoss` does for losses: one run checks outcome and token-level estimators. Steps count
+    from this object's construction (the recipe's setup), so runs in one process each start the cycle anew."""
+
+    def __init__(self, estimators: List[Dict[str, Any]]) -> None:
+        from omegaconf import OmegaConf
+        from torchtune import config as tt_config
+
+        self.estimators = [tt_config.instantiate(OmegaConf.create(dict(e))) for e in estimators]
+        self.first_call = _engines.GENERATE_CALLS
+        self.formula = " | ".join(getattr(e, "formula", type(e).__name__) for e in self.estimators)
+
+    @property
+    def current(self) -> Any:
+        return self.estimators[(_engines.GENERATE_CALLS - self.first_call - 1) % len(self.estimators)]
+
+    @property
+    def token_level(self) -> bool:
+        return getattr(self.current, "token_level", False)
+
+    @property
+    def uses_batch_stats(self) -> bool:
+        return getattr(self.current, "uses_batch_stats", False)
+
+    normalize_components = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.current(*args, **kwargs)

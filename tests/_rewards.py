@@ -57,3 +57,13 @@ class HangWhileFileExists:
         while os.path.exists(self.path) and time.monotonic() < deadline:
             time.sleep(0.05)
         return VowelFractionReward()(batch)
+
+
+def every_third_token(completion: str, completion_ids: List[int], token_offsets: List[int]) -> List[int]:
+    """Step boundaries for tests: a step ends at every third token (the ids alone decide)."""
+    return list(range(2, len(completion_ids), 3))
+
+
+def vowel_step(step: str) -> float:
+    """A step score for tests: the step's share of ASCII vowels (0 for an empty step)."""
+    return sum(c in "aeiou" for c in step) / max(len(step), 1)

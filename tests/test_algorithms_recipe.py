@@ -56,8 +56,19 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int, **overr
         generation={"_component_": "tests._engines.ScriptedGenerator", "logprob_center": -6.2},
         rollout_correction={"level": "token", "mode": "mask", "upper": 1.3, "lower": 0.75,
                             "offpolicy_threshold": 0.05},
-        reward_functions=[{"_component_": "tests._rewards.EvenTokenReward"}],
-        advantage={"_component_": "torchtune_grpo.rollouts.advantages.BatchStdAdvantage"},  # needs global stats
+        # A step-level reward (weight 0: the outcome total stays EvenTokenReward's) whose steps give token-level
+        # advantages at even steps: process-supervised advantages go through every second loss variant, the
+        # rollout correction's sequence masks, the micro-batches, the packed rows and the ranks.
+        reward_functions=[
+            {"_component_": "tests._rewards.EvenTokenReward"},
+            {"_component_": "torchtune_grpo.rewards.PythonStepReward", "function": "tests._rewards.vowel_step",
+             "steps": {"function": "tests._rewards.every_third_token"}, "aggregate": "mean", "weight": 0.0},
+        ],
+        advantage={"_component_": "tests._losses.StepCyclingAdvantage", "estimators": [
+            {"_component_": "torchtune_grpo.rollouts.advantages.BatchStdAdvantage"},  # needs global stats
+            {"_component_": "torchtune_grpo.rollouts.process_advantages.ProcessSupervisedAdvantage",
+             "outcome_weight": 1.0},
+        ]},
         loss={"_component_": "tests._losses.StepCyclingLoss", "variants": VARIANTS},
         kl_coef=0.05,
         kl_estimator="k3+",

@@ -52,6 +52,8 @@ class AlgorithmSpec:
         max_response_length (int): generation budget in tokens.
         advantage (str): the advantage estimator's formula.
         rewards (List[Tuple[str, float]]): reward components as ``(name, weight)``.
+        step_reward (Optional[str]): the step-level reward component's name, or None. Default is None.
+        token_level_advantage (bool): the advantage is per token, from step scores. Default is False.
         loss_agg_mode (Optional[str]): None for a loss component without one (then only ``loss_name`` is
             reported).
         loss_name (str): the loss component. Default is ``"GRPOLoss"``.
@@ -107,6 +109,8 @@ class AlgorithmSpec:
     max_response_length: int
     advantage: str
     rewards: List[Tuple[str, float]] = field(default_factory=list)
+    step_reward: Optional[str] = None
+    token_level_advantage: bool = False
     loss_agg_mode: Optional[str] = "token-mean"
     loss_name: str = "GRPOLoss"
     epsilon_low: float = 0.2
@@ -165,6 +169,8 @@ class AlgorithmSpec:
         return cls(
             advantage=getattr(advantage, "formula", type(advantage).__name__),
             rewards=list(zip(rewards.names, rewards.weights)),
+            step_reward=getattr(rewards, "step_component", None),
+            token_level_advantage=bool(getattr(advantage, "token_level", False)),
             loss_agg_mode=getattr(loss, "loss_agg_mode", None),
             loss_name=type(loss).__name__,
             epsilon_low=getattr(loss, "epsilon_low", 0.0),
@@ -292,6 +298,15 @@ def _objective(s: AlgorithmSpec) -> List[str]:
     if s.kl_coef > 0 and s.kl_placement == "reward":
         reward += f" - {_g(s.kl_coef)} * sum_t {s.kl_estimator}(log pi_old, log pi_ref)_i,t   [KL in the reward]"
     lines.append(f"reward     R_i = {reward}")
+    if s.step_reward is not None:
+        used = (
+            f"; the advantage reads r_i,j, and its R_i leaves {s.step_reward} out"
+            if s.token_level_advantage else "; the advantage sees only R_i"
+        )
+        lines.append(
+            f"steps      r_i,j = {s.step_reward}'s score of step j of o_i (a step-level reward; its term in R_i "
+            f"is one number from them){used}"
+        )
     return lines
 
 
@@ -402,7 +417,9 @@ def algorithm_card(spec: AlgorithmSpec) -> str:
             else "completion o_i of |o_i| tokens"
         )
         out += [
-            f"Sequence i (of the N in the global batch) answers prompt q with {completion}; A_i is its advantage.",
+            f"Sequence i (of the N in the global batch) answers prompt q with {completion}; "
+            + ("token t of it has its own advantage A_i,t, which takes the place of A_i below."
+               if spec.token_level_advantage else "A_i is its advantage."),
             "",
             "```text",
             *_objective(spec),

@@ -23,6 +23,7 @@ from torch import nn
 
 from torchtune_grpo.loss.kl import KL_ESTIMATORS, MAX_LOG_RATIO, kl_estimate
 from torchtune_grpo.loss.rollout_correction import tis_weights
+from torchtune_grpo.loss.token_advantages import advantage_columns
 
 __all__ = ["LOSS_AGG_MODES", "LossOutput", "PolicyGradientLoss", "PolicyTerm", "sequence_mean"]
 
@@ -166,7 +167,8 @@ class PolicyGradientLoss(nn.Module):
     def _policy(
         self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
     ) -> PolicyTerm:
-        """The policy term: ``logprobs``/``old_logprobs [B, T]``, ``adv [B, 1]``, ``mask [B, T]`` bool."""
+        """The policy term: ``logprobs``/``old_logprobs [B, T]``, ``adv [B, 1]`` (one per sequence) or
+        ``[B, T]`` (one per token, process rewards), ``mask [B, T]`` bool."""
         raise NotImplementedError
 
     def formula_lines(self) -> List[str]:
@@ -214,7 +216,8 @@ class PolicyGradientLoss(nn.Module):
                 grad, shape ``[B, T]``.
             old_logprobs (torch.Tensor): the same under the policy that sampled them, shape ``[B, T]``
                 (treated as constants). Equal to ``logprobs.detach()`` on the first, on-policy update.
-            advantages (torch.Tensor): one advantage per sequence, shape ``[B]`` (constants).
+            advantages (torch.Tensor): one advantage per sequence, shape ``[B]``, or one per token, shape
+                ``[B, T]`` (process-supervised advantages); constants.
             mask (torch.Tensor): True on the tokens trained on, shape ``[B, T]`` bool. Values at other
                 positions are ignored (they may be anything, even inf/NaN, in the log-probability inputs).
             ref_logprobs (Optional[torch.Tensor]): log-probabilities under the reference policy, shape
@@ -249,8 +252,7 @@ class PolicyGradientLoss(nn.Module):
         ):
             if t is not None and t.shape != shape:
                 raise ValueError(f"{name} must have the shape of logprobs {tuple(shape)}, got {tuple(t.shape)}")
-        if advantages.shape != shape[:1]:
-            raise ValueError(f"advantages must be [B] = [{shape[0]}], got shape {tuple(advantages.shape)}")
+        adv = advantage_columns(advantages, shape)  # [B, 1] or [B, T]; raises on any other shape
         if self.kl_coef > 0 and ref_logprobs is None:
             raise ValueError(f"kl_coef={self.kl_coef} > 0 needs ref_logprobs (or set kl_coef: 0.0)")
         if self.entropy_coef > 0 and entropy is None:
@@ -260,7 +262,7 @@ class PolicyGradientLoss(nn.Module):
         n_tok = _as_count(num_tokens, logprobs)
         n_seq = _as_count(num_seqs, logprobs)
         zeros = torch.zeros_like(logprobs)
-        adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
+        adv = adv.detach().to(logprobs.dtype)  # [B, 1] or [B, T]
 
         term = self._policy(logprobs, old_logprobs, adv, mask)
         policy = term.loss  # [B, T]

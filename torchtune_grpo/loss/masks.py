@@ -94,7 +94,7 @@ class LossMasks:
         Args:
             mask (torch.Tensor): ``[N, T]`` bool, response tokens of kept rows.
             kept (torch.Tensor): ``[N]`` bool.
-            advantages (torch.Tensor): ``[N]``.
+            advantages (torch.Tensor): ``[N]`` or ``[N, T]`` (token-level).
             old_logprobs (Optional[torch.Tensor]): ``[N, T]`` ``log pi_old`` (required when
                 :meth:`needs_old_logprobs`).
             old_entropy (Optional[torch.Tensor]): ``[N, T]`` ``pi_old``'s entropy (required with a token

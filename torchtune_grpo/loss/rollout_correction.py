@@ -19,6 +19,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional
 import torch
 
 from torchtune_grpo.metrics.sums import Key, Mean, Metric, StepSums
+from torchtune_grpo.loss.token_advantages import sequence_advantages
 
 __all__ = [
     "CORRECTION_LEVELS",
@@ -234,7 +235,8 @@ class RolloutCorrection:
             old_logprobs (torch.Tensor): the trainer's ``log pi_old``, ``[B, T]``.
             sampler_logprobs (torch.Tensor): the engine's ``log mu``, ``[B, T]``.
             mask (torch.Tensor): ``[B, T]`` bool, the tokens that would be trained on.
-            advantages (torch.Tensor): ``[B]``.
+            advantages (torch.Tensor): ``[B]``, or ``[B, T]`` (token-level: a sequence's sign is that of
+                its token mean over ``mask``).
 
         Returns:
             CorrectionOutput: weights, the reduced mask, the kept sequences and metric sums.
@@ -267,7 +269,8 @@ class RolloutCorrection:
                 token_keep = ~outside
         if self.offpolicy_threshold is not None:
             # (1/|o_i|) sum_t (log mu - log pi_old) = -mean log w; only negative-advantage sequences leave.
-            kept &= ~((advantages.to(w.device) < 0) & (-mean_log_w > self.offpolicy_threshold))
+            seq_adv = sequence_advantages(advantages.to(w.device), mask)  # [B]
+            kept &= ~((seq_adv < 0) & (-mean_log_w > self.offpolicy_threshold))
         new_mask = mask & token_keep & kept.unsqueeze(-1)
         has_tokens = mask.any(dim=-1)
         # KL(mu || pi_old) from tokens sampled from mu: k3 with r = pi_old / mu, r - 1 - log r (>= 0).

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["read_metrics", "plot_run"]
+__all__ = ["read_metrics", "plot_compare", "plot_run"]
 
 
 def read_metrics(path: "str | Path") -> List[Dict[str, float]]:
@@ -117,6 +117,60 @@ def plot_run(output_dir: "str | Path", out: Optional["str | Path"] = None, title
             ax.legend(fontsize=8)
     fig.suptitle(title or f"GRPO run: {run_dir.resolve().name}")
     fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_compare(
+    arms: Dict[str, List["str | Path"]],
+    panels: List[Tuple[str, str]],
+    out: "str | Path",
+    title: str = "",
+) -> Path:
+    """One PNG comparing several arms of an experiment, one panel per metric, every seed of every arm.
+
+    Each arm gets one colour: a thin line per run (seed) and a thick line for the mean over its runs at
+    the steps they share.
+
+    Args:
+        arms (Dict[str, List[str | Path]]): arm label -> the output directories of its runs.
+        panels (List[Tuple[str, str]]): ``(metric key, panel title)`` per panel, left to right.
+        out (str | Path): the PNG to write.
+        title (str): the figure's title. Default is ``""``.
+
+    Returns:
+        Path: ``out``.
+
+    Raises:
+        ValueError: when a run logged none of the panels' metrics.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {label: [read_metrics(Path(d) / "metrics.jsonl") for d in dirs] for label, dirs in arms.items()}
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, panel_title) in zip(axes[0], panels):
+        for (label, rows_of_runs), colour in zip(runs.items(), colours):
+            series = [dict(zip(*_series(rows, key))) for rows in rows_of_runs]
+            if not any(series):
+                raise ValueError(f"the runs of {label!r} logged no {key!r}")
+            for s in series:
+                ax.plot(list(s), list(s.values()), color=colour, alpha=0.3, linewidth=1)
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            ax.plot(steps, [sum(s[x] for s in series) / len(series) for x in steps], color=colour, linewidth=2.5,
+                    label=f"{label} (mean of {len(series)})")
+        ax.set_title(panel_title)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)

@@ -14,11 +14,13 @@ from torchtune_grpo.rewards._base import (
     RewardOutputError,
     RewardSample,
     RewardSet,
+    Steps,
     build_reward_set,
     reward_name,
     to_plain,
 )
 from torchtune_grpo.rewards._length import SoftOverlongPunishment
+from torchtune_grpo.rewards._column_steps import column_addition_step
 from torchtune_grpo.rewards._code import CODE_EXTRACT_MODES, CodeExecutionReward, extract_code
 from torchtune_grpo.rewards._execution import RewardTimeoutError
 from torchtune_grpo.rewards._format import DEFAULT_EOS_TEXT, FormatReward, follows_format
@@ -38,6 +40,16 @@ from torchtune_grpo.rewards._math import (
 )
 from torchtune_grpo.rewards._model_judge import JUDGE_METHODS, ModelJudge
 from torchtune_grpo.rewards._python import PythonReward, load_function, python_reward
+from torchtune_grpo.rewards._steps import (
+    AGGREGATES,
+    PythonStepReward,
+    StepReward,
+    StepSpan,
+    StepSplitter,
+    aggregate_steps,
+    token_offsets,
+)
+from torchtune_grpo.rewards._prm import HTTPStepReward, PRM_HEADS, PRMStepReward
 from torchtune_grpo.rewards._sandbox import (
     NETWORK_MODES,
     ProgramResult,
@@ -49,6 +61,17 @@ from torchtune_grpo.rewards._sandbox import (
 )
 
 __all__ = [
+    "AGGREGATES",
+    "HTTPStepReward",
+    "PRMStepReward",
+    "PRM_HEADS",
+    "PythonStepReward",
+    "StepReward",
+    "StepSpan",
+    "StepSplitter",
+    "Steps",
+    "aggregate_steps",
+    "token_offsets",
     "BACKENDS",
     "CODE_EXTRACT_MODES",
     "CodeExecutionReward",
@@ -81,6 +104,7 @@ __all__ = [
     "SoftOverlongPunishment",
     "answers_match",
     "build_reward_set",
+    "column_addition_step",
     "extract_answer",
     "extract_code",
     "follows_format",

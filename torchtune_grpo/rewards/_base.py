@@ -46,6 +46,7 @@ __all__ = [
     "RewardOutputError",
     "RewardSample",
     "RewardSet",
+    "Steps",
     "build_reward_set",
     "reward_name",
     "to_plain",
@@ -80,12 +81,15 @@ class RewardSample(NamedTuple):
         completion (str): the decoded completion text.
         completion_ids (List[int]): the completion token ids.
         fields (Dict[str, Any]): the prompt's dataset columns except ``tokens`` (``fields["answer"]``...).
+        token_offsets (Optional[List[int]]): the end of each completion token's characters in
+            ``completion`` (step-level rewards map step boundaries to tokens with it). Default is None.
     """
 
     prompt: str
     completion: str
     completion_ids: List[int]
     fields: Dict[str, Any]
+    token_offsets: Optional[List[int]] = None
 
 
 class RewardBatch(NamedTuple):
@@ -100,12 +104,16 @@ class RewardBatch(NamedTuple):
         completion_ids (List[List[int]]): the completion token ids (stop token included when one was sampled).
         fields (List[Dict[str, Any]]): the prompt's dataset columns except ``tokens``; ``fields[i]["answer"]``
             is the gold answer string.
+        token_offsets (Optional[List[List[int]]]): per completion, the end of each token's characters in
+            its text (:func:`~torchtune_grpo.rewards.token_offsets`); filled by ``sample_and_score`` when
+            the reward set has a step-level component, else None. Default is None.
     """
 
     prompts: List[str]
     completions: List[str]
     completion_ids: List[List[int]]
     fields: List[Dict[str, Any]]
+    token_offsets: Optional[List[List[int]]] = None
 
     @classmethod
     def for_groups(
@@ -115,6 +123,7 @@ class RewardBatch(NamedTuple):
         completions: List[str],
         completion_ids: List[List[int]],
         group_size: int,
+        token_offsets: Optional[List[List[int]]] = None,
     ) -> "RewardBatch":
         """Builds the batch of a rollout from its per-prompt data (B prompts, ``B x group_size`` completions).
 
@@ -124,6 +133,7 @@ class RewardBatch(NamedTuple):
             completions (List[str]): N = B x group_size decoded completions, grouped by prompt.
             completion_ids (List[List[int]]): their token ids.
             group_size (int): completions per prompt.
+            token_offsets (Optional[List[List[int]]]): see the class. Default is None.
 
         Returns:
             RewardBatch: with ``prompts`` and ``fields`` repeated for every completion of a group.
@@ -134,11 +144,13 @@ class RewardBatch(NamedTuple):
             completions=completions,
             completion_ids=completion_ids,
             fields=[fields[i // group_size] for i in range(n)],
+            token_offsets=token_offsets,
         )
 
     def sample(self, i: int) -> RewardSample:
         """Returns completion ``i`` as a :class:`RewardSample`."""
-        return RewardSample(self.prompts[i], self.completions[i], self.completion_ids[i], self.fields[i])
+        offsets = None if self.token_offsets is None else self.token_offsets[i]
+        return RewardSample(self.prompts[i], self.completions[i], self.completion_ids[i], self.fields[i], offsets)
 
     def select(self, indices: Sequence[int]) -> "RewardBatch":
         """Returns the sub-batch of the given completion indices, in that order."""
@@ -147,6 +159,7 @@ class RewardBatch(NamedTuple):
             completions=[self.completions[i] for i in indices],
             completion_ids=[self.completion_ids[i] for i in indices],
             fields=[self.fields[i] for i in indices],
+            token_offsets=None if self.token_offsets is None else [self.token_offsets[i] for i in indices],
         )
 
     def columns(self) -> Dict[str, List[Any]]:
@@ -159,6 +172,19 @@ class RewardBatch(NamedTuple):
         return {k: [f.get(k) for f in self.fields] for k in keys}
 
 
+class Steps(NamedTuple):
+    """A step-level reward's result for one completion (:class:`~torchtune_grpo.rewards.StepReward`).
+
+    Attributes:
+        scores (List[float]): one score per step.
+        ends (List[int]): the response-token index of each step's last token, strictly increasing, within
+            the completion's tokens.
+    """
+
+    scores: List[float]
+    ends: List[int]
+
+
 class RewardOutput(NamedTuple):
     """What :class:`RewardSet` returns for a batch of ``N`` completions.
 
@@ -168,11 +194,17 @@ class RewardOutput(NamedTuple):
             float32, keyed by component name (fallback values included where a component raised).
         errors (Dict[str, int]): for every component, the number of samples given the fallback (0 when the
             component ran cleanly). Every component name is present, so logged metrics keep the same keys.
+        steps (Optional[List[Steps]]): the step-level component's steps of each completion (a failed
+            completion: one step over all its tokens, scored with the fallback); None without one.
+            Default is None.
+        step_component (Optional[str]): that component's name. Default is None.
     """
 
     total: torch.Tensor
     per_component: Dict[str, torch.Tensor]
     errors: Dict[str, int]
+    steps: Optional[List[Steps]] = None
+    step_component: Optional[str] = None
 
 
 def _snake_case(name: str) -> str:
@@ -272,10 +304,11 @@ class RewardOutputError(ValueError):
     """A reward returned something other than one finite number (or exception) per completion."""
 
 
-def _check_scores(name: str, scores: Any, n: int) -> List[Any]:
+def _check_scores(name: str, scores: Any, n: int, lengths: Optional[Sequence[int]] = None) -> List[Any]:
     """Converts a component's output to a list of ``n`` floats or exception instances (failed samples),
     raising ValueError (naming the component) when it is anything else. A wrong output (wrong length,
-    NaN, inf, a string, None) is a bug in the reward, so it is not swallowed."""
+    NaN, inf, a string, None) is a bug in the reward, so it is not swallowed. With ``lengths`` (the
+    completions' token counts) the component is step-level and each entry must be :class:`Steps`."""
     if not isinstance(scores, (list, tuple)) and hasattr(scores, "tolist"):
         # torch tensors and numpy arrays: accepted when 1-D.
         if getattr(scores, "ndim", 1) != 1:
@@ -287,12 +320,33 @@ def _check_scores(name: str, scores: Any, n: int) -> List[Any]:
         raise RewardOutputError(f"reward {name!r} returned {type(scores).__name__}; expected a list of {n} floats")
     if len(scores) != n:
         raise RewardOutputError(f"reward {name!r} returned {len(scores)} scores for a batch of {n} completions")
-    return [_check_score(name, s, i) for i, s in enumerate(scores)]
+    return [_check_score(name, s, i, None if lengths is None else lengths[i]) for i, s in enumerate(scores)]
 
 
-def _check_score(name: str, s: Any, i: int) -> Any:
+def _check_steps(name: str, s: Any, i: int, length: int) -> Steps:
+    """A step-level result: ``scores`` and ``ends`` of equal length, finite scores, ends strictly
+    increasing within ``0 .. length - 1``."""
+    if not (hasattr(s, "scores") and hasattr(s, "ends")):
+        raise RewardOutputError(f"step-level reward {name!r} returned {type(s).__name__} at index {i}; expected Steps")
+    scores = [_check_score(name, x, i) for x in s.scores]
+    if any(isinstance(x, BaseException) for x in scores):
+        raise RewardOutputError(f"step-level reward {name!r} put an exception among the step scores at index {i}")
+    ends = [int(e) for e in s.ends]
+    if len(scores) != len(ends):
+        raise RewardOutputError(f"step-level reward {name!r} returned {len(scores)} scores and {len(ends)} ends at index {i}")
+    if any(b <= a for a, b in zip(ends, ends[1:])) or (ends and (ends[0] < 0 or ends[-1] > length - 1)):
+        raise RewardOutputError(
+            f"step-level reward {name!r} returned step ends {ends} at index {i}: need strictly increasing "
+            f"token indices within 0..{length - 1}"
+        )
+    return Steps(scores, ends)
+
+
+def _check_score(name: str, s: Any, i: int, length: Optional[int] = None) -> Any:
     if isinstance(s, BaseException):
         return s  # the reward marked this sample as failed
+    if length is not None:
+        return _check_steps(name, s, i, length)
     # numbers.Real covers int, float, bool and numpy scalars; strings, None, complex are rejected.
     if not isinstance(s, numbers.Real):
         if hasattr(s, "item") and getattr(s, "ndim", None) == 0:  # 0-d tensor or array
@@ -463,6 +517,11 @@ class RewardSet:
         self.weights = weights
         self.names = names
         self.fallback = fallback
+        steps = [n for r, n in zip(rewards, names) if getattr(r, "step_level", False)]
+        if len(steps) > 1:
+            raise ValueError(f"at most one step-level reward per set (its steps give the process advantage), got {steps}")
+        #: The name of the step-level component (its per-step scores are kept), or None.
+        self.step_component: Optional[str] = steps[0] if steps else None
 
     def _timeout_error(self, k: int, error: BaseException) -> BaseException:
         """Says, in a timeout that came from the default limit, where that limit comes from."""
@@ -476,26 +535,28 @@ class RewardSet:
     def _run_component(self, k: int, batch: RewardBatch, n: int) -> List[Any]:
         """Scores of component ``k``: floats, or exceptions for failed samples."""
         reward, name, timeout = self.rewards[k], self.names[k], self.limits[k]
+        lengths = [len(ids) for ids in batch.completion_ids] if name == self.step_component else None
         if not self.per_sample[k]:
             with _watchdog(name, n, timeout):
                 out = call_with_timeout(lambda: reward(batch), timeout)
             if out.status != "ok":
                 return [self._timeout_error(k, out.value)] * n
-            return _check_scores(name, out.value, n)
+            return _check_scores(name, out.value, n, lengths)
 
         if _has_score_one(reward):
             def one(i: int) -> Any:
                 return reward.score_one(batch.sample(i))
         else:
             def one(i: int) -> Any:
-                return _check_scores(name, resolve_awaitable(reward(batch.select([i]))), 1)[0]
+                one_length = None if lengths is None else [lengths[i]]
+                return _check_scores(name, resolve_awaitable(reward(batch.select([i]))), 1, one_length)[0]
 
         with _watchdog(name, n, timeout):
             outcomes: List[Outcome] = run_each(one, n, timeout=timeout, concurrency=self.concurrency[k])
         scores = []
         for i, o in enumerate(outcomes):
             if o.status == "ok":
-                scores.append(_check_score(name, o.value, i))
+                scores.append(_check_score(name, o.value, i, None if lengths is None else lengths[i]))
             elif isinstance(o.value, RewardOutputError):
                 raise o.value  # a malformed result is a bug in the reward, even per sample
             else:
@@ -515,7 +576,7 @@ class RewardSet:
             ValueError: if the batch's lists differ in length, or a component returns a malformed result.
         """
         n = len(batch.completions)
-        lengths = {k: len(v) for k, v in batch._asdict().items()}
+        lengths = {k: len(v) for k, v in batch._asdict().items() if v is not None}
         if len(set(lengths.values())) != 1:
             raise ValueError(f"RewardBatch lists must all have the same length, got {lengths}")
 
@@ -523,6 +584,7 @@ class RewardSet:
         total = torch.zeros(n, dtype=torch.float64)
         per_component: Dict[str, torch.Tensor] = {}
         errors: Dict[str, int] = {}
+        steps: Optional[List[Steps]] = None
         for k, (weight, name) in enumerate(zip(self.weights, self.names)):
             raw = self._run_component(k, batch, n) if n else []
             failed = [s for s in raw if isinstance(s, BaseException)]
@@ -540,12 +602,24 @@ class RewardSet:
                     _describe(failed[0]),
                     fallback,
                 )
+            if name == self.step_component:
+                # A failed completion: one step over all its tokens, scored with the fallback.
+                steps = [
+                    Steps([fallback], [len(ids) - 1]) if isinstance(s, BaseException) and ids else
+                    Steps([], []) if isinstance(s, BaseException) else s
+                    for s, ids in zip(raw, batch.completion_ids)
+                ]
+                reduce = getattr(self.rewards[k], "aggregate_steps", None) or (lambda x: float(min(x)) if x else 0.0)
+                raw = [s if isinstance(s, BaseException) else reduce(s.scores) for s in raw]
             scores = [fallback if isinstance(s, BaseException) else s for s in raw]
             errors[name] = len(failed)
             values = torch.tensor(scores, dtype=torch.float64)
             total += weight * values
             per_component[name] = values.to(torch.float32)
-        return RewardOutput(total=total.to(torch.float32), per_component=per_component, errors=errors)
+        return RewardOutput(
+            total=total.to(torch.float32), per_component=per_component, errors=errors,
+            steps=steps if self.step_component is not None else None, step_component=self.step_component,
+        )
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n}={w:g}" for n, w in zip(self.names, self.weights))

@@ -10,6 +10,7 @@ held-out evaluation (:mod:`torchtune_grpo.rollouts.evaluation`) and rejection sa
 (:mod:`torchtune_grpo.rollouts.rejection_sampling`) all sample, decode and score through it.
 """
 
+import functools
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields
@@ -21,7 +22,7 @@ from torch import nn
 from torchtune_grpo.data import PromptBatch
 from torchtune_grpo.generation import decode_responses, GenerationEngine
 from torchtune_grpo.multiturn import MultiTurn
-from torchtune_grpo.rewards import RewardBatch, RewardSet
+from torchtune_grpo.rewards import RewardBatch, RewardSet, token_offsets
 
 __all__ = ["RolloutGroups", "sample_and_score"]
 
@@ -66,6 +67,12 @@ class RolloutGroups:
             sampled it, where one completion may span several (a generation worker with
             ``generation_workers.in_flight_updates``: training steps; ``weight_versions`` is then each row's
             oldest). None otherwise. Default is None.
+        step_scores (Optional[List[List[float]]]): per row, the step-level reward's score of each step of the
+            completion (:class:`~torchtune_grpo.rewards.StepReward`); None without a step-level reward.
+            Default is None.
+        step_ends (Optional[List[List[int]]]): per row, the response-token index of each step's last token.
+            Default is None.
+        step_component (Optional[str]): the step-level reward's name. Default is None.
     """
 
     group_size: int = field(metadata={"kind": "constant"})
@@ -87,6 +94,9 @@ class RolloutGroups:
     environment_seconds: float = field(default=0.0, metadata={"kind": "total"})
     weight_versions: Optional[List[int]] = field(default=None, metadata={"kind": "row"})
     token_versions: Optional[List[List[int]]] = field(default=None, metadata={"kind": "row"})
+    step_scores: Optional[List[List[float]]] = field(default=None, metadata={"kind": "row"})
+    step_ends: Optional[List[List[int]]] = field(default=None, metadata={"kind": "row"})
+    step_component: Optional[str] = field(default=None, metadata={"kind": "constant"})
 
     # Each field's "kind" says how select and concat carry it, so a new field is one line here:
     # constant (the same in every part), group (one per prompt), row (one per completion: a list or a
@@ -215,8 +225,12 @@ def sample_and_score(
         )
     t1 = time.perf_counter()
     completions = decode_responses(tokenizer, rollout.response_ids)
+    offsets = None
+    if getattr(rewards, "step_component", None) is not None:  # step boundaries are token positions
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
+        offsets = [token_offsets(decode, ids, text) for ids, text in zip(rollout.response_ids, completions)]
     scored = rewards(
-        RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, group_size)
+        RewardBatch.for_groups(batch.prompts, batch.fields, completions, rollout.response_ids, group_size, offsets)
     )
     t2 = time.perf_counter()
     return RolloutGroups(
@@ -234,7 +248,20 @@ def sample_and_score(
         token_versions=rollout.token_versions,
         generation_seconds=t1 - t0,
         reward_seconds=t2 - t1,
+        **_step_fields(scored),
     )
+
+
+def _step_fields(scored: Any) -> Dict[str, Any]:
+    """The step-level reward's steps as :class:`RolloutGroups` fields (none without one)."""
+    steps = getattr(scored, "steps", None)
+    if steps is None:
+        return {}
+    return {
+        "step_scores": [list(s.scores) for s in steps],
+        "step_ends": [list(s.ends) for s in steps],
+        "step_component": scored.step_component,
+    }
 
 
 def _sample_and_score_episodes(
@@ -252,6 +279,11 @@ def _sample_and_score_episodes(
     generation_context: Optional[ContextManager],
 ) -> RolloutGroups:
     """:func:`sample_and_score` for multi-turn episodes (generation time includes the environment's)."""
+    if getattr(rewards, "step_component", None) is not None:
+        raise ValueError(
+            f"the step-level reward {rewards.step_component!r} does not work with multi-turn episodes yet (its "
+            "steps would span the environment's tokens): remove it or the environment"
+        )
     t0 = time.perf_counter()
     with generation_context if generation_context is not None else nullcontext():
         episodes = multi_turn.run(

@@ -47,7 +47,9 @@ class Experience:
         mask (torch.Tensor): ``[N, T]`` bool, the tokens the loss sees (response tokens of kept rows, minus
             what the rollout correction or the token selection removed).
         kept (torch.Tensor): ``[N]`` bool, the sequences that count in the loss's sequence count.
-        advantages (torch.Tensor): ``[N]`` per-sequence advantages, on the training device.
+        advantages (torch.Tensor): ``[N]`` per-sequence advantages, or ``[N, T]`` per-token ones (a
+            token-level estimator over step scores, in the logprob layout, 0 off the response), on the
+            training device.
         old_logprobs (Optional[torch.Tensor]): ``[N, T]`` logprobs under the sampling policy, or None when
             the update takes one optimizer step (the current policy *is* the old one: ratio 1).
         ref_logprobs (Optional[torch.Tensor]): ``[N, T]`` reference-policy logprobs, or None (no KL term).
@@ -120,7 +122,9 @@ class ExperienceBuilder:
     """Selected rollouts -> :class:`Experience` (see the module docstring).
 
     Args:
-        advantage: the advantage estimator (``advantage(rewards [N], group_size, batch_stats=...)``).
+        advantage: the advantage estimator (``advantage(rewards [N], group_size, batch_stats=...)``), or a
+            token-level one (``token_level = True``: ``advantage(outcome [N], step_scores, step_ends,
+            response_lengths, group_size)``, :mod:`~torchtune_grpo.rollouts.process_advantages`).
         reward_weights (Sequence[float]): each reward component's weight (GDPO's signal).
         group_size (int): completions per prompt.
         pad_id (int): the tokenizer's pad id.
@@ -269,6 +273,31 @@ class ExperienceBuilder:
         stats = RewardStats(*self.all_reduce(list(RewardStats.of(rewards))))
         return self.advantage(rewards, self.group_size, batch_stats=stats).advantages
 
+    def token_advantages(self, trained: RolloutGroups, kl_penalty: torch.Tensor, layout: TrainingBatch) -> torch.Tensor:
+        """Token-level advantages ``[N, T]`` (in ``layout``'s columns) from the step-level reward's steps.
+
+        The outcome is the weighted sum of the other reward components, less the KL penalty with
+        ``kl_placement: reward``; the step component's own weight only scales its share of the logged total.
+
+        Raises:
+            ValueError: when the rollouts carry no step scores (no step-level reward configured).
+        """
+        if trained.step_scores is None or trained.step_ends is None:
+            raise ValueError(
+                f"advantage {type(self.advantage).__name__} needs a step-level reward in reward_functions (e.g. "
+                "torchtune_grpo.rewards.PythonStepReward or PRMStepReward): these rollouts have no step scores"
+            )
+        outcome = torch.zeros(len(trained.response_ids), dtype=torch.float64)
+        for (name, values), w in zip(trained.per_component.items(), self.reward_weights):
+            if name != trained.step_component:
+                outcome += w * values.double()
+        outcome = outcome - kl_penalty.double()
+        out = self.advantage(
+            outcome, trained.step_scores, trained.step_ends, [len(r) for r in trained.response_ids], self.group_size
+        )
+        rows = [out.advantages[i, : len(r)].tolist() for i, r in enumerate(trained.response_ids)]
+        return layout.response_values(rows)  # [N, T]
+
     def __call__(self, policy: nn.Module, trained: RolloutGroups) -> BuiltExperience:
         """Lay out ``trained`` for the update (the policy is left in train mode).
 
@@ -311,7 +340,10 @@ class ExperienceBuilder:
         if self.kl_in_reward:
             kl_penalty = kl_reward_penalty(old.logprobs, ref_logprobs, actions, self.kl_coef, self.kl_estimator).cpu()
             rewards = rewards - kl_penalty
-        advantages = self.advantages(rewards).to(self.device)  # [N]
+        if getattr(self.advantage, "token_level", False):  # from step scores: [N, T]
+            advantages = self.token_advantages(trained, kl_penalty, layout)
+        else:
+            advantages = self.advantages(rewards).to(self.device)  # [N]
         # Rollout correction and token selection, decided before the update: the update's global
         # token/sequence counts (per mini-batch, torchtune_grpo/training/update.py) include them.
         masks = self.loss_masks(

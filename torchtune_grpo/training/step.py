@@ -36,6 +36,7 @@ from torchtune_grpo.runtime.crash_points import crash_point
 from torchtune_grpo.data import PromptBatch
 from torchtune_grpo.training.step_metrics import sample_records, step_sums, train_step_metrics
 from torchtune_grpo.training.update import PolicyUpdate
+from torchtune_grpo.loss.token_advantages import sequence_advantages
 
 __all__ = [
     "GRPOStep", "StepResult", "count_nonfinite_weights", "staleness_metrics", "staleness_sums", "trained_parameters",
@@ -131,7 +132,8 @@ class GRPOStep:
         zero_std = self.dynamic.informative(generated).logical_not()
         local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
         local.add(("nonfinite_weights",), count_nonfinite(trained_parameters(policy)))  # this rank's shards
-        local.merge(advantage_sums(exp.advantages))
+        seq_advantages = sequence_advantages(exp.advantages, exp.mask)  # [N]: token-level ones averaged
+        local.merge(advantage_sums(seq_advantages))
         if diagnosed is not None:
             local.merge(diagnosed)
         if generated.weight_versions is not None:
@@ -155,7 +157,7 @@ class GRPOStep:
             # The worker's own generation and reward times overlap training: the trainer waited t_rollouts.
             metrics["time/rollout_wait"] = t_rollouts
             metrics["time/train"] = t_step - t_rollouts - (sync or {}).get("time/weight_sync", 0.0)
-        return StepResult(metrics, sample_records(trained, exp.advantages, step + 1, self.log_completions))
+        return StepResult(metrics, sample_records(trained, seq_advantages, step + 1, self.log_completions))
 
     def _check_finite(self, reduced: Dict[Key, float], skipped_steps: int, step: int) -> None:
         # ``reduced`` is global, so every rank raises at the same step (torchtune_grpo/runtime/nonfinite.py).

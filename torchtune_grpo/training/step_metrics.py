@@ -260,7 +260,7 @@ def sample_records(
 
     Args:
         trained (RolloutGroups): the groups trained on.
-        advantages (torch.Tensor): ``[N]`` their advantages.
+        advantages (torch.Tensor): ``[N]`` their advantages (token-level ones: the mean over the row's tokens).
         step (int): the step number written in each row.
         limit (int): rows at most.
 
@@ -278,6 +278,9 @@ def sample_records(
             **{f"reward/{k}": v[i].item() for k, v in trained.per_component.items()},
             # multi-turn: the whole episode with roles (the model's turns and the environment's replies)
             **({"conversation": trained.conversations[i]} if trained.conversations is not None else {}),
+            # a step-level reward: each step's score and last response token
+            **({"step_scores": trained.step_scores[i], "step_ends": trained.step_ends[i]}
+               if trained.step_scores is not None else {}),
         }
         for i in range(min(limit, len(trained.response_ids)))
     ]
