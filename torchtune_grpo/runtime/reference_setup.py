@@ -134,7 +134,7 @@ def build_reference(
         for name, child in model.named_children():  # all but the transformer layers live on the device
             if name != "layers":
                 child.to(device)
-        OffloadedLayers(model.layers, device)
+        model.offloaded_layers = OffloadedLayers(model.layers, device)
     return model
 
 
