@@ -211,7 +211,7 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--train-steps", type=int, default=5, help="steps before the compared batch")
     parser.add_argument("--timed-steps", type=int, default=3, help="recipe steps per mode for the step time (0: none)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per child (1: see docs/benchmarks/README.md)")
     parser.add_argument("--out", default="reference_memory_results")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
