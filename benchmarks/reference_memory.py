@@ -24,9 +24,10 @@ CPU, so offloading saves nothing there and this row measures only its overhead).
     python benchmarks/reference_memory.py --model tiny --out results/reference_memory_tiny
 
 Outputs: ``reference_memory.json`` and ``report.md`` (the tables of docs/algorithms.md).
-The learning comparison (3 seeds x 30 steps, full vs NF4 reference, ``kl_coef`` 0.04) is the learning
-benchmark run twice: ``learning_vs_trl.py --sides ours --ours-override kl_coef=0.04 reference.precision=nf4``
-(docs/benchmarks/reference_memory.md has the commands).
+The learning comparison (30 steps, full vs NF4 reference, ``kl_coef`` 0.04, seed by seed) is the learning
+benchmark run twice, ``learning_vs_trl.py --sides ours --ours-override kl_coef=0.04 reference.precision=MODE``,
+then ``--learning FULL_OUT NF4_OUT`` here (``learning.md``, ``learning.png``; docs/benchmarks/reference_memory.md
+has the commands).
 """
 
 import argparse
@@ -204,6 +205,64 @@ def report(model: str, results: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def learning_report(full_dir: Path, nf4_dir: Path, out: Path) -> str:
+    """The learning comparison: two ``learning_vs_trl.py --sides ours`` output directories (full and NF4
+    reference, the same seeds) -> ``learning.md`` and ``learning.png`` in ``out`` (held-out accuracy, the
+    ``kl`` metric and the training reward per step, per seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = {"full reference": full_dir, "NF4 reference": nf4_dir}
+    runs = {name: {r["seed"]: r for r in json.loads((d / "runs.json").read_text())} for name, d in arms.items()}
+    seeds = sorted(set.intersection(*(set(r) for r in runs.values())))
+    kl = {name: {seed: [json.loads(line)["kl"] for line in
+                        (arms[name] / f"ours_seed{seed}" / "ours_out" / "metrics.jsonl").read_text().splitlines()]
+                 for seed in seeds} for name in arms}
+    steps = sorted({e["step"] for r in runs["full reference"].values() for e in r["evals"]})
+    lines = [f"Seeds {seeds}; held-out greedy accuracy (64 problems) by step, full / NF4 reference:", "",
+             "| step | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+    for step in steps:
+        cells = []
+        for seed in seeds:
+            acc = [next(e["accuracy"] for e in runs[a][seed]["evals"] if e["step"] == step) for a in arms]
+            cells.append(f"{acc[0]:.3f} / {acc[1]:.3f}")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    lines += ["", "The `kl` metric (token mean of k3 to the reference) and the training reward, mean over steps 1-10, "
+              "11-20, 21-30, full / NF4:", "", "| seed | kl 1-10 | kl 11-20 | kl 21-30 | reward 1-10 | reward 11-20 | "
+              "reward 21-30 | seconds (process) |", "|---|---|---|---|---|---|---|---|"]
+    for seed in seeds:
+        row = [str(seed)]
+        for key in ("kl", "reward"):
+            for first in (1, 11, 21):
+                vals = []
+                for a in arms:
+                    series = kl[a][seed] if key == "kl" else [s["reward"] for s in runs[a][seed]["steps"]]
+                    vals.append(statistics.fmean(series[first - 1:first + 9]))
+                row.append(f"{vals[0]:.4f} / {vals[1]:.4f}")
+        row.append(" / ".join(f"{runs[a][seed]['process_seconds']:.0f}" for a in arms))
+        lines.append("| " + " | ".join(row) + " |")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for a, style in zip(arms, ("-", "--")):
+        for seed in seeds:
+            evals = runs[a][seed]["evals"]
+            axes[0].plot([e["step"] for e in evals], [e["accuracy"] for e in evals], style, label=f"{a}, seed {seed}")
+            axes[1].plot(range(1, len(kl[a][seed]) + 1), kl[a][seed], style, label=f"{a}, seed {seed}")
+            axes[2].plot([s["step"] for s in runs[a][seed]["steps"]], [s["reward"] for s in runs[a][seed]["steps"]],
+                         style, label=f"{a}, seed {seed}")
+    for ax, title in zip(axes, ("held-out greedy accuracy", "kl (k3 to the reference)", "training reward")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("GRPO on SmolLM2-135M-Instruct, kl_coef 0.04: full vs NF4 reference")
+    fig.tight_layout()
+    fig.savefig(out / "learning.png", dpi=80)
+    text = "\n".join(lines) + "\n"
+    (out / "learning.md").write_text(text)
+    return text
+
+
 def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
@@ -213,9 +272,14 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--timed-steps", type=int, default=3, help="recipe steps per mode for the step time (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per child (1: see docs/benchmarks/README.md)")
     parser.add_argument("--out", default="reference_memory_results")
+    parser.add_argument("--learning", nargs=2, default=None, metavar=("FULL_OUT", "NF4_OUT"),
+                        help="only the learning comparison of two learning_vs_trl.py output directories")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.learning:
+        print(learning_report(Path(args.learning[0]), Path(args.learning[1]), out))
+        return
     model = "tiny"
     if args.model == "smollm2":
         import learning_vs_trl
