@@ -185,10 +185,12 @@ def _config(run_dir: Path, **overrides) -> Path:
 @pytest.mark.slow
 def test_nf4_offloaded_reference_through_the_recipe(tmp_path, clean_env, one_thread):
     # A: 1 process, 1 micro-batch; B: 4 micro-batches by a token budget; C: 2 processes (`tune run`); R: A resumed
-    # after step 1; F: the full reference.
+    # after step 1; F: the full reference; H: bf16.
     runs = {
         "A": {}, "B": {"micro_batch_size": 4, "max_tokens_per_micro_batch": 96},
         "F": {"reference.precision": "compute", "reference.offload": False},
+        # H: a bf16 reference of the fp32 policy, FSDP2-wrapped as on N processes (the sharded path)
+        "H": {"reference.precision": "bf16", "reference.offload": False, "fsdp_single_process": True},
     }
     results = {}
     for name, overrides in runs.items():
@@ -227,6 +229,10 @@ def test_nf4_offloaded_reference_through_the_recipe(tmp_path, clean_env, one_thr
     # The NF4 reference is not the full one: at step 1 the policy is the initial model, so the full reference's KL is
     # 0 to rounding while the NF4 reference's is its quantisation error's.
     assert results["F"][0]["kl"] < 1e-9 < 1e-6 < results["A"][0]["kl"]
+    # bf16 rounds each weight by at most 2^-9 relative, NF4 to one of 16 levels per block: a smaller, non-zero KL.
+    assert 1e-9 < results["H"][0]["kl"] < results["A"][0]["kl"]
+    card = (tmp_path / "H" / "out" / "algorithm_card.md").read_text()
+    assert "| reference model | loaded (frozen copy of the initial policy, in bfloat16) |" in card
     assert all(math.isfinite(m["loss"]) for m in results["A"])
 
 
