@@ -95,7 +95,8 @@ def build_reference(
 
     Returns:
         nn.Module: the reference in eval mode, no parameter requiring grad. The default and bf16 without
-        offloading: FSDP2-sharded as the policy is (N processes); otherwise a plain module on every rank.
+        offloading: FSDP2-sharded as the policy is (N processes); otherwise a plain module on every rank (when
+        offloaded, its ``offloaded_layers`` attribute is the :class:`OffloadedLayers` streaming its layers).
 
     Raises:
         ValueError: as :func:`~torchtune_grpo.runtime.model_setup.build_model`, and for an NF4 weight whose
