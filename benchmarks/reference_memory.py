@@ -108,6 +108,9 @@ def run_mode(model: str, out: Path, mode: str) -> None:
     cfg = recipe_cfg(model, out / f"mode_{mode}", mode, 1)
     batch = torch.load(out / "rollouts.pt", weights_only=False)
     state = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
+    # safetensors maps the checkpoint lazily: copy it into memory now, so that the RSS deltas below are the
+    # reference's and not the checkpoint's pages being read in.
+    state = {k: v.clone() for k, v in state.items()}
     placement = Placement(torch.device("cpu"), 1, Precision.from_name(cfg.dtype))
     precision, _, offload = mode.partition("+")
     options = ReferenceOptions(precision, offload == "offload")
@@ -272,6 +275,7 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--timed-steps", type=int, default=3, help="recipe steps per mode for the step time (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per child (1: see docs/benchmarks/README.md)")
     parser.add_argument("--out", default="reference_memory_results")
+    parser.add_argument("--skip-rollouts", action="store_true", help="reuse OUT/rollouts.pt of an earlier run")
     parser.add_argument("--learning", nargs=2, default=None, metavar=("FULL_OUT", "NF4_OUT"),
                         help="only the learning comparison of two learning_vs_trl.py output directories")
     args = parser.parse_args(argv)
@@ -292,9 +296,10 @@ def main(argv: Any = None) -> None:
     modes = ["compute"] + [m for m in args.modes if m != "compute"]
     me = Path(__file__).resolve()
     t0 = time.perf_counter()
-    run_child(sys.executable, me, ["_rollouts", model, str(out), str(args.train_steps)], threads=args.threads,
-              log=out / "rollouts.log")
-    print(f"rollouts after {args.train_steps} steps: {time.perf_counter() - t0:.0f} s", flush=True)
+    if not args.skip_rollouts:
+        run_child(sys.executable, me, ["_rollouts", model, str(out), str(args.train_steps)], threads=args.threads,
+                  log=out / "rollouts.log")
+        print(f"rollouts after {args.train_steps} steps: {time.perf_counter() - t0:.0f} s", flush=True)
     results: Dict[str, Any] = {"modes": {}, "steps": {}, "machine": machine(args.threads)}
     for mode in modes:
         run_child(sys.executable, me, ["_mode", model, str(out), mode], threads=args.threads, log=out / "modes.log")
