@@ -132,11 +132,27 @@ def build_reference(
     model.eval()
     model.requires_grad_(False)
     if options.offload:
-        for name, child in model.named_children():  # all but the transformer layers live on the device
-            if name != "layers":
-                child.to(device)
+        _outside_layers_to(model, device)
         model.offloaded_layers = OffloadedLayers(model.layers, device)
     return model
+
+
+def _outside_layers_to(model: nn.Module, device: torch.device) -> None:
+    """Every parameter outside ``model.layers`` (embeddings, final norm, output projection) and every buffer on
+    ``device``; a parameter two modules share (tied) stays one tensor."""
+    inside = {id(m) for m in model.layers.modules()}
+    moved: Dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for leaf, b in module._buffers.items():
+            if b is not None:
+                module._buffers[leaf] = b.to(device)
+        if id(module) in inside:
+            continue
+        for leaf, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in moved:
+                    moved[id(p)] = nn.Parameter(p.data.to(device), requires_grad=False)
+                module._parameters[leaf] = moved[id(p)]
 
 
 def chain_tensors(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -147,12 +163,13 @@ def chain_tensors(model: nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
 
 def _quantizable_linears(model: nn.Module) -> List[Tuple[str, nn.Linear]]:
     """Every ``nn.Linear`` of the transformer layers, and the output projection when it is its own Linear
-    (a tied one is the embedding table, left as it is)."""
-    found = [(f"layers.{n}", m) for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+    (a tied one is the embedding table, left as it is), by their names in the model's state dict."""
+    inside = {id(m) for m in model.layers.modules()}
     output = getattr(model, "output", None)
-    if isinstance(output, nn.Linear):
-        found.append(("output", output))
-    return found
+    return [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and (id(m) in inside or m is output)
+    ]
 
 
 def _nf4(weight: torch.Tensor, name: str) -> torch.Tensor:
