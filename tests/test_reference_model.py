@@ -260,3 +260,28 @@ def test_nf4_names_a_weight_that_does_not_fit(tiny):
     state = qwen2(**{**MODEL, "embed_dim": 100, "num_heads": 2, "num_kv_heads": 2}).state_dict()
     with pytest.raises(ValueError, match=r"multiple of 64; layers.0.attn.q_proj.weight has shape \(100, 100\)"):
         build_reference(cfg, state, CPU, ReferenceOptions("nf4"), source="test", max_len=32)
+
+
+def test_a_transformers_policy_reference_is_quantised_and_offloaded_too(tmp_path):
+    # model.backend transformers: the decoder layers are transformers' own modules, named as the checkpoint
+    # names them. Every linear layer of them is NF4; offloading streams them and computes the same logits.
+    from tests.hf_families import make_family_dir
+    from torchtune_grpo.models import HFCheckpointer
+
+    directory = make_family_dir("mistral", tmp_path / "mistral")
+    state = HFCheckpointer(str(directory), str(tmp_path / "scratch")).load_checkpoint()["model"]
+    cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_model", "path": str(directory)})
+
+    def build(precision, offload=False):
+        options = ReferenceOptions(precision, offload)
+        return build_reference(cfg, dict(state), CPU, options, source=str(directory), max_len=32)
+
+    tokens = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(0))
+    full, nf4, nf4_offloaded, offloaded = build("compute"), build("nf4"), build("nf4", True), build("compute", True)
+    linears = [m for m in nf4.layers.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m.weight).__name__ == "NF4Tensor" for m in linears)
+    with torch.no_grad():
+        assert torch.equal(offloaded(tokens), full(tokens))
+        assert torch.equal(nf4_offloaded(tokens), nf4(tokens))
+        assert not torch.equal(nf4(tokens), full(tokens))
+    assert nf4_offloaded.offloaded_layers.copies == len(nf4_offloaded.layers)  # one forward: each layer once
