@@ -237,9 +237,8 @@ def test_nf4_offloaded_reference_through_the_recipe(tmp_path, clean_env, one_thr
 
 
 def test_bad_reference_settings_name_the_key(tmp_path, clean_env, one_thread):
-    from tests.recipe_utils import _recipe_class
+    from grpo_full_finetune_distributed import GRPOFullFinetuneRecipeDistributed
 
-    GRPOFullFinetuneRecipeDistributed = _recipe_class(lora=False)
     cfg = OmegaConf.load(write_config(tmp_path, **{"reference.precision": "fp8"}))
     with pytest.raises(ValueError, match=r"reference.precision.*fp8"):
         GRPOFullFinetuneRecipeDistributed(cfg)
