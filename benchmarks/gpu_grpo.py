@@ -24,6 +24,9 @@ in a completion), so no tokenizer is needed. Parts (``--parts``, in this order):
   ``kl_coef > 0``) -> the recipe's update core (``torchtune_grpo.training.update.PolicyUpdate``: per micro-batch
   logprobs with grad and logged entropy, ``GRPOLoss`` token-mean with k3 KL 0.04, backward, grad-norm clip
   1.0, AdamW step). Times each phase, tokens/s, peak memory and MFU.
+- ``reference``: the KL reference model's device memory, logprob time and logprob difference per
+  ``reference:`` mode (full copy, int8, NF4, offloaded): benchmarks/gpu_reference.py (random Hugging Face
+  directories only).
 - ``recipe``: the real recipe class ``GRPOFullFinetuneRecipeDistributed`` (FSDP2 on one process, as
   ``tune run`` runs it) with the model's shipped config (``configs/qwen3/<size>_full_grpo.yaml``: only
   ``checkpointer.checkpoint_dir`` points at the random directory; ``configs/qwen2_5/...`` with a random
@@ -60,7 +63,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-import hf_random  # benchmarks/ is on sys.path: this script's directory (harness.py)
+import gpu_reference  # benchmarks/ is on sys.path: this script's directory (harness.py)
+import hf_random
 from harness import recipe_module, REPO
 
 # The GPU machine has no install of this project (scripts/gpu_check.sh): this checkout is imported.
@@ -596,7 +600,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3_0_6b", "qwen3_1_7b"], choices=list(MODELS))
     parser.add_argument("--parts", nargs="+", default=["ceilings", "decode", "grpo", "recipe"],
-                        choices=["ceilings", "decode", "grpo", "recipe"], help="ceilings first; the rest per model, in this order")
+                        choices=["ceilings", "decode", "grpo", "reference", "recipe"],
+                        help="ceilings first; the rest per model, in this order")
+    parser.add_argument("--reference-rows", type=int, default=16, help="rows of the reference part's logprob pass")
+    parser.add_argument("--reference-len", type=int, default=1024, help="tokens per row of that pass")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model and small shapes")
@@ -624,6 +631,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         args.prompt_len, args.new_tokens, args.repeats = 16, 12, 1
         hf_random.use_tiny_workload(args)
         args.chunk_size, args.steps, args.recipe_steps = 64, 2, 2
+        args.reference_rows, args.reference_len = 4, 32
     device = torch.device(args.device)
     # Every decode shape and model is a new graph of the same function: stay compiled past dynamo's
     # default limit of 8 rather than silently falling back to eager.
@@ -636,7 +644,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
 
     results: Dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv, "torch": torch.__version__,
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                               "decode": [], "grpo": [], "recipe": [], "errors": [], "skipped": [],
+                               "decode": [], "grpo": [], "recipe": [], "reference": [], "errors": [], "skipped": [],
                                "part_seconds": {}}
     started = time.perf_counter()
 
@@ -706,6 +714,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                 r = attempt(f"grpo {name}", lambda: run_grpo(name, device, dtype, args, peak_flops))
                 if r:
                     results["grpo"].append(r)
+            elif part == "reference":
+                r = attempt(f"reference {name}", lambda: {"model": name, **gpu_reference.measure_reference(
+                    str(model_dir(name)), device, dtype, args.reference_rows, args.reference_len, args.chunk_size)})
+                if r:
+                    results["reference"].append(r)
+                free_memory()
             else:
                 recipe_part(name)
     try:
@@ -740,6 +754,10 @@ def print_summary(results: Dict[str, Any]) -> None:
         print(f"recipe {r['model']:14s} step {m['time/step']:.2f} s (gen {m['time/generation']:.2f}, train "
               f"{m['time/train']:.2f}) {m['tokens_per_second']:.0f} tok/s peak {m.get('memory/peak_allocated_gib')} GiB"
               + (f" MFU(6N, step) {r['mfu_step_6n_only']:.1%}" if "mfu_step_6n_only" in r else ""))
+    for r in results["reference"]:
+        for mode, m in r["modes"].items():
+            print(f"reference {r['model']:14s} {mode:16s} held {m['held_gib']:.2f} GiB peak {m['peak_gib']} GiB "
+                  f"logprobs {m['logprob_s']:.2f} s, |diff| mean {m['logprob_abs_diff_mean']:.2e}")
     if results.get("dynamo"):
         print("dynamo:", json.dumps(results["dynamo"], default=str)[:1500])
     for e in results["errors"]:

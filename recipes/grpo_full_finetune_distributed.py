@@ -74,6 +74,7 @@ from torchtune_grpo.loss.rollout_correction import off_policy_note, RolloutCorre
 from torchtune_grpo.runtime.output_lock import check_output_dir, OutputDirLock
 from torchtune_grpo.runtime.precision import Precision
 from torchtune_grpo.runtime.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
+from torchtune_grpo.runtime.reference_setup import build_reference, ReferenceOptions
 from torchtune_grpo.rollouts.producer import PromptStream, RolloutProducer
 from torchtune_grpo.checkpoints.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rewards import build_reward_set
@@ -203,13 +204,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         policy = build_model(cfg.model, policy_state, self._placement, trainable=True, source=source, max_len=max_len)
         # The reference is the *initial* policy, also after a resume. With kl_coef == 0 it is never
         # used: don't spend its memory.
-        reference = None
+        # reference: its precision and offloading (torchtune_grpo/runtime/reference_setup.py).
+        reference, options = None, ReferenceOptions(**dataclasses.asdict(self.config.reference))
         if self.config.kl_coef > 0:
             ref_state = policy_state if resume_dir is None else base_checkpointer.load_checkpoint()[training.MODEL_KEY]
-            reference = Reference(build_model(
-                cfg.model, ref_state, self._placement, trainable=False, source=checkpoint_source(cfg), max_len=max_len
+            reference = Reference(build_reference(
+                cfg.model, ref_state, self._placement, options, source=checkpoint_source(cfg), max_len=max_len
             ))
-        return Models(policy, reference, checkpointer)
+        return Models(policy, reference, checkpointer, options.describe(self._placement.precision.compute_dtype))
 
     def gather_model_state(self) -> Dict[str, Any]:
         """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""

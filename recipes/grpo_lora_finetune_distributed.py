@@ -72,6 +72,13 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         return Precision.from_name("bf16_pure" if config.dtype == "bf16" else config.dtype)
 
     def build_models(self, cfg: DictConfig, base_checkpointer: Any, resume_dir: Optional[Path]) -> Models:
+        reference = self.config.reference
+        if reference.precision != "compute" or reference.offload:
+            raise ValueError(
+                f"reference.precision: {reference.precision} / reference.offload: {reference.offload} apply to the "
+                "full recipe only: the LoRA recipe's reference is the policy with its adapters off (no second copy; "
+                "QLoRA's base is NF4 already). Remove the reference: section."
+            )
         # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.
         # Saves go through the same checkpointer, whose config.json and tokenizer files are the base's.
         base_state = base_checkpointer.load_checkpoint()[training.MODEL_KEY]

@@ -15,7 +15,8 @@
 #    would start past its share skipped and listed;
 # 4. grpo_0_6b: benchmarks/gpu_grpo.py on the Qwen3-0.6B shape: ceilings, decode, one GRPO step, the recipe;
 # 5. trl: benchmarks/gpu_trl.py, TRL's GRPOTrainer on the same model and batch (the step-time ratio);
-# 6. grpo_1_7b: benchmarks/gpu_grpo.py on the Qwen3-1.7B shape: decode and the recipe, in the time left;
+# 6. grpo_1_7b: benchmarks/gpu_grpo.py on the Qwen3-1.7B shape: the reference model per mode, the recipe and
+#    decode, in the time left;
 # 7. the report: OUT/gpu_check.json and OUT/gpu_check.md (rewritten after every stage, so a check cut
 #    short still leaves what it measured).
 #
@@ -120,11 +121,12 @@ stage grpo_0_6b 180 "${GRPO[@]}" --models qwen3_0_6b --parts ceilings recipe dec
 stage trl 100 "$PYTHON" benchmarks/gpu_trl.py --device "$DEVICE" "${TINY[@]}" --model qwen3_0_6b \
   --model-dir "$MODELS" --steps 1 --json "$OUT_DIR/trl.json"
 if (( ${#TINY[@]} )); then  # the second shape is the same tiny model: rehearse the stage, not the parts again
-  stage grpo_1_7b 120 "${GRPO[@]}" --models qwen3_1_7b --parts recipe --json "$OUT_DIR/grpo_1_7b.json"
+  stage grpo_1_7b 120 "${GRPO[@]}" --models qwen3_1_7b --parts reference recipe --json "$OUT_DIR/grpo_1_7b.json"
 else
-  # What is left of the budget (~100 s): the recipe's 2 steps (one measured), then the compiled decode
+  # What is left of the budget (~100 s): the reference model's memory per mode (full, int8, NF4, offloaded:
+  # an estimated 20-40 s, not yet run on a GPU), the recipe's 2 steps (one measured), then the compiled decode
   # if time remains. 4 steps did not finish in 114 s on the H200.
-  stage grpo_1_7b 300 "${GRPO[@]}" --models qwen3_1_7b --parts ceilings recipe decode --decode-compile on \
+  stage grpo_1_7b 300 "${GRPO[@]}" --models qwen3_1_7b --parts ceilings reference recipe decode --decode-compile on \
     --recipe-steps 2 --decode-batch 256 --repeats 2 --json "$OUT_DIR/grpo_1_7b.json" --time-budget 60
 fi
 

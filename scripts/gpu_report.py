@@ -232,6 +232,15 @@ def _grpo_tables(g: Dict[str, Any]) -> List[str]:
                          f"{_fmt(m.get('time/train'))} | {_fmt(m.get('tokens_per_second'))} | "
                          f"{_fmt(m.get('memory/peak_allocated_gib'))} | {_fmt(r.get('mfu_step_6n_only'))} |")
         lines.append("")
+    for r in g.get("reference", []):
+        lines += [f"Reference model ({r['model']}, {r['dtype']}; logprobs of {r['rows']} x {r['length']} tokens):", "",
+                  "| reference mode | bytes by device/dtype (GiB) | held GiB | peak GiB | logprob s | "
+                  "mean / max abs diff logprob |", "|---|---|---|---|---|---|"]
+        for mode, m in r["modes"].items():
+            held = ", ".join(f"{k} {v / 2**30:.3f}" for k, v in m["bytes"].items())
+            lines.append(f"| {mode} | {held} | {_fmt(m['held_gib'])} | {_fmt(m['peak_gib'])} | {_fmt(m['logprob_s'])} | "
+                         f"{_fmt(m['logprob_abs_diff_mean'])} / {_fmt(m['logprob_abs_diff_max'])} |")
+        lines.append("")
     if g.get("skipped"):
         lines += ["Skipped (time budget): " + ", ".join(g["skipped"]), ""]
     return lines

@@ -380,3 +380,43 @@ def test_bf16_head_accumulates_in_fp32_on_the_device(gpu_device, record_property
     record_property("bf16_head_kernel", out["kernel"])
     assert out["kernel"] == ("out_dtype" if gpu_device.type == "cuda" else "upcast"), out
     assert max(out[k] for k in ("logprob", "entropy", "grad_h", "grad_w")) <= 1, out
+
+
+def test_offloaded_nf4_reference_streams_its_layers_and_computes_the_same(gpu_device, record_property):
+    # reference: {precision: nf4, offload: true}: the layers in (pinned) CPU memory, each copied to the device on a
+    # side stream just before it runs. The same bytes reach the same kernels, so the logits equal the resident NF4
+    # reference's bit for bit; on CUDA it holds less device memory (the layers are not there between forwards).
+    from torchtune.models.qwen2 import qwen2
+
+    from torchtune_grpo.runtime.model_setup import Placement
+    from torchtune_grpo.runtime.precision import Precision
+    from torchtune_grpo.runtime.reference_setup import build_reference, ReferenceOptions
+
+    shape = dict(vocab_size=96, num_layers=4, num_heads=4, num_kv_heads=4, embed_dim=256, intermediate_dim=512,
+                 max_seq_len=64, tie_word_embeddings=True)  # NF4-sized (multiples of 64 x 256)
+    torch.manual_seed(0)
+    model = qwen2(**shape)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # peaked attention
+    state, cfg = model.state_dict(), OmegaConf.create({"_component_": "torchtune.models.qwen2.qwen2", **shape})
+    placement = Placement(gpu_device, 1, Precision.from_name("fp32"))
+    cuda = gpu_device.type == "cuda"
+
+    def held(options):
+        before = torch.cuda.memory_allocated(gpu_device) if cuda else 0
+        ref = build_reference(cfg, state, placement, options, source="test", max_len=32)
+        return ref, (torch.cuda.memory_allocated(gpu_device) - before if cuda else None)
+
+    resident, resident_bytes = held(ReferenceOptions("nf4"))
+    offloaded, offloaded_bytes = held(ReferenceOptions("nf4", offload=True))
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1)).to(gpu_device)
+    with torch.no_grad():
+        expected, out = resident(tokens), offloaded(tokens)
+    assert torch.equal(out, expected)
+    assert offloaded.offloaded_layers.copies == shape["num_layers"]
+    assert all(p.device.type == "cpu" for p in offloaded.layers.parameters())  # back on the host after the forward
+    if cuda:
+        assert offloaded_bytes < resident_bytes
+        record_property("nf4_resident_device_MiB", resident_bytes / 2**20)
+        record_property("nf4_offloaded_device_MiB", offloaded_bytes / 2**20)

@@ -36,6 +36,7 @@ GPU_TESTS = {
     "test_multi_turn_sessions_compact_on_the_device",
     "test_packed_rows_flex_attention_equals_the_dense_mask",
     "test_bf16_head_accumulates_in_fp32_on_the_device",
+    "test_offloaded_nf4_reference_streams_its_layers_and_computes_the_same",
 }
 
 
@@ -78,6 +79,12 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert [(d["rows"], d["compiled"]) for d in first["decode"]] == [(1, True), (8, True)]
     assert first["grpo"][0]["model"] == "tiny_qwen3" and first["grpo"][0]["rows"] == 16
     assert [r["model"] for r in first["recipe"] + second["recipe"]] == ["tiny_qwen3", "tiny_qwen3"]
+    # The reference model per mode (on CPU: RSS, no device peak); the full copy is the baseline of the differences.
+    modes = second["reference"][0]["modes"]
+    assert list(modes) == ["compute", "int8", "nf4", "compute+offload", "nf4+offload"]
+    assert modes["compute"]["logprob_abs_diff_max"] == 0 < modes["nf4"]["logprob_abs_diff_mean"]
+    assert modes["compute+offload"]["logprob_abs_diff_max"] == 0  # offloading moves weights, not values
+    assert sum(modes["nf4"]["bytes"].values()) < sum(modes["compute"]["bytes"].values())
     assert report["trl"]["rows"] == 16 and report["trl"]["median_step_s"] > 0
     assert report["ours_vs_trl"]["ratio"] > 0
     # The ablation: the baseline, the bf16 head and every switch together ("auto" checkpointing decides "off"
@@ -99,6 +106,7 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     md = (out / "gpu_check.md").read_text()
     assert md.startswith("# GPU check: OK") and "Step time, ours / TRL (tiny_qwen3)" in md
     assert "## The update's switches" in md
+    assert "| nf4+offload |" in md
 
 
 def test_device_wheel_bundle_fits_and_covers_every_requirement():

@@ -242,7 +242,7 @@ def _batch_table(s: AlgorithmSpec) -> List[str]:
     else:
         consumed, consumed_note = str(round_prompts), "one generation round per step"
     if s.reference_model:
-        ref = (s.reference_description, f"kl_coef = {_g(s.kl_coef)} > 0")
+        ref = (s.reference_description, f"kl_coef = {_g(s.kl_coef)} > 0; reference.precision, reference.offload")
     else:
         ref = ("not loaded", "kl_coef = 0")
     rows = [
@@ -319,6 +319,11 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         "micro_batch_size or on the number of processes.",
         "- pi_old is the policy that generated the rollouts (no gradient); pi_ref the initial policy.",
     ]
+    if s.reference_model and ("int8" in s.reference_description or "NF4" in s.reference_description):
+        notes.append(
+            "- pi_ref is computed by a quantised copy of the initial policy (see \"reference model\" above): "
+            "log pi_ref carries its quantisation error, measured in docs/algorithms.md."
+        )
     if s.environment:
         notes.append(
             f"- Multi-turn episodes ({s.environment}): o_i is a whole episode, the model's turns with the "

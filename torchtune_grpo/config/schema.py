@@ -27,10 +27,12 @@ from torchtune_grpo.training.packed_rows import PACKED_ATTENTION
 from torchtune_grpo.runtime.precision import PRECISIONS
 from torchtune_grpo.runtime.compute import ACTIVATION_CHECKPOINTING
 from torchtune_grpo.models.logprobs import HEAD_PRECISIONS
+from torchtune_grpo.runtime.reference_setup import REFERENCE_PRECISIONS
 from torchtune_grpo.checkpoints.resume import BROKEN_CHECKPOINT_POLICIES
 
 __all__ = [
     "KL_PLACEMENTS", "DynamicSamplingConfig", "GenerationWorkersConfig", "LoRARecipeConfig", "MultiTurnConfig", "RecipeConfig",
+    "ReferenceConfig",
 ]
 
 #: Where a KL penalty goes: GRPO's term in the loss, or RLHF-PPO's penalty of each sequence's reward.
@@ -87,6 +89,19 @@ class GenerationWorkersConfig(ConfigSchema):
         "worker process per rank on the trainer's node", required=False, kind=LIST)
     connect_timeout: float = setting(60.0, gt=0, doc="seconds to keep trying to connect to a worker's address (at "
                                                      "start and after a fault) before the run stops naming it")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReferenceConfig(ConfigSchema):
+    """``reference:`` (the KL term's reference model; :func:`~torchtune_grpo.runtime.reference_setup.build_reference`)."""
+
+    precision: str = setting(
+        "compute", choices=REFERENCE_PRECISIONS,
+        doc="the reference's weights: `compute` (a full copy in the run's compute dtype), `bf16`, `int8` (linear "
+            "weights int8, one scale per row) or `nf4` (linear weights 4-bit NormalFloat, as QLoRA); measured "
+            "effect on the KL term in [algorithms.md](algorithms.md#the-reference-model-in-less-memory)")
+    offload: bool = setting(False, doc="keep the reference's transformer layers in CPU memory and copy each to the "
+                                       "device just before it runs (the next one prefetched)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -186,6 +201,10 @@ class RecipeConfig(ConfigSchema):
     kl_placement: str = setting("loss", choices=KL_PLACEMENTS,
                                 doc="`loss`: GRPO's per-token term; `reward`: RLHF-PPO's penalty of each "
                                     "sequence's reward")
+    reference: ReferenceConfig = setting(
+        factory=ReferenceConfig, null=True,
+        doc="how the reference model is held (precision, CPU offload); used only when `kl_coef > 0`; not in the "
+            "LoRA recipe, whose reference is the policy with its adapters off")
     generation: Any = component("generation engine, e.g. `torchtune_grpo.generation.NativeGenerator`",
                                 checks=_GenerationChecks)
     reward_functions: Any = component(

@@ -161,7 +161,8 @@ def decoder_layer_classes(model: nn.Module) -> set:
 
 
 def build_model(
-    model_cfg: Any, state_dict: Dict[str, Any], placement: Placement, *, trainable: bool, source: str, max_len: int
+    model_cfg: Any, state_dict: Dict[str, Any], placement: Placement, *, trainable: bool, source: str, max_len: int,
+    frozen_dtype: Optional[torch.dtype] = None,
 ) -> nn.Module:
     """The model of ``model_cfg`` with ``state_dict`` loaded: the trained policy or a frozen reference.
 
@@ -173,6 +174,8 @@ def build_model(
             checkpointing when asked) or a frozen reference (the compute dtype, eval mode, no gradients).
         source (str): where ``state_dict`` came from, for error messages.
         max_len (int): ``max_prompt_length + max_response_length``, checked against the model's ``max_seq_len``.
+        frozen_dtype (Optional[torch.dtype]): a frozen model's dtype (a bf16 reference of an fp32 run). Default
+            is None: the compute dtype.
 
     Returns:
         nn.Module: the model on ``placement.device``.
@@ -182,7 +185,7 @@ def build_model(
             shapes, naming ``source``).
     """
     mixed = trainable and placement.precision.mixed
-    param_dtype = placement.precision.param_dtype if trainable else placement.precision.compute_dtype
+    param_dtype = placement.precision.param_dtype if trainable else (frozen_dtype or placement.precision.compute_dtype)
     with training.set_default_dtype(param_dtype), torch.device("meta"):
         model = config.instantiate(model_cfg)
     check_max_seq_len(model, max_len)
