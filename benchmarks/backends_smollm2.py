@@ -23,7 +23,9 @@ package), each model built as the recipe builds it (``runtime.model_setup.build_
   ``time/generation`` and ``time/train`` metrics): ``--speed-steps`` steps with real sampling (the native
   engine: torchtune's KV-cached decode, or transformers' ``generate`` on the live module), then the same
   number on one fixed batch (the update on identical rows). The first step of each is warm-up; medians of
-  the rest; backends alternate ``--repeats`` times (the noise). Ratio transformers / torchtune.
+  the rest; backends alternate ``--repeats`` times (the noise). Ratio transformers / torchtune. The layout
+  is the shipped default (torchtune shares each prompt, transformers cannot), or with ``--share-prompt
+  false`` one row per sequence on both.
 
 The reward is the fraction of even token ids in a completion (gpu_grpo.EvenTokenReward): it varies within
 every group, so advantages and losses are not zero.
@@ -36,6 +38,7 @@ Results: docs/benchmarks/backends.md.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -289,7 +292,11 @@ def time_backend(model_dir: Path, out: Path, backend: str, fixed, args: argparse
     from torchtune_grpo.rollouts.producer import FixedRollouts
 
     steps = 2 * args.speed_steps
-    with recipe_in_process(recipe_config(model_dir, out, backend, args, steps=steps)) as recipe:
+    share = {"default": None, "false": False}[args.share_prompt]
+    # The replayed batch carries the seconds its sampling took; the step subtracts them from its time/train
+    # (time/train = time/step - generation - reward). Nothing is sampled on replay: zero them.
+    fixed = dataclasses.replace(fixed, generation_seconds=0.0, reward_seconds=0.0)
+    with recipe_in_process(recipe_config(model_dir, out, backend, args, share, steps=steps)) as recipe:
         load = loadavg()
         sampled = [recipe.train_step().metrics for _ in range(args.speed_steps)]
         recipe.step.rollouts = FixedRollouts(fixed)
@@ -340,6 +347,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--speed-steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--share-prompt", default="default", choices=["default", "false"],
+                        help="speed part: share_prompt_in_training as shipped (torchtune shares, transformers cannot) "
+                             "or false on both (one row per sequence)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads; default: torch's")
     parser.add_argument("--work-dir", default=None, help="recipe outputs (default: a temporary directory)")
     parser.add_argument("--json", default=None)
