@@ -39,6 +39,7 @@ Results: docs/benchmarks/backends.md.
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import platform
@@ -302,9 +303,8 @@ def time_backend(model_dir: Path, out: Path, backend: str, fixed, args: argparse
         recipe.step.rollouts = FixedRollouts(fixed)
         replayed = [recipe.train_step().metrics for _ in range(args.speed_steps)]
 
-    def med(rows, key):
-        rows = rows[1:] if len(rows) > 1 else rows
-        return statistics.median(float(r[key]) for r in rows)
+    def med(rows, key):  # the first step is warm-up
+        return statistics.median(float(r[key]) for r in (rows[1:] or rows))
 
     return {
         "backend": backend, "load_at_start": load,
@@ -371,9 +371,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                    f"{torch.get_num_threads()}", "torch": torch.__version__, "load_at_start": loadavg(),
         "workload": {k: getattr(args, k) for k in ("prompts", "group", "micro_batch", "response_len", "lr")},
     }
-    import transformers
-
-    result["transformers"] = transformers.__version__
+    result["transformers"] = importlib.metadata.version("transformers")
 
     def save() -> None:
         if args.json:

@@ -97,4 +97,3 @@ def test_longtail_benchmark_runs_and_reports(monkeypatch, capsys):
     paddings = [float(line.split("|")[5].strip().rstrip("%")) for line in out.splitlines() if line.endswith("|")
                 and "%" in line]
     assert len(paddings) == 5 and all(0 <= p < 100 for p in paddings)
-
