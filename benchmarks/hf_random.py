@@ -30,7 +30,27 @@ SHAPES: Dict[str, Dict[str, Any]] = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128),
     "tiny_qwen3": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    # Qwen3.5-0.8B's language model (its model card: 24 layers of 3 x (Gated DeltaNet -> FFN) then
+    # 1 x (gated attention -> FFN), hidden 1024, vocabulary 248,320, DeltaNet 16 QK / 16 V heads of 128,
+    # attention 8 Q / 2 KV heads of 256, RoPE on 64 of the 256 dimensions (partial rotary 0.25), base 1e7,
+    # tied embeddings; intermediate 3584 from the published configs derived from it). Text only
+    # (qwen3_5_text): the real checkpoint is multimodal on disk, and its vision tower plays no part in a
+    # text step. transformers' torch implementation of the DeltaNet layers (no flash-linear-attention here).
+    "qwen3_5_0_8b": dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                         linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+    # Its CPU rehearsal stand-in: the same layer kinds, tiny.
+    "tiny_qwen3_5": dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                         linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_conv_kernel_dim=4,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
 }
+# Fields every shape shares unless it sets its own (a shape's ``model_type`` defaults to ``qwen3``).
 _COMMON = dict(tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
                rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
 # Qwen's <|endoftext|> (pad) and <|im_end|> (stop) where the vocabulary has them; else its last two ids.
@@ -74,10 +94,27 @@ def use_tiny_workload(args: argparse.Namespace) -> None:
 
 
 def hf_config(shape: str):
-    """The transformers ``Qwen3Config`` of ``shape`` (a key of :data:`SHAPES`)."""
+    """The transformers config of ``shape`` (a key of :data:`SHAPES`): ``Qwen3Config`` unless the shape
+    names another ``model_type``. The layer pattern of a ``layer_types`` shape repeats over its layers."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model("qwen3", **_COMMON, **SHAPES[shape])
+    fields = {**_COMMON, **SHAPES[shape]}
+    model_type = fields.pop("model_type", "qwen3")
+    if "layer_types" in fields:
+        pattern = fields["layer_types"]
+        fields["layer_types"] = [pattern[i % len(pattern)] for i in range(fields["num_hidden_layers"])]
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def model_type_available(shape: str) -> "tuple[bool, str]":
+    """Whether this transformers knows ``shape``'s ``model_type``, and if not, the reason to report."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    model_type = SHAPES[shape].get("model_type", "qwen3")
+    if model_type in CONFIG_MAPPING:
+        return True, ""
+    return False, f"transformers {transformers.__version__} has no model_type {model_type!r}"
 
 
 def write_model_dir(shape: str, directory: Union[str, Path], device: str = "cpu", seed: int = 0) -> Path:

@@ -15,9 +15,12 @@
 #    would start past its share skipped and listed;
 # 4. grpo_0_6b: benchmarks/gpu_grpo.py on the Qwen3-0.6B shape: ceilings, decode, one GRPO step, the recipe;
 # 5. trl: benchmarks/gpu_trl.py, TRL's GRPOTrainer on the same model and batch (the step-time ratio);
-# 6. grpo_1_7b: benchmarks/gpu_grpo.py on the Qwen3-1.7B shape: the reference model per mode, the recipe and
+# 6. qwen3_5: benchmarks/gpu_qwen3_5.py, the transformers backend (Qwen3.5 is not a torchtune architecture)
+#    on a Qwen3.5-0.8B-shaped random model, and TRL on the same model and batch (the step-time ratio);
+#    skipped, with the reason in the report, where the installed transformers has no qwen3_5;
+# 7. grpo_1_7b: benchmarks/gpu_grpo.py on the Qwen3-1.7B shape: the reference model per mode, the recipe and
 #    decode, in the time left;
-# 7. the report: OUT/gpu_check.json and OUT/gpu_check.md (rewritten after every stage, so a check cut
+# 8. the report: OUT/gpu_check.json and OUT/gpu_check.md (rewritten after every stage, so a check cut
 #    short still leaves what it measured).
 #
 # Each stage runs under `timeout` within the budget (default 540 s: 9 minutes, inside the 10 minutes a
@@ -49,7 +52,7 @@ done
 
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,ablation.json,gpu_check.json,gpu_check.md,*.log}
+rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,ablation.json,qwen3_5.json,gpu_check.json,gpu_check.md,*.log}
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 START=$SECONDS
@@ -93,7 +96,7 @@ export PYTHONPATH="$REPO:$REPO/recipes:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODELS="$WORK/models"
 
-# 2-6
+# 2-7
 stage env 60 "$PYTHON" scripts/gpu_report.py env "$OUT_DIR"
 # 8 tests took 81 s on the H200; 3 more since (a generation worker on the device, session compaction,
 # FlexAttention's compile): 180 s, taken from the 1.7B stage's remainder.
@@ -120,6 +123,10 @@ stage grpo_0_6b 180 "${GRPO[@]}" --models qwen3_0_6b --parts ceilings recipe dec
   --decode-compile on --repeats 2 --json "$OUT_DIR/grpo_0_6b.json" --time-budget 125
 stage trl 100 "$PYTHON" benchmarks/gpu_trl.py --device "$DEVICE" "${TINY[@]}" --model qwen3_0_6b \
   --model-dir "$MODELS" --steps 1 --json "$OUT_DIR/trl.json"
+# Not yet run on a GPU: 16 prompts x 8 (half the Qwen3 stages' batch, the same on both sides), our recipe's
+# 2 steps (one measured) then TRL's 2 (one measured) if 120 s have not gone on ours.
+stage qwen3_5 200 "$PYTHON" benchmarks/gpu_qwen3_5.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
+  --prompts 16 --json "$OUT_DIR/qwen3_5.json" --time-budget 120
 if (( ${#TINY[@]} )); then  # the second shape is the same tiny model: rehearse the stage, not the parts again
   stage grpo_1_7b 120 "${GRPO[@]}" --models qwen3_1_7b --parts reference recipe --json "$OUT_DIR/grpo_1_7b.json"
 else

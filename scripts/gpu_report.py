@@ -6,9 +6,10 @@
 ``report`` reads what the check's stages left in DIR (any may be missing: a stage that did not finish is
 reported as such): ``env.json``, ``stages.jsonl`` (one line per stage: name, exit status, seconds),
 ``gpu_tests.xml`` (pytest's JUnit XML, with the figures the tests recorded as properties),
-``grpo_*.json`` (benchmarks/gpu_grpo.py), ``trl.json`` (benchmarks/gpu_trl.py) and ``ablation.json``
+``grpo_*.json`` (benchmarks/gpu_grpo.py), ``trl.json`` (benchmarks/gpu_trl.py), ``ablation.json``
 (benchmarks/gpu_ablation.py: the update's switches; with the recipe's generation and reward seconds of the
-same shape, when the check measured them, each variant's whole-step MFU). Its exit status is 0
+same shape, when the check measured them, each variant's whole-step MFU) and ``qwen3_5.json``
+(benchmarks/gpu_qwen3_5.py: the transformers backend and TRL on the Qwen3.5 shape). Its exit status is 0
 only when every stage exited 0, every GPU test passed, and no benchmark part raised.
 """
 
@@ -104,8 +105,10 @@ def build_report(directory: Path) -> Dict[str, Any]:
     if ablation:
         problems += [f"gpu_ablation {e['part']}: {e['error']}" for e in ablation.get("errors", [])]
         _whole_step_mfu(ablation, grpo)
+    qwen3_5 = _read_json(directory / "qwen3_5.json")
+    problems += [f"gpu_qwen3_5 {e['part']}: {e['error']}" for e in (qwen3_5 or {}).get("errors", [])]
     report: Dict[str, Any] = {"env": _read_json(directory / "env.json"), "stages": stages, "tests": tests,
-                              "grpo": grpo, "trl": trl, "ablation": ablation, "problems": problems,
+                              "grpo": grpo, "trl": trl, "ablation": ablation, "qwen3_5": qwen3_5, "problems": problems,
                               "ok": not problems}
     ours = _recipe_step(grpo, trl["model"]) if trl else None
     if ours and trl.get("median_step_s"):
@@ -182,6 +185,8 @@ def markdown(report: Dict[str, Any]) -> str:
     if ratio:
         lines += [f"**Step time, ours / TRL ({ratio['model']}): {ratio['ratio']:.2f}x** "
                   f"({_fmt(ratio['ours_step_s'])} s / {_fmt(ratio['trl_step_s'])} s).", ""]
+    if report.get("qwen3_5"):
+        lines += _qwen3_5_section(report["qwen3_5"])
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +206,35 @@ def _ablation_table(a: Dict[str, Any]) -> List[str]:
     lines.append("")
     if a.get("skipped"):
         lines += ["Skipped (time budget): " + ", ".join(a["skipped"]), ""]
+    return lines
+
+
+def _qwen3_5_section(q: Dict[str, Any]) -> List[str]:
+    """benchmarks/gpu_qwen3_5.py: the transformers backend on the Qwen3.5 shape, against TRL (or why skipped)."""
+    lines = [f"## Qwen3.5 through the transformers backend ({q['model']})", ""]
+    if q.get("skipped"):
+        return lines + [f"Skipped: {q['skipped']}.", ""]
+    backend = q.get("backend") or {}
+    lines += [f"transformers {q.get('transformers')}; backend **{backend.get('name')}** ({backend.get('reason')}).", ""]
+    rows = []
+    recipe, trl = q.get("recipe"), q.get("trl")
+    if recipe:
+        m = recipe["median"]
+        rows.append(f"| ours (recipe) | {_fmt(m.get('time/step'))} | {_fmt(m.get('time/generation'))} | "
+                    f"{_fmt(m.get('time/train'))} | {_fmt(m.get('tokens_per_second'))} | "
+                    f"{_fmt(m.get('memory/peak_allocated_gib'))} |")
+    if trl:
+        rows.append(f"| TRL {trl['trl']} | {_fmt(trl['median_step_s'])} | | | {_fmt(trl['tokens_per_s'])} | "
+                    f"{_fmt(trl.get('peak_allocated_gib'))} |")
+    if rows:
+        lines += ["| side | step s | generation s | train s | tokens/s | peak GiB |", "|---|---|---|---|---|---|"]
+        lines += rows + [""]
+    for part in q.get("skipped_parts") or []:
+        lines += [f"Skipped: {part}.", ""]
+    ratio = q.get("ours_vs_trl")
+    if ratio:
+        lines += [f"**Step time, ours / TRL ({q['model']}, transformers backend): {ratio['ratio']:.2f}x** "
+                  f"({_fmt(ratio['ours_step_s'])} s / {_fmt(ratio['trl_step_s'])} s).", ""]
     return lines
 
 

@@ -63,7 +63,7 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["problems"] == []
     assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "ablation", "grpo_0_6b", "trl",
-                                                     "grpo_1_7b"]
+                                                     "qwen3_5", "grpo_1_7b"]
     # The carried packages were imported from the site directory, not from this interpreter's.
     packages = report["env"]["packages"]
     for name in ("torchtune", "torchao", "omegaconf", "datasets", "trl"):
@@ -107,6 +107,14 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert md.startswith("# GPU check: OK") and "Step time, ours / TRL (tiny_qwen3)" in md
     assert "## The update's switches" in md
     assert "| nf4+offload |" in md
+    # The Qwen3.5 stage: not a torchtune architecture, so the recipe trained transformers' module, and TRL ran
+    # on the same directory and batch.
+    qwen3_5 = report["qwen3_5"]
+    assert qwen3_5["skipped"] is None and qwen3_5["backend"]["name"] == "transformers"
+    assert qwen3_5["recipe"]["model"] == "tiny_qwen3_5" and qwen3_5["recipe"]["steps"] == 2
+    assert qwen3_5["trl"]["model"] == "tiny_qwen3_5" and qwen3_5["trl"]["rows"] == 16
+    assert qwen3_5["ours_vs_trl"]["ratio"] > 0
+    assert "Step time, ours / TRL (tiny_qwen3_5, transformers backend)" in md
 
 
 def test_device_wheel_bundle_fits_and_covers_every_requirement():
@@ -197,3 +205,29 @@ def test_report_of_the_ablation_alone(tmp_path):
     assert report["ablation"]["ablation"][0]["whole_step"]["mfu_step"] == pytest.approx(0.1)
     md = gpu_report.markdown(report)
     assert "| qwen3_0_6b | baseline | 28/28 | 3 |" in md and "Skipped (time budget): qwen3_1_7b tf32" in md
+
+
+def test_qwen3_5_stage_skips_with_the_reason_where_transformers_lacks_the_family(tmp_path, monkeypatch):
+    # A transformers without the stage's model_type (faked: a shape of an unknown type): the stage writes the
+    # reason, exits 0, and the report shows it without counting it as a problem; an error is a problem.
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_qwen3_5
+    import hf_random
+
+    monkeypatch.setitem(hf_random.SHAPES, "no_such_shape", dict(model_type="no_such_family"))
+    monkeypatch.setattr(gpu_qwen3_5, "TINY_SHAPE", "no_such_shape")
+    out = tmp_path / "qwen3_5.json"
+    assert gpu_qwen3_5.main(["--device", "cpu", "--tiny", "--json", str(out)]) == 0
+    import transformers
+
+    reason = f"transformers {transformers.__version__} has no model_type 'no_such_family'"
+    assert json.loads(out.read_text())["skipped"] == reason
+    (tmp_path / "gpu_tests.xml").write_text(JUNIT.replace("<failure message=\"assert 1 == 2\">trace</failure>", "")
+                                            .replace('<skipped message="why"/>', ""))
+    report = gpu_report.build_report(tmp_path)
+    assert report["ok"] and report["problems"] == []
+    assert f"Skipped: {reason}." in gpu_report.markdown(report)
+    out.write_text(json.dumps({"model": "qwen3_5_0_8b", "skipped": None, "errors": [{"part": "recipe qwen3_5_0_8b",
+                                                                                     "error": "OOM"}]}))
+    report = gpu_report.build_report(tmp_path)
+    assert report["problems"] == ["gpu_qwen3_5 recipe qwen3_5_0_8b: OOM"] and not report["ok"]
