@@ -99,6 +99,12 @@ LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
 # Families trained as transformers' own module: Gemma 3 (sliding + global layers, scaled embeddings, tied), Qwen3.5
 # (Gated DeltaNet linear attention + gated full attention, untied).
 TRANSFORMERS_FAMILIES = ("gemma3_text", "qwen3_5_text")
+# Selective checkpointing recomputes the same operations, so it keeps the bound below. The bf16 logprob head is left
+# out: it rounds each token's hidden state to bf16, and a hidden state that differs by fp32 rounding between
+# groupings can land on a neighbouring bf16 value (seen: 3e-5 on Gemma 3's embeddings after SGD's step), a bf16-ulp
+# effect this fp32 bound is not derived for (its micro-batch invariance: tests/test_update_switches.py).
+SWITCHES = dict(activation_checkpointing="selective", activation_checkpointing_every=2)
+SWITCH_RUNS = {"switches_qwen3": "qwen3", "switches_gemma3": "gemma3_text"}
 QLORA_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4, head_dim=32)  # NF4 blocks
 
 
@@ -134,6 +140,13 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         runs.append(_Run(two_processes=str(two), one_process=str(one)))
         budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
         runs.append(_Run(two_processes=str(budget)))
+    # An update switch (docs/gpu.md), selective activation checkpointing, on one process and on two, on a torchtune
+    # model and on a transformers one.
+    for name, arch in SWITCH_RUNS.items():
+        src = (make_family_dir(arch, tmp_path / name / "model", peaked=False) if arch in TRANSFORMERS_FAMILIES
+               else make_model_dir(tmp_path / name / "model", arch))
+        one, two = (_split_config(tmp_path / name / run, src, size, **SWITCHES) for run, size in (("one", 4), ("two", 2)))
+        runs.append(_Run(two_processes=str(two), one_process=str(one)))
     # LoRA on transformers' own module, two processes (adapters sharded with their decoder layer).
     lora_src = make_family_dir("gemma3_text", tmp_path / "lora_gemma3" / "model", peaked=False)
     lora = _split_config(tmp_path / "lora_gemma3" / "two", lora_src, 2, model={
@@ -188,6 +201,14 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
                     # times e^d (d up to ~3), ~20x: 64 ulp of the value, or 1e-5 at O(1).
                     bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
                     assert m2[key] == pytest.approx(m1[key], abs=bound), (family, run, m1["step"], key)
+
+    for name in SWITCH_RUNS:
+        expected, start = weights(tmp_path / name / "one" / "out" / "step_2"), weights(tmp_path / name / "model")
+        got = weights(tmp_path / name / "two" / "out" / "step_2")
+        assert max((expected[k] - start[k]).abs().max().item() for k in start) > 1e-3, name
+        # As above (checkpointing recomputes the same operations in the same order). Bound 1e-5 on the weights.
+        for key, value in expected.items():
+            torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m: f"{name} {key}: {m}")
 
     lora_step = tmp_path / "lora_gemma3" / "two" / "out" / "step_2"
     adapter = torch.load(lora_step / "adapter_model.pt", weights_only=True)
