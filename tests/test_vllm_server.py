@@ -318,8 +318,12 @@ def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, monkeyp
 
 
 def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path):
+    # The policy is transformers' own Gemma 3 module (not a torchtune architecture): its weights reach the server
+    # under their own names, through the worker (torchtune names through a server: the test above).
+    from tests.hf_families import make_family_dir
+
     _needs_vllm()
-    src = make_model_dir(tmp_path / "Qwen3-tiny")
+    src = make_family_dir("gemma3_text", tmp_path / "gemma3")
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
                           generation_workers={"enabled": True, "max_staleness": 1})
     output = run_tune(config, cwd=tmp_path)
