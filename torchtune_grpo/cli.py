@@ -138,6 +138,7 @@ def _build_policy(cfg, config, checkpoint_dir: Optional[str]):
     from omegaconf import OmegaConf
     from torchtune import config as tt_config, training, utils
 
+    from torchtune_grpo.checkpoints.checkpointer_facts import backend_override
     from torchtune_grpo.checkpoints.storage import model_files
     from torchtune_grpo.runtime.precision import Precision
     from torchtune_grpo.rewards import build_reward_set
@@ -155,9 +156,7 @@ def _build_policy(cfg, config, checkpoint_dir: Optional[str]):
     ckpt_cfg.output_dir = tempfile.mkdtemp(prefix="tune_grpo_eval_")
     for key in ("recipe_checkpoint", "adapter_checkpoint"):
         ckpt_cfg.pop(key, None)
-    backend = cfg.get("model", {}).get("backend", None)
-    if backend is not None and str(ckpt_cfg.get("_component_", "")).endswith("HFCheckpointer"):
-        ckpt_cfg.backend = backend  # as the recipe does: the checkpointer reads the policy's names
+    ckpt_cfg.update(backend_override(cfg))  # as the recipe does: the checkpointer reads the policy's names
     if OmegaConf.is_missing(ckpt_cfg, "checkpoint_dir"):
         raise ValueError("set checkpoint_dir=DIR (the config's checkpointer.checkpoint_dir is ???)")
     checkpointer = tt_config.instantiate(ckpt_cfg)

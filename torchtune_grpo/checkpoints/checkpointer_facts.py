@@ -10,7 +10,7 @@ changes one file.
 from pathlib import Path
 from typing import Any, Dict
 
-__all__ = ["epoch_output_dir", "hf_config", "instantiate_checkpointer", "model_type_name"]
+__all__ = ["backend_override", "epoch_output_dir", "hf_config", "instantiate_checkpointer", "model_type_name"]
 
 
 def epoch_output_dir(checkpointer: Any, epoch: int) -> Path:
@@ -37,7 +37,12 @@ def instantiate_checkpointer(cfg: Any, **overrides: Any) -> Any:
     """
     from torchtune import config as tt_config
 
+    return tt_config.instantiate(cfg.checkpointer, **{**backend_override(cfg), **overrides})
+
+
+def backend_override(cfg: Any) -> Dict[str, Any]:
+    """``{"backend": model.backend}`` when the config forces one and its checkpointer takes it, else ``{}``."""
     backend = cfg.get("model", {}).get("backend", None) if hasattr(cfg, "get") else None
     if backend is not None and str(cfg.checkpointer.get("_component_", "")).endswith("HFCheckpointer"):
-        overrides = {"backend": backend, **overrides}
-    return tt_config.instantiate(cfg.checkpointer, **overrides)
+        return {"backend": backend}
+    return {}

@@ -15,12 +15,12 @@ reward set has a step-level component.
 """
 
 import bisect
-import inspect
 import math
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
 
 from torchtune_grpo.rewards._base import Reward, RewardBatch, RewardSample, Steps, to_plain
 from torchtune_grpo.rewards._execution import resolve_awaitable
+from torchtune_grpo.rewards._python import _accepted_kwargs, load_function
 
 __all__ = [
     "AGGREGATES",
@@ -121,8 +121,6 @@ class StepSplitter:
         if function is None and (not isinstance(separator, str) or not separator):
             raise ValueError(f"steps.separator must be a non-empty string, got {separator!r}")
         if isinstance(function, str):
-            from torchtune_grpo.rewards._python import load_function
-
             function = load_function(function)
         if function is not None and not callable(function):
             raise ValueError(f"steps.function must be callable, got {type(function).__name__}")
@@ -282,16 +280,6 @@ class StepReward(Reward):
         return out
 
 
-def _accepted(fn: Callable[..., Any]) -> Optional[set]:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return None
-    return {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
 class PythonStepReward(StepReward):
     """A user function scores each step: ``fn(step: str, **context) -> float``.
 
@@ -322,14 +310,12 @@ class PythonStepReward(StepReward):
     ) -> None:
         super().__init__(steps=steps, aggregate=aggregate)
         if isinstance(function, str):
-            from torchtune_grpo.rewards._python import load_function
-
             function = load_function(function)
         if not callable(function):
             raise ValueError(f"function must be callable, got {type(function).__name__}")
         self.function = function
         self.function_kwargs = dict(to_plain(function_kwargs) or {})
-        self._names = _accepted(function)
+        self._names = _accepted_kwargs(function)
         self.name = name or getattr(function, "__name__", None) or type(function).__name__
 
     def score_steps(self, sample: RewardSample, steps: List[str]) -> List[float]:
