@@ -400,6 +400,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
             ),
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
+            routing_replay=c.moe.routing_replay if router is not None else None,
+            load_balance_coef=c.moe.load_balance_coef, z_loss_coef=c.moe.z_loss_coef,
             in_flight_updates=c.generation_workers.enabled and c.generation_workers.in_flight_updates,
             weight_sync=publisher.describe(self.model) if publisher is not None else None,
             **loss_masks.formula_lines(),
