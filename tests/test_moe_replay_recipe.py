@@ -4,6 +4,8 @@ checkpoint (the rollouts in flight, routes included, saved and restored): resume
 and the router metrics and the algorithm card say what ran."""
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -34,17 +36,20 @@ def _rows(run_dir):
 
 def test_replay_through_a_worker_and_a_checkpoint_equals_the_uninterrupted_run(moe_dir, tmp_path, clean_env,
                                                                              one_thread):
-    straight, split = tmp_path / "a", tmp_path / "b"
-    straight.mkdir(), split.mkdir()
-    run_in_process(_config(straight, moe_dir, max_steps=2, save_every_n_steps=2))
-    run_in_process(_config(split, moe_dir, max_steps=1, save_every_n_steps=1))
-    run_in_process(_config(split, moe_dir, max_steps=2, save_every_n_steps=2, resume_from_checkpoint=True))
-    # Exact: the worker's in-flight batch (its routes included) came back from the checkpoint unchanged.
-    a, b = weights(straight / "out" / "step_2"), weights(split / "out" / "step_2")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    rows = _rows(straight)
+    config = _config(tmp_path, moe_dir, max_steps=2, save_every_n_steps=1)
+    run_in_process(config)
+    out = tmp_path / "out"
+    rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[1]["loss"] == _rows(split)[-1]["loss"]
+    uninterrupted = weights(out / "step_2")
+    shutil.rmtree(out / "step_2")  # resume from step 1's checkpoint, the worker's batch in flight restored
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:1]))
+    os.environ.pop("MASTER_PORT", None)
+    run_in_process(_config(tmp_path, moe_dir, max_steps=2, save_every_n_steps=1, resume_from_checkpoint=True))
+    # Exact: the in-flight batch (its routes included: replay refuses rollouts without them) came back unchanged.
+    resumed = weights(out / "step_2")
+    assert uninterrupted.keys() == resumed.keys() and all(torch.equal(uninterrupted[k], resumed[k]) for k in resumed)
+    assert rows[1]["loss"] == _rows(tmp_path)[-1]["loss"]
     for r in rows:
         # The trainer's own top-k vs the bf16 engine's: mostly equal, not always (what replay overrides).
         assert 0.5 < r["moe/router_agreement"] <= 1.0
@@ -52,5 +57,5 @@ def test_replay_through_a_worker_and_a_checkpoint_equals_the_uninterrupted_run(m
         assert r["moe/load_balance_loss"] > 0 and r["moe/z_loss"] > 0
         assert math.isfinite(r["generation/logprob_mismatch"]) and r["generation/logprob_mismatch"] > 0
     assert any(r["moe/router_agreement"] < 1.0 for r in rows)
-    card = (straight / "out" / "algorithm_card.md").read_text()
+    card = (out / "algorithm_card.md").read_text()
     assert "routing replay rollout" in card and "0.01 * LB + 0.001 * Z" in card
