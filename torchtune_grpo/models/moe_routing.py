@@ -27,6 +27,7 @@ Routes are per *MoE layer* (routers in module order; a dense layer between them 
 tensor per layer and forward.
 """
 
+import functools
 import weakref
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, NamedTuple, Optional
@@ -128,15 +129,15 @@ class RouterHooks:
     def __init__(self, model: nn.Module) -> None:
         self.routers = find_routers(model)
         self.num_layers, self.num_experts, self.top_k = moe_shape(model)
-        self._layer = {id(r): i for i, r in enumerate(self.routers)}
         self._forced: Optional[List[torch.Tensor]] = None  # per layer [tokens, k] long
         self._recorded: Optional[List[List[torch.Tensor]]] = None
         self._collected: Optional[List[List[CollectedRouting]]] = None
-        self._handles = [r.register_forward_hook(self._hook) for r in self.routers]
+        # The layer is bound into each hook (not looked up by module identity: a deep copy of the model copies
+        # its hooks too, and they must keep working on the copy's routers).
+        self._handles = [r.register_forward_hook(functools.partial(self._hook, i)) for i, r in enumerate(self.routers)]
 
-    def _hook(self, module: nn.Module, args: tuple, output: tuple) -> Optional[tuple]:
+    def _hook(self, layer: int, module: nn.Module, args: tuple, output: tuple) -> Optional[tuple]:
         logits, scores, own = output
-        layer = self._layer[id(module)]
         used, changed = own, None
         if self._forced is not None:
             forced = self._forced[layer].to(device=own.device, dtype=torch.long)
