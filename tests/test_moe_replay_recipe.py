@@ -55,7 +55,10 @@ def test_replay_through_a_worker_and_a_checkpoint_equals_the_uninterrupted_run(m
         assert 0.5 < r["moe/router_agreement"] <= 1.0
         assert r["moe/expert_load_max_over_mean"] >= 1.0
         assert r["moe/load_balance_loss"] > 0 and r["moe/z_loss"] > 0
-        assert math.isfinite(r["generation/logprob_mismatch"]) and r["generation/logprob_mismatch"] > 0
+        assert math.isfinite(r["generation/logprob_mismatch"])
+    # The worker's behaviour logprobs force the same routes as the trainer: with the same weights (the first
+    # batch, version 0) they are the trainer's to the last bit; one step off they differ.
+    assert rows[0]["generation/logprob_mismatch"] == 0.0 and rows[1]["generation/logprob_mismatch"] > 0
     assert any(r["moe/router_agreement"] < 1.0 for r in rows)
     card = (out / "algorithm_card.md").read_text()
     assert "routing replay rollout" in card and "0.01 * LB + 0.001 * Z" in card

@@ -81,13 +81,15 @@ def behaviour_logprobs(
     model: torch.nn.Module, prompt_ids: List[List[int]], response_ids: List[List[int]], *, pad_id: int,
     micro_batch_size: int, temperature: float, chunk_size: int, share_prompt: bool,
     device: torch.device = torch.device("cpu"), max_tokens: Optional[int] = None,
+    routed_experts: Optional[List[torch.Tensor]] = None, replay: bool = False,
 ) -> List[List[float]]:
     """The log-probability of every response token under ``model`` (the weights that sampled it), per row.
 
     Computed with the trainer's own layout, forward and micro-batches (:class:`~torchtune_grpo.training.batch.TrainingBatch`,
     :func:`~torchtune_grpo.training.batch.batch_logprobs`; with ``max_tokens``, the token-budget plan of the whole
     batch), so with the same weights the values equal the trainer's (one process, one mini-batch: to the
-    last bit).
+    last bit). With ``replay`` (``moe.routing_replay: rollout``) the engine's ``routed_experts`` are forced, as the
+    trainer forces them.
 
     Returns:
         List[List[float]]: one list per row, ``len(response_ids[i])`` values.
@@ -95,7 +97,8 @@ def behaviour_logprobs(
     from torchtune_grpo.training.batch import TrainingBatch
     from torchtune_grpo.training.batch import batch_logprobs
 
-    layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=device)
+    layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=device,
+                           routed_experts=routed_experts, replay=replay)
     plan = None if max_tokens is None else layout.plan(max_tokens=max_tokens, max_rows=micro_batch_size)
     lp = batch_logprobs(model, layout, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size,
                         plan=plan)
@@ -197,7 +200,8 @@ class _Worker:
                 self.model, groups.prompt_ids, groups.response_ids, pad_id=self.tokenizer.pad_id,
                 micro_batch_size=c.micro_batch_size, temperature=float(self.engine.temperature),
                 chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training, device=self.device,
-                max_tokens=c.max_tokens_per_micro_batch,
+                max_tokens=c.max_tokens_per_micro_batch, routed_experts=groups.routed_experts,
+                replay=c.moe.routing_replay == "rollout" and groups.routed_experts is not None,
             )
         if self.in_flight_updates:
             steps = [[self.steps_of_engine_versions[v] for v in row] for row in groups.token_versions]
