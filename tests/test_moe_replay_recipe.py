@@ -57,8 +57,10 @@ def test_replay_through_a_worker_and_a_checkpoint_equals_the_uninterrupted_run(m
         assert r["moe/load_balance_loss"] > 0 and r["moe/z_loss"] > 0
         assert math.isfinite(r["generation/logprob_mismatch"])
     # The worker's behaviour logprobs force the same routes as the trainer: with the same weights (the first
-    # batch, version 0) they are the trainer's to the last bit; one step off they differ.
-    assert rows[0]["generation/logprob_mismatch"] == 0.0 and rows[1]["generation/logprob_mismatch"] > 0
+    # batch, version 0) they differ from the trainer's pi_old only by the rounding of another forward grouping:
+    # a few fp32 ulps of logprobs of magnitude < 8 (8 ulps = 8 * 1.2e-7 * 8 < 1e-5; a routing flip moves a token
+    # by ~1e-2). One step off they differ by the update.
+    assert rows[0]["generation/logprob_mismatch"] < 1e-5 < rows[1]["generation/logprob_mismatch"]
     assert any(r["moe/router_agreement"] < 1.0 for r in rows)
     card = (out / "algorithm_card.md").read_text()
     assert "routing replay rollout" in card and "0.01 * LB + 0.001 * Z" in card
