@@ -4,6 +4,7 @@
 #   make demo   # set up .venv's demo stage if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh)
 #   make demo-multi-turn   # the same for tool use: GRPO teaches the calculator (scripts/demo_multi_turn.sh)
 #   make demo-process-rewards   # outcome vs process-supervised advantages, 3 seeds each (scripts/demo_process_rewards.sh)
+#   make demo-routing-replay    # MoE routing replay off vs on, bf16 engine, 3 seeds each (scripts/demo_routing_replay.sh)
 #   make test   # set up .venv (both stages) if needed, then the whole test suite
 #   make gpu-wheels; make gpu-check   # the GPU check: wheels downloaded here, the check run there (docs/gpu.md)
 #
@@ -15,7 +16,7 @@ VENV ?= .venv
 PYTHON ?= python3
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: setup setup-demo demo demo-multi-turn demo-process-rewards test test-numerics test-oldest-torch gpu-wheels gpu-check
+.PHONY: setup setup-demo demo demo-multi-turn demo-process-rewards demo-routing-replay test test-numerics test-oldest-torch gpu-wheels gpu-check
 
 SETUP := VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" bash scripts/setup_env.sh
 
@@ -35,6 +36,9 @@ demo-multi-turn: setup-demo
 
 demo-process-rewards: setup-demo
 	$(RUN) bash scripts/demo_process_rewards.sh
+
+demo-routing-replay: setup-demo
+	$(RUN) bash scripts/demo_routing_replay.sh
 
 # -n auto: one pytest worker per core; --dist loadfile keeps each test file on one worker, so module-scoped
 # fixtures (a vLLM engine, a converted model) are built once; --no-loadscope-reorder hands files out in the order
