@@ -11,10 +11,11 @@ as a new adapter version after every step (:meth:`load_adapter`, ``lora_sync``; 
 vLLM is imported on first use, so configs and tests that only build the component need no vLLM.
 """
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
+from torchtune_grpo.generation._vllm_moe import check_vllm_sync, moe_layers_in, reprocess_cpu_moe_experts
 from torchtune_grpo.generation._weight_sync import check_text_checkpoint, TuneToHFNames
 from torchtune_grpo.models.lora import LoRAHyperparams
 from torchtune_grpo.models import read_hf_config
@@ -69,10 +71,11 @@ class HFDirectoryEngine(GenerationEngine):
         """Rows of the model's embedding table (what probe token ids are drawn from)."""
         return int(self.hf_config["vocab_size"])
 
-    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The checkpoint tensors vLLM loads for one trainer parameter (several for fused MoE experts)."""
         if self._to_hf_names is None:
             self._to_hf_names = TuneToHFNames(self.hf_config)
-        return self._to_hf_names(name, tensor)
+        return self._to_hf_names.tensors(name, tensor)
 
     def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
         """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).
@@ -194,6 +197,7 @@ class VLLMGenerator(HFDirectoryEngine):
     def check_available(self) -> None:
         """Raise when vLLM is not installed (it is imported only when the engine starts)."""
         check_text_checkpoint(self.model_path, "VLLMGenerator")
+        check_vllm_sync(self.model_path, "VLLMGenerator")
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generation: VLLMGenerator needs vLLM, which is not installed here: pip install vllm (CUDA) or "
@@ -314,17 +318,20 @@ class VLLMGenerator(HFDirectoryEngine):
         llm = self.llm
         self.wake_up()
         count = 0
+        moe_layers: Set[int] = set()
 
         def hf_weights():
             nonlocal count
             for name, tensor in weights:
                 count += 1
-                yield self._to_hf(name, tensor)
+                for hf in self._to_hf(name, tensor):
+                    moe_layers.update(moe_layers_in([hf[0]]))
+                    yield hf
 
         llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": hf_weights(), "is_checkpoint_format": True}
         )
-        llm.apply_model(reprocess_tied_lm_head)
+        llm.apply_model(functools.partial(finish_reload, moe_layers=moe_layers))
         llm.reset_prefix_cache()
         if self._adapters is not None:
             # The in-place reload unloads every LoRA adapter (vLLM 0.32, measured: list_loras() is empty
@@ -479,6 +486,12 @@ def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional
     if generator is None:
         return [None] * n
     return torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
+
+
+def finish_reload(model: nn.Module, moe_layers: Set[int]) -> None:
+    """What vLLM's in-place reload leaves undone (CPU): the tied output layer, and MoE experts' prepacking."""
+    reprocess_tied_lm_head(model)
+    reprocess_cpu_moe_experts(model, moe_layers)
 
 
 def reprocess_tied_lm_head(model: nn.Module) -> None:

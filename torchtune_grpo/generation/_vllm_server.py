@@ -37,6 +37,7 @@ from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
 from torchtune_grpo.generation.vllm_plugin import TRANSFERS
+from torchtune_grpo.generation._vllm_moe import check_vllm_sync
 from torchtune_grpo.generation._weight_sync import check_text_checkpoint
 
 __all__ = ["VLLMServerGenerator"]
@@ -157,6 +158,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
     def check_available(self) -> None:
         """Raise when this run must start servers and vLLM is not installed here."""
         check_text_checkpoint(self.model_path, "VLLMServerGenerator")
+        check_vllm_sync(self.model_path, "VLLMServerGenerator")
         if self.servers is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generation: VLLMServerGenerator starts vLLM servers, and vLLM is not installed here: pip install "
@@ -266,17 +268,18 @@ class VLLMServerGenerator(HFDirectoryEngine):
         chunk: Dict[str, torch.Tensor] = {}
         size = 0
         for name, tensor in weights:
-            hf_name, hf_tensor = self._to_hf(name, tensor.detach())
-            if hf_name in chunk:
-                raise ValueError(f"two trainer weights map to the Hugging Face name {hf_name!r}")
-            if self.weight_transfer == "nccl" and hf_tensor.device.type != "cuda":
-                raise ValueError(f"generation.weight_transfer: nccl sends from the trainer's GPU, and {name} is on "
-                                 f"{hf_tensor.device} (use shm)")
-            chunk[hf_name] = hf_tensor.to("cpu") if self.weight_transfer == "shm" else hf_tensor.contiguous()
-            size += hf_tensor.numel() * hf_tensor.element_size()
-            if size >= self.chunk_bytes:
-                yield chunk
-                chunk, size = {}, 0
+            for hf_name, hf_tensor in self._to_hf(name, tensor.detach()):
+                if hf_name in chunk:
+                    raise ValueError(f"two trainer weights map to the Hugging Face name {hf_name!r}")
+                if self.weight_transfer == "nccl" and hf_tensor.device.type != "cuda":
+                    raise ValueError(f"generation.weight_transfer: nccl sends from the trainer's GPU, and {name} is "
+                                     f"on {hf_tensor.device} (use shm)")
+                # contiguous: a MoE expert is a view into its layer's fused tensor
+                chunk[hf_name] = hf_tensor.to("cpu").contiguous() if self.weight_transfer == "shm" else hf_tensor.contiguous()
+                size += hf_tensor.numel() * hf_tensor.element_size()
+                if size >= self.chunk_bytes:
+                    yield chunk
+                    chunk, size = {}, 0
         if chunk:
             yield chunk
 
