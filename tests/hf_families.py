@@ -6,7 +6,9 @@ fp32 safetensors) with the family's tokenizer and chat template; the same seed g
 ``FAMILIES`` lists the families: ``qwen3_5_text``, ``gemma3_text``, ``gemma4_text``, ``olmo3``, ``smollm3``,
 ``phi3``, ``mistral``, ``ministral3``, and ``llama``, ``qwen3`` (the architectures torchtune also builds, for
 cross-backend checks). ``make_multimodal_dir`` (:mod:`tests.hf_multimodal`) makes the checkpoints that are
-multimodal on disk.
+multimodal on disk. The mixture-of-experts families (``qwen3_moe``, ``qwen3_5_moe``, ``gpt_oss``, ``olmoe``,
+``mixtral``; decisive routers, ``dtype=torch.bfloat16`` for a bf16 checkpoint) are described in :mod:`tests.hf_moe`
+and made by the same ``make_family_dir``.
 
 What every fixture has:
 

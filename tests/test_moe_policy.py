@@ -150,6 +150,15 @@ def test_gpt_oss_mxfp4_experts_are_dequantised_on_load_and_saved_unquantised(moe
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (src / name).write_bytes((bf16 / name).read_bytes())
 
+    # The policy built from the MXFP4 directory computes what transformers' own dequantising load does (cast to fp32
+    # after loading: transformers dequantises the whole model to bf16). The same modules on the same weights: 1e-5.
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    theirs = AutoModelForCausalLM.from_pretrained(src, quantization_config=Mxfp4Config(dequantize=True)).float().eval()
+    tokens = _tokens((24,))
+    with torch.no_grad():
+        torch.testing.assert_close(_policy(src, tmp_path)(tokens), theirs(tokens).logits, atol=1e-5, rtol=0)
+
     checkpointer = HFCheckpointer(str(src), str(tmp_path / "out"))
     state = checkpointer.load_checkpoint()["model"]
     for key, value in expected.items():
