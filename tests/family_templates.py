@@ -128,6 +128,33 @@ MINISTRAL3 = """{{- bos_token }}
 {%- endfor %}
 """
 
+# gpt-oss (harmony): <|start|>role<|message|>text<|end|> turns; the generation prompt opens the assistant's
+# final channel; a finished answer ends with <|return|>.
+GPT_OSS = """{%- for message in messages %}
+    {%- if message['role'] == 'assistant' %}
+        {{- '<|start|>assistant<|channel|>final<|message|>' + message['content'] + '<|end|>' }}
+    {%- else %}
+        {{- '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start|>assistant<|channel|>final<|message|>' }}
+{%- endif %}
+"""
+
+# OLMoE instruct (Tulu): <|role|> headers on their own line, assistant turns closed by EOS.
+OLMOE = """{%- for message in messages %}
+    {%- if message['role'] == 'assistant' %}
+        {{- '<|assistant|>\\n' + message['content'] + eos_token + '\\n' }}
+    {%- else %}
+        {{- '<|' + message['role'] + '|>\\n' + message['content'] + '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>\\n' }}
+{%- endif %}
+"""
+
 CHATML = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_VISION = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 GEMMA = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
@@ -136,7 +163,9 @@ GEMMA4_SPECIALS = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"]
 GEMMA4_MEDIA = ["<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio>", "<audio|>", "<|audio|>"]
 LLAMA3 = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
+GPT_OSS_SPECIALS = ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>", "<|call|>"]
+OLMOE_SPECIALS = ["<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|assistant|>"]
 
-__all__ = ["CHATML", "GEMMA", "GEMMA3", "GEMMA3_VISION", "GEMMA4", "GEMMA4_MEDIA", "GEMMA4_SPECIALS", "LLAMA3",
-           "LLAMA3_2", "MINISTRAL3", "MISTRAL", "MISTRAL_SPECIALS", "OLMO3", "PHI3", "QWEN3", "QWEN3_5",
-           "QWEN_VISION", "SMOLLM3"]
+__all__ = ["CHATML", "GEMMA", "GEMMA3", "GEMMA3_VISION", "GEMMA4", "GEMMA4_MEDIA", "GEMMA4_SPECIALS", "GPT_OSS",
+           "GPT_OSS_SPECIALS", "LLAMA3", "LLAMA3_2", "MINISTRAL3", "MISTRAL", "MISTRAL_SPECIALS", "OLMO3", "OLMOE",
+           "OLMOE_SPECIALS", "PHI3", "QWEN3", "QWEN3_5", "QWEN_VISION", "SMOLLM3"]

@@ -6,7 +6,9 @@ fp32 safetensors) with the family's tokenizer and chat template; the same seed g
 ``FAMILIES`` lists the families: ``qwen3_5_text``, ``gemma3_text``, ``gemma4_text``, ``olmo3``, ``smollm3``,
 ``phi3``, ``mistral``, ``ministral3``, and ``llama``, ``qwen3`` (the architectures torchtune also builds, for
 cross-backend checks). ``make_multimodal_dir`` (:mod:`tests.hf_multimodal`) makes the checkpoints that are
-multimodal on disk.
+multimodal on disk. The mixture-of-experts families (``qwen3_moe``, ``qwen3_5_moe``, ``gpt_oss``, ``olmoe``,
+``mixtral``; decisive routers, ``dtype=torch.bfloat16`` for a bf16 checkpoint) are described in :mod:`tests.hf_moe`
+and made by the same ``make_family_dir``.
 
 What every fixture has:
 
@@ -40,8 +42,8 @@ import torch
 from tests import family_templates as T
 
 __all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
-           "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens", "sharpen",
-           "write_tokenizer_files"]
+           "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens",
+           "scale_routers", "sharpen", "write_tokenizer_files"]
 
 WINDOW = 6
 PEAKED_MIN = 0.6
@@ -180,6 +182,18 @@ LAYER_KINDS: Dict[str, set] = {
 }
 
 
+def family_spec(family: str) -> Family:
+    """The :class:`Family` of a dense (:data:`FAMILIES`) or mixture-of-experts (:data:`tests.hf_moe.MOE_FAMILIES`)
+    fixture."""
+    from tests.hf_moe import MOE_FAMILIES
+
+    if family in FAMILIES:
+        return FAMILIES[family]
+    if family in MOE_FAMILIES:
+        return MOE_FAMILIES[family]
+    raise ValueError(f"unknown family {family!r}; known: {', '.join([*FAMILIES, *MOE_FAMILIES])}")
+
+
 def make_tokenizer(family: str):
     """The family's tokenizer: the package's tiny byte-level BPE (480 tokens, ids 0-479) with the family's
     special tokens (ids 480, 481, ... in ``Family.specials`` order) and plain added tokens after them.
@@ -192,7 +206,7 @@ def make_tokenizer(family: str):
 
     from torchtune_grpo.assets import asset_path
 
-    spec = FAMILIES[family]
+    spec = family_spec(family)
     data = json.loads(Path(asset_path("tiny_qwen2", "tokenizer.json")).read_text(encoding="utf-8"))
     data["added_tokens"] = []  # Qwen2's specials go: each family brings its own
     tok = Tokenizer.from_str(json.dumps(data))
@@ -209,7 +223,7 @@ def family_config(family: str, **overrides):
     """The transformers config of ``family``'s tiny checkpoint (special-token ids from its tokenizer)."""
     from transformers import AutoConfig
 
-    spec = FAMILIES[family]
+    spec = family_spec(family)
     tok = make_tokenizer(family)
     ids = dict(bos_token_id=tok.token_to_id(spec.bos) if spec.bos else None,
                eos_token_id=tok.token_to_id(spec.eos),
@@ -231,7 +245,7 @@ def _qk_rows(name: str, p: torch.Tensor, config) -> Optional[slice]:
 def sharpen(model: torch.nn.Module, family: str, seed: int = 0) -> torch.nn.Module:
     """Make ``model``'s attention peaked: q/k norm weights set to the family's gain (as ``1 + w`` where the
     norms are offset), each with 10% noise; without q/k norms the q/k projection rows scaled by the gain."""
-    spec = FAMILIES[family]
+    spec = family_spec(family)
     gen = torch.Generator().manual_seed(seed + 1)
     has_qk_norm = any(n.endswith("q_norm.weight") for n, _ in model.named_parameters())
     with torch.no_grad():
@@ -244,17 +258,32 @@ def sharpen(model: torch.nn.Module, family: str, seed: int = 0) -> torch.nn.Modu
     return model
 
 
-def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = True, **overrides) -> Path:
+def scale_routers(model: torch.nn.Module, gain: float) -> torch.nn.Module:
+    """Scale a mixture of experts' router weights (``mlp.gate.weight``, gpt-oss's ``mlp.router.weight``) by
+    ``gain``: larger gaps between the router logits, so the top-k choice is decisive (:mod:`tests.hf_moe`)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p *= gain
+    return model
+
+
+def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = True,
+                    router_gain: Optional[float] = None, dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """Write ``family``'s tiny random checkpoint (config, fp32 safetensors, tokenizer, chat template) to
     ``directory`` (created if needed). The same ``seed`` gives byte-identical files.
 
     Args:
-        family (str): a key of :data:`FAMILIES`.
+        family (str): a key of :data:`FAMILIES` or of :data:`tests.hf_moe.MOE_FAMILIES`, or ``qwen3_5_moe``
+            (multimodal on disk, :func:`tests.hf_multimodal.make_multimodal_dir`).
         directory: where to write.
         seed (int): the weights' seed. Default is 0.
         peaked (bool): sharpen the attention (:func:`sharpen`). False: plain random weights, for tests that compare
             a model with itself computed in another grouping, where peaked softmaxes only amplify rounding.
             Default is True.
+        router_gain (Optional[float]): the factor on a mixture of experts' router weights (:func:`scale_routers`);
+            None: :data:`tests.hf_moe.ROUTER_GAIN` when ``peaked``, else 1. Default is None.
+        dtype (torch.dtype): the weights' dtype on disk (made in fp32, then cast). Default is ``torch.float32``.
         **overrides: config fields to change (e.g. ``num_key_value_heads=4`` for NF4-quantisable k/v).
 
     Returns:
@@ -263,7 +292,14 @@ def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
     from transformers import AutoModelForCausalLM
 
     from tests.hf_models import randomize
+    from tests.hf_moe import ROUTER_GAIN
 
+    gain = router_gain if router_gain is not None else (ROUTER_GAIN if peaked else 1.0)
+    if family == "qwen3_5_moe":
+        from tests.hf_multimodal import make_multimodal_dir
+
+        return make_multimodal_dir(family, directory, seed=seed, peaked=peaked, router_gain=gain, dtype=dtype,
+                                   **overrides)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -271,14 +307,15 @@ def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
     randomize(model, seed)
     if peaked:
         sharpen(model, family, seed)
-    model.save_pretrained(directory)
+    scale_routers(model, gain)
+    model.to(dtype).save_pretrained(directory)
     write_tokenizer_files(family, directory)
     return directory
 
 
 def write_tokenizer_files(family: str, directory: Path) -> None:
     """``tokenizer.json``, ``tokenizer_config.json`` (specials, chat template) and ``generation_config.json``."""
-    spec = FAMILIES[family]
+    spec = family_spec(family)
     tok = make_tokenizer(family)
     tok.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": spec.bos, "eos_token": spec.eos,

@@ -57,15 +57,17 @@ from typing import Dict, Optional
 
 import torch
 
-from tests.hf_families import family_config, make_tokenizer, sharpen, write_tokenizer_files
+from tests.hf_families import family_config, make_tokenizer, scale_routers, sharpen, write_tokenizer_files
 
 __all__ = ["LANGUAGE_PREFIX", "MULTIMODAL_FAMILIES", "TEXT_FAMILY", "language_state_dict", "make_multimodal_dir",
            "multimodal_config"]
 
 MULTIMODAL_FAMILIES = ("qwen3_5", "gemma3", "gemma4")
-TEXT_FAMILY = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text", "gemma4": "gemma4_text"}
-LANGUAGE_PREFIX = {"qwen3_5": "model.language_model.", "gemma3": "language_model.model.",
-                   "gemma4": "model.language_model."}
+# Qwen3.5-MoE: the Qwen3.5 layout with a mixture-of-experts language model (tests/hf_moe.py).
+TEXT_FAMILY = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text", "gemma4": "gemma4_text",
+               "qwen3_5_moe": "qwen3_5_moe_text"}
+LANGUAGE_PREFIX = {"qwen3_5": "model.language_model.", "qwen3_5_moe": "model.language_model.",
+                   "gemma3": "language_model.model.", "gemma4": "model.language_model."}
 
 
 def multimodal_config(family: str, **text_overrides):
@@ -76,11 +78,11 @@ def multimodal_config(family: str, **text_overrides):
     text_family = TEXT_FAMILY[family]
     text = family_config(text_family, **text_overrides).to_dict()
     i = make_tokenizer(text_family).token_to_id
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
                       temporal_patch_size=2, out_hidden_size=128, num_position_embeddings=16)
         return AutoConfig.for_model(
-            "qwen3_5", text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
+            family, text_config=text, vision_config=vision, tie_word_embeddings=text["tie_word_embeddings"],
             image_token_id=i("<|image_pad|>"), video_token_id=i("<|video_pad|>"),
             vision_start_token_id=i("<|vision_start|>"), vision_end_token_id=i("<|vision_end|>"))
     if family == "gemma3":
@@ -110,27 +112,33 @@ def _hub_layout(family: str, tensors: Dict[str, torch.Tensor], seed: int, last: 
     if family == "gemma3":  # the Hub files keep SigLIP's own vision_model level
         return {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
                 for k, v in tensors.items()}
-    if family == "qwen3_5" and last:  # the multi-token-prediction head of the Hub files, which transformers ignores
+    if family in ("qwen3_5", "qwen3_5_moe") and last:  # the Hub files' multi-token-prediction head (transformers: none)
         gen = torch.Generator().manual_seed(seed + 2)
-        hidden = tensors["model.language_model.norm.weight"].shape[0]
+        norm = tensors["model.language_model.norm.weight"]
+        hidden = norm.shape[0]
         extra = {"mtp.fc.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
                  "mtp.pre_fc_norm_embedding.weight": 0.3 * torch.randn(hidden, generator=gen),
                  "mtp.pre_fc_norm_hidden.weight": 0.3 * torch.randn(hidden, generator=gen),
                  "mtp.norm.weight": 0.3 * torch.randn(hidden, generator=gen)}
-        return {**tensors, **extra}
+        return {**tensors, **{k: v.to(norm.dtype) for k, v in extra.items()}}
     return tensors
 
 
 def make_multimodal_dir(family: str, directory, *, seed: int = 0, max_shard_size: Optional[str] = None,
+                        peaked: bool = True, router_gain: float = 1.0, dtype: torch.dtype = torch.float32,
                         **text_overrides) -> Path:
     """Write ``family``'s tiny multimodal checkpoint to ``directory``, with the text family's tokenizer files.
 
     Args:
-        family (str): ``qwen3_5``, ``gemma3`` or ``gemma4``.
+        family (str): ``qwen3_5``, ``gemma3``, ``gemma4`` or ``qwen3_5_moe``.
         directory: where to write (created if needed).
         seed (int): the weights' seed; the same seed gives byte-identical files. Default is 0.
         max_shard_size (Optional[str]): shard the weights (e.g. ``"100KB"``) with a
             ``model.safetensors.index.json``, as the real checkpoints are. Default is None (one file).
+        peaked (bool): sharpen the language model's attention (:func:`tests.hf_families.sharpen`). Default is True.
+        router_gain (float): the factor on a mixture of experts' router weights
+            (:func:`tests.hf_families.scale_routers`). Default is 1.0.
+        dtype (torch.dtype): the weights' dtype on disk. Default is ``torch.float32``.
         **text_overrides: fields of the ``text_config`` (``tie_word_embeddings=False``: Qwen3.5 9B-style
             untied head, written as ``lm_head.weight``).
 
@@ -147,8 +155,10 @@ def make_multimodal_dir(family: str, directory, *, seed: int = 0, max_shard_size
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(multimodal_config(family, **text_overrides), dtype=torch.float32)
     randomize(model, seed)
-    sharpen(model.model.language_model, TEXT_FAMILY[family], seed)
-    model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    if peaked:
+        sharpen(model.model.language_model, TEXT_FAMILY[family], seed)
+    scale_routers(model, router_gain)
+    model.to(dtype).save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     index_file = directory / "model.safetensors.index.json"
     files = sorted(set(json.loads(index_file.read_text())["weight_map"].values())) if index_file.is_file() else [
         "model.safetensors"]

@@ -8,7 +8,9 @@ Two backends build the policy from the same directory:
   packed training layouts need it.
 - ``transformers``: ``AutoModelForCausalLM``'s own module for the directory
   (:mod:`torchtune_grpo.models._transformers_policy`), for every other causal LM transformers knows: Qwen3.5,
-  Gemma 3/4, OLMo 3, SmolLM3, Phi-3/4, Ministral 3, Mistral with a sliding window, ...
+  Gemma 3/4, OLMo 3, SmolLM3, Phi-3/4, Ministral 3, Mistral with a sliding window, ..., and every
+  mixture-of-experts model (Qwen3-MoE, Qwen3.5-MoE, gpt-oss, OLMoE, Mixtral): torchtune 0.6.1 has no MoE
+  layers, so ``backend: torchtune`` refuses them by name.
 
 ``model.backend: auto`` (the default) picks torchtune where it builds the same model and transformers
 elsewhere; ``torchtune`` or ``transformers`` forces one.
@@ -18,7 +20,7 @@ from typing import Any, Mapping, NamedTuple
 
 from torchtune_grpo.models._spec import _MOE_KEYS, HFModelSpec, SUPPORTED_MODEL_TYPES
 
-__all__ = ["BACKENDS", "Backend", "choose_backend", "text_config"]
+__all__ = ["BACKENDS", "Backend", "choose_backend", "is_mixture_of_experts", "text_config"]
 
 BACKENDS = ("auto", "torchtune", "transformers")
 # Seq2seq architectures: GRPO here trains decoder-only causal LMs.
@@ -45,6 +47,16 @@ def text_config(hf_config: Mapping[str, Any]) -> Mapping[str, Any]:
     (Qwen3.5, Gemma 3 4B+, Gemma 4 on disk), else the config itself."""
     inner = hf_config.get("text_config")
     return inner if isinstance(inner, Mapping) else hf_config
+
+
+def is_mixture_of_experts(hf_config: Mapping[str, Any]) -> str:
+    """Why a ``config.json`` describes a mixture-of-experts model (its ``model_type`` or an expert count, as
+    ``"model_type 'qwen3_moe'"`` or ``"num_experts = 8"``), or ``""`` for a dense one."""
+    text = text_config(hf_config)
+    model_type = str(text.get("model_type", ""))
+    if "moe" in model_type or model_type in _MOE_TYPES:
+        return f"model_type {model_type!r}"
+    return next((f"{key} = {text[key]!r}" for key in _MOE_KEYS if text.get(key)), "")
 
 
 def _window_bites(hf_config: Mapping[str, Any]) -> bool:
@@ -79,19 +91,13 @@ def choose_backend(hf_config: Mapping[str, Any], backend: str = "auto", source: 
             "causal language models"
         )
     text = text_config(hf_config)
-    if "moe" in str(text.get("model_type", "")) or text.get("model_type") in _MOE_TYPES:
-        raise ValueError(
-            f"{source}: model_type {text.get('model_type')!r} is a mixture-of-experts model; not supported yet (either "
-            "backend): dense models only"
-        )
-    for key in _MOE_KEYS:
-        if text.get(key):
-            raise ValueError(
-                f"{source}: {key} = {text[key]!r}: mixture-of-experts models are not supported yet (either backend); "
-                "dense models only"
-            )
+    moe = is_mixture_of_experts(hf_config)
     if hf_config.get("quantization_config") or text.get("quantization_config"):
         method = dict(hf_config.get("quantization_config") or text["quantization_config"]).get("quant_method", "?")
+        if method == "mxfp4" and moe and backend != "torchtune":
+            # gpt-oss as released: MXFP4 experts, dequantised on load (models/_transformers_experts.py).
+            return Backend("transformers", f"{moe}: a mixture-of-experts model with MXFP4 experts (dequantised on "
+                           "load, saved unquantised), trained as transformers' own module")
         raise ValueError(
             f"{source}: quantization_config.quant_method = {method!r} is not supported (either backend): train from "
             "unquantised bf16/fp16/fp32 weights"
@@ -102,6 +108,12 @@ def choose_backend(hf_config: Mapping[str, Any], backend: str = "auto", source: 
     except ValueError as e:
         torchtune_problem = str(e)
     if backend == "torchtune":
+        if moe:
+            raise ValueError(
+                f"{source}: {moe}: a mixture-of-experts model, and torchtune's modules have no mixture-of-experts "
+                "layers: set model.backend: transformers (or auto) to train "
+                "transformers' own module"
+            )
         if torchtune_problem is not None and not _window_bites(hf_config):
             raise ValueError(
                 f"model.backend: torchtune, but torchtune's modules do not build this model: {torchtune_problem}. "
@@ -110,6 +122,9 @@ def choose_backend(hf_config: Mapping[str, Any], backend: str = "auto", source: 
         return Backend("torchtune", "model.backend: torchtune")
     if backend == "transformers":
         return Backend("transformers", "model.backend: transformers")
+    if moe:
+        return Backend("transformers", f"{moe}: a mixture-of-experts model, trained as transformers' own module "
+                       "(torchtune's modules have none; model.backend: auto)")
     if torchtune_problem is None:
         return Backend("torchtune", f"model_type {model_type!r} is built from torchtune's modules (model.backend: auto)")
     if model_type not in SUPPORTED_MODEL_TYPES:
