@@ -289,7 +289,8 @@ class VLLMServerGenerator(HFDirectoryEngine):
                     raise ValueError(f"generation.weight_transfer: nccl sends from the trainer's GPU, and {name} is "
                                      f"on {hf_tensor.device} (use shm)")
                 # contiguous: a MoE expert is a view into its layer's fused tensor
-                chunk[hf_name] = hf_tensor.to("cpu").contiguous() if self.weight_transfer == "shm" else hf_tensor.contiguous()
+                hf_tensor = hf_tensor.contiguous()
+                chunk[hf_name] = hf_tensor.to("cpu") if self.weight_transfer == "shm" else hf_tensor
                 size += hf_tensor.numel() * hf_tensor.element_size()
                 if size >= self.chunk_bytes:
                     yield chunk
