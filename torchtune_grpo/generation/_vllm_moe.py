@@ -38,12 +38,12 @@ probe differed by 2.4 nats. :func:`reprocess_cpu_moe_experts` prepacks the layer
 import json
 import os
 import re
-from typing import Any, Iterable, Iterator, Mapping, Set, Tuple
+from typing import Iterable, Iterator, Set, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["MOE_CHECKPOINT_NAMES", "check_vllm_sync", "checkpoint_tensors", "is_moe_config", "moe_layers_in",
+__all__ = ["MOE_CHECKPOINT_NAMES", "check_vllm_sync", "checkpoint_tensors", "moe_layers_in",
            "reprocess_cpu_moe_experts"]
 
 # model_type -> (module holding the MoE block on disk, (gate, up, down) per-expert names); None: fused on disk.
@@ -145,12 +145,6 @@ def reprocess_cpu_moe_experts(model: nn.Module, layers: Set[int]) -> int:
 # process_weights_after_loading pads and prepacks w13/w2.
 _CPU_PREPACKING = ("CPUUnquantizedExperts", "X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts",
                    "PowerCPUUnquantizedExperts")
-
-
-def is_moe_config(hf_config: Mapping[str, Any]) -> bool:
-    """Whether a Hugging Face ``config.json`` describes a mixture of experts (any expert count above 1)."""
-    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
-    return any(int(text.get(k) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def check_vllm_sync(model_dir: str, engine: str) -> None:
