@@ -75,5 +75,6 @@ def test_moe_goes_to_transformers_and_torchtune_refuses_it_by_name(family, dirs)
     chosen = choose_backend(config)
     assert chosen.name == "transformers" and "mixture-of-experts" in chosen.reason
     model_type = config.get("text_config", config)["model_type"]
-    with pytest.raises(ValueError, match=rf"model_type '{model_type}'.*mixture-of-experts.*model.backend: transformers"):
+    refusal = rf"model_type '{model_type}'.*mixture-of-experts.*model.backend: transformers"
+    with pytest.raises(ValueError, match=refusal):
         choose_backend(config, "torchtune")

