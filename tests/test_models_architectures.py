@@ -144,13 +144,17 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         runs.append(_Run(two_processes=str(budget)))
     # Mixture-of-experts families (transformers' modules): random attention as above, but decisive routers (top-k
     # logit gaps >= 1e-3, far above the regrouping's rounding), so both groupings route every token alike. Qwen3-MoE
-    # also with micro-batches from a token budget.
+    # also with micro-batches from a token budget. SGD lr 0.005: these fixtures' gradients are ~10x the dense ones'
+    # (at lr 0.05 Qwen3.5-MoE's conv1d weights moved 0.5 in two steps, as much as their own size), while the bound
+    # below is derived for updates of ~0.05 (lr 0.005 moves them by 0.03).
+    moe_sgd = {"optimizer": {"_component_": "torch.optim.SGD", "lr": 0.005}}
     for family in MOE_FAMILY_NAMES:
         src = make_family_dir(family, tmp_path / family / "model", peaked=False, router_gain=ROUTER_GAIN)
-        one, two = (_split_config(tmp_path / family / name, src, size) for name, size in (("one", 4), ("two", 2)))
+        one, two = (_split_config(tmp_path / family / name, src, size, **moe_sgd)
+                    for name, size in (("one", 4), ("two", 2)))
         runs.append(_Run(two_processes=str(two), one_process=str(one)))
         if family == "qwen3_moe":
-            budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
+            budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40, **moe_sgd)
             runs.append(_Run(two_processes=str(budget)))
     # An update switch (docs/gpu.md), selective activation checkpointing, on one process and on two, on a torchtune
     # model and on a transformers one.
