@@ -225,12 +225,16 @@ def learning_report(full_dir: Path, nf4_dir: Path, out: Path) -> str:
                  for seed in seeds} for name in arms}
     steps = sorted({e["step"] for r in runs["full reference"].values() for e in r["evals"]})
     lines = [f"Seeds {seeds}; held-out greedy accuracy (64 problems) by step, full / NF4 reference:", "",
-             "| step | " + " | ".join(f"seed {s}" for s in seeds) + " |", "|---|" + "---|" * len(seeds)]
+             "| step | " + " | ".join(f"seed {s}" for s in seeds) + " | mean over seeds |",
+             "|---|" + "---|" * (len(seeds) + 1)]
     for step in steps:
-        cells = []
+        cells, per_arm = [], {a: [] for a in arms}
         for seed in seeds:
             acc = [next(e["accuracy"] for e in runs[a][seed]["evals"] if e["step"] == step) for a in arms]
+            for a, v in zip(arms, acc):
+                per_arm[a].append(v)
             cells.append(f"{acc[0]:.3f} / {acc[1]:.3f}")
+        cells.append(" / ".join(f"{statistics.fmean(v):.3f}" for v in per_arm.values()))
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
     lines += ["", "The `kl` metric (token mean of k3 to the reference) and the training reward, mean over steps 1-10, "
               "11-20, 21-30, full / NF4:", "", "| seed | kl 1-10 | kl 11-20 | kl 21-30 | reward 1-10 | reward 11-20 | "
