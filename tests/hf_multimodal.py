@@ -106,7 +106,8 @@ def multimodal_config(family: str, **text_overrides):
     raise ValueError(f"unknown multimodal family {family!r}; known: {', '.join(MULTIMODAL_FAMILIES)}")
 
 
-def _hub_layout(family: str, tensors: Dict[str, torch.Tensor], seed: int, last: bool) -> Dict[str, torch.Tensor]:
+def _hub_layout(family: str, tensors: Dict[str, torch.Tensor], seed: int, last: bool, hidden: int,
+                dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """The names of the real checkpoints where ``save_pretrained`` writes others, and (in the ``last`` shard)
     the tensors they have that transformers does not."""
     if family == "gemma3":  # the Hub files keep SigLIP's own vision_model level
@@ -114,13 +115,11 @@ def _hub_layout(family: str, tensors: Dict[str, torch.Tensor], seed: int, last: 
                 for k, v in tensors.items()}
     if family in ("qwen3_5", "qwen3_5_moe") and last:  # the Hub files' multi-token-prediction head (transformers: none)
         gen = torch.Generator().manual_seed(seed + 2)
-        norm = tensors["model.language_model.norm.weight"]
-        hidden = norm.shape[0]
         extra = {"mtp.fc.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
                  "mtp.pre_fc_norm_embedding.weight": 0.3 * torch.randn(hidden, generator=gen),
                  "mtp.pre_fc_norm_hidden.weight": 0.3 * torch.randn(hidden, generator=gen),
                  "mtp.norm.weight": 0.3 * torch.randn(hidden, generator=gen)}
-        return {**tensors, **{k: v.to(norm.dtype) for k, v in extra.items()}}
+        return {**tensors, **{k: v.to(dtype) for k, v in extra.items()}}
     return tensors
 
 
@@ -164,7 +163,8 @@ def make_multimodal_dir(family: str, directory, *, seed: int = 0, max_shard_size
         "model.safetensors"]
     weight_map = {}
     for n, name in enumerate(files):
-        tensors = _hub_layout(family, load_file(directory / name), seed, last=n == len(files) - 1)
+        tensors = _hub_layout(family, load_file(directory / name), seed, last=n == len(files) - 1,
+                              hidden=model.config.text_config.hidden_size, dtype=dtype)
         save_file(tensors, directory / name, metadata={"format": "pt"})
         weight_map.update({k: name for k in tensors})
     if index_file.is_file():

@@ -5,7 +5,7 @@
 - two steps on two processes (FSDP2) for every architecture in ONE two-process launch, each equal to the same
   global batch on one process; in the same launch, two transformers-backend families (one and two processes, and
   micro-batches from a token budget) and every mixture-of-experts family (FSDP2 shards each decoder layer, its
-  fused expert parameters along the expert dimension, as one unit).
+  fused expert parameters along the expert dimension, as one unit), and attention LoRA on Qwen3-MoE.
 """
 
 import math
@@ -144,13 +144,17 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         runs.append(_Run(two_processes=str(budget)))
     # Mixture-of-experts families (transformers' modules): random attention as above, but decisive routers (top-k
     # logit gaps >= 1e-3, far above the regrouping's rounding), so both groupings route every token alike. Qwen3-MoE
-    # also with micro-batches from a token budget.
+    # also with micro-batches from a token budget. SGD lr 0.005: these fixtures' gradients are ~10x the dense ones'
+    # (at lr 0.05 Qwen3.5-MoE's conv1d weights moved 0.5 in two steps, as much as their own size), while the bound
+    # below is derived for updates of ~0.05 (lr 0.005 moves them by 0.03).
+    moe_sgd = {"optimizer": {"_component_": "torch.optim.SGD", "lr": 0.005}}
     for family in MOE_FAMILY_NAMES:
         src = make_family_dir(family, tmp_path / family / "model", peaked=False, router_gain=ROUTER_GAIN)
-        one, two = (_split_config(tmp_path / family / name, src, size) for name, size in (("one", 4), ("two", 2)))
+        one, two = (_split_config(tmp_path / family / name, src, size, **moe_sgd)
+                    for name, size in (("one", 4), ("two", 2)))
         runs.append(_Run(two_processes=str(two), one_process=str(one)))
         if family == "qwen3_moe":
-            budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
+            budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40, **moe_sgd)
             runs.append(_Run(two_processes=str(budget)))
     # An update switch (docs/gpu.md), selective activation checkpointing, on one process and on two, on a torchtune
     # model and on a transformers one.
@@ -167,6 +171,14 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "lora_rank": 4, "lora_alpha": 8,
     }, base=LORA_CONFIG)
     runs.append(_Run(two_processes=str(lora), lora=True))
+    # Attention LoRA on a mixture of experts, two processes: each FSDP2 unit holds trainable adapters next to the
+    # frozen fused experts and router.
+    moe_lora_src = make_family_dir("qwen3_moe", tmp_path / "lora_qwen3_moe" / "model", peaked=False)
+    moe_lora = _split_config(tmp_path / "lora_qwen3_moe" / "two", moe_lora_src, 2, model={
+        "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
+        "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4, "lora_alpha": 8,
+    }, base=LORA_CONFIG)
+    runs.append(_Run(two_processes=str(moe_lora), lora=True))
     # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
     # raises with the traceback of a rank that failed and stops the other).
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
@@ -230,6 +242,14 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
     merged, base = weights(lora_step / "merged"), weights(tmp_path / "lora_gemma3" / "model")
     assert merged.keys() == base.keys() and any(not torch.equal(merged[k], base[k]) for k in base)
+
+    moe_step = tmp_path / "lora_qwen3_moe" / "two" / "out" / "step_2"
+    adapter = torch.load(moe_step / "adapter_model.pt", weights_only=True)
+    assert adapter and all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
+    merged, base = weights(moe_step / "merged"), weights(tmp_path / "lora_qwen3_moe" / "model")
+    assert merged.keys() == base.keys()  # the per-expert on-disk names
+    assert all(torch.equal(merged[k], base[k]) for k in base if "experts" in k or ".gate." in k)  # frozen
+    assert any(not torch.equal(merged[k], base[k]) for k in base if "self_attn" in k)
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]

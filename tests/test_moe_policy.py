@@ -38,8 +38,9 @@ def moe_dir(tmp_path_factory):
     made = {}
 
     def get(family: str) -> Path:
-        if family not in made:
-            made[family] = make_family_dir(family, tmp_path_factory.mktemp(family))
+        if family not in made:  # Qwen3.5-MoE sharded with an index, as the real checkpoints are
+            shards = {"max_shard_size": "200KB"} if family == "qwen3_5_moe" else {}
+            made[family] = make_family_dir(family, tmp_path_factory.mktemp(family), **shards)
         return made[family]
 
     return get
@@ -88,6 +89,10 @@ def test_two_grpo_steps_and_the_step_directory_in_the_on_disk_layout(family, moe
         assert max((end[k] - start[k]).abs().max().item() for k in start if kind in k) > 1e-4, kind
     for key in (k for k in start if "visual" in k or k.startswith("mtp.")):
         assert torch.equal(start[key], end[key]), key  # carried byte for byte
+    index = "model.safetensors.index.json"
+    if (src / index).is_file():  # every tensor (each expert's too) in the shard the source had it in
+        weight_map = [json.loads((d / index).read_text())["weight_map"] for d in (src, step)]
+        assert weight_map[0] == weight_map[1] and len(set(weight_map[0].values())) > 1
     tokens = _tokens((24,))
     with torch.no_grad():
         ours = _policy(step, tmp_path)(tokens)
