@@ -1,0 +1,313 @@
+"""Memory of a mixture-of-experts GRPO run on paper, from a ``config.json`` and a shipped config's batch.
+
+    python benchmarks/moe_memory.py /tmp/Qwen3-30B-A3B --recipe-config configs/qwen3_moe/30B-A3B_full_grpo.yaml --gpus 8
+    python benchmarks/moe_memory.py /tmp/Qwen3-30B-A3B --recipe-config configs/qwen3_moe/30B-A3B_lora_grpo.yaml --gpus 1
+    python benchmarks/moe_memory.py --hub Qwen3-30B-A3B ...     # in a clone: the published config.json (tests/)
+
+The first argument is a model directory or its ``config.json`` (a multimodal one, as Qwen3.5-MoE's, is read from
+its ``text_config``). Families: ``qwen3_moe``, ``qwen3_5_moe`` (Gated DeltaNet and gated attention layers, a shared
+expert), ``gpt_oss`` (biases, sinks), ``olmoe``, ``mixtral``. :func:`parameter_counts` counts every tensor
+transformers' module holds (tests/test_moe_memory.py checks it against ``sum(p.numel())``);
+:func:`memory_rows` turns the counts and the batch into per-GPU bytes under FSDP2, each row with its formula.
+
+What the rows assume (the recipe's ``dtype: bf16``, torchtune_grpo/runtime/precision.py): full fine-tuning keeps
+fp32 master weights, fp32 gradients and two fp32 AdamW moments, all sharded N ways; FSDP2 all-gathers one decoder
+layer at a time in bf16 (and prefetches the next), and in the backward holds that layer's unsharded gradient in
+bf16 and in fp32 for the reduce-scatter. LoRA keeps the frozen base in bf16 (sharded), the adapters with their
+gradients and AdamW moments in bf16 (8 bytes each). Activations are an estimate from the tensors autograd keeps in
+transformers' eager modules (listed in :func:`layer_activation_elements`), not a measurement; the GPU check's MoE
+stage (benchmarks/gpu_moe.py) measures a peak to compare with.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+__all__ = ["Row", "Setup", "layer_activation_elements", "lora_parameters", "memory_rows", "parameter_counts",
+           "read_config", "setup_from_recipe_config"]
+
+GB = 1e9
+MOE_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss", "olmoe", "mixtral")
+
+
+def read_config(path: Any) -> Dict[str, Any]:
+    """The language model's fields of a ``config.json`` (or of the one in a model directory): a multimodal
+    checkpoint's ``text_config``, with the top-level ``tie_word_embeddings`` where the file puts it there.
+
+    Raises:
+        ValueError: the file is not one of the mixture-of-experts families above (naming its ``model_type``).
+    """
+    path = Path(path)
+    data = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    text = dict(data.get("text_config") or data)
+    text.setdefault("tie_word_embeddings", data.get("tie_word_embeddings", False))
+    if text.get("model_type") == "qwen3_5_moe":
+        text["model_type"] = "qwen3_5_moe_text"
+    if text.get("model_type") not in MOE_TYPES:
+        raise ValueError(f"{path}: model_type {text.get('model_type')!r} is not one of {MOE_TYPES}")
+    return text
+
+
+def _dims(c: Mapping[str, Any]) -> Dict[str, int]:
+    h = c["hidden_size"]
+    heads = c["num_attention_heads"]
+    hd = c.get("head_dim") or h // heads
+    e = c.get("num_experts") or c.get("num_local_experts")
+    inter = c.get("moe_intermediate_size") or c["intermediate_size"]
+    d = dict(H=h, V=c["vocab_size"], L=c["num_hidden_layers"], Dq=heads * hd, Dkv=c["num_key_value_heads"] * hd,
+             hd=hd, heads=heads, E=e, k=c["num_experts_per_tok"], I=inter, Is=c.get("shared_expert_intermediate_size", 0))
+    if c["model_type"] == "qwen3_5_moe_text":
+        nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        d.update(conv=2 * nk * c["linear_key_head_dim"] + nv * c["linear_value_head_dim"],
+                 Dz=nv * c["linear_value_head_dim"], nv=nv, dk=c["linear_key_head_dim"], dv=c["linear_value_head_dim"],
+                 kernel=c["linear_conv_kernel_dim"])
+    return d
+
+
+def layer_types(c: Mapping[str, Any]) -> List[str]:
+    """Each decoder layer's token mixer: ``full_attention``, ``sliding_attention`` or ``linear_attention``."""
+    if c.get("layer_types"):
+        return list(c["layer_types"])
+    if c["model_type"] == "qwen3_5_moe_text":
+        every = c.get("full_attention_interval", 4)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(c["num_hidden_layers"])]
+    return ["full_attention"] * c["num_hidden_layers"]
+
+
+def _linears(c: Mapping[str, Any], kind: str) -> Dict[str, tuple]:
+    """The token mixer's linear layers of one layer of ``kind``: name -> (in, out, has bias)."""
+    d, t = _dims(c), c["model_type"]
+    if kind == "linear_attention":  # Gated DeltaNet
+        return {"in_proj_qkv": (d["H"], d["conv"], False), "in_proj_z": (d["H"], d["Dz"], False),
+                "in_proj_b": (d["H"], d["nv"], False), "in_proj_a": (d["H"], d["nv"], False),
+                "out_proj": (d["Dz"], d["H"], False)}
+    bias = bool(c.get("attention_bias"))
+    q_out = 2 * d["Dq"] if t == "qwen3_5_moe_text" else d["Dq"]  # Qwen3.5's gated attention: query and gate
+    return {"q_proj": (d["H"], q_out, bias), "k_proj": (d["H"], d["Dkv"], bias), "v_proj": (d["H"], d["Dkv"], bias),
+            "o_proj": (d["Dq"], d["H"], bias)}
+
+
+def parameter_counts(c: Mapping[str, Any]) -> Dict[str, int]:
+    """Every parameter of transformers' causal LM for ``c`` (:func:`read_config`), by part.
+
+    Returns:
+        Dict[str, int]: ``embedding``, ``head`` (0 when tied), ``attention`` (token mixers and their norms, all
+        layers), ``norms`` (the two per layer and the final one), ``routers``, ``experts``, ``shared_experts``,
+        ``total``, ``largest_layer`` (one decoder layer's, what FSDP2 gathers at once) and ``active``
+        (parameters a token's forward multiplies with: its top-k experts, not all E).
+    """
+    d, t = _dims(c), c["model_type"]
+    parts = dict(embedding=d["V"] * d["H"], head=0 if c.get("tie_word_embeddings") else d["V"] * d["H"],
+                 attention=0, norms=d["H"], routers=0, experts=0, shared_experts=0)
+    largest = active_layers = 0
+    for kind in layer_types(c):
+        mixer = sum(i * o + (o if b else 0) for i, o, b in _linears(c, kind).values())
+        if kind == "linear_attention":  # conv1d [conv, 1, kernel], dt_bias, A_log [nv], gated RMSNorm [dv]
+            mixer += d["conv"] * d["kernel"] + 2 * d["nv"] + d["dv"]
+        elif t in ("qwen3_moe", "qwen3_5_moe_text"):
+            mixer += 2 * d["hd"]  # q_norm, k_norm over one head
+        elif t == "olmoe":
+            mixer += d["Dq"] + d["Dkv"]  # q_norm, k_norm over all heads
+        elif t == "gpt_oss":
+            mixer += d["heads"]  # attention sinks
+        router = d["E"] * d["H"] + (d["E"] if t == "gpt_oss" else 0)
+        one_expert = 3 * d["H"] * d["I"] + (2 * d["I"] + d["H"] if t == "gpt_oss" else 0)  # gate, up, down (+ biases)
+        shared = 3 * d["H"] * d["Is"] + d["H"] if d["Is"] else 0  # the shared expert and its sigmoid gate
+        parts["attention"] += mixer
+        parts["norms"] += 2 * d["H"]
+        parts["routers"] += router
+        parts["experts"] += d["E"] * one_expert
+        parts["shared_experts"] += shared
+        layer = mixer + 2 * d["H"] + router + d["E"] * one_expert + shared
+        largest = max(largest, layer)
+        active_layers += layer - (d["E"] - d["k"]) * one_expert
+    parts["total"] = sum(parts.values())
+    parts["largest_layer"] = largest
+    parts["active"] = active_layers + parts["embedding"] + parts["head"] + d["H"]
+    return parts
+
+
+# torchtune's LoRA target names -> the family's layer (as torchtune_grpo.models' LoRA maps them).
+_LORA_NAMES = {"output_proj": "o_proj"}
+
+
+def lora_parameters(c: Mapping[str, Any], targets: Sequence[str], rank: int) -> int:
+    """Adapter parameters of rank ``rank`` on ``targets`` (torchtune's or the family's layer names) in every
+    layer that has them: ``rank x (in + out)`` per adapted linear layer."""
+    total = 0
+    for kind in layer_types(c):
+        linears = _linears(c, kind)
+        names = {_LORA_NAMES.get(t, t) for t in targets}
+        total += sum(rank * (linears[n][0] + linears[n][1]) for n in names if n in linears)
+    return total
+
+
+def layer_activation_elements(c: Mapping[str, Any], kind: str) -> int:
+    """Elements autograd keeps per token in one decoder layer of ``kind`` (counted in bf16 units: an fp32
+    tensor counts twice), from transformers' eager modules:
+
+    - each RMSNorm: its input in fp32 and its bf16 output: 3 H, two per layer;
+    - softmax attention: the q/k/v projections' outputs, q and k after norm and RoPE, the attention output:
+      3 (Dq + Dkv) (Qwen3.5's output gate adds 2 Dq); Gated DeltaNet: the in-projections, the convolution's
+      output and the gated norm's input and output: 3 conv + 3 Dz;
+    - the router: logits in bf16 and softmax in fp32: 3 E;
+    - each of the token's k expert copies: the gathered input H, gate and up 2 I, the activation and the
+      product 2 I, the weighted output H: 2 H + 4 I; a shared expert 4 Is + H (one copy, every token).
+    """
+    d = _dims(c)
+    norms = 2 * 3 * d["H"]
+    if kind == "linear_attention":
+        mixer = 3 * d["conv"] + 3 * d["Dz"]
+    else:
+        mixer = 3 * (d["Dq"] + d["Dkv"]) + (2 * d["Dq"] if c["model_type"] == "qwen3_5_moe_text" else 0)
+    moe = 3 * d["E"] + d["k"] * (2 * d["H"] + 4 * d["I"]) + ((4 * d["Is"] + d["H"]) if d["Is"] else 0)
+    return norms + mixer + moe
+
+
+def _cache_bytes_per_row(c: Mapping[str, Any], tokens: int) -> int:
+    """Generation memory of one row of ``tokens``: K and V in bf16 for softmax layers (a sliding layer keeps
+    its window), the fp32 recurrent state and the convolution window for Gated DeltaNet layers."""
+    d, total = _dims(c), 0
+    for kind in layer_types(c):
+        if kind == "linear_attention":
+            total += d["nv"] * d["dk"] * d["dv"] * 4 + d["conv"] * (d["kernel"] - 1) * 2
+        else:
+            kept = min(tokens, c.get("sliding_window") or tokens) if kind == "sliding_attention" else tokens
+            total += 2 * d["Dkv"] * 2 * kept
+    return total
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The run the table is for. ``rows``: sequences one GPU generates at once (batch_size x group_size);
+    ``micro_batch``, ``seq_len`` (prompt + response), ``chunk`` (logprob_chunk_size), ``kl_reference`` (full
+    fine-tuning with kl_coef > 0 holds a bf16 reference), ``lora_rank``/``lora_targets`` (None: full)."""
+
+    gpus: int
+    rows: int
+    micro_batch: int
+    seq_len: int
+    chunk: int
+    activation_checkpointing: bool = True
+    kl_reference: bool = False
+    lora_rank: Optional[int] = None
+    lora_targets: Sequence[str] = ()
+
+
+def setup_from_recipe_config(path: Any, gpus: int) -> Setup:
+    """The :class:`Setup` of a shipped YAML config (its batch, lengths, LoRA keys and kl_coef) on ``gpus``."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(path)
+    lora = "lora" in str(cfg.model._component_).rsplit(".", 1)[-1]
+    return Setup(gpus=gpus, rows=int(cfg.batch_size) * int(cfg.group_size), micro_batch=int(cfg.micro_batch_size),
+                 seq_len=int(cfg.max_prompt_length) + int(cfg.max_response_length),
+                 chunk=int(cfg.get("logprob_chunk_size", 512)),
+                 activation_checkpointing=bool(cfg.get("enable_activation_checkpointing", True)),
+                 kl_reference=not lora and float(cfg.get("kl_coef", 0.0)) > 0,
+                 lora_rank=int(cfg.model.lora_rank) if lora else None,
+                 lora_targets=list(cfg.model.lora_attn_modules) if lora else ())
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: what, how it is computed, bytes on one GPU, and whether it is held for the
+    whole run (``static``), while training (``train``) or while generating (``generate``; the layers FSDP2
+    gathers count in both)."""
+
+    name: str
+    formula: str
+    per_gpu: float
+    phase: str
+
+
+def memory_rows(c: Mapping[str, Any], s: Setup) -> List[Row]:
+    """The per-GPU memory of ``s`` on the model of ``c``, row by row (bytes), then the peak."""
+    p, d = parameter_counts(c), _dims(c)
+    n, P, layer = s.gpus, p["total"], p["largest_layer"]
+    tokens = s.micro_batch * s.seq_len
+    rows: List[Row] = []
+    if s.lora_rank is None:
+        rows += [Row("fp32 master weights", f"4 B x {P:,} / {n}", 4 * P / n, "static"),
+                 Row("fp32 gradients (freed after the optimizer step)", f"4 B x {P:,} / {n}", 4 * P / n, "train"),
+                 Row("AdamW moments (fp32)", f"8 B x {P:,} / {n}", 8 * P / n, "static")]
+        if s.kl_reference:
+            rows.append(Row("bf16 reference model", f"2 B x {P:,} / {n}", 2 * P / n, "static"))
+        rows.append(Row("layer gradient, unsharded (bf16 + fp32 for the reduce-scatter)", f"6 B x {layer:,}",
+                        6 * layer, "train"))
+    else:
+        a = lora_parameters(c, s.lora_targets, s.lora_rank)
+        rows += [Row("bf16 frozen base weights", f"2 B x {P:,} / {n}", 2 * P / n, "static"),
+                 Row("adapters + gradients + AdamW (bf16)", f"8 B x {a:,} / {n}", 8 * a / n, "static")]
+    # FSDP2 gathers even on one process (a one-rank group): the bf16 copy of the layer it computes.
+    rows.append(Row("bf16 layers gathered by FSDP2 (this one and the prefetched next)", f"2 x 2 B x {layer:,}",
+                    4 * layer, "train"))
+    kinds = layer_types(c)
+    per_layer = [layer_activation_elements(c, k) for k in kinds]
+    if s.activation_checkpointing:
+        rows.append(Row("activations: each layer's bf16 input (checkpointed)",
+                        f"{d['L']} x {tokens:,} tokens x {d['H']} x 2 B", d["L"] * tokens * d["H"] * 2, "train"))
+        rows.append(Row("activations: one layer recomputed in the backward",
+                        f"{tokens:,} tokens x {max(per_layer):,} x 2 B", tokens * max(per_layer) * 2, "train"))
+    else:
+        rows.append(Row("activations: every layer's saved tensors",
+                        f"{tokens:,} tokens x {sum(per_layer):,} x 2 B", tokens * sum(per_layer) * 2, "train"))
+    rows.append(Row("fp32 logits chunk and its gradient", f"2 x {s.chunk} x {d['V']:,} x 4 B", 8 * s.chunk * d["V"], "train"))
+    cache = _cache_bytes_per_row(c, s.seq_len)
+    rows.append(Row("generation cache", f"{s.rows} rows x {cache:,} B", s.rows * cache, "generate"))
+    static = sum(r.per_gpu for r in rows if r.phase == "static")
+    train = sum(r.per_gpu for r in rows if r.phase == "train")
+    gen = sum(r.per_gpu for r in rows if r.phase == "generate") + 4 * layer  # generation gathers layers too
+    rows.append(Row("peak (static + the larger of training and generation)", "", static + max(train, gen), "peak"))
+    return rows
+
+
+def markdown(c: Mapping[str, Any], s: Setup) -> str:
+    p = parameter_counts(c)
+    head = "tied to the embedding" if c.get("tie_word_embeddings") else "its own"
+    lines = [f"{c['model_type']}: {p['total']:,} parameters ({p['active']:,} active per token; experts "
+             f"{p['experts']:,}; embedding {p['embedding']:,}, output head {head}); largest layer {p['largest_layer']:,}.",
+             "", f"{'LoRA rank ' + str(s.lora_rank) + ' on ' + ', '.join(s.lora_targets) if s.lora_rank else 'Full fine-tune'}"
+             f" on {s.gpus} GPU(s), FSDP2; micro-batch {s.micro_batch} x {s.seq_len} tokens, {s.rows} rows generated "
+             f"per GPU, activation checkpointing {'on' if s.activation_checkpointing else 'off'}.", "",
+             "| per GPU | formula | GB |", "|---|---|---|"]
+    lines += [f"| {r.name} | {r.formula} | {r.per_gpu / GB:.1f} |" for r in memory_rows(c, s)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", nargs="?", help="a model directory or its config.json")
+    parser.add_argument("--hub", default=None, help="a published config.json by directory name (tests/real_hf_configs.py)")
+    parser.add_argument("--recipe-config", required=True, help="the shipped YAML config whose batch to use")
+    parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--no-activation-checkpointing", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.hub:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import tempfile
+
+        from tests.real_hf_configs import FAMILY_HUB_CONFIGS
+
+        path = Path(tempfile.mkdtemp()) / "config.json"
+        path.write_text(json.dumps(FAMILY_HUB_CONFIGS[args.hub]))
+        args.config = str(path)
+    if not args.config:
+        parser.error("give a config.json (or a model directory), or --hub NAME")
+    c = read_config(args.config)
+    s = setup_from_recipe_config(args.recipe_config, args.gpus)
+    if args.no_activation_checkpointing:
+        s = Setup(**{**s.__dict__, "activation_checkpointing": False})
+    print(markdown(c, s))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"parameters": parameter_counts(c), "setup": s.__dict__,
+                                               "rows": [r.__dict__ for r in memory_rows(c, s)]}, indent=1, default=list))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
