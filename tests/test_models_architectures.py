@@ -4,7 +4,8 @@
   model's logits (Qwen3 also runs through `tune run` in test_models_recipe.py);
 - two steps on two processes (FSDP2) for every architecture in ONE two-process launch, each equal to the same
   global batch on one process; in the same launch, two transformers-backend families (one and two processes, and
-  micro-batches from a token budget).
+  micro-batches from a token budget) and every mixture-of-experts family (FSDP2 shards each decoder layer, its
+  fused expert parameters along the expert dimension, as one unit).
 """
 
 import math
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from tests.hf_families import make_family_dir
+from tests.hf_moe import MOE_FAMILY_NAMES, ROUTER_GAIN
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
 from tests.conftest import free_port, REPO
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
@@ -140,6 +142,16 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         runs.append(_Run(two_processes=str(two), one_process=str(one)))
         budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
         runs.append(_Run(two_processes=str(budget)))
+    # Mixture-of-experts families (transformers' modules): random attention as above, but decisive routers (top-k
+    # logit gaps >= 1e-3, far above the regrouping's rounding), so both groupings route every token alike. Qwen3-MoE
+    # also with micro-batches from a token budget.
+    for family in MOE_FAMILY_NAMES:
+        src = make_family_dir(family, tmp_path / family / "model", peaked=False, router_gain=ROUTER_GAIN)
+        one, two = (_split_config(tmp_path / family / name, src, size) for name, size in (("one", 4), ("two", 2)))
+        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+        if family == "qwen3_moe":
+            budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
+            runs.append(_Run(two_processes=str(budget)))
     # An update switch (docs/gpu.md), selective activation checkpointing, on one process and on two, on a torchtune
     # model and on a transformers one.
     for name, arch in SWITCH_RUNS.items():
@@ -183,11 +195,13 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         # What rank 0 saved from the two-process run is a Hugging Face model with our model's logits.
         check_trained_directory(src, two / "out" / "step_2", tmp_path / arch)
 
-    for family in TRANSFORMERS_FAMILIES:
+    for family in (*TRANSFORMERS_FAMILIES, *MOE_FAMILY_NAMES):
         src, one = tmp_path / family / "model", tmp_path / family / "one"
         expected, start = weights(one / "out" / "step_2"), weights(src)
         assert max((expected[k] - start[k]).abs().max().item() for k in start) > 1e-3, family
-        for run in ("two", "budget"):
+        if family in MOE_FAMILY_NAMES:  # the experts trained, on each rank's shard of them
+            assert max((expected[k] - start[k]).abs().max().item() for k in start if "experts" in k) > 1e-4, family
+        for run in ("two", "budget") if (tmp_path / family / "budget").is_dir() else ("two",):
             got = weights(tmp_path / family / run / "out" / "step_2")
             assert got.keys() == expected.keys(), (family, run)
             # As for the torchtune architectures above (the same sums regrouped by micro-batch and rank). Bound 1e-5.

@@ -94,6 +94,10 @@ def choose_backend(hf_config: Mapping[str, Any], backend: str = "auto", source: 
     moe = is_mixture_of_experts(hf_config)
     if hf_config.get("quantization_config") or text.get("quantization_config"):
         method = dict(hf_config.get("quantization_config") or text["quantization_config"]).get("quant_method", "?")
+        if method == "mxfp4" and moe and backend != "torchtune":
+            # gpt-oss as released: MXFP4 experts, dequantised on load (models/_transformers_experts.py).
+            return Backend("transformers", f"{moe}: a mixture-of-experts model with MXFP4 experts (dequantised on "
+                           "load, saved unquantised), trained as transformers' own module")
         raise ValueError(
             f"{source}: quantization_config.quant_method = {method!r} is not supported (either backend): train from "
             "unquantised bf16/fp16/fp32 weights"

@@ -221,6 +221,10 @@ class HFCheckpointer:
         for item in self._checkpoint_dir.iterdir():
             if item.is_file() and not item.name.endswith(_NOT_COPIED) and item.name not in _NOT_COPIED_NAMES:
                 shutil.copy2(item, target / item.name)
+        if self._language is not None and self._language.dequantized:
+            # MXFP4 experts were dequantised on load and are saved unquantised: the config says so.
+            config = {k: v for k, v in self._config.items() if k != "quantization_config"}
+            (target / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         log.info("Saved a Hugging Face model directory to %s (%d weight files)", target, len(shards))
         return target
 

@@ -16,6 +16,8 @@ from typing import Dict, List, Tuple
 import torch
 from safetensors import safe_open
 
+from torchtune_grpo.models._transformers_experts import dequantize_mxfp4, ExpertTensors, mxfp4_name
+
 __all__ = ["LanguageWeights"]
 
 _SEGMENT = "language_model."
@@ -39,17 +41,17 @@ class LanguageWeights:
         self.carried: Dict[str, str] = {}  # on-disk name -> file, for tensors the policy does not hold
         self.weight_map: Dict[str, str] = {}  # on-disk name -> file (all written tensors)
         self.dropped: List[str] = []
+        self.dequantized: List[str] = []  # policy names read from MXFP4 blocks and scales
         self._files = files
+        self._experts = ExpertTensors(self.policy_name, expected)
 
     def policy_name(self, key: str) -> str:
         """The policy's name for on-disk ``key`` (its own, or without the ``language_model`` segment)."""
         if key in self.expected:
             return key
-        if _SEGMENT in key:
-            bare = key.replace(_SEGMENT, "", 1)
-            if bare in self.expected:
-                return bare
-        return ""
+        bare = key.replace(_SEGMENT, "", 1)
+        bare = bare.replace(".block_sparse_moe.", ".mlp.", 1)  # Mixtral's on-disk name of the MoE block
+        return bare if bare in self.expected else ""
 
     def load(self) -> Dict[str, torch.Tensor]:
         """The policy's tensors under its names.
@@ -59,12 +61,24 @@ class LanguageWeights:
                 policy needs that no file holds.
         """
         state: Dict[str, torch.Tensor] = {}
+        packed: Dict[str, Dict[str, torch.Tensor]] = {}  # MXFP4: fused on-disk name -> {"_blocks", "_scales"}
         for file_name in self._files:
             path = self.directory / file_name
             with safe_open(str(path), framework="pt") as f:
                 for key in f.keys():
                     self.weight_map[key] = file_name
                     name = self.policy_name(key)
+                    if not name and self._experts.fused_name(key):
+                        done = self._experts.take(key, f.get_tensor(key), str(path))
+                        if done is not None:
+                            state[done[0]] = done[1]
+                        continue
+                    if not name and mxfp4_name(key) and self.policy_name(mxfp4_name(key)[0]):
+                        fused, suffix = mxfp4_name(key)
+                        packed.setdefault(fused, {})[suffix] = f.get_tensor(key)
+                        self.weight_map[fused] = file_name
+                        del self.weight_map[key]
+                        continue
                     if not name:
                         if self.tied and key.endswith("lm_head.weight"):
                             self.dropped.append(key)  # the tied head is the embedding
@@ -72,14 +86,22 @@ class LanguageWeights:
                         else:
                             self.carried[key] = file_name
                         continue
-                    tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(self.expected[name]):
-                        raise ValueError(
-                            f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, but config.json describes "
-                            f"{tuple(self.expected[name])}: the weights do not belong to this config.json"
-                        )
-                    state[name] = tensor
+                    state[name] = self._checked(f.get_tensor(key), key, name, path)
                     self.disk_name[name] = key
+        for fused, parts in packed.items():
+            if len(parts) != 2:
+                raise ValueError(f"{self.directory}: MXFP4 tensor {fused!r} has {sorted(parts)} but not both "
+                                 "'_blocks' and '_scales'")
+            name = self.policy_name(fused)
+            state[name] = self._checked(dequantize_mxfp4(parts["_blocks"], parts["_scales"]), fused, name,
+                                        self.directory)
+            self.disk_name[name] = fused
+            self.dequantized.append(name)
+        incomplete = self._experts.incomplete()
+        if incomplete:
+            name, found = next(iter(incomplete.items()))
+            raise ValueError(f"{self.directory}: {name!r} needs {self.expected[name][0]} experts' tensors, but "
+                             f"{self._files} hold {found} of them (an incomplete checkpoint?)")
         missing = sorted(set(self.expected) - set(state))
         if missing:
             raise ValueError(
@@ -88,9 +110,22 @@ class LanguageWeights:
             )
         return state
 
+    def _checked(self, tensor: torch.Tensor, key: str, name: str, path) -> torch.Tensor:
+        if tuple(tensor.shape) != tuple(self.expected[name]):
+            raise ValueError(
+                f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, but config.json describes "
+                f"{tuple(self.expected[name])}: the weights do not belong to this config.json"
+            )
+        return tensor
+
     def to_disk(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The tensors to write: the policy's under their on-disk names, then every carried tensor unchanged."""
-        out = {self.disk_name.get(name, name): tensor for name, tensor in state.items()}
+        out: Dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            if name in self._experts.disk_names:
+                out.update(self._experts.split(name, tensor))
+            else:
+                out[self.disk_name.get(name, name)] = tensor
         by_file: Dict[str, List[str]] = {}
         for key, file_name in self.carried.items():
             by_file.setdefault(file_name, []).append(key)
