@@ -26,28 +26,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["Row", "Setup", "layer_activation_elements", "lora_parameters", "memory_rows", "parameter_counts",
-           "read_config", "setup_from_recipe_config"]
+__all__ = ["Row", "Setup", "language_fields", "layer_activation_elements", "lora_parameters", "memory_rows",
+           "parameter_counts", "read_config", "setup_from_recipe_config"]
 
 GB = 1e9
 MOE_TYPES = ("qwen3_moe", "qwen3_5_moe_text", "gpt_oss", "olmoe", "mixtral")
 
 
 def read_config(path: Any) -> Dict[str, Any]:
-    """The language model's fields of a ``config.json`` (or of the one in a model directory): a multimodal
-    checkpoint's ``text_config``, with the top-level ``tie_word_embeddings`` where the file puts it there.
+    """The language model's fields of a ``config.json``, or of the one in a model directory
+    (:func:`language_fields`)."""
+    path = Path(path)
+    return language_fields(json.loads((path / "config.json" if path.is_dir() else path).read_text()), str(path))
+
+
+def language_fields(data: Mapping[str, Any], source: str = "config.json") -> Dict[str, Any]:
+    """A ``config.json``'s language-model fields: a multimodal checkpoint's ``text_config``, with the top-level
+    ``tie_word_embeddings`` where the file puts it there.
 
     Raises:
-        ValueError: the file is not one of the mixture-of-experts families above (naming its ``model_type``).
+        ValueError: the model is not one of the mixture-of-experts families above (naming its ``model_type``), or
+            has dense layers among the sparse ones (naming the key).
     """
-    path = Path(path)
-    data = json.loads((path / "config.json" if path.is_dir() else path).read_text())
     text = dict(data.get("text_config") or data)
     text.setdefault("tie_word_embeddings", data.get("tie_word_embeddings", False))
     if text.get("model_type") == "qwen3_5_moe":
         text["model_type"] = "qwen3_5_moe_text"
     if text.get("model_type") not in MOE_TYPES:
-        raise ValueError(f"{path}: model_type {text.get('model_type')!r} is not one of {MOE_TYPES}")
+        raise ValueError(f"{source}: model_type {text.get('model_type')!r} is not one of {MOE_TYPES}")
+    if text.get("mlp_only_layers") or text.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{source}: dense layers among the sparse ones (mlp_only_layers = "
+                         f"{text.get('mlp_only_layers')}, decoder_sparse_step = {text.get('decoder_sparse_step')}) are "
+                         "not counted here: every layer must be a mixture of experts")
     return text
 
 
@@ -287,18 +297,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--no-activation-checkpointing", action="store_true")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if args.hub:
+    if args.hub:  # the published config.json files the tests keep (a clone only)
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        import tempfile
-
         from tests.real_hf_configs import FAMILY_HUB_CONFIGS
 
-        path = Path(tempfile.mkdtemp()) / "config.json"
-        path.write_text(json.dumps(FAMILY_HUB_CONFIGS[args.hub]))
-        args.config = str(path)
-    if not args.config:
+        c = language_fields(FAMILY_HUB_CONFIGS[args.hub], args.hub)
+    elif args.config:
+        c = read_config(args.config)
+    else:
         parser.error("give a config.json (or a model directory), or --hub NAME")
-    c = read_config(args.config)
     s = setup_from_recipe_config(args.recipe_config, args.gpus)
     if args.no_activation_checkpointing:
         s = Setup(**{**s.__dict__, "activation_checkpointing": False})
