@@ -13,7 +13,8 @@ transformers' module holds (tests/test_moe_memory.py checks it against ``sum(p.n
 What the rows assume (the recipe's ``dtype: bf16``, torchtune_grpo/runtime/precision.py): full fine-tuning keeps
 fp32 master weights, fp32 gradients and two fp32 AdamW moments, all sharded N ways; FSDP2 all-gathers one decoder
 layer at a time in bf16 (and prefetches the next), and in the backward holds that layer's unsharded gradient in
-bf16 and in fp32 for the reduce-scatter. LoRA keeps the frozen base in bf16 (sharded), the adapters with their
+bf16 and in fp32 for the reduce-scatter; for a rollout the native engine gathers the whole model on every rank
+(:func:`memory_rows`). ``fsdp_cpu_offload: true`` moves the shards (and the optimizer step) to host memory. LoRA keeps the frozen base in bf16 (sharded), the adapters with their
 gradients and AdamW moments in bf16 (8 bytes each). Activations are an estimate from the tensors autograd keeps in
 transformers' eager modules (listed in :func:`layer_activation_elements`), not a measurement; the GPU check's MoE
 stage (benchmarks/gpu_moe.py) measures a peak to compare with.
@@ -194,7 +195,8 @@ def _cache_bytes_per_row(c: Mapping[str, Any], tokens: int) -> int:
 class Setup:
     """The run the table is for. ``rows``: sequences one GPU generates at once (batch_size x group_size);
     ``micro_batch``, ``seq_len`` (prompt + response), ``chunk`` (logprob_chunk_size), ``kl_reference`` (full
-    fine-tuning with kl_coef > 0 holds a bf16 reference), ``lora_rank``/``lora_targets`` (None: full)."""
+    fine-tuning with kl_coef > 0 holds a bf16 reference), ``cpu_offload`` (``fsdp_cpu_offload``: the shards in
+    host memory), ``lora_rank``/``lora_targets`` (None: full)."""
 
     gpus: int
     rows: int
@@ -203,6 +205,7 @@ class Setup:
     chunk: int
     activation_checkpointing: bool = True
     kl_reference: bool = False
+    cpu_offload: bool = False
     lora_rank: Optional[int] = None
     lora_targets: Sequence[str] = ()
 
@@ -218,15 +221,16 @@ def setup_from_recipe_config(path: Any, gpus: int) -> Setup:
                  chunk=int(cfg.get("logprob_chunk_size", 512)),
                  activation_checkpointing=bool(cfg.get("enable_activation_checkpointing", True)),
                  kl_reference=not lora and float(cfg.get("kl_coef", 0.0)) > 0,
+                 cpu_offload=bool(cfg.get("fsdp_cpu_offload", False)),
                  lora_rank=int(cfg.model.lora_rank) if lora else None,
                  lora_targets=list(cfg.model.lora_attn_modules) if lora else ())
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of the table: what, how it is computed, bytes on one GPU, and whether it is held for the
-    whole run (``static``), while training (``train``) or while generating (``generate``; the layers FSDP2
-    gathers count in both)."""
+    """One line of the table: what, how it is computed, bytes per GPU (per process), and whether it is held on
+    the device for the whole run (``static``), while training (``train``), while generating (``generate``), in
+    host memory (``host``, with ``fsdp_cpu_offload``), or is a total (``host total``, ``peak``)."""
 
     name: str
     formula: str
@@ -235,28 +239,40 @@ class Row:
 
 
 def memory_rows(c: Mapping[str, Any], s: Setup) -> List[Row]:
-    """The per-GPU memory of ``s`` on the model of ``c``, row by row (bytes), then the peak."""
+    """The per-GPU memory of ``s`` on the model of ``c``, row by row (bytes), then the peak on the device.
+
+    FSDP2 keeps each rank's shards (on the device, or in host memory with ``cpu_offload``) and gathers what it
+    computes with: one decoder layer at a time in training (the root, embedding and output head, stays gathered:
+    in fp32 under ``dtype: bf16``), and the whole model for a rollout, since the native engine samples from the
+    live module (the recipe gathers once per rollout, not once per decoded token). The gathered copy is a new
+    tensor even on one process, so it adds to the shards instead of replacing them.
+    """
     p, d = parameter_counts(c), _dims(c)
     n, P, layer = s.gpus, p["total"], p["largest_layer"]
+    root = p["embedding"] + p["head"] + d["H"]  # embedding, output head, final norm
     tokens = s.micro_batch * s.seq_len
+    kept = "host" if s.cpu_offload else "static"  # where the shards live
     rows: List[Row] = []
     if s.lora_rank is None:
-        rows += [Row("fp32 master weights", f"4 B x {P:,} / {n}", 4 * P / n, "static"),
-                 Row("fp32 gradients (freed after the optimizer step)", f"4 B x {P:,} / {n}", 4 * P / n, "train"),
-                 Row("AdamW moments (fp32)", f"8 B x {P:,} / {n}", 8 * P / n, "static")]
+        rows += [Row("fp32 master weights", f"4 B x {P:,} / {n}", 4 * P / n, kept),
+                 Row("AdamW moments (fp32)", f"8 B x {P:,} / {n}", 8 * P / n, kept),
+                 Row("fp32 gradients (freed after the optimizer step)", f"4 B x {P:,} / {n}", 4 * P / n,
+                     "host" if s.cpu_offload else "train")]
         if s.kl_reference:
             rows.append(Row("bf16 reference model", f"2 B x {P:,} / {n}", 2 * P / n, "static"))
         rows.append(Row("layer gradient, unsharded (bf16 + fp32 for the reduce-scatter)", f"6 B x {layer:,}",
                         6 * layer, "train"))
+        root_bytes, root_text = 4, "fp32"
     else:
         a = lora_parameters(c, s.lora_targets, s.lora_rank)
-        rows += [Row("bf16 frozen base weights", f"2 B x {P:,} / {n}", 2 * P / n, "static"),
-                 Row("adapters + gradients + AdamW (bf16)", f"8 B x {a:,} / {n}", 8 * a / n, "static")]
-    # FSDP2 gathers even on one process (a one-rank group): the bf16 copy of the layer it computes.
+        rows += [Row("bf16 frozen base weights", f"2 B x {P:,} / {n}", 2 * P / n, kept),
+                 Row("adapters + gradients + AdamW (bf16)", f"8 B x {a:,} / {n}", 8 * a / n, kept)]
+        root_bytes, root_text = 2, "bf16"
     rows.append(Row("bf16 layers gathered by FSDP2 (this one and the prefetched next)", f"2 x 2 B x {layer:,}",
                     4 * layer, "train"))
-    kinds = layer_types(c)
-    per_layer = [layer_activation_elements(c, k) for k in kinds]
+    rows.append(Row(f"embedding and output head gathered ({root_text})", f"{root_bytes} B x {root:,}",
+                    root_bytes * root, "train"))
+    per_layer = [layer_activation_elements(c, k) for k in layer_types(c)]
     if s.activation_checkpointing:
         rows.append(Row("activations: each layer's bf16 input (checkpointed)",
                         f"{d['L']} x {tokens:,} tokens x {d['H']} x 2 B", d["L"] * tokens * d["H"] * 2, "train"))
@@ -266,11 +282,16 @@ def memory_rows(c: Mapping[str, Any], s: Setup) -> List[Row]:
         rows.append(Row("activations: every layer's saved tensors",
                         f"{tokens:,} tokens x {sum(per_layer):,} x 2 B", tokens * sum(per_layer) * 2, "train"))
     rows.append(Row("fp32 logits chunk and its gradient", f"2 x {s.chunk} x {d['V']:,} x 4 B", 8 * s.chunk * d["V"], "train"))
+    rows.append(Row(f"whole model gathered for the rollout (layers bf16, embedding and head {root_text})",
+                    f"2 B x {P - root:,} + {root_bytes} B x {root:,}", 2 * (P - root) + root_bytes * root, "generate"))
     cache = _cache_bytes_per_row(c, s.seq_len)
     rows.append(Row("generation cache", f"{s.rows} rows x {cache:,} B", s.rows * cache, "generate"))
     static = sum(r.per_gpu for r in rows if r.phase == "static")
     train = sum(r.per_gpu for r in rows if r.phase == "train")
-    gen = sum(r.per_gpu for r in rows if r.phase == "generate") + 4 * layer  # generation gathers layers too
+    gen = sum(r.per_gpu for r in rows if r.phase == "generate")
+    host = sum(r.per_gpu for r in rows if r.phase == "host")
+    if host:
+        rows.append(Row("host memory per process (fsdp_cpu_offload)", "", host, "host total"))
     rows.append(Row("peak (static + the larger of training and generation)", "", static + max(train, gen), "peak"))
     return rows
 
@@ -281,7 +302,7 @@ def markdown(c: Mapping[str, Any], s: Setup) -> str:
     lines = [f"{c['model_type']}: {p['total']:,} parameters ({p['active']:,} active per token; experts "
              f"{p['experts']:,}; embedding {p['embedding']:,}, output head {head}); largest layer {p['largest_layer']:,}.",
              "", f"{'LoRA rank ' + str(s.lora_rank) + ' on ' + ', '.join(s.lora_targets) if s.lora_rank else 'Full fine-tune'}"
-             f" on {s.gpus} GPU(s), FSDP2; micro-batch {s.micro_batch} x {s.seq_len} tokens, {s.rows} rows generated "
+             f" on {s.gpus} GPU(s), FSDP2{' with CPU offload' if s.cpu_offload else ''}; micro-batch {s.micro_batch} x {s.seq_len} tokens, {s.rows} rows generated "
              f"per GPU, activation checkpointing {'on' if s.activation_checkpointing else 'off'}.", "",
              "| per GPU | formula | GB |", "|---|---|---|"]
     lines += [f"| {r.name} | {r.formula} | {r.per_gpu / GB:.1f} |" for r in memory_rows(c, s)]

@@ -63,7 +63,7 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["problems"] == []
     assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "ablation", "grpo_0_6b", "trl",
-                                                     "qwen3_5", "grpo_1_7b"]
+                                                     "qwen3_5", "moe", "grpo_1_7b"]
     # The carried packages were imported from the site directory, not from this interpreter's.
     packages = report["env"]["packages"]
     for name in ("torchtune", "torchao", "omegaconf", "datasets", "trl"):
@@ -115,6 +115,19 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert qwen3_5["trl"]["model"] == "tiny_qwen3_5" and qwen3_5["trl"]["rows"] == 16
     assert qwen3_5["ours_vs_trl"]["ratio"] > 0
     assert "Step time, ours / TRL (tiny_qwen3_5, transformers backend)" in md
+    # The MoE stage: the Qwen3-30B-A3B layout (its tiny stand-in) from the shipped MoE config, through
+    # transformers' module; TRL on the same directory and batch, with no KL term on either side (as the config);
+    # the paper estimate of our peak computed for the same run.
+    moe = report["moe"]
+    assert moe["skipped"] is None and moe["backend"]["name"] == "transformers"
+    assert moe["config"] == "configs/qwen3_moe/30B-A3B_full_grpo.yaml"
+    assert moe["recipe"]["model"] == "tiny_qwen3_moe" and moe["recipe"]["steps"] == 2
+    assert moe["recipe"]["median"]["kl"] == 0 and moe["trl"]["kl_coef"] == 0.0
+    assert moe["trl"]["model"] == "tiny_qwen3_moe" and moe["trl"]["rows"] == 16 and moe["ours_vs_trl"]["ratio"] > 0
+    assert moe["layout"] == {"layers": 2, "published_layers": 48, "experts": 8, "experts_per_token": 2}
+    assert moe["paper_estimate"]["peak_gb"] > 0 and moe["paper_estimate"]["measured_peak_gb"] is None  # CPU
+    assert "Step time, ours / TRL (tiny_qwen3_moe, transformers backend)" in md
+    assert "Layout: Qwen3-30B-A3B's layer, 2 of 48 layers, 8 experts, 2 per token" in md
 
 
 def test_device_wheel_bundle_fits_and_covers_every_requirement():
