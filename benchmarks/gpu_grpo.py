@@ -534,6 +534,7 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
         del overrides["model"], overrides["checkpointer"]
         cfg.checkpointer.checkpoint_dir = str(model_dir(name))
         cfg.checkpointer.output_dir = out_dir
+    overrides.update(getattr(args, "recipe_overrides", None) or {})  # a stage's own (benchmarks/gpu_moe.py)
     for k, v in overrides.items():
         cfg[k] = v
     if args.compile_decode is not None:
