@@ -82,6 +82,7 @@ from torchtune_grpo.metrics.run_logs import RunLogs
 from torchtune_grpo.runtime.sharding import unsharded
 from torchtune_grpo.loss.token_selection import HighEntropyTokens
 from torchtune_grpo.training.batch import training_layout
+from torchtune_grpo.training.routes import RouterTerms
 from torchtune_grpo.training.step import count_nonfinite_weights, GRPOStep, StepResult
 from torchtune_grpo.training.update import PolicyUpdate
 from torchtune_grpo.workers.client import check_generation_workers, WorkerRollouts
@@ -322,13 +323,16 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         temperature = float(self.engine.temperature)  # logprobs of the distribution sampled from, as in the ratio
         # The update core (torchtune_grpo/training/update.py): micro-batched loss with global normalisation,
         # FSDP2 gradient sync, clipping, optimizer and scheduler steps.
+        # A mixture-of-experts policy's router losses and metrics, and routing replay (training/routes.py).
+        router = RouterTerms.for_model(self.model, c.moe.load_balance_coef, c.moe.z_loss_coef)
+        replay = router is not None and c.moe.routing_replay == "rollout"
         update = PolicyUpdate(
             self.model, self.optimizer, loss_fn, lr_scheduler=lr_scheduler, ppo_epochs=c.ppo_epochs,
             ppo_mini_batches=c.ppo_mini_batches, group_size=c.group_size, seed=self.seed,
             shuffle=c.ppo_mini_batch_shuffle, micro_batch_size=c.micro_batch_size,
             max_tokens_per_micro_batch=c.max_tokens_per_micro_batch, clip_grad_norm=c.clip_grad_norm,
             world_size=self.world_size, all_reduce=self._dist.sum, temperature=temperature,
-            chunk_size=c.logprob_chunk_size, on_nonfinite=c.on_nonfinite,
+            chunk_size=c.logprob_chunk_size, on_nonfinite=c.on_nonfinite, router_terms=router,
         )
         dynamic = DynamicSampling(**dataclasses.asdict(c.dynamic_sampling))
         # One generator per rank, so ranks draw different samples for their different prompts.
@@ -360,7 +364,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 mask_truncated=c.mask_truncated_completions, kl_coef=c.kl_coef,
                 kl_estimator=c.kl_estimator, kl_in_reward=kl_in_reward, reference=reference,
                 update_needs_old_logprobs=update.needs_old_logprobs or c.step_diagnostics, all_reduce=self._dist.sum,
-                all_gather=self._dist.gather_cat,
+                all_gather=self._dist.gather_cat, routing_replay=replay,
+                num_experts=router.num_experts if router is not None else None,
             ),
             update=update, publisher=publisher, all_reduce=self._dist.all_reduce, batch_size=c.batch_size,
             log_completions=c.log_completions, on_nonfinite=c.on_nonfinite, device=self._device,
@@ -395,6 +400,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
             ),
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
+            routing_replay=c.moe.routing_replay if router is not None else None,
+            load_balance_coef=c.moe.load_balance_coef, z_loss_coef=c.moe.z_loss_coef,
             in_flight_updates=c.generation_workers.enabled and c.generation_workers.in_flight_updates,
             weight_sync=publisher.describe(self.model) if publisher is not None else None,
             **loss_masks.formula_lines(),

@@ -99,6 +99,10 @@ class AlgorithmSpec:
             depends on the lengths). Default is None (``micro_batch_size`` rows each).
         weight_sync (Optional[str]): how an engine with its own weights (vLLM) gets the policy
             (``WeightPublisher.describe``). Default is None (the engine samples with the trainer's model).
+        routing_replay (Optional[str]): a mixture-of-experts policy's ``moe.routing_replay`` (``"off"`` or
+            ``"rollout"``); None for a dense policy. Default is None.
+        load_balance_coef (float): ``moe.load_balance_coef``. Default is 0.0.
+        z_loss_coef (float): ``moe.z_loss_coef``. Default is 0.0.
     """
 
     world_size: int
@@ -142,6 +146,9 @@ class AlgorithmSpec:
     in_flight_updates: bool = False
     max_tokens_per_micro_batch: Optional[int] = None
     weight_sync: Optional[str] = None
+    routing_replay: Optional[str] = None
+    load_balance_coef: float = 0.0
+    z_loss_coef: float = 0.0
 
     @classmethod
     def from_components(
@@ -293,6 +300,12 @@ def _objective(s: AlgorithmSpec) -> List[str]:
         lines.append("entropy    H_i,t = entropy of pi_theta(. | q, o_i,<t)   [bonus]")
     formula, why = _AGGREGATION[s.loss_agg_mode]
     lines.append(f"loss       {formula.format(L_max=s.max_response_length)}   [{s.loss_agg_mode}: {why}]")
+    if s.routing_replay is not None and (s.load_balance_coef > 0 or s.z_loss_coef > 0):
+        lines.append(
+            f"router     L += {_g(s.load_balance_coef)} * LB + {_g(s.z_loss_coef)} * Z,  LB = E * sum_e f_e * "
+            "mean_t p_t,e  [Switch load balancing; f_e: the batch's share of routings to expert e, a constant],  "
+            "Z = mean_t (logsumexp_e z_t,e)^2  [ST-MoE z-loss]; means over the real tokens, averaged over MoE layers"
+        )
     lines.append(f"advantage  {s.advantage}")
     reward = " + ".join(f"{_g(w)} * {name}" for name, w in s.rewards) or "(none)"
     if s.kl_coef > 0 and s.kl_placement == "reward":
@@ -385,6 +398,17 @@ def _notes(s: AlgorithmSpec) -> List[str]:
         notes.append(f"- Optimizer: {s.optimizer}{clip}; an optimizer step with a NaN/inf gradient norm is {nonfinite}.")
     if s.policy_model:
         notes.append(f"- Policy model: {s.policy_model}.")
+    if s.routing_replay is not None:
+        replay = (
+            "rollout: the experts the engine chose for every token (prompt and response, every MoE layer) are forced "
+            "in the old, reference and policy forwards, gate weights recomputed from the live router (R3, "
+            "arXiv:2510.11370); tokens the engine reported none for are routed by the trainer"
+            if s.routing_replay == "rollout" else "off: the trainer routes every token itself"
+        )
+        notes.append(
+            f"- Mixture of experts: routing replay {replay}. Load-balancing coefficient {_g(s.load_balance_coef)}, "
+            f"router z-loss coefficient {_g(s.z_loss_coef)} (0: logged only, moe/load_balance_loss and moe/z_loss)."
+        )
     if s.precision:
         notes.append(f"- Precision: {s.precision}.")
     if s.weight_sync:

@@ -31,7 +31,7 @@ from torchtune_grpo.runtime.reference_setup import REFERENCE_PRECISIONS
 from torchtune_grpo.checkpoints.resume import BROKEN_CHECKPOINT_POLICIES
 
 __all__ = [
-    "KL_PLACEMENTS", "DynamicSamplingConfig", "GenerationWorkersConfig", "LoRARecipeConfig", "MultiTurnConfig", "RecipeConfig",
+    "KL_PLACEMENTS", "ROUTING_REPLAY", "DynamicSamplingConfig", "MoEConfig", "GenerationWorkersConfig", "LoRARecipeConfig", "MultiTurnConfig", "RecipeConfig",
     "ReferenceConfig",
 ]
 
@@ -102,6 +102,28 @@ class ReferenceConfig(ConfigSchema):
             "effect on the KL term in [algorithms.md](algorithms.md#the-reference-model-in-less-memory)")
     offload: bool = setting(False, doc="keep the reference's transformer layers in CPU memory and copy each to the "
                                        "device just before it runs (the next one prefetched)")
+
+
+#: ``moe.routing_replay``: ``off`` (the trainer routes every token itself) or ``rollout`` (R3: the engine's routes
+#: forced in the trainer's forwards).
+ROUTING_REPLAY = ("off", "rollout")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig(ConfigSchema):
+    """``moe:`` (mixture-of-experts policies: routing replay and router losses; docs/moe_replay.md)."""
+
+    routing_replay: str = setting(
+        "off", choices=ROUTING_REPLAY,
+        doc="`rollout`: force the experts the engine chose for every token (prompt and response, every MoE layer) "
+            "in the trainer's old, reference and policy forwards, gate weights recomputed from the live router "
+            "(rollout routing replay, R3); `off`: the trainer routes itself")
+    load_balance_coef: float = setting(
+        0.0, ge=0, why="weight of the load-balancing loss (0: none)",
+        doc="weight of the Switch Transformer load-balancing loss (token mean, expert fractions from the engine's "
+            "routes over the whole batch); 0: logged only")
+    z_loss_coef: float = setting(0.0, ge=0, why="weight of the router z-loss (0: none)",
+                                 doc="weight of the ST-MoE router z-loss (token mean); 0: logged only")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -205,6 +227,10 @@ class RecipeConfig(ConfigSchema):
         factory=ReferenceConfig, null=True,
         doc="how the reference model is held (precision, CPU offload); used only when `kl_coef > 0`; not in the "
             "LoRA recipe, whose reference is the policy with its adapters off")
+    moe: MoEConfig = setting(
+        factory=MoEConfig, null=True,
+        doc="mixture-of-experts policies: routing replay and router losses ([moe_replay.md](moe_replay.md)); "
+            "ignored for a dense policy")
     generation: Any = component("generation engine, e.g. `torchtune_grpo.generation.NativeGenerator`",
                                 checks=_GenerationChecks)
     reward_functions: Any = component(

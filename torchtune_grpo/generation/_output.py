@@ -23,6 +23,11 @@ class Rollout(NamedTuple):
             syncs the engine had received) that sampled it: an engine that takes weights while it generates
             (``VLLMServerGenerator.load_weights(..., in_flight=True)``) can sample one completion with several.
             None when every token came from the weights the engine held when asked. Default is None.
+        routed_experts (Optional[List[torch.Tensor]]): a mixture-of-experts model's routes: per row, int16
+            ``[len(prompt) + len(response), num_moe_layers, top_k]``, the experts the engine chose for the token
+            at each position *as an input token* (position ``p`` = the token at ``p``), -1 where it reported none
+            (the trainer routes those itself). None for a dense model or an engine that does not report them.
+            Default is None.
     """
 
     prompt_ids: List[List[int]]
@@ -30,6 +35,7 @@ class Rollout(NamedTuple):
     truncated: torch.Tensor
     logprobs: Optional[List[List[float]]] = None
     token_versions: Optional[List[List[int]]] = None
+    routed_experts: Optional[List[torch.Tensor]] = None
 
 
 def decode_responses(tokenizer, response_ids: List[List[int]]) -> List[str]:

@@ -8,10 +8,16 @@ sampling or from the update (docs/benchmarks/closed_loop.md), and generation for
 the native engine's KV-cache path does not.
 
 Its samples come from the trainer's weights of the moment (like the native engine, ``holds_weights`` is
-False: no weight sync, no sampling logprobs of its own). It decodes one batch with left padding and no
-prefix caching, so it is slower than the native engine; it is a reference, not the default.
+False: no weight sync). With ``dtype`` other than the trainer's (a bf16 sampler of fp32 weights) it is a
+different distribution, and it reports its own sampling logprobs (``Rollout.logprobs``: after temperature,
+top-k and top-p, as vLLM's ``processed_logprobs``) so the sampler/trainer mismatch is measured
+(``generation/logprob_mismatch``) and the rollout correction can act on it. For a mixture-of-experts model it
+records the experts each token was routed to (``Rollout.routed_experts``, prompt tokens included, from the
+prefill) for routing replay. It decodes one batch with left padding and no prefix caching, so it is slower
+than the native engine; it is a reference, not the default.
 """
 
+from contextlib import nullcontext
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -22,8 +28,9 @@ from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._publisher import full_weights
 from torchtune_grpo.generation._weight_sync import TuneToHFNames
 from torchtune_grpo.models import read_hf_config, text_model_config
+from torchtune_grpo.models.moe_routing import router_hooks
 
-__all__ = ["TransformersGenerator", "sample_with_generate"]
+__all__ = ["TransformersGenerator", "routes_of_generate", "sample_with_generate"]
 
 
 class TransformersGenerator(GenerationEngine):
@@ -113,14 +120,19 @@ class TransformersGenerator(GenerationEngine):
 
         Returns:
             Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]`` (no stop token within the
-            budget); no logprobs (the trainer computes them from the same weights).
+            budget); ``logprobs`` when its dtype differs from the trainer's weights' (else None: the trainer
+            computes the same ones); ``routed_experts`` for a mixture-of-experts model.
         """
         device = next(model.parameters()).device
         hf = self._load(model, device)
         temp = self.temperature if temperature is None else float(temperature)
+        # Its own distribution when it computes in another dtype than the trainer's weights: report it.
+        trainer_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        own_logprobs = next(hf.parameters()).dtype != trainer_dtype
         return sample_with_generate(
             hf, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
             stop_tokens=stop_tokens, generator=generator, temperature=temp, top_k=self.top_k, top_p=self.top_p,
+            with_logprobs=own_logprobs,
         )
 
     def close(self) -> None:
@@ -140,6 +152,7 @@ def sample_with_generate(
     temperature: float,
     top_k: Optional[int],
     top_p: float,
+    with_logprobs: bool = False,
 ) -> Rollout:
     """``group_size`` completions of each prompt sampled by transformers' ``generate`` on ``hf``.
 
@@ -159,9 +172,12 @@ def sample_with_generate(
         temperature (float): 0 is greedy.
         top_k (Optional[int]): keep the k most likely tokens; None: all.
         top_p (float): nucleus sampling mass; 1.0: all.
+        with_logprobs (bool): also return each sampled token's log-probability under the distribution it was
+            sampled from (after temperature, top-k, top-p). Default is False.
 
     Returns:
-        Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]``; no logprobs.
+        Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]``; ``logprobs`` with
+        ``with_logprobs``; ``routed_experts`` when ``hf`` is a mixture of experts (:func:`routes_of_generate`).
     """
     device = next(hf.parameters()).device
     rows = [list(p) for p in prompts for _ in range(group_size)]
@@ -177,16 +193,71 @@ def sample_with_generate(
     )
     if temperature > 0:
         options.update(temperature=temperature, top_k=top_k or 0, top_p=top_p)
+    if with_logprobs:  # the scores generate sampled from: logits after its processors and warpers
+        options.update(output_scores=True, return_dict_in_generate=True)
+    hooks = router_hooks(hf)
     seed = int(torch.randint(0, 2**62, (1,), generator=generator).item()) if generator is not None else None
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         if seed is not None:
             torch.manual_seed(seed)
-        out = hf.generate(input_ids=ids, attention_mask=mask, **options)
+        with hooks.recording() if hooks is not None else nullcontext() as recorded:
+            out = hf.generate(input_ids=ids, attention_mask=mask, **options)
+    sequences = out.sequences if with_logprobs else out
     stops = set(int(t) for t in stop_tokens)
     responses, truncated = [], []
-    for row in out[:, width:].tolist():
+    for row in sequences[:, width:].tolist():
         cut = next((j for j, t in enumerate(row) if t in stops), None)
         responses.append(row[: cut + 1] if cut is not None else row[:max_new_tokens])
         truncated.append(cut is None)
-    return Rollout(rows, responses, torch.tensor(truncated, dtype=torch.bool))
+    logprobs = None
+    if with_logprobs:
+        steps = len(out.scores)
+        sampled = sequences[:, width: width + steps]  # [B, steps]
+        chosen = torch.stack([  # [B, steps]: step j's log-probability of the token it sampled
+            torch.log_softmax(score.float(), dim=-1).gather(-1, sampled[:, j: j + 1]).squeeze(-1)
+            for j, score in enumerate(out.scores)
+        ], dim=1)
+        logprobs = [chosen[i, : len(resp)].tolist() for i, resp in enumerate(responses)]
+    routes = None
+    if recorded is not None:
+        routes = routes_of_generate(recorded, rows, responses, width)
+    return Rollout(rows, responses, torch.tensor(truncated, dtype=torch.bool), logprobs=logprobs,
+                   routed_experts=routes)
+
+
+def routes_of_generate(
+    recorded: List[List[torch.Tensor]], rows: List[List[int]], responses: List[List[int]], width: int
+) -> List[torch.Tensor]:
+    """Each row's routes from the indices the routers used during ``generate`` (one prefill, then one token).
+
+    Args:
+        recorded (List[List[torch.Tensor]]): per MoE layer, per forward, ``[B x S, k]`` int16: the prefill
+            (``S = width``, left-padded rows) then one decode step per generated token (``S = 1``).
+        rows (List[List[int]]): the ``B`` prompts, unpadded.
+        responses (List[List[int]]): the ``B`` kept responses.
+        width (int): the padded prompt width.
+
+    Returns:
+        List[torch.Tensor]: per row ``[len(prompt) + len(response), layers, k]`` int16: the prompt's tokens from
+        the prefill (left padding stripped), response token ``j`` from decode step ``j`` (its forward as an
+        input); -1 for the last response token (sampled, never an input).
+
+    Raises:
+        RuntimeError: when generate's forwards are not one prefill of ``width`` then single tokens.
+    """
+    b = len(rows)
+    per_forward = [torch.stack(f, dim=1) for f in zip(*recorded)]  # each [B*S, layers, k]
+    if not per_forward or per_forward[0].size(0) != b * width or any(f.size(0) != b for f in per_forward[1:]):
+        raise RuntimeError(f"routing record: transformers' generate ran forwards of {[f.size(0) for f in per_forward]} "
+                           f"tokens; expected one prefill of {b} x {width} then {b} per step")
+    prefill = per_forward[0].view(b, width, *per_forward[0].shape[1:])  # [B, W, layers, k]
+    steps = torch.stack(per_forward[1:], dim=1) if len(per_forward) > 1 else prefill[:, :0]  # [B, steps, layers, k]
+    out = []
+    for i, (prompt, resp) in enumerate(zip(rows, responses)):
+        r = torch.full((len(prompt) + len(resp), *prefill.shape[2:]), -1, dtype=torch.int16)
+        r[: len(prompt)] = prefill[i, width - len(prompt):]
+        known = min(max(len(resp) - 1, 0), steps.size(1))  # the last response token is never an input
+        r[len(prompt): len(prompt) + known] = steps[i, :known]
+        out.append(r)
+    return out

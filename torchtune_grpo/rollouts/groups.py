@@ -73,6 +73,9 @@ class RolloutGroups:
         step_ends (Optional[List[List[int]]]): per row, the response-token index of each step's last token.
             Default is None.
         step_component (Optional[str]): the step-level reward's name. Default is None.
+        routed_experts (Optional[List[torch.Tensor]]): a mixture-of-experts engine's routes, per row int16
+            ``[prompt + response, layers, top_k]`` (:class:`~torchtune_grpo.generation.Rollout`'s), or None.
+            Default is None.
     """
 
     group_size: int = field(metadata={"kind": "constant"})
@@ -97,6 +100,7 @@ class RolloutGroups:
     step_scores: Optional[List[List[float]]] = field(default=None, metadata={"kind": "row"})
     step_ends: Optional[List[List[int]]] = field(default=None, metadata={"kind": "row"})
     step_component: Optional[str] = field(default=None, metadata={"kind": "constant"})
+    routed_experts: Optional[List[torch.Tensor]] = field(default=None, metadata={"kind": "row"})
 
     # Each field's "kind" says how select and concat carry it, so a new field is one line here:
     # constant (the same in every part), group (one per prompt), row (one per completion: a list or a
@@ -246,6 +250,7 @@ def sample_and_score(
         errors=scored.errors,
         engine_logprobs=rollout.logprobs,
         token_versions=rollout.token_versions,
+        routed_experts=rollout.routed_experts,
         generation_seconds=t1 - t0,
         reward_seconds=t2 - t1,
         **_step_fields(scored),

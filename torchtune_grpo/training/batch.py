@@ -30,6 +30,7 @@ aggregation therefore do not depend on the layout.
 """
 
 import copy
+from contextlib import nullcontext
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -40,8 +41,10 @@ from torchtune.modules import MultiHeadAttention, TransformerDecoder
 from torchtune_grpo.models.attention import AttentionLayout, install_attention, installable
 from torchtune_grpo.models.compiled import compiled_layers
 from torchtune_grpo.models.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
+from torchtune_grpo.models.moe_routing import router_hooks
 from torchtune_grpo.training.micro_batches import agreed_plan, MicroBatchPlan, plan_micro_batches
 from torchtune_grpo.training.packed_rows import packed_layout, PackedLayout
+from torchtune_grpo.training.routes import layout_routes
 
 __all__ = [
     "install_shared_prompt_attention", "pack_sequences", "response_values", "shared_prompt_layout",
@@ -329,9 +332,15 @@ class TrainingBatch:
         device (Optional[torch.device]): where the tensors go. Default is None (CPU).
         packed_attention (str): the packed rows' attention (:class:`~torchtune_grpo.training.packed_rows.PackedMask`):
             ``"sdpa"`` or ``"flex"`` (FlexAttention on CUDA). Default is ``"sdpa"``.
+        routed_experts (Optional[List[torch.Tensor]]): a mixture-of-experts engine's routes per row
+            (``Rollout.routed_experts``), for the router metrics and routing replay. Default is None.
+        replay (bool): force ``routed_experts`` in every forward of this batch (``moe.routing_replay: rollout``;
+            one row per sequence only). Default is False.
 
     Attributes:
         tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.
+        routes (Optional[torch.Tensor]): ``[N, L, layers, k]`` int16 (CPU) the engine's routes where ``tokens``
+            are, -1 elsewhere (:func:`~torchtune_grpo.training.routes.layout_routes`), or None.
         start (int): ``min(prompt lengths) - 1``: column 0 of a result predicts token ``start + 1``.
         response_mask (torch.Tensor): ``[N, T]`` bool, True where a column predicts a response token.
     """
@@ -346,8 +355,17 @@ class TrainingBatch:
         pack: bool = False,
         device: Optional[torch.device] = None,
         packed_attention: str = "sdpa",
+        routed_experts: Optional[List[torch.Tensor]] = None,
+        replay: bool = False,
     ) -> None:
         tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
+        self.routes = None if routed_experts is None else layout_routes(
+            prompt_ids, response_ids, routed_experts, tokens.size(1))
+        if replay and self.routes is None:
+            raise ValueError("moe.routing_replay: rollout, but the rollouts carry no routed_experts: the engine did "
+                             "not report routes (TransformersGenerator and the native engine on a transformers MoE "
+                             "policy do; vLLM with its routed-experts output)")
+        self.replay = bool(replay)
         self.start = min(len(p) for p in prompt_ids) - 1
         self.tokens = tokens.to(device)
         self.response_mask = response_mask[:, self.start + 1 :].to(device)
@@ -371,6 +389,7 @@ class TrainingBatch:
         batch.prompt_ids = batch.response_ids = batch.lengths = None
         batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
         batch.packed_attention = "sdpa"
+        batch.routes, batch.replay = None, False
         batch.row_width = None
         batch._layouts = {}
         return batch
@@ -403,12 +422,40 @@ class TrainingBatch:
         batch.tokens = self.tokens.index_select(0, index)
         if self.response_mask is not None:
             batch.response_mask = self.response_mask.index_select(0, index)
+        if self.routes is not None:
+            batch.routes = self.routes.index_select(0, index.cpu())
         if self.prompt_ids is not None:
             batch.prompt_ids = [self.prompt_ids[i] for i in rows]
             batch.response_ids = [self.response_ids[i] for i in rows]
             batch.lengths = [self.lengths[i] for i in rows]
         batch._layouts = {}
         return batch
+
+    def forward_width(self, rows: slice) -> int:
+        """The columns of an unshared forward over ``rows``: their longest sequence (at least ``start + 2``)."""
+        if self.lengths is None:
+            return self.tokens.size(1)
+        return max(max(self.lengths[rows]), self.start + 2)
+
+    def real_mask(self, rows: slice) -> torch.Tensor:
+        """``[n, forward_width(rows)]`` bool: the real (not padding) tokens of an unshared forward over ``rows``."""
+        width = self.forward_width(rows)
+        lengths = self.lengths[rows] if self.lengths is not None else [self.tokens.size(1)] * len(range(*rows.indices(len(self))))
+        return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+
+    def routes_for(self, rows: slice) -> Optional[torch.Tensor]:
+        """The engine's routes of an unshared forward over ``rows``: ``[n, forward_width(rows), layers, k]``, or None."""
+        if self.routes is None:
+            return None
+        return self.routes[rows, : self.forward_width(rows)].to(self.device)
+
+    def routing(self, model: nn.Module, rows: slice):
+        """A context forcing the engine's routes of ``rows`` in ``model``'s forwards (and recomputations) inside
+        it, with ``replay``; otherwise (or for a dense model) it changes nothing."""
+        hooks = router_hooks(model) if self.replay else None
+        if hooks is None:
+            return nullcontext()
+        return hooks.forcing(self.routes_for(rows))
 
     def plan(
         self,
@@ -495,6 +542,9 @@ class TrainingBatch:
         """
         # The shared-prompt and packed layouts run through the same attention replacement.
         shared = (self.share_prompt or self.pack) and install_shared_prompt_attention(model)
+        if shared and self.replay and router_hooks(model) is not None:
+            raise ValueError("routing replay runs one row per sequence: set share_prompt_in_training: false and "
+                             "pack_sequences_in_training: false")
         if shared:
             lay = self.layout(rows)
             max_len = getattr(model, "max_seq_len", None)
@@ -505,7 +555,7 @@ class TrainingBatch:
                 # Cut to these rows' longest sequence: the rest is padding after every real token, which
                 # causal attention never lets a real token see.
                 tokens = tokens[:, : max(max(self.lengths[rows]), self.start + 2)]
-            with compiled_layers(model):  # compile_training's layers (a no-op without them)
+            with compiled_layers(model), self.routing(model, rows):  # compiled layers: a no-op without them
                 out = sequence_logprobs(
                     model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
                     with_entropy=with_entropy, entropy_grad=entropy_grad,

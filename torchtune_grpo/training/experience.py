@@ -33,6 +33,7 @@ from torchtune_grpo.metrics.sums import one_process_sum, StepSums
 from torchtune_grpo.metrics.timing import device_clock
 from torchtune_grpo.training.micro_batches import MicroBatchPlan
 from torchtune_grpo.training.batch import batch_logprobs, batch_token_logprobs, TrainingBatch
+from torchtune_grpo.training.routes import expert_fractions
 from torchtune_grpo.rollouts.groups import RolloutGroups
 
 __all__ = ["BuiltExperience", "Experience", "ExperienceBuilder", "Reference"]
@@ -61,6 +62,9 @@ class Experience:
             correction, per-component advantages), reduced with the step's metrics. Default is empty.
         seconds (Dict[str, float]): this rank's time building it by phase (``time/reference``,
             ``time/old_logprobs``: the no-grad forwards, device work included). Default is empty.
+        expert_fractions (Optional[torch.Tensor]): ``[layers, E]`` a mixture-of-experts batch's routing-assignment
+            fractions over every process's real tokens, from the engine's routes (the load-balancing loss's
+            constant ``f``; not per row), or None. Default is None.
     """
 
     batch: TrainingBatch
@@ -73,6 +77,7 @@ class Experience:
     importance_weights: Optional[torch.Tensor] = None
     metric_sums: StepSums = field(default_factory=StepSums)
     seconds: Dict[str, float] = field(default_factory=dict)
+    expert_fractions: Optional[torch.Tensor] = field(default=None, metadata={"per_row": False})
 
     def __len__(self) -> int:
         return len(self.batch)
@@ -81,8 +86,9 @@ class Experience:
         """The experience of ``rows`` (``[n]`` indices into the ``N`` rows, in that order; ``row_width`` as
         :meth:`TrainingBatch.select`)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
+        per_row = {f.name for f in fields(self) if f.metadata.get("per_row", True)}
         for name, value in out.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and name in per_row:
                 out[name] = value[rows.to(value.device)]
         out["batch"] = self.batch.select(rows.tolist(), row_width=row_width)
         return replace(self, **out)
@@ -153,6 +159,11 @@ class ExperienceBuilder:
             Default is the identity (one process).
         all_gather (Callable[[torch.Tensor], torch.Tensor]): concatenates a 1-D CPU tensor of every rank
             (token selection's global threshold). Default is the identity.
+        routing_replay (bool): ``moe.routing_replay: rollout``: force the engine's routes in the reference and
+            old forwards (and, through the batch, the update's). Default is False.
+        num_experts (Optional[int]): a mixture-of-experts policy's experts per layer: the batch's assignment
+            fractions are measured from the engine's routes (the load-balancing loss). None: a dense policy.
+            Default is None.
     """
 
     def __init__(
@@ -179,6 +190,8 @@ class ExperienceBuilder:
         update_needs_old_logprobs: bool = False,
         all_reduce: Callable[[List[float]], List[float]] = one_process_sum,
         all_gather: Callable[[torch.Tensor], torch.Tensor] = _local_gather,
+        routing_replay: bool = False,
+        num_experts: Optional[int] = None,
     ) -> None:
         self.advantage = advantage
         self.reward_weights = list(reward_weights)
@@ -201,6 +214,8 @@ class ExperienceBuilder:
         self.update_needs_old_logprobs = bool(update_needs_old_logprobs)
         self.all_reduce = all_reduce
         self.all_gather = all_gather
+        self.routing_replay = bool(routing_replay)
+        self.num_experts = num_experts
 
     def logprobs(
         self, model: nn.Module, layout: "TrainingBatch | torch.Tensor", start: int = 0,
@@ -312,7 +327,11 @@ class ExperienceBuilder:
         layout = TrainingBatch(
             trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt,
             pack=self.pack_sequences, device=self.device, packed_attention=self.packed_attention,
+            routed_experts=trained.routed_experts, replay=self.routing_replay,
         )
+        fractions = None  # [layers, E] the load-balancing loss's f: the engine's routes over every process's batch
+        if self.num_experts is not None and layout.routes is not None:
+            fractions = expert_fractions(layout.routes, layout.lengths, self.num_experts, self.all_reduce)
         kept = ~trained.truncated if self.mask_truncated else torch.ones(n, dtype=torch.bool)
         kept = kept.to(self.device)  # [N]
         actions = layout.response_mask  # [N, T]
@@ -355,6 +374,6 @@ class ExperienceBuilder:
             old_logprobs=old.logprobs, ref_logprobs=ref_logprobs, engine_logprobs=engine_logprobs,
             importance_weights=masks.weights,
             metric_sums=masks.sums.merge(components.sums()) if components is not None else masks.sums,
-            seconds=seconds,
+            seconds=seconds, expert_fractions=fractions,
         )
         return BuiltExperience(experience, kl_penalty)

@@ -132,6 +132,8 @@ class GRPOStep:
         zero_std = self.dynamic.informative(generated).logical_not()
         local = step_sums(generated, zero_std, selection, stats.losses, kl_penalty, len(exp), exp.metric_sums)
         local.add(("nonfinite_weights",), count_nonfinite(trained_parameters(policy)))  # this rank's shards
+        if stats.sums is not None:  # a mixture-of-experts policy's router metrics
+            local.merge(stats.sums)
         seq_advantages = sequence_advantages(exp.advantages, exp.mask)  # [N]: token-level ones averaged
         local.merge(advantage_sums(seq_advantages))
         if diagnosed is not None:

@@ -21,6 +21,7 @@ from torchtune_grpo.rollouts.group_selection import GroupSelection
 from torchtune_grpo.metrics.sums import Key, Mean, Metric, Reduce, StepSums, Std, Value
 from torchtune_grpo.loss.rollout_correction import CORRECTION_METRICS
 from torchtune_grpo.rollouts.groups import RolloutGroups
+from torchtune_grpo.training.routes import router_metrics
 
 __all__ = [
     "EPISODE_METRICS", "LOSS_METRICS", "declared_metrics", "rollout_sums", "sample_records", "step_metrics",
@@ -66,6 +67,7 @@ def declared_metrics(reduced: Mapping[Key, float]) -> Dict[str, Metric]:
         metrics["episode/generated_tokens"] = Mean(("episode", "generated_tokens"), _N)
     if ("rollout_correction", "tokens") in reduced:
         metrics.update(CORRECTION_METRICS)
+    metrics.update(router_metrics(reduced))  # a mixture-of-experts policy's (training/routes.py)
     if ("advantage_abs",) in reduced:
         metrics["advantage/abs_mean"] = Mean(("advantage_abs",), ("trained",))
     if ("diagnostics", "tokens") in reduced:  # step_diagnostics (torchtune_grpo/training/diagnostics.py)

@@ -25,6 +25,7 @@ optimizer steps and micro-batches, whatever its permutation; a group's rows neve
 New loss inputs are added to :class:`Experience` and passed in :meth:`PolicyUpdate.loss_inputs`.
 """
 
+from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import torch
@@ -33,12 +34,14 @@ from torch.distributed.fsdp import FSDPModule
 
 from torchtune_grpo.models.compiled import compiled_layers
 from torchtune_grpo.models.logprobs import TokenLogprobs
-from torchtune_grpo.metrics.sums import one_process_sum
+from torchtune_grpo.metrics.sums import one_process_sum, StepSums
+from torchtune_grpo.models.moe_routing import router_hooks
 from torchtune_grpo.training.micro_batches import agreed_counts, count_histogram, MicroBatchPlan
 from torchtune_grpo.runtime.nonfinite import advice, check_policy, NonFiniteError
 from torchtune_grpo.loss.rollout_correction import logprob_mismatch_sum
 from torchtune_grpo.training.batch import micro_batches, TrainingBatch
 from torchtune_grpo.training.experience import Experience
+from torchtune_grpo.training.routes import RouterTerms
 from torchtune_grpo.training.step_metrics import LOSS_METRICS
 
 __all__ = ["PolicyUpdate", "UpdateStats"]
@@ -55,16 +58,20 @@ class UpdateStats(NamedTuple):
             clipping). None only when no parameter has a gradient.
         skipped_steps (int): optimizer steps not taken because the gradient norm was not finite
             (``on_nonfinite="skip"``). Default is 0.
+        sums (Optional[StepSums]): a mixture-of-experts policy's router quantities of the first pass (tokens
+            per expert, agreement with the engine's routes), reduced with the step's metrics. Default is None.
     """
 
     losses: Dict[str, Any]
     grad_norm: Optional[torch.Tensor]
     skipped_steps: int = 0
+    sums: Optional[StepSums] = None
 
 
 class _MicroBatchOut(NamedTuple):
     loss: Any  # the loss function's output (loss terms as global-sum contributions)
     mismatch: Any  # the engine-vs-trainer logprob mismatch sum (0.0 without engine logprobs)
+    router: Dict[str, Any]  # router loss values (global-sum contributions; empty for a dense policy)
 
 
 class PolicyUpdate:
@@ -97,6 +104,8 @@ class PolicyUpdate:
         chunk_size (int): positions per chunk of the logprob computation. Default is 512.
         on_nonfinite (str): ``"stop"`` (raise) or ``"skip"`` (drop the optimizer step) when the gradient norm
             is NaN or infinite. Default is ``"stop"``.
+        router_terms (Optional[RouterTerms]): a mixture-of-experts policy's router losses and metrics
+            (:mod:`~torchtune_grpo.training.routes`); None: a dense policy. Default is None.
     """
 
     def __init__(
@@ -119,6 +128,7 @@ class PolicyUpdate:
         temperature: float = 1.0,
         chunk_size: int = 512,
         on_nonfinite: str = "stop",
+        router_terms: Optional[RouterTerms] = None,
     ) -> None:
         if int(ppo_epochs) < 1 or int(ppo_mini_batches) < 1:
             raise ValueError(f"ppo_epochs and ppo_mini_batches must be >= 1, got {ppo_epochs}, {ppo_mini_batches}")
@@ -139,6 +149,8 @@ class PolicyUpdate:
         self.temperature = temperature
         self.chunk_size = int(chunk_size)
         self.on_nonfinite = check_policy(on_nonfinite)
+        self.router_terms = router_terms
+        self._router_sums: Optional[StepSums] = None  # the update in progress's router metrics
         # Only a loss with truncated importance sampling takes the engine's logprobs (custom losses need not).
         self._takes_engine_logprobs = getattr(loss_fn, "tis_cap", None) is not None
         # Entropy comes from the same chunked forward (never full logits); it carries a gradient only
@@ -211,6 +223,14 @@ class PolicyUpdate:
                     if len(plans[e][m].sizes) != agreed[e * len(slices) + m]:
                         plans[e][m] = self._plan(ex, rows, agreed[e * len(slices) + m])
         stats: Dict[str, Any] = dict.fromkeys(LOSS_METRICS, 0.0)
+        real = None  # [passes x mini-batches] real (not padding) tokens over all ranks: the router losses' count
+        if self.router_terms is not None:
+            stats.update({"moe/z_loss": 0.0, **({"moe/load_balance_loss": 0.0} if exp.expert_fractions is not None else {})})
+            real = self.all_reduce([float(sum(ex.batch.lengths[rows])) for ex in passes for rows in slices])
+            self._router_sums = self.router_terms.empty_sums(exp.batch.routes is not None)
+            if exp.expert_fractions is None and self.router_terms.load_balance_coef:
+                raise ValueError("moe.load_balance_coef > 0 needs the engine's routes (Rollout.routed_experts) to "
+                                 "measure the batch's expert fractions; this engine reported none")
         mismatch = 0.0
         grad_norm, skipped = None, 0
         total_tokens = sum(counts[0 : 2 * len(slices) : 2])  # the first pass covers every row once
@@ -224,14 +244,16 @@ class PolicyUpdate:
                     sub = ex.select(torch.tensor([rows.start + r for r in plan.order], dtype=torch.long),
                                     row_width=plan.row_width)
                     mbs = plan.slices()
-                out = self._accumulate(sub, mbs, counts[i], counts[i + 1], stats)
+                num_real = real[e * len(slices) + m] if real is not None else 0.0
+                out = self._accumulate(sub, mbs, counts[i], counts[i + 1], stats, num_real, first_pass=e == 0)
                 if e == 0 and ex.engine_logprobs is not None:
                     mismatch = mismatch + out / max(total_tokens, 1)
                 grad_norm, stepped = self._optimizer_step(step, e, m)
                 skipped += not stepped
         if exp.engine_logprobs is not None:
             stats["generation/logprob_mismatch"] = mismatch
-        return UpdateStats(stats, grad_norm, skipped)
+        router_sums, self._router_sums = self._router_sums, None
+        return UpdateStats(stats, grad_norm, skipped, router_sums)
 
     def _plan(self, exp: Experience, rows: slice, num_micro_batches: Optional[int] = None) -> MicroBatchPlan:
         """The token-budget micro-batches of mini-batch ``rows`` (indices relative to ``rows.start``)."""
@@ -241,10 +263,12 @@ class PolicyUpdate:
         return sub.plan(max_tokens=self.max_tokens, max_rows=self.micro_batch_size, num_micro_batches=num_micro_batches)
 
     def _accumulate(
-        self, exp: Experience, mbs: List[slice], num_tokens: float, num_seqs: float, stats: Dict[str, Any]
+        self, exp: Experience, mbs: List[slice], num_tokens: float, num_seqs: float, stats: Dict[str, Any],
+        num_real: float = 0.0, first_pass: bool = True,
     ):
         """Forward/backward over the micro-batches ``mbs`` (row slices of ``exp``) of one optimizer step; adds
-        to ``stats``, returns the mismatch sum."""
+        to ``stats``, returns the mismatch sum. ``num_real``: the mini-batch's real tokens over all ranks (router
+        losses); ``first_pass``: the router metrics are counted on the first pass over the rows only."""
         mismatch = 0.0
         for i, mb in enumerate(mbs):
             # Reduce-scatter gradients only after the last micro-batch.
@@ -253,23 +277,37 @@ class PolicyUpdate:
             # compile_training's layers stay in use through backward: a checkpointed layer is recomputed there,
             # and must recompute with the forward it saved tensors for (models/compiled.py).
             with compiled_layers(self.model):
-                out = self._micro_batch(exp, mb, num_tokens, num_seqs)
+                out = self._micro_batch(exp, mb, num_tokens, num_seqs, num_real, first_pass)
             mismatch += out.mismatch
             for key in LOSS_METRICS:
                 stats[key] = stats[key] + getattr(out.loss, key).detach() / self.optimizer_steps
+            for key, value in out.router.items():
+                stats[key] = stats[key] + value / self.optimizer_steps
         return mismatch
 
-    def _micro_batch(self, exp: Experience, mb: slice, num_tokens: float, num_seqs: float) -> "_MicroBatchOut":
-        """Forward, loss and backward of micro-batch ``mb``."""
+    def _micro_batch(
+        self, exp: Experience, mb: slice, num_tokens: float, num_seqs: float, num_real: float = 0.0,
+        first_pass: bool = True,
+    ) -> "_MicroBatchOut":
+        """Forward, loss and backward of micro-batch ``mb`` (the replayed routes, if any, stay forced through
+        backward: an activation-checkpointed layer recomputes its forward there)."""
+        with exp.batch.routing(self.model, mb):
+            return self._forward_backward(exp, mb, num_tokens, num_seqs, num_real, first_pass)
+
+    def _forward_backward(
+        self, exp: Experience, mb: slice, num_tokens: float, num_seqs: float, num_real: float, first_pass: bool,
+    ) -> "_MicroBatchOut":
         mismatch = 0.0
-        out_lp = exp.batch.logprobs(
-            self.model,
-            mb,
-            temperature=self.temperature,
-            chunk_size=self.chunk_size,
-            with_entropy=True,
-            entropy_grad=self._entropy_grad,
-        )
+        hooks = router_hooks(self.model) if self.router_terms is not None else None
+        with hooks.collecting() if hooks is not None else nullcontext() as collected:
+            out_lp = exp.batch.logprobs(
+                self.model,
+                mb,
+                temperature=self.temperature,
+                chunk_size=self.chunk_size,
+                with_entropy=True,
+                entropy_grad=self._entropy_grad,
+            )
         old = exp.old_logprobs[mb] if exp.old_logprobs is not None else out_lp.logprobs.detach()
         if exp.engine_logprobs is not None:
             # The trainer's pi_old vs the engine's sampling logprobs of the same tokens.
@@ -279,9 +317,17 @@ class PolicyUpdate:
             out_lp.logprobs, old, exp.advantages[mb], exp.mask[mb], num_tokens=num_tokens, num_seqs=num_seqs,
             **inputs,
         )
+        total, router = out.loss, {}
+        if collected is not None:
+            extra, lb, z = self.router_terms.micro_batch(
+                collected, exp.batch.real_mask(mb), exp.batch.routes_for(mb), exp.expert_fractions, num_real,
+                self._router_sums if first_pass else None,
+            )
+            total = total + extra
+            router = {"moe/z_loss": z, **({"moe/load_balance_loss": lb} if exp.expert_fractions is not None else {})}
         # FSDP averages gradients over ranks; the loss is already a global sum.
-        (out.loss * self.world_size).backward()
-        return _MicroBatchOut(out, mismatch)
+        (total * self.world_size).backward()
+        return _MicroBatchOut(out, mismatch, router)
 
     def loss_inputs(self, exp: Experience, mb: slice, out_lp: TokenLogprobs) -> Dict[str, Any]:
         """The loss's keyword inputs for micro-batch ``mb`` (``out_lp``: its logprobs and entropy), counts aside."""
