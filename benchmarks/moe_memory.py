@@ -14,13 +14,15 @@ What the rows assume (the recipe's ``dtype: bf16``, torchtune_grpo/runtime/preci
 fp32 master weights, fp32 gradients and two fp32 AdamW moments, all sharded N ways; FSDP2 all-gathers one decoder
 layer at a time in bf16 (and prefetches the next), and in the backward holds that layer's unsharded gradient in
 bf16 and in fp32 for the reduce-scatter; for a rollout the native engine gathers the whole model on every rank
-(:func:`memory_rows`). ``fsdp_cpu_offload: true`` moves the shards (and the optimizer step) to host memory. LoRA keeps the frozen base in bf16 (sharded), the adapters with their
+(:func:`memory_rows`). ``fsdp_cpu_offload: true`` moves the shards (and the optimizer step) to host memory. LoRA
+keeps the frozen base in bf16 (sharded), the adapters with their
 gradients and AdamW moments in bf16 (8 bytes each). Activations are an estimate from the tensors autograd keeps in
 transformers' eager modules (listed in :func:`layer_activation_elements`), not a measurement; the GPU check's MoE
 stage (benchmarks/gpu_moe.py) measures a peak to compare with.
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -69,7 +71,8 @@ def _dims(c: Mapping[str, Any]) -> Dict[str, int]:
     e = c.get("num_experts") or c.get("num_local_experts")
     inter = c.get("moe_intermediate_size") or c["intermediate_size"]
     d = dict(H=h, V=c["vocab_size"], L=c["num_hidden_layers"], Dq=heads * hd, Dkv=c["num_key_value_heads"] * hd,
-             hd=hd, heads=heads, E=e, k=c["num_experts_per_tok"], I=inter, Is=c.get("shared_expert_intermediate_size", 0))
+             hd=hd, heads=heads, E=e, k=c["num_experts_per_tok"], I=inter,
+             Is=c.get("shared_expert_intermediate_size", 0))
     if c["model_type"] == "qwen3_5_moe_text":
         nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
         d.update(conv=2 * nk * c["linear_key_head_dim"] + nv * c["linear_value_head_dim"],
@@ -281,7 +284,8 @@ def memory_rows(c: Mapping[str, Any], s: Setup) -> List[Row]:
     else:
         rows.append(Row("activations: every layer's saved tensors",
                         f"{tokens:,} tokens x {sum(per_layer):,} x 2 B", tokens * sum(per_layer) * 2, "train"))
-    rows.append(Row("fp32 logits chunk and its gradient", f"2 x {s.chunk} x {d['V']:,} x 4 B", 8 * s.chunk * d["V"], "train"))
+    rows.append(Row("fp32 logits chunk and its gradient", f"2 x {s.chunk} x {d['V']:,} x 4 B", 8 * s.chunk * d["V"],
+                    "train"))
     rows.append(Row(f"whole model gathered for the rollout (layers bf16, embedding and head {root_text})",
                     f"2 B x {P - root:,} + {root_bytes} B x {root:,}", 2 * (P - root) + root_bytes * root, "generate"))
     cache = _cache_bytes_per_row(c, s.seq_len)
@@ -299,11 +303,13 @@ def memory_rows(c: Mapping[str, Any], s: Setup) -> List[Row]:
 def markdown(c: Mapping[str, Any], s: Setup) -> str:
     p = parameter_counts(c)
     head = "tied to the embedding" if c.get("tie_word_embeddings") else "its own"
+    what = f"LoRA rank {s.lora_rank} on {', '.join(s.lora_targets)}" if s.lora_rank else "Full fine-tune"
     lines = [f"{c['model_type']}: {p['total']:,} parameters ({p['active']:,} active per token; experts "
-             f"{p['experts']:,}; embedding {p['embedding']:,}, output head {head}); largest layer {p['largest_layer']:,}.",
-             "", f"{'LoRA rank ' + str(s.lora_rank) + ' on ' + ', '.join(s.lora_targets) if s.lora_rank else 'Full fine-tune'}"
-             f" on {s.gpus} GPU(s), FSDP2{' with CPU offload' if s.cpu_offload else ''}; micro-batch {s.micro_batch} x {s.seq_len} tokens, {s.rows} rows generated "
-             f"per GPU, activation checkpointing {'on' if s.activation_checkpointing else 'off'}.", "",
+             f"{p['experts']:,}; embedding {p['embedding']:,}, output head {head}); largest layer "
+             f"{p['largest_layer']:,}.", "",
+             f"{what} on {s.gpus} GPU(s), FSDP2{' with CPU offload' if s.cpu_offload else ''}; micro-batch "
+             f"{s.micro_batch} x {s.seq_len} tokens, {s.rows} rows generated per GPU, activation checkpointing "
+             f"{'on' if s.activation_checkpointing else 'off'}.", "",
              "| per GPU | formula | GB |", "|---|---|---|"]
     lines += [f"| {r.name} | {r.formula} | {r.per_gpu / GB:.1f} |" for r in memory_rows(c, s)]
     return "\n".join(lines) + "\n"
@@ -312,7 +318,8 @@ def markdown(c: Mapping[str, Any], s: Setup) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="a model directory or its config.json")
-    parser.add_argument("--hub", default=None, help="a published config.json by directory name (tests/real_hf_configs.py)")
+    parser.add_argument("--hub", default=None,
+                        help="a published config.json by directory name (tests/real_hf_configs.py)")
     parser.add_argument("--recipe-config", required=True, help="the shipped YAML config whose batch to use")
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--no-activation-checkpointing", action="store_true")
@@ -329,11 +336,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.error("give a config.json (or a model directory), or --hub NAME")
     s = setup_from_recipe_config(args.recipe_config, args.gpus)
     if args.no_activation_checkpointing:
-        s = Setup(**{**s.__dict__, "activation_checkpointing": False})
+        s = dataclasses.replace(s, activation_checkpointing=False)
     print(markdown(c, s))
     if args.json:
-        Path(args.json).write_text(json.dumps({"parameters": parameter_counts(c), "setup": s.__dict__,
-                                               "rows": [r.__dict__ for r in memory_rows(c, s)]}, indent=1, default=list))
+        out = {"parameters": parameter_counts(c), "setup": dataclasses.asdict(s),
+               "rows": [dataclasses.asdict(r) for r in memory_rows(c, s)]}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
