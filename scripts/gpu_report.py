@@ -222,7 +222,7 @@ def _moe_section(q: Dict[str, Any]) -> List[str]:
     if layout:
         lines += [f"Layout: Qwen3-30B-A3B's layer, {layout['layers']} of {layout['published_layers']} layers, "
                   f"{layout['experts']} experts, {layout['experts_per_token']} per token; "
-                  f"{_fmt((estimate.get('parameters') or {}).get('total'))} parameters.", ""]
+                  f"{(estimate.get('parameters') or {}).get('total', 0):,} parameters.", ""]
     if estimate:
         lines += [f"Our peak on paper (benchmarks/moe_memory.py): {_fmt(estimate['peak_gb'])} GB; measured: "
                   f"{_fmt(estimate.get('measured_peak_gb')) or 'no device peak'}"
