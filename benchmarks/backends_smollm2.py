@@ -38,7 +38,6 @@ Results: docs/benchmarks/backends.md.
 """
 
 import argparse
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -294,9 +293,6 @@ def time_backend(model_dir: Path, out: Path, backend: str, fixed, args: argparse
 
     steps = 2 * args.speed_steps
     share = {"default": None, "false": False}[args.share_prompt]
-    # The replayed batch carries the seconds its sampling took; the step subtracts them from its time/train
-    # (time/train = time/step - generation - reward). Nothing is sampled on replay: zero them.
-    fixed = dataclasses.replace(fixed, generation_seconds=0.0, reward_seconds=0.0)
     with recipe_in_process(recipe_config(model_dir, out, backend, args, share, steps=steps)) as recipe:
         load = loadavg()
         sampled = [recipe.train_step().metrics for _ in range(args.speed_steps)]

@@ -6,7 +6,9 @@ fp32 safetensors) with the family's tokenizer and chat template; the same seed g
 ``FAMILIES`` lists the families: ``qwen3_5_text``, ``gemma3_text``, ``gemma4_text``, ``olmo3``, ``smollm3``,
 ``phi3``, ``mistral``, ``ministral3``, and ``llama``, ``qwen3`` (the architectures torchtune also builds, for
 cross-backend checks). ``make_multimodal_dir`` (:mod:`tests.hf_multimodal`) makes the checkpoints that are
-multimodal on disk.
+multimodal on disk. The mixture-of-experts families (``qwen3_moe``, ``qwen3_5_moe``, ``gpt_oss``, ``olmoe``,
+``mixtral``; decisive routers, ``dtype=torch.bfloat16`` for a bf16 checkpoint) are described in :mod:`tests.hf_moe`
+and made by the same ``make_family_dir``.
 
 What every fixture has:
 
@@ -40,8 +42,8 @@ import torch
 from tests import family_templates as T
 
 __all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
-           "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens", "scale_routers",
-           "sharpen", "write_tokenizer_files"]
+           "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens",
+           "scale_routers", "sharpen", "write_tokenizer_files"]
 
 WINDOW = 6
 PEAKED_MIN = 0.6
@@ -266,8 +268,8 @@ def scale_routers(model: torch.nn.Module, gain: float) -> torch.nn.Module:
     return model
 
 
-def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = True, router_gain: Optional[float] = None,
-                    dtype: torch.dtype = torch.float32, **overrides) -> Path:
+def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = True,
+                    router_gain: Optional[float] = None, dtype: torch.dtype = torch.float32, **overrides) -> Path:
     """Write ``family``'s tiny random checkpoint (config, fp32 safetensors, tokenizer, chat template) to
     ``directory`` (created if needed). The same ``seed`` gives byte-identical files.
 
@@ -279,7 +281,7 @@ def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
         peaked (bool): sharpen the attention (:func:`sharpen`). False: plain random weights, for tests that compare
             a model with itself computed in another grouping, where peaked softmaxes only amplify rounding.
             Default is True.
-        router_gain (Optional[float]): the factor on a mixture of experts' router weights (:func:`sharpen`);
+        router_gain (Optional[float]): the factor on a mixture of experts' router weights (:func:`scale_routers`);
             None: :data:`tests.hf_moe.ROUTER_GAIN` when ``peaked``, else 1. Default is None.
         dtype (torch.dtype): the weights' dtype on disk (made in fp32, then cast). Default is ``torch.float32``.
         **overrides: config fields to change (e.g. ``num_key_value_heads=4`` for NF4-quantisable k/v).
@@ -296,7 +298,8 @@ def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
     if family == "qwen3_5_moe":
         from tests.hf_multimodal import make_multimodal_dir
 
-        return make_multimodal_dir(family, directory, seed=seed, router_gain=gain, dtype=dtype, **overrides)
+        return make_multimodal_dir(family, directory, seed=seed, peaked=peaked, router_gain=gain, dtype=dtype,
+                                   **overrides)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -31,8 +31,8 @@ import torch
 from tests import family_templates as T
 from tests.hf_families import WINDOW, Family
 
-__all__ = ["DISK_EXPERT_NAMES", "MEASURED_PEAKEDNESS", "MEASURED_ROUTER_MARGIN", "MOE_FAMILIES", "MOE_FAMILY_NAMES", "MOE_LAYER_KINDS", "ROUTER_GAIN",
-           "router_margins", "routers"]
+__all__ = ["DISK_EXPERT_NAMES", "MEASURED_PEAKEDNESS", "MEASURED_ROUTER_MARGIN", "MOE_FAMILIES", "MOE_FAMILY_NAMES",
+           "MOE_LAYER_KINDS", "ROUTER_GAIN", "router_margins", "routers"]
 
 ROUTER_GAIN = 4.0
 MOE_FAMILY_NAMES = ("qwen3_moe", "qwen3_5_moe", "gpt_oss", "olmoe", "mixtral")
@@ -91,7 +91,8 @@ DISK_EXPERT_NAMES = {
     "gpt_oss": ["model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.gate_up_proj_bias",
                 "model.layers.0.mlp.router.bias", "model.layers.0.self_attn.sinks"],
     "qwen3_5_moe": ["model.language_model.layers.0.mlp.experts.0.down_proj.weight",
-                    "model.language_model.layers.0.mlp.shared_expert_gate.weight", "model.visual.merger.linear_fc1.weight",
+                    "model.language_model.layers.0.mlp.shared_expert_gate.weight",
+                    "model.visual.merger.linear_fc1.weight",
                     "mtp.fc.weight"],
 }
 

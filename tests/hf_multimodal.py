@@ -67,8 +67,7 @@ MULTIMODAL_FAMILIES = ("qwen3_5", "gemma3", "gemma4")
 TEXT_FAMILY = {"qwen3_5": "qwen3_5_text", "gemma3": "gemma3_text", "gemma4": "gemma4_text",
                "qwen3_5_moe": "qwen3_5_moe_text"}
 LANGUAGE_PREFIX = {"qwen3_5": "model.language_model.", "qwen3_5_moe": "model.language_model.",
-                   "gemma3": "language_model.model.",
-                   "gemma4": "model.language_model."}
+                   "gemma3": "language_model.model.", "gemma4": "model.language_model."}
 
 
 def multimodal_config(family: str, **text_overrides):
@@ -113,7 +112,7 @@ def _hub_layout(family: str, tensors: Dict[str, torch.Tensor], seed: int, last: 
     if family == "gemma3":  # the Hub files keep SigLIP's own vision_model level
         return {("vision_tower.vision_model." + k[len("vision_tower."):] if k.startswith("vision_tower.") else k): v
                 for k, v in tensors.items()}
-    if family in ("qwen3_5", "qwen3_5_moe") and last:  # the Hub files' multi-token-prediction head (transformers ignores it)
+    if family in ("qwen3_5", "qwen3_5_moe") and last:  # the Hub files' multi-token-prediction head (transformers: none)
         gen = torch.Generator().manual_seed(seed + 2)
         norm = tensors["model.language_model.norm.weight"]
         hidden = norm.shape[0]
@@ -126,7 +125,8 @@ def _hub_layout(family: str, tensors: Dict[str, torch.Tensor], seed: int, last: 
 
 
 def make_multimodal_dir(family: str, directory, *, seed: int = 0, max_shard_size: Optional[str] = None,
-                        router_gain: float = 1.0, dtype: torch.dtype = torch.float32, **text_overrides) -> Path:
+                        peaked: bool = True, router_gain: float = 1.0, dtype: torch.dtype = torch.float32,
+                        **text_overrides) -> Path:
     """Write ``family``'s tiny multimodal checkpoint to ``directory``, with the text family's tokenizer files.
 
     Args:
@@ -135,11 +135,12 @@ def make_multimodal_dir(family: str, directory, *, seed: int = 0, max_shard_size
         seed (int): the weights' seed; the same seed gives byte-identical files. Default is 0.
         max_shard_size (Optional[str]): shard the weights (e.g. ``"100KB"``) with a
             ``model.safetensors.index.json``, as the real checkpoints are. Default is None (one file).
-        **text_overrides: fields of the ``text_config`` (``tie_word_embeddings=False``: Qwen3.5 9B-style
-            untied head, written as ``lm_head.weight``).
+        peaked (bool): sharpen the language model's attention (:func:`tests.hf_families.sharpen`). Default is True.
         router_gain (float): the factor on a mixture of experts' router weights
             (:func:`tests.hf_families.scale_routers`). Default is 1.0.
         dtype (torch.dtype): the weights' dtype on disk. Default is ``torch.float32``.
+        **text_overrides: fields of the ``text_config`` (``tie_word_embeddings=False``: Qwen3.5 9B-style
+            untied head, written as ``lm_head.weight``).
 
     Returns:
         Path: ``directory``.
@@ -154,7 +155,8 @@ def make_multimodal_dir(family: str, directory, *, seed: int = 0, max_shard_size
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(multimodal_config(family, **text_overrides), dtype=torch.float32)
     randomize(model, seed)
-    sharpen(model.model.language_model, TEXT_FAMILY[family], seed)
+    if peaked:
+        sharpen(model.model.language_model, TEXT_FAMILY[family], seed)
     scale_routers(model, router_gain)
     model.to(dtype).save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     index_file = directory / "model.safetensors.index.json"

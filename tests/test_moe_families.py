@@ -75,5 +75,22 @@ def test_moe_goes_to_transformers_and_torchtune_refuses_it_by_name(family, dirs)
     chosen = choose_backend(config)
     assert chosen.name == "transformers" and "mixture-of-experts" in chosen.reason
     model_type = config.get("text_config", config)["model_type"]
-    with pytest.raises(ValueError, match=rf"model_type '{model_type}'.*mixture-of-experts.*model.backend: transformers"):
+    refusal = rf"model_type '{model_type}'.*mixture-of-experts.*model.backend: transformers"
+    with pytest.raises(ValueError, match=refusal):
         choose_backend(config, "torchtune")
+
+
+def test_gpt_oss_window_bites(dirs):
+    # gpt-oss's sliding layers attend to 6 keys: widening the window leaves positions < 6 as they are (the same keys;
+    # a few ulp from SDPA/eager blocking the masked rows differently) and moves the last position's logits by more
+    # than rounding ever could (measured 1.22 x max|logit|).
+    from transformers import AutoModelForCausalLM
+
+    from tests.tolerances import ulps
+
+    tokens = probe_tokens(32)
+    with torch.no_grad():
+        narrow, wide = (AutoModelForCausalLM.from_pretrained(dirs["gpt_oss"], dtype=torch.float32, **kw).eval()(
+            tokens).logits[0] for kw in ({}, {"sliding_window": 128}))
+    assert torch.allclose(narrow[:6], wide[:6], rtol=0, atol=ulps(wide[:6], 16))
+    assert (narrow[-1] - wide[-1]).abs().max() > 0.5 * wide[-1].abs().max()

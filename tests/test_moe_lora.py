@@ -18,8 +18,8 @@ ATTENTION = ["q_proj", "k_proj", "v_proj", "output_proj"]
 
 def _lora(src, **model):
     components = hf_components(src)
-    components["model"] = {"_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
-                           "lora_rank": 4, "lora_alpha": 8, **model}
+    components["model"] = {"_component_": "torchtune_grpo.models.lora_hf_model", "lora_rank": 4, "lora_alpha": 8,
+                           "path": "${checkpointer.checkpoint_dir}", **model}
     return components
 
 

@@ -97,6 +97,39 @@ def test_two_grpo_steps_and_the_step_directory_in_the_on_disk_layout(family, moe
     assert (step / "config.json").read_bytes() == (src / "config.json").read_bytes()
 
 
+def test_fsdp2_shards_the_experts_with_their_decoder_layer(moe_dir, clean_env):
+    # Each decoder layer is one FSDP2 unit (torchtune's per-layer condition matches transformers' model.layers.N), and
+    # the fused experts and the router are in it, sharded along the expert dimension: unsharding the layer alone
+    # (FSDPModule.unshard) gathers them, while the root's embedding stays sharded.
+    import dataclasses
+
+    from omegaconf import OmegaConf
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tests.recipe_utils import init_one_process_group
+    from tests.test_transformers_backend import FP32
+    from torchtune_grpo.runtime.model_setup import build_model
+
+    init_one_process_group()
+    src = moe_dir("qwen3_moe")
+    state = HFCheckpointer(str(src), str(src.parent / "scratch")).load_checkpoint()["model"]
+    cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_model", "path": str(src)})
+    policy = build_model(cfg, state, dataclasses.replace(FP32, single_process_fsdp=True), trainable=True,
+                         source=str(src), max_len=64)
+    layer = policy.layers[0]
+    moe = [layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, layer.mlp.gate.weight]
+    assert isinstance(layer, FSDPModule) and all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in moe)
+    layer.unshard()
+    try:
+        moe = [layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj, layer.mlp.gate.weight]
+        assert not any(isinstance(p, DTensor) for p in moe)
+        assert tuple(moe[0].shape) == (4, 128, 128)  # all 4 experts, [E, 2I, H]
+        assert isinstance(policy.tok_embeddings.weight, DTensor)  # the root's unit: not gathered by the layer's
+    finally:
+        layer.reshard()
+
+
 def test_resume_equals_the_uninterrupted_run(moe_dir, tmp_path, clean_env, one_thread):
     # Qwen3-MoE: 3 steps straight against 2 steps, then a resumed run to step 3 (the per-expert directory written at
     # step 2 read back into the fused parameters). Exact: the same operations on the same numbers.
@@ -149,6 +182,15 @@ def test_gpt_oss_mxfp4_experts_are_dequantised_on_load_and_saved_unquantised(moe
     (src / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (src / name).write_bytes((bf16 / name).read_bytes())
+
+    # The policy built from the MXFP4 directory computes what transformers' own dequantising load does (cast to fp32
+    # after loading: transformers dequantises the whole model to bf16). The same modules on the same weights: 1e-5.
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    theirs = AutoModelForCausalLM.from_pretrained(src, quantization_config=Mxfp4Config(dequantize=True)).float().eval()
+    tokens = _tokens((24,))
+    with torch.no_grad():
+        torch.testing.assert_close(_policy(src, tmp_path)(tokens), theirs(tokens).logits, atol=1e-5, rtol=0)
 
     checkpointer = HFCheckpointer(str(src), str(tmp_path / "out"))
     state = checkpointer.load_checkpoint()["model"]

@@ -1,5 +1,7 @@
 """PromptStream and RolloutProducer (torchtune_grpo/rollouts/producer.py) without a process group."""
 
+import dataclasses
+
 import torch
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -44,7 +46,11 @@ def test_dynamic_sampling_runs_more_rounds_on_new_prompts_until_the_batch_fills(
     )
     generated, rounds = producer.collect(make_tiny_decoder(), stream.next())
     assert rounds == 3 and generated.num_groups == 6 and len(set(generated.prompts)) == 6  # new prompts each round
-    assert FixedRollouts(generated).collect(None, None) == (generated, 1)
+    assert generated.generation_seconds > 0
+    replayed, rounds = FixedRollouts(generated).collect(None, None)
+    # the same groups, without the sampling/scoring seconds (a replay samples nothing: time/train stays whole)
+    assert rounds == 1 and replayed.generation_seconds == 0.0 and replayed.reward_seconds == 0.0
+    assert replayed == dataclasses.replace(generated, generation_seconds=0.0, reward_seconds=0.0)
 
 
 def test_a_dataset_smaller_than_one_global_batch_is_refused():

@@ -17,7 +17,7 @@ from torchtune_grpo.rewards import (
     RewardSet,
 )
 from torchtune_grpo.runtime import waits
-from torchtune_grpo.rewards import _base
+from torchtune_grpo.rewards import _reward_set
 
 # Hanging rewards wait on this instead of sleeping, so the test can free their threads when it ends.
 RELEASE = threading.Event()
@@ -132,7 +132,7 @@ def test_watchdog_names_a_reward_without_limit_that_runs_long(monkeypatch):
                 logged.set()
 
     handler = Flag(level=logging.WARNING)
-    logger = logging.getLogger(_base.__name__)
+    logger = logging.getLogger(_reward_set.__name__)
     logger.addHandler(handler)
 
     def slow(batch):

@@ -11,14 +11,12 @@ from torchtune_grpo.rewards._base import (
     Reward,
     RewardBatch,
     RewardOutput,
-    RewardOutputError,
     RewardSample,
-    RewardSet,
     Steps,
-    build_reward_set,
     reward_name,
     to_plain,
 )
+from torchtune_grpo.rewards._reward_set import build_reward_set, RewardOutputError, RewardSet
 from torchtune_grpo.rewards._length import SoftOverlongPunishment
 from torchtune_grpo.rewards._column_steps import column_addition_step
 from torchtune_grpo.rewards._code import CODE_EXTRACT_MODES, CodeExecutionReward, extract_code

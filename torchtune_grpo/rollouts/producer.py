@@ -10,6 +10,7 @@ The producer runs on the trainer's own ranks, colocated and synchronous;
 generation worker process, overlapped with training.
 """
 
+import dataclasses
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, List, Optional
 
@@ -170,12 +171,15 @@ class FixedRollouts:
     scripted rollouts through a recipe's real update (benchmarks/learning_replay.py), in place of
     :class:`RolloutProducer`.
 
+    The replayed groups' sampling and scoring seconds are zeroed: nothing is sampled or scored on a replay,
+    and the step subtracts them from its ``time/train`` (step time less generation and reward time).
+
     Args:
-        rollouts (RolloutGroups): what :meth:`collect` returns.
+        rollouts (RolloutGroups): what :meth:`collect` returns (with zero generation and reward seconds).
     """
 
     def __init__(self, rollouts: RolloutGroups) -> None:
-        self.rollouts = rollouts
+        self.rollouts = dataclasses.replace(rollouts, generation_seconds=0.0, reward_seconds=0.0)
 
     def collect(self, policy: nn.Module, batch: Any = None) -> "tuple[RolloutGroups, int]":
         return self.rollouts, 1
