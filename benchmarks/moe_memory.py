@@ -159,26 +159,59 @@ def lora_parameters(c: Mapping[str, Any], targets: Sequence[str], rank: int) -> 
     return total
 
 
-def layer_activation_elements(c: Mapping[str, Any], kind: str) -> int:
-    """Elements autograd keeps per token in one decoder layer of ``kind`` (counted in bf16 units: an fp32
-    tensor counts twice), from transformers' eager modules:
+# Per family, from the tensors transformers 5.19's modules keep for the backward (measured with autograd's
+# saved-tensor hooks on tiny layers: tests/test_moe_memory.py checks the count exactly): elements of H per RMSNorm
+# (its fp32 input, its output, the copy the next linear layer keeps; gpt-oss and Qwen3.5 keep an fp32 output),
+# and elements of I per expert copy besides its input and output (gate and up, the activation's intermediates).
+_NORM_H = {"qwen3_moe": 4, "olmoe": 4, "mixtral": 4, "gpt_oss": 5, "qwen3_5_moe_text": 5}
+_EXPERT_I = {"qwen3_moe": 4, "olmoe": 4, "qwen3_5_moe_text": 4, "mixtral": 4, "gpt_oss": 7}
 
-    - each RMSNorm: its input in fp32 and its bf16 output: 3 H, two per layer;
-    - softmax attention: the q/k/v projections' outputs, q and k after norm and RoPE, the attention output:
-      3 (Dq + Dkv) (Qwen3.5's output gate adds 2 Dq); Gated DeltaNet: the in-projections, the convolution's
-      output and the gated norm's input and output: 3 conv + 3 Dz;
-    - the router: logits in bf16 and softmax in fp32: 3 E;
-    - each of the token's k expert copies: the gathered input H, gate and up 2 I, the activation and the
-      product 2 I, the weighted output H: 2 H + 4 I; a shared expert 4 Is + H (one copy, every token).
+
+def layer_activation_elements(c: Mapping[str, Any], kind: str, seq_len: int) -> int:
+    """Elements autograd keeps per token in one decoder layer of ``kind`` for sequences of ``seq_len`` tokens,
+    counted in bf16 units (an fp32 tensor counts twice, an int64 four times), in transformers' modules:
+
+    - two RMSNorms, ``_NORM_H`` x H each, and their fp32 inverse norms;
+    - attention through SDPA: q and k after RoPE, v and the output, 2 (Dq + Dkv), and SDPA's fp32 log-sum-exp
+      per head; q/k norms (Qwen3-MoE, OLMoE) add their fp32 inputs and bf16 outputs, 3 (Dq + Dkv), Qwen3.5's
+      (fp32 outputs) 4 (Dq + Dkv), and their inverse norms; Qwen3.5's output gate 3 Dq. gpt-oss has no SDPA
+      path (attention sinks): eager attention keeps q, and k and v repeated to every query head, and the output
+      (4 Dq), the probabilities over ``seq_len + 1`` keys (the sink) per head, and an int64 per head;
+    - Gated DeltaNet (Qwen3.5's linear attention): the in-projections, the convolution's output and the gated
+      norm's input and output, 3 conv + 3 Dz, a lower bound (transformers' torch fallback keeps fp32 chunks);
+    - the router: fp32 logits 2 E, the int64 top-k indices, and the fp32 weights and their sum where they are
+      renormalised (gpt-oss: top-k of the logits, softmax over the k in bf16); the dispatch's int64 index
+      vectors of k per token (three; gpt-oss four);
+    - each of the k expert copies: its gathered input and weighted output 2 H, ``_EXPERT_I`` x I, its routing
+      weight (fp32 for Mixtral); Qwen3.5's shared expert 4 Is, its gated output H and its gate.
+
+    Not per token, so not here: the few parameter-sized fp32 copies some layers keep (Qwen3.5's ``1 + weight``
+    norm scales) and an int32 expert count.
     """
-    d = _dims(c)
-    norms = 2 * 3 * d["H"]
+    d, t = _dims(c), c["model_type"]
+    H, Dq, Dkv, heads, k = d["H"], d["Dq"], d["Dkv"], d["heads"], d["k"]
+    kv_heads = Dkv // d["hd"]
+    norms = 2 * (_NORM_H[t] * H + 2)
     if kind == "linear_attention":
         mixer = 3 * d["conv"] + 3 * d["Dz"]
+    elif t == "gpt_oss":
+        mixer = 4 * Dq + heads * (seq_len + 1) + 4 * heads
     else:
-        mixer = 3 * (d["Dq"] + d["Dkv"]) + (2 * d["Dq"] if c["model_type"] == "qwen3_5_moe_text" else 0)
-    moe = 3 * d["E"] + d["k"] * (2 * d["H"] + 4 * d["I"]) + ((4 * d["Is"] + d["H"]) if d["Is"] else 0)
-    return norms + mixer + moe
+        mixer = 2 * (Dq + Dkv) + 2 * heads
+        if t == "qwen3_moe":
+            mixer += 3 * (Dq + Dkv) + 2 * (heads + kv_heads)
+        elif t == "olmoe":  # q and k normalised across all heads at once
+            mixer += 3 * (Dq + Dkv) + 2 * 2
+        elif t == "qwen3_5_moe_text":
+            mixer += 4 * (Dq + Dkv) + 2 * (heads + kv_heads) + 3 * Dq
+    if t == "gpt_oss":
+        router, dispatch = 4 * k + k, 4 * 4 * k
+    else:
+        renormalised = t in ("mixtral", "qwen3_5_moe_text") or bool(c.get("norm_topk_prob"))
+        router, dispatch = 2 * d["E"] + 4 * k + ((2 * k + 2) if renormalised else 0), 3 * 4 * k
+    experts = k * (2 * H + _EXPERT_I[t] * d["I"] + (2 if t == "mixtral" else 1))
+    shared = (4 * d["Is"] + H + 1) if d["Is"] else 0
+    return norms + mixer + router + dispatch + experts + shared
 
 
 def _cache_bytes_per_row(c: Mapping[str, Any], tokens: int) -> int:
@@ -275,7 +308,7 @@ def memory_rows(c: Mapping[str, Any], s: Setup) -> List[Row]:
                     4 * layer, "train"))
     rows.append(Row(f"embedding and output head gathered ({root_text})", f"{root_bytes} B x {root:,}",
                     root_bytes * root, "train"))
-    per_layer = [layer_activation_elements(c, k) for k in layer_types(c)]
+    per_layer = [layer_activation_elements(c, k, s.seq_len) for k in layer_types(c)]
     if s.activation_checkpointing:
         rows.append(Row("activations: each layer's bf16 input (checkpointed)",
                         f"{d['L']} x {tokens:,} tokens x {d['H']} x 2 B", d["L"] * tokens * d["H"] * 2, "train"))

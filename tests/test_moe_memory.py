@@ -69,9 +69,48 @@ def test_qwen3_30b_a3b_by_hand():
     assert p["total"] == 48 * 623_120_640 + 2 * 151_936 * 2048 + 2048 == 30_532_122_624
     # A token multiplies with 8 of the 128 experts: 120 x 4,718,592 fewer per layer.
     assert p["active"] == p["total"] - 48 * 120 * 3 * 2048 * 768
-    # Kept per token per layer: norms 2 x 3 x 2048 = 12,288; attention 3 x (4096 + 512) = 13,824; router
-    # 3 x 128 = 384; 8 expert copies x (2 x 2048 + 4 x 768) = 57,344.
-    assert mm.layer_activation_elements(c, "full_attention") == 12_288 + 13_824 + 384 + 57_344
+    # Kept per token per layer (bf16 units): norms 2 x (4 x 2048 + 2) = 16,388; attention 2 x (4096 + 512) + 2 x 32
+    # = 9,280 and its q/k norms 3 x (4096 + 512) + 2 x (32 + 4) = 13,896; router 2 x 128 + 4 x 8 + 2 x 8 + 2 = 306;
+    # dispatch 3 x 4 x 8 = 96; 8 expert copies x (2 x 2048 + 4 x 768 + 1) = 57,352.
+    assert mm.layer_activation_elements(c, "full_attention", 1536) == 16_388 + 9_280 + 13_896 + 306 + 96 + 57_352
+
+
+def _saved_bytes(config) -> int:
+    """Bytes of the tensors autograd keeps for the backward in a bf16 forward of ``config``'s model (parameters
+    excluded, each storage once), on 40 random tokens."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(torch.randint(0, 400, (1, 40)), use_cache=False)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_activation_estimate_is_what_autograd_keeps(family: str):
+    # One softmax-attention decoder layer's share: 3 layers minus 1, halved (the embedding, head and the RoPE
+    # tables, shared by the layers, cancel). Besides the per-token count, each layer keeps an int32 count per
+    # expert (4 E bytes) and, in Qwen3.5, its norms' fp32 1 + weight (4 x (2 H + 2 head_dim) bytes). Integers:
+    # equal exactly.
+    layers = {n: dict(num_hidden_layers=n) for n in (1, 3)}
+    if family in ("gpt_oss", "qwen3_5_moe_text"):  # their full-attention layers (gpt-oss's window is eager too)
+        layers = {n: dict(num_hidden_layers=n, layer_types=["full_attention"] * n) for n in (1, 3)}
+    config = family_config(family, **layers[3])
+    per_layer = (_saved_bytes(config) - _saved_bytes(family_config(family, **layers[1]))) // 2
+    c = mm.language_fields(config.to_dict())
+    H, hd, E = config.hidden_size, config.head_dim, getattr(config, "num_experts", None) or config.num_local_experts
+    constant = 4 * E + (4 * (2 * H + 2 * hd) if family == "qwen3_5_moe_text" else 0)
+    assert per_layer == mm.layer_activation_elements(c, "full_attention", 40) * 40 * 2 + constant
 
 
 def test_dense_layers_among_the_sparse_ones_are_refused_by_name():
