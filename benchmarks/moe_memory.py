@@ -15,10 +15,11 @@ fp32 master weights, fp32 gradients and two fp32 AdamW moments, all sharded N wa
 layer at a time in bf16 (and prefetches the next), and in the backward holds that layer's unsharded gradient in
 bf16 and in fp32 for the reduce-scatter; for a rollout the native engine gathers the whole model on every rank
 (:func:`memory_rows`). ``fsdp_cpu_offload: true`` moves the shards (and the optimizer step) to host memory. LoRA
-keeps the frozen base in bf16 (sharded), the adapters with their
-gradients and AdamW moments in bf16 (8 bytes each). Activations are an estimate from the tensors autograd keeps in
-transformers' eager modules (listed in :func:`layer_activation_elements`), not a measurement; the GPU check's MoE
-stage (benchmarks/gpu_moe.py) measures a peak to compare with.
+keeps the frozen base in bf16 (sharded), the adapters with their gradients and AdamW moments in bf16 (8 bytes
+each). Activations are counted from the tensors autograd keeps in transformers 5.19's modules
+(:func:`layer_activation_elements`, checked exactly on a tiny layer of each family on CPU); GPU kernels (flash
+attention, grouped-GEMM experts) keep others. The GPU check's MoE stage (benchmarks/gpu_moe.py) measures a peak to
+compare with.
 """
 
 import argparse
