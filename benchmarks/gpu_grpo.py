@@ -522,6 +522,7 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
         "max_steps": args.recipe_steps, "save_every_n_steps": None, "log_completions": 0,
         "enable_activation_checkpointing": args.activation_checkpointing,
         "logprob_chunk_size": args.chunk_size,
+        "kl_coef": args.kl_coef,  # the same as TRL's beta (benchmarks/hf_random.py --kl-coef)
         "device": device.type, "dtype": args.dtype,
         "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger",
                           "log_dir": f"{out_dir}/logs"},
@@ -533,6 +534,7 @@ def run_recipe(name: str, device: torch.device, args: argparse.Namespace, out_di
         del overrides["model"], overrides["checkpointer"]
         cfg.checkpointer.checkpoint_dir = str(model_dir(name))
         cfg.checkpointer.output_dir = out_dir
+    overrides.update(getattr(args, "recipe_overrides", None) or {})  # a stage's own (benchmarks/gpu_moe.py)
     for k, v in overrides.items():
         cfg[k] = v
     if args.compile_decode is not None:

@@ -45,10 +45,10 @@ SHAPE, TINY_SHAPE = "qwen3_5_0_8b", "tiny_qwen3_5"
 RECIPE_CONFIG = "configs/qwen3/0.6B_full_grpo.yaml"
 
 
-def register(shape: str) -> None:
-    """Make ``shape`` one of gpu_grpo's models (a random Hugging Face directory run from RECIPE_CONFIG)."""
+def register(shape: str, recipe_config: str = RECIPE_CONFIG) -> None:
+    """Make ``shape`` one of gpu_grpo's models (a random Hugging Face directory run from ``recipe_config``)."""
     gpu_grpo.MODELS[shape] = ("hf", shape, {})
-    gpu_grpo.RECIPE_CONFIGS[shape] = RECIPE_CONFIG
+    gpu_grpo.RECIPE_CONFIGS[shape] = recipe_config
 
 
 def chosen_backend(directory: Path) -> Dict[str, str]:
@@ -59,9 +59,12 @@ def chosen_backend(directory: Path) -> Dict[str, str]:
     return {"name": chosen.name, "reason": chosen.reason}
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
-    shape = TINY_SHAPE if args.tiny else SHAPE
-    result: Dict[str, Any] = {"model": shape, "device": args.device, "errors": [], "skipped": None}
+def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: str = RECIPE_CONFIG) -> Dict[str, Any]:
+    """Our recipe then TRL on one random directory (``shape``, default this stage's; benchmarks/gpu_moe.py
+    passes its own shape and config), as the module docstring says."""
+    shape = shape or (TINY_SHAPE if args.tiny else SHAPE)
+    result: Dict[str, Any] = {"model": shape, "config": recipe_config, "device": args.device, "errors": [],
+                              "skipped": None}
     available, reason = hf_random.model_type_available(shape)
     if not available:
         result["skipped"] = reason
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     result["transformers"] = transformers.__version__
     started = time.perf_counter()
-    register(shape)
+    register(shape, recipe_config)
     gpu_grpo.MODEL_DIR = Path(args.model_dir)
     device = torch.device(args.device)
 
@@ -88,7 +91,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
     directory = gpu_grpo.model_dir(shape)
     result["backend"] = chosen_backend(directory)
-    out_dir = tempfile.mkdtemp(prefix=f"gpu_qwen3_5_recipe_{shape}_")
+    out_dir = tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{shape}_")
     result["recipe"] = attempt(f"recipe {shape}", lambda: gpu_grpo.run_recipe(shape, device, args, out_dir))
     if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
         result["trl"] = None
@@ -104,8 +107,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """This stage's options (benchmarks/gpu_moe.py takes the same)."""
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on CUDA, else fp32")
     parser.add_argument("--tiny", action="store_true", help="CPU rehearsal: the tiny shape and batch")
@@ -117,7 +120,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: TRL is skipped (and listed as such) when our recipe has used them up")
     parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
+
+
+def finish_args(args: argparse.Namespace) -> None:
+    """The tiny workload with ``--tiny``, the dtype for the device, eager decoding; the repository importable."""
     if args.tiny:
         hf_random.use_tiny_workload(args)
         args.chunk_size, args.recipe_steps, args.trl_steps = 64, 2, 1
@@ -126,6 +132,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.compile_decode = False  # transformers' generate samples for this backend: nothing to compile
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    args = parser.parse_args(argv)
+    finish_args(args)
     result = run(args)
     print(json.dumps({k: v for k, v in result.items() if k not in ("recipe", "trl")}, default=str), flush=True)
     if args.json:

@@ -5,7 +5,8 @@ benchmarks/hf_random.py, its tokenizer mapping each id to its own word), the sam
 prompts of ``--min-prompt-len``..``--max-prompt-len`` random ids x ``--group`` completions of at most
 ``--response-len`` tokens, temperature 1, stopping at the model's stop id) and the same update settings as
 the shipped Qwen3 configs the recipe part runs: AdamW lr 1e-6, no weight decay, grad-norm clip 1.0, KL
-coefficient 0.04 to a frozen reference (``beta``), token-mean loss (TRL ``loss_type="dapo"``), one
+coefficient 0.04 to a frozen reference (``beta``; ``--kl-coef``, 0: no reference, as the shipped
+Qwen3-30B-A3B full config), token-mean loss (TRL ``loss_type="dapo"``), one
 optimizer step per generation round (on-policy), micro-batches of ``--micro-batch`` sequences (TRL
 ``per_device_train_batch_size``, with ``gradient_accumulation_steps`` = rows / micro-batch, so one step
 generates all rows once), activation checkpointing on, fp32 master weights with bf16 compute on CUDA
@@ -86,7 +87,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             num_generations=args.group,
             max_completion_length=args.response_len,
             learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-            max_grad_norm=1.0, optim="adamw_torch", beta=0.04, epsilon=0.2, loss_type="dapo",
+            max_grad_norm=1.0, optim="adamw_torch", beta=args.kl_coef, epsilon=0.2, loss_type="dapo",
             num_iterations=1, temperature=1.0, top_p=1.0, top_k=0, max_steps=steps, logging_steps=1,
             save_strategy="no", report_to="none", use_cpu=not cuda, bf16=cuda and args.dtype == "bf16",
             fp16=False, gradient_checkpointing=args.activation_checkpointing, shuffle_dataset=False, seed=0,
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     median_step = statistics.median(measured)
     median_tokens = statistics.median(tokens[args.warmup_steps:] or tokens) if tokens else float("nan")
     return {
-        "model": shape, "trl": trl.__version__, "device": args.device, "dtype": args.dtype,
+        "model": shape, "trl": trl.__version__, "device": args.device, "dtype": args.dtype, "kl_coef": args.kl_coef,
         "prompts": args.prompts, "group": args.group, "rows": rows, "micro_batch": args.micro_batch,
         "prompt_len": [args.min_prompt_len, args.max_prompt_len], "response_len": args.response_len,
         "activation_checkpointing": args.activation_checkpointing,

@@ -49,6 +49,20 @@ SHAPES: Dict[str, Dict[str, Any]] = {
                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                          linear_conv_kernel_dim=4,
                          rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+    # Qwen3-30B-A3B's layer, 2 of its 48 layers (benchmarks/gpu_moe.py): hidden 2048, 32 Q / 4 KV heads of 128,
+    # 128 experts of 768 of which 8 per token (softmax over all, top-8 renormalised), vocabulary 151,936, untied
+    # head (tests/real_hf_configs.py has the published config.json): 1.87B parameters, so that full fine-tuning
+    # and TRL's fp32 copy fit one 80 GB GPU with the whole layer as published (its routing, expert sizes and
+    # the FSDP2 unit one layer is).
+    "qwen3_30b_a3b_2l": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                             num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                             tie_word_embeddings=False, max_position_embeddings=40960),
+    # Its CPU rehearsal stand-in: the same layer kinds and routing, tiny (8 experts, 2 per token).
+    "tiny_qwen3_moe": dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           tie_word_embeddings=False),
 }
 # Fields every shape shares unless it sets its own (a shape's ``model_type`` defaults to ``qwen3``).
 _COMMON = dict(tie_word_embeddings=True, max_position_embeddings=4096, rms_norm_eps=1e-6,
@@ -85,6 +99,7 @@ def add_workload_args(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--kl-coef", type=float, default=0.04, help="TRL's beta (our side: the recipe config's kl_coef)")
 
 
 def use_tiny_workload(args: argparse.Namespace) -> None:

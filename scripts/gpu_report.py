@@ -8,8 +8,9 @@ reported as such): ``env.json``, ``stages.jsonl`` (one line per stage: name, exi
 ``gpu_tests.xml`` (pytest's JUnit XML, with the figures the tests recorded as properties),
 ``grpo_*.json`` (benchmarks/gpu_grpo.py), ``trl.json`` (benchmarks/gpu_trl.py), ``ablation.json``
 (benchmarks/gpu_ablation.py: the update's switches; with the recipe's generation and reward seconds of the
-same shape, when the check measured them, each variant's whole-step MFU) and ``qwen3_5.json``
-(benchmarks/gpu_qwen3_5.py: the transformers backend and TRL on the Qwen3.5 shape). Its exit status is 0
+same shape, when the check measured them, each variant's whole-step MFU), ``qwen3_5.json``
+(benchmarks/gpu_qwen3_5.py: the transformers backend and TRL on the Qwen3.5 shape) and ``moe.json``
+(benchmarks/gpu_moe.py: the same on the scaled-down Qwen3-30B-A3B, with the paper estimate of our peak). Its exit status is 0
 only when every stage exited 0, every GPU test passed, and no benchmark part raised.
 """
 
@@ -107,9 +108,11 @@ def build_report(directory: Path) -> Dict[str, Any]:
         _whole_step_mfu(ablation, grpo)
     qwen3_5 = _read_json(directory / "qwen3_5.json")
     problems += [f"gpu_qwen3_5 {e['part']}: {e['error']}" for e in (qwen3_5 or {}).get("errors", [])]
+    moe = _read_json(directory / "moe.json")
+    problems += [f"gpu_moe {e['part']}: {e['error']}" for e in (moe or {}).get("errors", [])]
     report: Dict[str, Any] = {"env": _read_json(directory / "env.json"), "stages": stages, "tests": tests,
-                              "grpo": grpo, "trl": trl, "ablation": ablation, "qwen3_5": qwen3_5, "problems": problems,
-                              "ok": not problems}
+                              "grpo": grpo, "trl": trl, "ablation": ablation, "qwen3_5": qwen3_5, "moe": moe,
+                              "problems": problems, "ok": not problems}
     ours = _recipe_step(grpo, trl["model"]) if trl else None
     if ours and trl.get("median_step_s"):
         report["ours_vs_trl"] = {"model": trl["model"], "ours_step_s": ours, "trl_step_s": trl["median_step_s"],
@@ -187,6 +190,8 @@ def markdown(report: Dict[str, Any]) -> str:
                   f"({_fmt(ratio['ours_step_s'])} s / {_fmt(ratio['trl_step_s'])} s).", ""]
     if report.get("qwen3_5"):
         lines += _qwen3_5_section(report["qwen3_5"])
+    if report.get("moe"):
+        lines += _moe_section(report["moe"])
     return "\n".join(lines) + "\n"
 
 
@@ -209,9 +214,25 @@ def _ablation_table(a: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def _qwen3_5_section(q: Dict[str, Any]) -> List[str]:
+def _moe_section(q: Dict[str, Any]) -> List[str]:
+    """benchmarks/gpu_moe.py: the Qwen3.5 stage's table on the mixture of experts, its layout and the paper
+    estimate of our peak beside the measured one."""
+    lines = _qwen3_5_section(q, title="A mixture of experts through the transformers backend")
+    layout, estimate = q.get("layout") or {}, q.get("paper_estimate") or {}
+    if layout:
+        lines += [f"Layout: Qwen3-30B-A3B's layer, {layout['layers']} of {layout['published_layers']} layers, "
+                  f"{layout['experts']} experts, {layout['experts_per_token']} per token; "
+                  f"{(estimate.get('parameters') or {}).get('total', 0):,} parameters.", ""]
+    if estimate:
+        lines += [f"Our peak on paper (benchmarks/moe_memory.py): {_fmt(estimate['peak_gb'])} GB; measured: "
+                  f"{_fmt(estimate.get('measured_peak_gb')) or 'no device peak'}"
+                  f"{' GB' if estimate.get('measured_peak_gb') else ''}.", ""]
+    return lines
+
+
+def _qwen3_5_section(q: Dict[str, Any], title: str = "Qwen3.5 through the transformers backend") -> List[str]:
     """benchmarks/gpu_qwen3_5.py: the transformers backend on the Qwen3.5 shape, against TRL (or why skipped)."""
-    lines = [f"## Qwen3.5 through the transformers backend ({q['model']})", ""]
+    lines = [f"## {title} ({q['model']})", ""]
     if q.get("skipped"):
         return lines + [f"Skipped: {q['skipped']}.", ""]
     backend = q.get("backend") or {}

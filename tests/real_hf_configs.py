@@ -118,3 +118,44 @@ FAMILY_HUB_CONFIGS: Dict[str, Dict[str, Any]] = {
         max_position_embeddings=131072, original_max_position_embeddings=4096, tie_word_embeddings=True,
         partial_rotary_factor=0.75, rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
 }
+
+# The mixture-of-experts models the shipped MoE configs name (configs/qwen3_moe, configs/gpt_oss,
+# configs/qwen3_5_moe; docs/moe.md). Qwen3-30B-A3B: every layer sparse (decoder_sparse_step 1, no mlp_only_layers),
+# untied head; gpt-oss-20b as released: MXFP4 experts (quantization_config), sliding (128) and full layers
+# alternating, untied; Qwen3.5-35B-A3B: multimodal on disk like the dense Qwen3.5 ones, its language model 40 layers
+# of 3 x Gated DeltaNet + 1 x gated attention, 256 experts (top 8) plus a shared expert, untied.
+_GPT_OSS_QUANT = dict(quant_method="mxfp4", modules_to_not_convert=[
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"])
+MOE_HUB_CONFIGS: Dict[str, Dict[str, Any]] = {
+    "Qwen3-30B-A3B": dict(
+        model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], attention_bias=False, attention_dropout=0.0,
+        bos_token_id=151643, eos_token_id=151645, decoder_sparse_step=1, head_dim=128, hidden_act="silu",
+        hidden_size=2048, intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48,
+        mlp_only_layers=[], moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32, num_experts=128,
+        num_experts_per_tok=8, num_hidden_layers=48, num_key_value_heads=4, output_router_logits=False,
+        rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000.0, router_aux_loss_coef=0.001, sliding_window=None,
+        tie_word_embeddings=False, torch_dtype="bfloat16", use_sliding_window=False, vocab_size=151936),
+    "gpt-oss-20b": dict(
+        model_type="gpt_oss", architectures=["GptOssForCausalLM"], attention_bias=True, attention_dropout=0.0,
+        eos_token_id=200002, pad_token_id=199999, experts_per_token=4, num_experts_per_tok=4, head_dim=64,
+        hidden_act="silu", hidden_size=2880, intermediate_size=2880, initial_context_length=4096,
+        layer_types=_layers(["sliding_attention", "full_attention"], 24), max_position_embeddings=131072,
+        num_attention_heads=64, num_hidden_layers=24, num_key_value_heads=8, num_local_experts=32,
+        output_router_logits=False, rms_norm_eps=1e-05, rope_theta=150000, router_aux_loss_coef=0.9,
+        rope_scaling=dict(beta_fast=32.0, beta_slow=1.0, factor=32.0, original_max_position_embeddings=4096,
+                          rope_type="yarn", truncate=False),
+        sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088,
+        quantization_config=_GPT_OSS_QUANT),
+    "Qwen3.5-35B-A3B": dict(
+        model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForConditionalGeneration"], tie_word_embeddings=False,
+        text_config=dict(
+            model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+            num_key_value_heads=2, head_dim=256, vocab_size=248320, linear_num_key_heads=16, linear_num_value_heads=32,
+            linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+            layer_types=_layers(["linear_attention"] * 3 + ["full_attention"], 40), num_experts=256,
+            num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+            max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu", attn_output_gate=True,
+            router_aux_loss_coef=0.001, tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25))),
+}
+FAMILY_HUB_CONFIGS.update(MOE_HUB_CONFIGS)

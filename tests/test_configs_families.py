@@ -1,5 +1,5 @@
 """The shipped configs of the families transformers' own modules serve (Qwen3.5, Gemma 3, Gemma 4, OLMo 3,
-SmolLM3, Phi-4-mini) build as the recipe builds them.
+SmolLM3, Phi-4-mini, and the mixtures of experts Qwen3-MoE, Qwen3.5-MoE, gpt-oss) build as the recipe builds them.
 
 Two checks per config, neither loading a real checkpoint:
 
@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
-from tests.hf_families import FAMILIES, make_family_dir, make_tokenizer
+from tests.hf_families import family_spec, make_family_dir, make_tokenizer
 from tests.hf_multimodal import TEXT_FAMILY, make_multimodal_dir
 from tests.real_hf_configs import FAMILY_HUB_CONFIGS
 from tests.test_configs import CONFIG_DIR, assert_real_config_conventions
@@ -59,8 +59,13 @@ FIXTURES: Dict[str, Fixture] = {
     "olmo3/7B_full_grpo": Fixture("olmo3", False, False, "Olmo3ForCausalLM"),
     "smollm3/3B_full_grpo": Fixture("smollm3", False, True, "SmolLM3ForCausalLM"),
     "phi4_mini/3.8B_full_grpo": Fixture("phi3", False, True, "Phi3ForCausalLM"),
+    # Mixtures of experts (tests/hf_moe.py), all with their own output head.
+    "qwen3_moe/30B-A3B_full_grpo": Fixture("qwen3_moe", False, False, "Qwen3MoeForCausalLM"),
+    "qwen3_moe/30B-A3B_lora_grpo": Fixture("qwen3_moe", False, False, "Qwen3MoeForCausalLM"),
+    "gpt_oss/20B_lora_grpo": Fixture("gpt_oss", False, False, "GptOssForCausalLM"),
+    "qwen3_5_moe/35B-A3B_lora_grpo": Fixture("qwen3_5_moe", True, False, "Qwen3_5MoeForCausalLM"),
 }
-FAMILY_FOLDERS = ("qwen3_5", "gemma3", "gemma4", "olmo3", "smollm3", "phi4_mini")
+FAMILY_FOLDERS = ("qwen3_5", "gemma3", "gemma4", "olmo3", "smollm3", "phi4_mini", "qwen3_moe", "gpt_oss", "qwen3_5_moe")
 
 
 def test_every_family_config_has_a_fixture():
@@ -117,13 +122,13 @@ def test_family_config_builds_from_a_tiny_directory_of_its_family(name: str, tin
     prompt = tokenizer.decode(tokenizer.apply_chat_template(messages), skip_special_tokens=False)
     assert cfg.dataset.system_prompt in prompt and "1 + 1?" in prompt
     thinking = cfg.tokenizer.get("enable_thinking", None)
-    if fixture.family == "qwen3_5":  # the generation prompt opens a thinking block, closed empty when off
+    if fixture.family in ("qwen3_5", "qwen3_5_moe"):  # the generation prompt opens a thinking block, closed empty when off
         assert prompt.endswith("<think>\n\n</think>\n\n" if thinking is False else "<|im_start|>assistant\n<think>\n")
     if fixture.family == "smollm3":
         assert "Reasoning Mode: /no_think" in prompt and thinking is False
     # Generation stops at the family's end of turn (generation_config.json's eos_token_id).
     family_tokenizer = make_tokenizer(_text_family(fixture))
-    for stop in FAMILIES[_text_family(fixture)].stops:
+    for stop in family_spec(_text_family(fixture)).stops:
         assert family_tokenizer.token_to_id(stop) in tokenizer.stop_tokens, stop
 
 

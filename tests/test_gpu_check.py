@@ -63,7 +63,7 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["problems"] == []
     assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "ablation", "grpo_0_6b", "trl",
-                                                     "qwen3_5", "grpo_1_7b"]
+                                                     "qwen3_5", "moe", "grpo_1_7b"]
     # The carried packages were imported from the site directory, not from this interpreter's.
     packages = report["env"]["packages"]
     for name in ("torchtune", "torchao", "omegaconf", "datasets", "trl"):
@@ -115,6 +115,19 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert qwen3_5["trl"]["model"] == "tiny_qwen3_5" and qwen3_5["trl"]["rows"] == 16
     assert qwen3_5["ours_vs_trl"]["ratio"] > 0
     assert "Step time, ours / TRL (tiny_qwen3_5, transformers backend)" in md
+    # The MoE stage: the Qwen3-30B-A3B layout (its tiny stand-in) from the shipped MoE config, through
+    # transformers' module; TRL on the same directory and batch, with no KL term on either side (as the config);
+    # the paper estimate of our peak computed for the same run.
+    moe = report["moe"]
+    assert moe["skipped"] is None and moe["backend"]["name"] == "transformers"
+    assert moe["config"] == "configs/qwen3_moe/30B-A3B_full_grpo.yaml"
+    assert moe["recipe"]["model"] == "tiny_qwen3_moe" and moe["recipe"]["steps"] == 2
+    assert moe["recipe"]["median"]["kl"] == 0 and moe["trl"]["kl_coef"] == 0.0
+    assert moe["trl"]["model"] == "tiny_qwen3_moe" and moe["trl"]["rows"] == 16 and moe["ours_vs_trl"]["ratio"] > 0
+    assert moe["layout"] == {"layers": 2, "published_layers": 48, "experts": 8, "experts_per_token": 2}
+    assert moe["paper_estimate"]["peak_gb"] > 0 and moe["paper_estimate"]["measured_peak_gb"] is None  # CPU
+    assert "Step time, ours / TRL (tiny_qwen3_moe, transformers backend)" in md
+    assert "Layout: Qwen3-30B-A3B's layer, 2 of 48 layers, 8 experts, 2 per token" in md
 
 
 def test_device_wheel_bundle_fits_and_covers_every_requirement():
@@ -231,3 +244,30 @@ def test_qwen3_5_stage_skips_with_the_reason_where_transformers_lacks_the_family
                                                                                      "error": "OOM"}]}))
     report = gpu_report.build_report(tmp_path)
     assert report["problems"] == ["gpu_qwen3_5 recipe qwen3_5_0_8b: OOM"] and not report["ok"]
+
+
+def test_report_of_the_moe_stage_shows_the_estimate_beside_the_peak_and_counts_its_errors(tmp_path):
+    # moe.json as benchmarks/gpu_moe.py writes it on a GPU (figures made up): the layout, both sides' peaks, the
+    # paper estimate beside the measured peak (GiB from the allocator, converted: 40 GiB = 42.9 GB).
+    (tmp_path / "stages.jsonl").write_text('{"name": "moe", "rc": 0, "seconds": 200}\n')
+    moe = {"model": "qwen3_30b_a3b_2l", "skipped": None, "errors": [], "transformers": "5.17.0",
+           "backend": {"name": "transformers", "reason": "model_type 'qwen3_moe': a mixture-of-experts model"},
+           "recipe": {"median": {"time/step": 30.0, "time/generation": 20.0, "time/train": 10.0,
+                                 "tokens_per_second": 12345.0, "memory/peak_allocated_gib": 40.0}},
+           "trl": {"trl": "1.16.0", "median_step_s": 60.0, "tokens_per_s": 11111.0, "peak_allocated_gib": 50.0},
+           "ours_vs_trl": {"ours_step_s": 30.0, "trl_step_s": 60.0, "ratio": 0.5},
+           "layout": {"layers": 2, "published_layers": 48, "experts": 128, "experts_per_token": 8},
+           "paper_estimate": {"parameters": {"total": 1868573184}, "peak_gb": 45.0, "measured_peak_gb": 40 * 2**30 / 1e9}}
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    report = gpu_report.build_report(tmp_path)
+    assert report["problems"] == [] and report["moe"]["model"] == "qwen3_30b_a3b_2l"
+    md = gpu_report.markdown(report)
+    assert "## A mixture of experts through the transformers backend (qwen3_30b_a3b_2l)" in md
+    assert "| ours (recipe) | 30 | 20 | 10 | 12,345 | 40 |" in md and "| TRL 1.16.0 | 60 | | | 11,111 | 50 |" in md
+    assert "**Step time, ours / TRL (qwen3_30b_a3b_2l, transformers backend): 0.50x**" in md
+    assert "Layout: Qwen3-30B-A3B's layer, 2 of 48 layers, 128 experts, 8 per token; 1,868,573,184 parameters." in md
+    assert "Our peak on paper (benchmarks/moe_memory.py): 45 GB; measured: 42.9 GB." in md
+    moe["errors"] = [{"part": "recipe qwen3_30b_a3b_2l", "error": "OutOfMemoryError"}]
+    (tmp_path / "moe.json").write_text(json.dumps(moe))
+    report = gpu_report.build_report(tmp_path)
+    assert report["problems"] == ["gpu_moe recipe qwen3_30b_a3b_2l: OutOfMemoryError"] and not report["ok"]
