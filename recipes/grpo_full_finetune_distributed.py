@@ -64,7 +64,7 @@ from torchtune_grpo.training.diagnostics import StepDiagnostics
 from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.rollouts.evaluation import check_evaluation_keys, correctness_name, HeldOutEvaluation
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
-from torchtune_grpo.generation import check_engine, GenerationEngine, WeightPublisher, WeightSyncCheck
+from torchtune_grpo.generation import check_engine, GenerationEngine, request_routes, WeightPublisher, WeightSyncCheck
 from torchtune_grpo.loss.masks import LossMasks
 from torchtune_grpo.runtime.compute import set_tf32
 from torchtune_grpo.runtime.model_setup import build_model, check_device, Placement
@@ -143,7 +143,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # instantiating components.
         self.config = c = self.config_class.from_cfg(cfg)
         # The engine first: a recipe that cannot use it says so before any process group exists.
-        self.engine: GenerationEngine = self.check_engine(check_engine(config.instantiate(cfg.generation)), cfg)
+        # moe.routing_replay: rollout asks a vLLM engine for its routed experts (others record them unasked).
+        engine = request_routes(config.instantiate(cfg.generation), c.moe.routing_replay)
+        self.engine: GenerationEngine = self.check_engine(check_engine(engine), cfg)
         if not float(self.engine.temperature) > 0:  # a custom engine's default; the config's is checked
             raise ValueError(
                 f"generation.temperature must be > 0 for training, got {self.engine.temperature} "

@@ -209,6 +209,37 @@ def test_routes_from_vllms_cpu_build_are_refused_naming_the_key(tmp_path):
         VLLMGenerator(model=str(tmp_path), return_routed_experts=True).check_available()
 
 
+def test_routing_replay_asks_the_vllm_engines_for_routes_of_a_moe_model_only(tmp_path):
+    from torchtune_grpo.generation import NativeGenerator, request_routes
+
+    moe = make_family_dir("qwen3_moe", tmp_path / "moe")
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({"model_type": "qwen3", "vocab_size": 8}))
+    for cls in (VLLMGenerator, VLLMServerGenerator):
+        assert request_routes(cls(model=str(moe)), "rollout").return_routed_experts is True
+        assert request_routes(cls(model=str(moe)), "off").return_routed_experts is False
+        assert request_routes(cls(model=str(dense)), "rollout").return_routed_experts is False  # nothing to replay
+    native = NativeGenerator()
+    assert request_routes(native, "rollout") is native and not hasattr(native, "return_routed_experts")
+
+
+def test_the_recipe_with_replay_and_vllm_on_cpu_stops_at_start_naming_the_key(tmp_path):
+    # The recipe wires moe.routing_replay to the engine: on vLLM's CPU build it must refuse before training,
+    # never train without the routes it was asked to replay.
+    from tests.hf_models import hf_components
+    from tests.recipe_utils import recipe_in_process, write_config
+    from tests.test_vllm_server import SERVER_CONFIG, TRAIN
+
+    src = make_family_dir("qwen3_moe", tmp_path / "qwen3_moe")
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **TRAIN,
+                          generation={"_component_": "torchtune_grpo.generation.VLLMGenerator", "model": str(src)},
+                          moe={"routing_replay": "rollout"})
+    with pytest.raises(ValueError, match=r"moe.routing_replay: rollout.*VLLMGenerator\(return_routed_experts=True\)"):
+        with recipe_in_process(config):
+            pass
+
+
 # --------------------------------------------------------------------- the server, through a generation worker
 
 

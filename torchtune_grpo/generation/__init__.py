@@ -8,6 +8,7 @@ from torchtune_grpo.generation._sampling import sample_tokens
 from torchtune_grpo.generation._transformers import TransformersGenerator
 from torchtune_grpo.generation._vllm import VLLMGenerator
 from torchtune_grpo.generation._vllm_server import VLLMServerGenerator
+from torchtune_grpo.generation._vllm_routes import request_routes
 from torchtune_grpo.generation._vllm_server_process import VLLMServerError
 from torchtune_grpo.generation._weight_sync import TuneToHFNames, WeightSyncCheck, WeightSyncError
 
@@ -27,5 +28,6 @@ __all__ = [
     "check_engine",
     "decode_responses",
     "full_weights",
+    "request_routes",
     "sample_tokens",
 ]

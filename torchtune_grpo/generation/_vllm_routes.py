@@ -31,7 +31,9 @@ from typing import Any, List, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["check_routes_supported", "decode_server_routes", "moe_layer_indices", "rollout_routes",
+from torchtune_grpo.models import is_mixture_of_experts, read_hf_config
+
+__all__ = ["check_routes_supported", "decode_server_routes", "moe_layer_indices", "request_routes", "rollout_routes",
            "routes_of_completion"]
 
 ROUTES_KEY = "moe.routing_replay"
@@ -127,6 +129,28 @@ def decode_server_routes(encoded: Optional[str]) -> Optional[np.ndarray]:
     if encoded is None:
         return None
     return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+
+
+def request_routes(engine: Any, routing_replay: str) -> Any:
+    """Ask an engine that reports routes only on request (the vLLM engines' ``return_routed_experts``) for
+    them, when ``moe.routing_replay`` is ``rollout`` and its model is a mixture of experts.
+
+    Engines that record routes unasked (the transformers and native engines) and dense models are left as
+    they are: replay is a no-op for a dense policy, and asking vLLM for routes of a dense model would only
+    cost the start-up check.
+
+    Args:
+        engine (Any): the generation engine, before it starts.
+        routing_replay (str): ``moe.routing_replay`` (``off`` or ``rollout``).
+
+    Returns:
+        Any: ``engine``.
+    """
+    if routing_replay != "rollout" or not hasattr(engine, "return_routed_experts"):
+        return engine
+    if is_mixture_of_experts(read_hf_config(engine.model_path)):
+        engine.return_routed_experts = True
+    return engine
 
 
 def check_routes_supported(engine: str, on_cpu: bool) -> None:

@@ -9,7 +9,7 @@ modules; every other causal LM transformers knows (Qwen3.5, Gemma 3/4, OLMo 3, S
 transformers' own module (``model.backend``, :mod:`torchtune_grpo.models._backend`). See docs/models.md.
 """
 
-from torchtune_grpo.models._backend import BACKENDS, Backend, choose_backend
+from torchtune_grpo.models._backend import BACKENDS, Backend, choose_backend, is_mixture_of_experts
 from torchtune_grpo.models._builder import HeadNormLinear, HeadNormLoRALinear, hf_model, lora_hf_model
 from torchtune_grpo.models._chat_template import ChatTemplateError
 from torchtune_grpo.models._checkpointer import HFCheckpointer, weight_files
@@ -36,6 +36,7 @@ __all__ = [
     "hf_model",
     "hf_tokenizer",
     "lora_hf_model",
+    "is_mixture_of_experts",
     "read_hf_config",
     "text_model_config",
     "tune_to_hf_param",

@@ -115,6 +115,7 @@ class _Worker:
 
         from torchtune_grpo.assets import register_resolvers
         from torchtune_grpo.config import build_multi_turn
+        from torchtune_grpo.generation import request_routes
         from torchtune_grpo.runtime.model_setup import init_rope
         from torchtune_grpo.rewards import build_reward_set
 
@@ -135,7 +136,7 @@ class _Worker:
         self.multi_turn = build_multi_turn(c)
         if self.multi_turn is not None:
             self.multi_turn.attach(self.tokenizer)
-        self.engine = tt_config.instantiate(cfg.generation)
+        self.engine = request_routes(tt_config.instantiate(cfg.generation), c.moe.routing_replay)
         self.model: Optional[torch.nn.Module] = None
         if self.engine.holds_weights:  # vLLM: the engine holds the only copy; it computes as the trainer does
             follow = getattr(self.engine, "follow_trainer_dtype", None)
