@@ -135,10 +135,12 @@ def test_fsdp2_shards_the_experts_with_their_decoder_layer(moe_dir, clean_env):
         layer.reshard()
 
 
-def test_resume_equals_the_uninterrupted_run(moe_dir, tmp_path, clean_env, one_thread):
-    # Qwen3-MoE: 3 steps straight against 2 steps, then a resumed run to step 3 (the per-expert directory written at
-    # step 2 read back into the fused parameters). Exact: the same operations on the same numbers.
-    src = moe_dir("qwen3_moe")
+@pytest.mark.parametrize("family", MOE_FAMILY_NAMES)
+def test_resume_equals_the_uninterrupted_run(family, moe_dir, tmp_path, clean_env, one_thread):
+    # 3 steps straight against 2 steps, then a resumed run to step 3 (the directory written at step 2, per-expert or
+    # fused as the family stores it, read back into the fused parameters). Exact: the same operations on the same
+    # numbers.
+    src = moe_dir(family)
     settings = dict(**hf_components(src), lr_scheduler=None, **{"optimizer.lr": 1e-3})
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     run_in_process(write_config(tmp_path / "a", **settings, max_steps=3, save_every_n_steps=3))

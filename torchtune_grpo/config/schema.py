@@ -320,7 +320,7 @@ class RecipeConfig(ConfigSchema):
             "`torch.compile` backend (`inductor` on a GPU; `aot_eager` checks on CPU), dynamic shapes across "
             "micro-batches; compile seconds logged as `time/compile`; null: eager")
     fsdp_cpu_offload: bool = setting(False, doc="keep parameter shards on CPU (passed to torchtune's "
-                                    "`shard_model`; not covered by tests)")
+                                    "`shard_model`; tested on CPU for one step with unpinned memory only)")
     fsdp_reshard_after_forward: bool = setting(True, doc="free gathered parameters after each layer's forward")
     fsdp_single_process: bool = setting(
         False, doc="on one process, train the plain model (no FSDP2: faster and less memory, see [configs.md]"
