@@ -31,16 +31,23 @@ class ScriptedGenerator(GenerationEngine):
             ``center + 0.6 * ((37 * token) % 11 / 10 - 0.5)`` per response token, a fixed function of the
             token, so rollout-correction weights differ from 1 but agree across ranks and runs. Default is
             None (no logprobs, as the native engine).
+        routes (Optional[List[int]]): ``[num_moe_layers, num_experts, top_k]``: report scripted routed experts
+            (``Rollout.routed_experts``, as an engine of a mixture of experts does) for routing replay: at position
+            ``p`` holding token ``t``, layer ``l`` gets ``top_k`` distinct experts from ``(7 t + 3 l + p) % E``, a
+            fixed function of the token, so they agree across ranks and runs and often differ from the trainer's
+            own choice; -1 for the last token (never an input). Default is None (no routes).
     """
 
     temperature = 1.0
 
     def __init__(
-        self, flat_every: int = 0, low: int = 60, high: int = 300, logprob_center: Optional[float] = None
+        self, flat_every: int = 0, low: int = 60, high: int = 300, logprob_center: Optional[float] = None,
+        routes: Optional[List[int]] = None,
     ) -> None:
         self.flat_every = flat_every
         self.low, self.high = low, high
         self.logprob_center = logprob_center
+        self.routes = None if routes is None else [int(v) for v in routes]
 
     def generate(
         self,
@@ -77,8 +84,20 @@ class ScriptedGenerator(GenerationEngine):
             c = self.logprob_center
             logprobs = [[c + 0.6 * ((37 * t) % 11 / 10 - 0.5) for t in row] for row in response_ids]
         return Rollout(
-            prompt_ids=prompt_ids, response_ids=response_ids, truncated=torch.tensor(truncated), logprobs=logprobs
+            prompt_ids=prompt_ids, response_ids=response_ids, truncated=torch.tensor(truncated), logprobs=logprobs,
+            routed_experts=None if self.routes is None else [
+                self._scripted_routes(p + r) for p, r in zip(prompt_ids, response_ids)],
         )
+
+    def _scripted_routes(self, ids: List[int]) -> torch.Tensor:
+        """``[len(ids), layers, k]`` int16 routes of one row (see ``routes`` in the class docstring)."""
+        layers, experts, k = self.routes
+        out = torch.full((len(ids), layers, k), -1, dtype=torch.int16)
+        for p, t in enumerate(ids[:-1]):
+            for layer in range(layers):
+                first = (7 * t + 3 * layer + p) % experts
+                out[p, layer] = torch.tensor([(first + j) % experts for j in range(k)], dtype=torch.int16)
+        return out
 
 
 class ToolScriptGenerator(GenerationEngine):

@@ -107,6 +107,10 @@ TRANSFORMERS_FAMILIES = ("gemma3_text", "qwen3_5_text")
 # effect this fp32 bound is not derived for (its micro-batch invariance: tests/test_update_switches.py).
 SWITCHES = dict(activation_checkpointing="selective", activation_checkpointing_every=2)
 SWITCH_RUNS = {"switches_qwen3": "qwen3", "switches_gemma3": "gemma3_text"}
+# Routing replay on the 2-layer, 4-expert, top-2 MoE fixtures, with scripted routes (tests/_engines.py) and both
+# router losses at coefficients large enough to move the routers visibly in two SGD steps.
+REPLAY = dict(generation={"_component_": "tests._engines.ScriptedGenerator", "routes": [2, 4, 2]},
+              moe={"routing_replay": "rollout", "load_balance_coef": 0.5, "z_loss_coef": 0.1})
 QLORA_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=4, head_dim=32)  # NF4 blocks
 
 
@@ -156,6 +160,12 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         if family == "qwen3_moe":
             budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40, **moe_sgd)
             runs.append(_Run(two_processes=str(budget)))
+            # Routing replay with both router losses on: scripted engine routes forced in every forward, the
+            # load-balance fractions summed over the ranks, both losses token means over the global count.
+            replay = (_split_config(tmp_path / "replay_qwen3_moe" / name, src, size, **moe_sgd, **REPLAY)
+                      for name, size in (("one", 4), ("two", 2)))
+            one, two = replay
+            runs.append(_Run(two_processes=str(two), one_process=str(one)))
     # An update switch (docs/gpu.md), selective activation checkpointing, on one process and on two, on a torchtune
     # model and on a transformers one.
     for name, arch in SWITCH_RUNS.items():
@@ -227,6 +237,24 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
                     # times e^d (d up to ~3), ~20x: 64 ulp of the value, or 1e-5 at O(1).
                     bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
                     assert m2[key] == pytest.approx(m1[key], abs=bound), (family, run, m1["step"], key)
+
+    # Replay: one process equals two (the bound and its derivation as for the MoE families above), the router
+    # metrics too, and the forced routes and router losses changed the training (the same run without them differs).
+    replay = tmp_path / "replay_qwen3_moe"
+    expected, got = weights(replay / "one" / "out" / "step_2"), weights(replay / "two" / "out" / "step_2")
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=1e-5, rtol=0, msg=lambda m: f"replay {key}: {m}")
+    plain = weights(tmp_path / "qwen3_moe" / "one" / "out" / "step_2")
+    assert max((expected[k] - plain[k]).abs().max().item() for k in plain if ".gate." in k) > 1e-4
+    rows = [[r for r in read_jsonl(replay / run / "out" / "metrics.jsonl") if "loss" in r] for run in ("one", "two")]
+    assert [r["step"] for r in rows[1]] == [1, 2]
+    for m1, m2 in zip(*rows):
+        # The scripted routes are not the routers' own: agreement well below 1, and the same count on both.
+        assert m1["moe/router_agreement"] < 0.9 and m2["moe/router_agreement"] == pytest.approx(
+            m1["moe/router_agreement"], abs=1e-6)  # a ratio of exact integer counts; 1e-6 covers the division
+        for key in ("loss", "moe/load_balance_loss", "moe/z_loss"):
+            bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))  # as for the MoE families' metrics above
+            assert m2[key] == pytest.approx(m1[key], abs=bound), (m1["step"], key)
 
     for name in SWITCH_RUNS:
         expected, start = weights(tmp_path / name / "one" / "out" / "step_2"), weights(tmp_path / name / "model")
