@@ -182,12 +182,13 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     }, base=LORA_CONFIG)
     runs.append(_Run(two_processes=str(lora), lora=True))
     # Attention LoRA on a mixture of experts, two processes: each FSDP2 unit holds trainable adapters next to the
-    # frozen fused experts and router.
+    # frozen fused experts and router; with routing replay and both router losses (the reference is the policy with
+    # its adapters off: the routes are forced there too).
     moe_lora_src = make_family_dir("qwen3_moe", tmp_path / "lora_qwen3_moe" / "model", peaked=False)
     moe_lora = _split_config(tmp_path / "lora_qwen3_moe" / "two", moe_lora_src, 2, model={
         "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
         "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4, "lora_alpha": 8,
-    }, base=LORA_CONFIG)
+    }, base=LORA_CONFIG, **REPLAY)
     runs.append(_Run(two_processes=str(moe_lora), lora=True))
     # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
     # raises with the traceback of a rank that failed and stops the other).
@@ -278,6 +279,9 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     assert merged.keys() == base.keys()  # the per-expert on-disk names
     assert all(torch.equal(merged[k], base[k]) for k in base if "experts" in k or ".gate." in k)  # frozen
     assert any(not torch.equal(merged[k], base[k]) for k in base if "self_attn" in k)
+    lora_rows = [r for r in read_jsonl(moe_step.parent / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lora_rows] == [1, 2]
+    assert all(r["moe/router_agreement"] < 0.9 and r["moe/load_balance_loss"] > 0 for r in lora_rows)  # replayed
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]
