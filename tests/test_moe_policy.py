@@ -26,9 +26,8 @@ from tests.hf_families import make_family_dir
 from tests.hf_models import hf_components
 from tests.hf_moe import MOE_FAMILY_NAMES
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
-from tests.test_transformers_backend import _hf, _policy, _tokens
+from tests.test_transformers_backend import _hf, _policy, _tokens, assert_logprobs_equal_transformers
 from torchtune_grpo.models import HFCheckpointer
-from torchtune_grpo.models.logprobs import sequence_logprobs
 
 TWO_STEPS = dict(max_steps=2, save_every_n_steps=2, lr_scheduler=None, **{"optimizer.lr": 1e-3})
 
@@ -60,19 +59,9 @@ def test_logprobs_equal_transformers_own(family, moe_dir, tmp_path):
     policy = _policy(directory, tmp_path)
     experts = [n for n, p in policy.named_parameters() if n.endswith("experts.gate_up_proj")]
     assert experts and all(policy.get_parameter(n).dim() == 3 for n in experts)  # fused [E, ., .] parameters
-    tokens, lengths = _tokens(), (32, 24, 28)
-    out = sequence_logprobs(policy, tokens, with_entropy=True, chunk_size=16)
-    with torch.no_grad():
-        logits = _hf(directory)(tokens).logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    expected = logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)[:, :-1]
-    # As for the dense families (tests/test_transformers_backend.py): the same transformers code on the same
-    # weights (routing included: the routers' top-k gaps are >= 3e-3, rounding moves a logit by ~1e-6), only the
-    # chunked logsumexp head differs: a few ulp of |lse| < 16 (1 ulp 9.5e-7). Bound: 1e-5.
-    for i, n in enumerate(lengths):
-        torch.testing.assert_close(out.logprobs[i, : n - 1], expected[i, : n - 1], atol=1e-5, rtol=0)
-        torch.testing.assert_close(out.entropy[i, : n - 1], entropy[i, : n - 1], atol=1e-5, rtol=0)
+    # As for the dense families: the same transformers code on the same weights (routing included: the routers'
+    # top-k gaps are >= 3e-3, rounding moves a logit by ~1e-6), only the chunked logsumexp head differs. Bound: 1e-5.
+    assert_logprobs_equal_transformers(policy, directory)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILY_NAMES)

@@ -77,6 +77,12 @@ def test_logprobs_equal_transformers_own(family, family_dir, tmp_path):
     directory = family_dir(family)
     policy = _policy(directory, tmp_path)
     assert isinstance(policy, TransformersDecoder)
+    assert_logprobs_equal_transformers(policy, directory)
+
+
+def assert_logprobs_equal_transformers(policy, directory: Path) -> None:
+    """The recipe's per-token logprobs and entropies of ``policy`` equal transformers' own ``log_softmax`` of the
+    model in ``directory`` on three rows of unequal lengths, fp32."""
     tokens, lengths = _tokens(), (32, 24, 28)
     out = sequence_logprobs(policy, tokens, with_entropy=True, chunk_size=16)  # several chunks
     with torch.no_grad():
