@@ -24,10 +24,8 @@ Exit status 1 when a part raised (the error is in the JSON).
 """
 
 import argparse
-import json
 import math
 import sys
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import gpu_qwen3_5  # benchmarks/ is on sys.path: this script's directory
@@ -81,11 +79,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.set_defaults(prompts=16, kl_coef=0.0)  # half the Qwen3 stages' batch, as the Qwen3.5 stage; no KL
     args = parser.parse_args(argv)
     gpu_qwen3_5.finish_args(args)
-    result = run(args)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("recipe", "trl")}, default=str), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
-    return 1 if result["errors"] else 0
+    return gpu_qwen3_5.report(run(args), args)
 
 
 if __name__ == "__main__":

@@ -139,7 +139,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_args(parser)
     args = parser.parse_args(argv)
     finish_args(args)
-    result = run(args)
+    return report(run(args), args)
+
+
+def report(result: Dict[str, Any], args: argparse.Namespace) -> int:
+    """Print a stage's result (without the per-side details), write it whole to ``--json``; the exit code."""
     print(json.dumps({k: v for k, v in result.items() if k not in ("recipe", "trl")}, default=str), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

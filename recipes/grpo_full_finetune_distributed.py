@@ -143,8 +143,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # instantiating components.
         self.config = c = self.config_class.from_cfg(cfg)
         # The engine first: a recipe that cannot use it says so before any process group exists.
-        # moe.routing_replay: rollout asks a vLLM engine for its routed experts (others record them unasked).
-        engine = request_routes(config.instantiate(cfg.generation), c.moe.routing_replay)
+        engine = request_routes(config.instantiate(cfg.generation), c.moe.routing_replay)  # vLLM's MoE routes
         self.engine: GenerationEngine = self.check_engine(check_engine(engine), cfg)
         if not float(self.engine.temperature) > 0:  # a custom engine's default; the config's is checked
             raise ValueError(
@@ -327,7 +326,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # FSDP2 gradient sync, clipping, optimizer and scheduler steps.
         # A mixture-of-experts policy's router losses and metrics, and routing replay (training/routes.py).
         router = RouterTerms.for_model(self.model, c.moe.load_balance_coef, c.moe.z_loss_coef)
-        replay = router is not None and c.moe.routing_replay == "rollout"
+        replay_mode = c.moe.routing_replay if router is not None else None  # None: a dense policy
         update = PolicyUpdate(
             self.model, self.optimizer, loss_fn, lr_scheduler=lr_scheduler, ppo_epochs=c.ppo_epochs,
             ppo_mini_batches=c.ppo_mini_batches, group_size=c.group_size, seed=self.seed,
@@ -366,7 +365,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 mask_truncated=c.mask_truncated_completions, kl_coef=c.kl_coef,
                 kl_estimator=c.kl_estimator, kl_in_reward=kl_in_reward, reference=reference,
                 update_needs_old_logprobs=update.needs_old_logprobs or c.step_diagnostics, all_reduce=self._dist.sum,
-                all_gather=self._dist.gather_cat, routing_replay=replay,
+                all_gather=self._dist.gather_cat, routing_replay=replay_mode == "rollout",
                 num_experts=router.num_experts if router is not None else None,
             ),
             update=update, publisher=publisher, all_reduce=self._dist.all_reduce, batch_size=c.batch_size,
@@ -402,7 +401,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
             ),
             max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
-            routing_replay=c.moe.routing_replay if router is not None else None,
+            routing_replay=replay_mode,
             load_balance_coef=c.moe.load_balance_coef, z_loss_coef=c.moe.z_loss_coef,
             in_flight_updates=c.generation_workers.enabled and c.generation_workers.in_flight_updates,
             weight_sync=publisher.describe(self.model) if publisher is not None else None,
