@@ -43,9 +43,21 @@ from tests import family_templates as T
 
 __all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
            "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens",
-           "scale_routers", "sharpen", "write_tokenizer_files"]
+           "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
 
 WINDOW = 6
+
+
+def qwen3_5_layers() -> Dict[str, Any]:
+    """Qwen3.5's layer stack (dense and MoE fixtures): a Gated DeltaNet linear-attention layer, then a gated
+    full-attention one. A fresh dict per call (transformers may fill in a config's nested rope parameters)."""
+    return dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+    )
+
+
 PEAKED_MIN = 0.6
 # peakedness() of each fixture (seed 0) on probe_tokens(32), fp32 eager attention
 # (2-core AVX-512 Xeon, transformers 5.19). Uniform attention would give 1/(t + 1) = 0.03-0.11 over the
@@ -94,11 +106,7 @@ class Family:
 
 FAMILIES: Dict[str, Family] = {
     "qwen3_5_text": Family(
-        "qwen3_5_text",
-        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
-             linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-             tie_word_embeddings=True,
-             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
+        "qwen3_5_text", dict(**qwen3_5_layers(), tie_word_embeddings=True),
         T.QWEN3_5, T.CHATML + T.QWEN_VISION, eos="<|im_end|>", pad="<|endoftext|>",
         stops=["<|im_end|>", "<|endoftext|>"], added=["<think>", "</think>"], offset_norm=True),
     "gemma3_text": Family(

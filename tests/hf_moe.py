@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 
 from tests import family_templates as T
-from tests.hf_families import WINDOW, Family
+from tests.hf_families import qwen3_5_layers, WINDOW, Family
 
 __all__ = ["DISK_EXPERT_NAMES", "MEASURED_PEAKEDNESS", "MEASURED_ROUTER_MARGIN", "MOE_FAMILIES", "MOE_FAMILY_NAMES",
            "MOE_LAYER_KINDS", "ROUTER_GAIN", "router_margins", "routers"]
@@ -47,11 +47,8 @@ MOE_FAMILIES: Dict[str, Family] = {
         added=["<think>", "</think>"]),
     "qwen3_5_moe_text": Family(
         "qwen3_5_moe_text",
-        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
-             linear_key_head_dim=32, linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-             num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, **_EXPERTS,
-             tie_word_embeddings=False,
-             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
+        dict(**qwen3_5_layers(), num_experts=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+             **_EXPERTS, tie_word_embeddings=False),
         T.QWEN3_5, T.CHATML + T.QWEN_VISION, eos="<|im_end|>", pad="<|endoftext|>",
         stops=["<|im_end|>", "<|endoftext|>"], added=["<think>", "</think>"], offset_norm=True),
     "gpt_oss": Family(
