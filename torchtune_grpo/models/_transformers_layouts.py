@@ -70,7 +70,8 @@ class SlotPairs(NamedTuple):
         seg_q, seg_k = self.segment[:, :, None], self.segment[:, None, :]
         real_q = seg_q >= 0
         sees = real_q & ((seg_q == seg_k) | self.shared[:, None, :])
-        distance = self.position[:, :, None] - self.position[:, None, :]  # [R, S, S]: q's position minus k's
+        position = self.position.to(torch.int32)  # positions < 2^31; half the memory of the [R, S, S] difference
+        distance = position[:, :, None] - position[:, None, :]  # [R, S, S]: q's position minus k's
         sees = sees & (distance >= 0)
         if window is not None:
             sees = sees & (distance < window)
