@@ -19,7 +19,10 @@ sums differs.
 The shared attention runs in the torchtune ``MultiHeadAttention`` modules of the model when a forward gets a
 :class:`SharedPromptMask` (an :class:`~torchtune_grpo.models.attention.AttentionLayout`) as its ``mask``:
 :func:`install_shared_prompt_attention` gives those modules :mod:`torchtune_grpo.models.attention`'s forward, which
-recognises it and otherwise runs torchtune's own forward unchanged. The layout travels as the
+recognises it and otherwise runs torchtune's own forward unchanged. On transformers' own modules
+(:class:`~torchtune_grpo.models.TransformersDecoder`) the forward turns the layout's :meth:`SharedPromptMask.pairs`
+into explicit attention masks instead (:mod:`torchtune_grpo.models._transformers_layouts`; families whose layers
+carry state along a row, Qwen3.5's Gated DeltaNet, train one row per sequence). The layout travels as the
 ``mask`` argument (not as global state), so activation checkpointing's recomputation in backward sees it.
 
 Results always come back in the unshared layout: column ``j`` of an ``[N, T]`` result is the prediction of
@@ -372,7 +375,7 @@ class TrainingBatch:
         routed_experts (Optional[List[torch.Tensor]]): a mixture-of-experts engine's routes per row
             (``Rollout.routed_experts``), for the router metrics and routing replay. Default is None.
         replay (bool): force ``routed_experts`` in every forward of this batch (``moe.routing_replay: rollout``;
-            one row per sequence only). Default is False.
+            in every layout: :meth:`routes_for` lays them out in the layout's slots). Default is False.
 
     Attributes:
         tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.

@@ -11,7 +11,8 @@ token-budget plan, as wide as the step's longest, filled from every sequence of 
 
 Each sequence keeps its own position ids (from 0) and attends causally to itself only: a
 :class:`PackedMask` (an :class:`~torchtune_grpo.models.attention.AttentionLayout`, carried through the same
-attention replacement as the shared-prompt layout) gives scaled-dot-product attention a block-diagonal
+attention replacement as the shared-prompt layout on torchtune modules; on transformers' own modules turned into
+explicit masks from :meth:`PackedMask.pairs`, windows per sequence) gives scaled-dot-product attention a block-diagonal
 causal mask, or, with ``packed_attention: flex`` on CUDA, gives FlexAttention (``torch.nn.attention.flex_attention``,
 compiled) a block mask of the same pairs, so the blocks of a row that no query of one sequence attends to
 are skipped instead of computed and masked (on the CPU, which has no FlexAttention backward, the masked
