@@ -170,7 +170,8 @@ def _batches(prompts, responses, **kw) -> Dict[str, TrainingBatch]:
     return {"shared": TrainingBatch(prompts, responses, 0, share_prompt=True, **kw), "packed": packed}
 
 
-@pytest.mark.parametrize("family,attention", [(f, None) for f in SOFTMAX_FAMILIES] + [("mistral", "eager"), ("gemma3_text", "eager")])
+@pytest.mark.parametrize("family,attention",
+                         [(f, None) for f in SOFTMAX_FAMILIES] + [("mistral", "eager"), ("gemma3_text", "eager")])
 def test_layouts_equal_one_row_per_sequence(family, attention, model_of):
     model = model_of(family, attention)
     assert shared_prompt_unsupported(model) is None
@@ -265,7 +266,8 @@ def test_shared_prompt_attention_is_its_slot_pairs():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(r, 2, s, 8, generator=gen) for _ in range(3))
     split = lay.mask.attention(q, k, v)
-    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=lay.mask.pairs(lay.input_pos).allowed()[:, None])
+    allowed = lay.mask.pairs(lay.input_pos).allowed()[:, None]  # [R, 1, S, S]
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
     read = lay.source[..., 0] >= 0  # slots holding a real token (padding's outputs are never read)
     # A softmax over the same pairs, summed in another order (the split attention's key set is the prompt and one
     # completion, the dense one the whole row with zeros for the masked pairs): each output is a convex combination

@@ -487,7 +487,9 @@ class TrainingBatch:
         lengths = self.lengths[rows] if self.lengths is not None else [self.tokens.size(1)] * len(range(*rows.indices(len(self))))
         return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
 
-    def routes_for(self, rows: slice, model: Optional[nn.Module] = None, allow_layout: bool = True) -> Optional[torch.Tensor]:
+    def routes_for(
+        self, rows: slice, model: Optional[nn.Module] = None, allow_layout: bool = True
+    ) -> Optional[torch.Tensor]:
         """The engine's routes where ``model``'s forward over ``rows`` has its tokens, or None: ``[R, S, layers, k]``
         in a layout's slots (a shared prompt takes its first sequence's routes; -1 on padding) when that forward
         runs one, else ``[n, forward_width(rows), layers, k]``."""
