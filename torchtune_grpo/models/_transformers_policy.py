@@ -196,25 +196,33 @@ class TransformersDecoder(nn.Module):
             module = self.get_submodule(owner) if owner else self
             module._buffers[leaf] = value.to(device)
 
-    def forward(self, tokens: torch.Tensor, mask: Optional[torch.Tensor] = None,
+    def forward(self, tokens: torch.Tensor, mask: Optional[Any] = None,
                 input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits (or whatever ``unembed`` returns) of right-padded ``tokens``.
+        """Logits (or whatever ``unembed`` returns) of ``tokens``.
 
         Args:
-            tokens (torch.Tensor): ``[B, L]`` token ids, right-padded (a plain causal mask is then exact).
-            mask (Optional[torch.Tensor]): must be None: transformers' attention builds its own causal (and
-                sliding-window) masks; the shared-prompt and packed layouts are torchtune-backend layouts.
-            input_pos (Optional[torch.Tensor]): ``[B, L]`` position ids; None: ``0..L-1``.
+            tokens (torch.Tensor): ``[B, L]`` token ids: right-padded rows (a plain causal mask is then exact), or
+                a training layout's rows.
+            mask (Optional[Any]): None (transformers' attention builds its own causal and sliding-window masks),
+                or a training layout's :class:`~torchtune_grpo.models.attention.AttentionLayout` (packed or
+                shared-prompt rows), turned into explicit masks by :mod:`._transformers_layouts`.
+            input_pos (Optional[torch.Tensor]): ``[B, L]`` position ids; None: ``0..L-1``. A layout needs them.
 
         Returns:
             torch.Tensor: ``unembed(h)``, by default ``[B, L, V]`` logits.
+
+        Raises:
+            ValueError: for a tensor mask, or a layout on a model :func:`layouts_unsupported` refuses.
         """
+        attention_mask = None
         if mask is not None:
-            raise ValueError(
-                "the transformers backend runs plain causal rows only (no custom attention mask: the shared-prompt "
-                "and packed training layouts need the torchtune backend)"
-            )
-        out = self.base(input_ids=tokens, position_ids=input_pos, use_cache=False)
+            from torchtune_grpo.models._transformers_layouts import layout_attention_mask
+
+            if not hasattr(mask, "pairs") or input_pos is None:
+                raise ValueError("the transformers backend takes no tensor mask: None (plain causal rows) or a "
+                                 "training layout (packed or shared-prompt rows, with their input_pos)")
+            attention_mask = layout_attention_mask(self, mask.pairs(input_pos))
+        out = self.base(input_ids=tokens, position_ids=input_pos, attention_mask=attention_mask, use_cache=False)
         return self.unembed(out.last_hidden_state)
 
     def unembed(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,10 @@ sums differs.
 The shared attention runs in the torchtune ``MultiHeadAttention`` modules of the model when a forward gets a
 :class:`SharedPromptMask` (an :class:`~torchtune_grpo.models.attention.AttentionLayout`) as its ``mask``:
 :func:`install_shared_prompt_attention` gives those modules :mod:`torchtune_grpo.models.attention`'s forward, which
-recognises it and otherwise runs torchtune's own forward unchanged. The layout travels as the
+recognises it and otherwise runs torchtune's own forward unchanged. On transformers' own modules
+(:class:`~torchtune_grpo.models.TransformersDecoder`) the forward turns the layout's :meth:`SharedPromptMask.pairs`
+into explicit attention masks instead (:mod:`torchtune_grpo.models._transformers_layouts`; families whose layers
+carry state along a row, Qwen3.5's Gated DeltaNet, train one row per sequence). The layout travels as the
 ``mask`` argument (not as global state), so activation checkpointing's recomputation in backward sees it.
 
 Results always come back in the unshared layout: column ``j`` of an ``[N, T]`` result is the prediction of
@@ -38,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.modules import MultiHeadAttention, TransformerDecoder
 
+from torchtune_grpo.models._transformers_layouts import layouts_unsupported, SlotPairs
+from torchtune_grpo.models._transformers_policy import TransformersDecoder
 from torchtune_grpo.models.attention import AttentionLayout, install_attention, installable
 from torchtune_grpo.models.compiled import compiled_layers
 from torchtune_grpo.models.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
@@ -125,6 +130,7 @@ class SharedPromptMask(AttentionLayout):
         self.prompt_slots = prompt_slots
         self.completion_slots = completion_slots
         self.num_completions = num_completions
+        self.prompt_lengths = prompt_lengths
         p, c, m = prompt_slots, completion_slots, num_completions
         device = prompt_lengths.device
         # [R*M, 1, C, P+C]: a completion token sees its row's real prompt tokens and its own earlier tokens.
@@ -133,6 +139,25 @@ class SharedPromptMask(AttentionLayout):
         causal = torch.ones(c, c, dtype=torch.bool, device=device).tril()
         causal = causal[None, None].expand(sees_prompt.size(0), 1, c, c)
         self.completion_mask = torch.cat([sees_prompt, causal], dim=-1)
+
+    def pairs(self, input_pos: torch.Tensor) -> SlotPairs:
+        """The allowed pairs (:class:`~torchtune_grpo.models._transformers_layouts.SlotPairs`) of these rows.
+
+        The prompt's real tokens are segment 0 and shared (every completion of the row sees them), its padding
+        is padding (-1); completion region ``j`` is segment ``j + 1``. With ``input_pos [R, S]`` (each completion
+        continuing its prompt's positions) causality and windows are by position, as in the unshared rows. The
+        attention :meth:`attention` computes is these pairs (split into blocks so that no completion is
+        computed against another); the transformers backend builds its masks from them.
+        """
+        p, c, m = self.prompt_slots, self.completion_slots, self.num_completions
+        r, device = self.prompt_lengths.size(0), self.prompt_lengths.device
+        prompt_real = torch.arange(p, device=device)[None, :] < self.prompt_lengths[:, None]  # [R, P]
+        segment = torch.cat([
+            torch.where(prompt_real, 0, -1),
+            torch.arange(1, m + 1, device=device).repeat_interleave(c)[None].expand(r, m * c),
+        ], dim=1)  # [R, P + M*C]
+        shared = torch.cat([prompt_real, torch.zeros(r, m * c, dtype=torch.bool, device=device)], dim=1)
+        return SlotPairs(segment, shared, input_pos)
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
@@ -166,12 +191,16 @@ def _attention_modules(model: nn.Module) -> List[nn.Module]:
 
 
 def shared_prompt_unsupported(model: nn.Module) -> Optional[str]:
-    """Why ``model`` cannot run shared-prompt forwards, or None when it can.
+    """Why ``model`` cannot run shared-prompt (and packed) forwards, or None when it can.
 
     It can when it is a torchtune :class:`~torchtune.modules.TransformerDecoder` (FSDP-wrapped or not) whose
     attention modules are all plain causal self-attention ``MultiHeadAttention`` (LoRA projections are fine)
-    and which returns no intermediate hidden states.
+    and which returns no intermediate hidden states; or transformers' own module
+    (:class:`~torchtune_grpo.models.TransformersDecoder`) of a family whose layers
+    :func:`~torchtune_grpo.models._transformers_layouts.layouts_unsupported` accepts (explicit masks).
     """
+    if isinstance(model, TransformersDecoder):
+        return layouts_unsupported(model)
     if not isinstance(model, TransformerDecoder):
         return f"the model is a {type(model).__name__}, not a torchtune TransformerDecoder"
     if model.output_hidden_states:
@@ -212,6 +241,8 @@ def install_shared_prompt_attention(model: nn.Module) -> bool:
     """
     if not supports_shared_prompt(model):
         return False
+    if isinstance(model, TransformersDecoder):
+        return True  # its forward turns the layout into explicit masks: nothing to install
     for a in _attention_modules(model):
         install_attention(a)
     return True
@@ -228,6 +259,8 @@ class SharedPromptLayout(NamedTuple):
             token (the prompt's last real token for a completion's first token).
         targets (torch.Tensor): ``[K]`` long: the response tokens.
         dst (torch.Tensor): ``[K]`` long: flat index into the micro-batch's ``[n, T]`` result.
+        source (torch.Tensor): ``[R, S, 2]`` long: the ``(sequence, position)`` of the unshared row each slot holds
+            (a shared prompt: the row's first sequence), ``(-1, -1)`` on padding.
     """
 
     tokens: torch.Tensor
@@ -236,6 +269,7 @@ class SharedPromptLayout(NamedTuple):
     src: torch.Tensor
     targets: torch.Tensor
     dst: torch.Tensor
+    source: torch.Tensor
 
 
 def shared_prompt_layout(
@@ -277,6 +311,7 @@ def shared_prompt_layout(
     tokens = torch.full((len(runs), s), pad_id, dtype=torch.long)
     input_pos = torch.zeros((len(runs), s), dtype=torch.long)
     prompt_lengths = torch.zeros(len(runs), dtype=torch.long)
+    source = torch.full((len(runs), s, 2), -1, dtype=torch.long)
     src, targets, dst = [], [], []
     c_range = torch.arange(c_slots)
     for row, run in enumerate(runs):
@@ -284,6 +319,8 @@ def shared_prompt_layout(
         p_len = len(prompt)
         prompt_lengths[row] = p_len
         tokens[row, :p_len] = torch.tensor(prompt, dtype=torch.long)
+        source[row, :p_len, 0] = run[0]
+        source[row, :p_len, 1] = torch.arange(p_len)
         input_pos[row, :p_slots] = torch.arange(p_slots).clamp(max=max_pos)
         for slot in range(m):
             base = p_slots + slot * c_slots
@@ -296,6 +333,8 @@ def shared_prompt_layout(
                 continue
             k = len(resp)
             tokens[row, base : base + k - 1] = torch.tensor(resp[:-1], dtype=torch.long)
+            source[row, base : base + k - 1, 0] = i
+            source[row, base : base + k - 1, 1] = p_len + torch.arange(k - 1)
             # Token t of the response is predicted at the prompt's last token (t = 0) or at token t - 1.
             pred = torch.arange(base - 1, base + k - 1)
             pred[0] = p_len - 1
@@ -313,6 +352,7 @@ def shared_prompt_layout(
         src=src_t.to(device),
         targets=targets_t.to(device),
         dst=dst_t.to(device),
+        source=source.to(device),
     )
 
 
@@ -335,7 +375,7 @@ class TrainingBatch:
         routed_experts (Optional[List[torch.Tensor]]): a mixture-of-experts engine's routes per row
             (``Rollout.routed_experts``), for the router metrics and routing replay. Default is None.
         replay (bool): force ``routed_experts`` in every forward of this batch (``moe.routing_replay: rollout``;
-            one row per sequence only). Default is False.
+            in every layout: :meth:`routes_for` lays them out in the layout's slots). Default is False.
 
     Attributes:
         tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.
@@ -437,25 +477,54 @@ class TrainingBatch:
             return self.tokens.size(1)
         return max(max(self.lengths[rows]), self.start + 2)
 
-    def real_mask(self, rows: slice) -> torch.Tensor:
-        """``[n, forward_width(rows)]`` bool: the real (not padding) tokens of an unshared forward over ``rows``."""
+    def real_mask(self, rows: slice, model: Optional[nn.Module] = None, allow_layout: bool = True) -> torch.Tensor:
+        """The real (not padding) tokens of ``model``'s forward over ``rows`` (what its routers saw): ``[R, S]``
+        bool in a layout's slots when that forward runs one (:meth:`layout_for`), else ``[n, forward_width(rows)]``."""
+        lay = self.layout_for(model, rows, allow_layout) if model is not None else None
+        if lay is not None:
+            return lay.source[..., 0] >= 0
         width = self.forward_width(rows)
         lengths = self.lengths[rows] if self.lengths is not None else [self.tokens.size(1)] * len(range(*rows.indices(len(self))))
         return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
 
-    def routes_for(self, rows: slice) -> Optional[torch.Tensor]:
-        """The engine's routes of an unshared forward over ``rows``: ``[n, forward_width(rows), layers, k]``, or None."""
+    def routes_for(
+        self, rows: slice, model: Optional[nn.Module] = None, allow_layout: bool = True
+    ) -> Optional[torch.Tensor]:
+        """The engine's routes where ``model``'s forward over ``rows`` has its tokens, or None: ``[R, S, layers, k]``
+        in a layout's slots (a shared prompt takes its first sequence's routes; -1 on padding) when that forward
+        runs one, else ``[n, forward_width(rows), layers, k]``."""
         if self.routes is None:
             return None
-        return self.routes[rows, : self.forward_width(rows)].to(self.device)
+        lay = self.layout_for(model, rows, allow_layout) if model is not None else None
+        if lay is None:
+            return self.routes[rows, : self.forward_width(rows)].to(self.device)
+        routes = self.routes[rows]  # [n, L, layers, k] (CPU)
+        source = lay.source.cpu()
+        seq, pos = source[..., 0], source[..., 1]
+        laid = routes[seq.clamp(min=0), pos.clamp(min=0)]  # [R, S, layers, k]
+        laid = torch.where((seq >= 0)[..., None, None], laid, torch.full_like(laid, -1))
+        return laid.to(self.device)
 
-    def routing(self, model: nn.Module, rows: slice):
+    def routing(self, model: nn.Module, rows: slice, allow_layout: bool = True):
         """A context forcing the engine's routes of ``rows`` in ``model``'s forwards (and recomputations) inside
-        it, with ``replay``; otherwise (or for a dense model) it changes nothing."""
+        it, with ``replay``, in the layout that forward runs; otherwise (or for a dense model) it changes nothing."""
         hooks = router_hooks(model) if self.replay else None
         if hooks is None:
             return nullcontext()
-        return hooks.forcing(self.routes_for(rows))
+        return hooks.forcing(self.routes_for(rows, model, allow_layout))
+
+    def layout_for(self, model: nn.Module, rows: slice, allow_layout: bool = True
+                   ) -> "Optional[SharedPromptLayout | PackedLayout]":
+        """The layout ``model``'s forward over ``rows`` runs (shared-prompt or packed rows), or None for one row per
+        sequence: no layout asked for (or ``allow_layout`` False), a model that cannot
+        (:func:`shared_prompt_unsupported`), or rows longer than the model's ``max_seq_len``."""
+        if not (allow_layout and (self.share_prompt or self.pack) and self.prompt_ids is not None):
+            return None
+        if not install_shared_prompt_attention(model):
+            return None
+        lay = self.layout(rows)
+        max_len = getattr(model, "max_seq_len", None)
+        return lay if max_len is None or lay.tokens.size(1) <= max_len else None
 
     def plan(
         self,
@@ -535,27 +604,24 @@ class TrainingBatch:
         chunk_size: int = 512,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        allow_layout: bool = True,
     ) -> TokenLogprobs:
         """Per-token logprobs (and entropy) of ``rows`` under ``model``: ``[n, T]``, 0 off response tokens.
 
-        Arguments as :func:`~torchtune_grpo.models.logprobs.sequence_logprobs`. One forward over the rows.
+        Arguments as :func:`~torchtune_grpo.models.logprobs.sequence_logprobs`. One forward over the rows, in the
+        batch's layout (:meth:`layout_for`), or one row per sequence with ``allow_layout`` False.
         """
-        # The shared-prompt and packed layouts run through the same attention replacement.
-        shared = (self.share_prompt or self.pack) and install_shared_prompt_attention(model)
-        if shared and self.replay and router_hooks(model) is not None:
-            raise ValueError("routing replay runs one row per sequence: set share_prompt_in_training: false and "
-                             "pack_sequences_in_training: false")
-        if shared:
-            lay = self.layout(rows)
-            max_len = getattr(model, "max_seq_len", None)
-            shared = max_len is None or lay.tokens.size(1) <= max_len  # else: one row per sequence
+        # The shared-prompt and packed layouts run through the same attention replacement (torchtune modules) or
+        # explicit masks (transformers' modules).
+        lay = self.layout_for(model, rows, allow_layout)
+        shared = lay is not None
         if not shared:
             tokens = self.tokens[rows]  # [n, L]
             if self.lengths is not None:
                 # Cut to these rows' longest sequence: the rest is padding after every real token, which
                 # causal attention never lets a real token see.
                 tokens = tokens[:, : max(max(self.lengths[rows]), self.start + 2)]
-            with compiled_layers(model), self.routing(model, rows):  # compiled layers: a no-op without them
+            with compiled_layers(model), self.routing(model, rows, allow_layout):  # compiled: a no-op without them
                 out = sequence_logprobs(
                     model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
                     with_entropy=with_entropy, entropy_grad=entropy_grad,
@@ -586,7 +652,7 @@ class TrainingBatch:
                 return out.logprobs[0].clone()  # [K]; a fresh tensor, not a view (FSDP2)
             return torch.stack([out.logprobs[0], out.entropy[0]], dim=-1)  # [K, 2]
 
-        with replace_unembed(model, unembed), compiled_layers(model):
+        with replace_unembed(model, unembed), compiled_layers(model), self.routing(model, rows, allow_layout):
             out = model(lay.tokens, mask=lay.mask, input_pos=lay.input_pos)
 
         def scatter(values: torch.Tensor) -> torch.Tensor:

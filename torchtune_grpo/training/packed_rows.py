@@ -11,7 +11,8 @@ token-budget plan, as wide as the step's longest, filled from every sequence of 
 
 Each sequence keeps its own position ids (from 0) and attends causally to itself only: a
 :class:`PackedMask` (an :class:`~torchtune_grpo.models.attention.AttentionLayout`, carried through the same
-attention replacement as the shared-prompt layout) gives scaled-dot-product attention a block-diagonal
+attention replacement as the shared-prompt layout on torchtune modules; on transformers' own modules turned into
+explicit masks from :meth:`PackedMask.pairs`, windows per sequence) gives scaled-dot-product attention a block-diagonal
 causal mask, or, with ``packed_attention: flex`` on CUDA, gives FlexAttention (``torch.nn.attention.flex_attention``,
 compiled) a block mask of the same pairs, so the blocks of a row that no query of one sequence attends to
 are skipped instead of computed and masked (on the CPU, which has no FlexAttention backward, the masked
@@ -28,6 +29,7 @@ from typing import Callable, List, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from torchtune_grpo.models._transformers_layouts import SlotPairs
 from torchtune_grpo.models.attention import AttentionLayout
 
 __all__ = ["PACKED_ATTENTION", "PackedMask", "PackedLayout", "first_fit_decreasing", "flex_packed_attention",
@@ -95,6 +97,12 @@ class PackedMask(AttentionLayout):
             self._mask = ((same & causal) | eye)[:, None]
         return self._mask
 
+    def pairs(self, input_pos: torch.Tensor) -> SlotPairs:
+        """The allowed pairs (:class:`~torchtune_grpo.models._transformers_layouts.SlotPairs`): each sequence its
+        own segment, nothing shared; ``input_pos [R, S]`` restart at 0 in each (causality and windows by
+        position are then within the sequence). The transformers backend builds its masks from it."""
+        return SlotPairs(self.segments, torch.zeros_like(self.segments, dtype=torch.bool), input_pos)
+
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0
     ) -> torch.Tensor:
@@ -119,6 +127,8 @@ class PackedLayout(NamedTuple):
             token.
         targets (torch.Tensor): ``[K]`` long: the response tokens.
         dst (torch.Tensor): ``[K]`` long: flat index into the micro-batch's ``[n, T]`` result.
+        source (torch.Tensor): ``[R, S, 2]`` long: the ``(sequence, position)`` of the unshared row each slot holds,
+            ``(-1, -1)`` on padding (per-token data of the unshared rows, e.g. MoE routes, laid out like the slots).
     """
 
     tokens: torch.Tensor
@@ -127,6 +137,7 @@ class PackedLayout(NamedTuple):
     src: torch.Tensor
     targets: torch.Tensor
     dst: torch.Tensor
+    source: torch.Tensor
 
 
 def _next_fit(lengths: List[int], width: int) -> List[List[int]]:
@@ -201,6 +212,7 @@ def packed_layout(
     tokens = torch.full((len(rows), s_width), pad_id, dtype=torch.long)
     input_pos = torch.zeros((len(rows), s_width), dtype=torch.long)
     segments = torch.full((len(rows), s_width), -1, dtype=torch.long)
+    source = torch.full((len(rows), s_width, 2), -1, dtype=torch.long)
     src, targets, dst = [], [], []
     for row, members in enumerate(rows):
         at = 0
@@ -209,6 +221,8 @@ def packed_layout(
             tokens[row, at : at + n] = torch.tensor(seqs[i], dtype=torch.long)
             input_pos[row, at : at + n] = torch.arange(n)
             segments[row, at : at + n] = seg
+            source[row, at : at + n, 0] = i
+            source[row, at : at + n, 1] = torch.arange(n)
             k, p_len = len(response_ids[i]), len(prompt_ids[i])
             if k:
                 # Response token t is predicted at the sequence's position p_len - 1 + t.
@@ -225,4 +239,5 @@ def packed_layout(
         src=cat(src).to(device),
         targets=cat(targets).to(device),
         dst=cat(dst).to(device),
+        source=source.to(device),
     )

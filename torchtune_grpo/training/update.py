@@ -291,7 +291,7 @@ class PolicyUpdate:
     ) -> "_MicroBatchOut":
         """Forward, loss and backward of micro-batch ``mb`` (the replayed routes, if any, stay forced through
         backward: an activation-checkpointed layer recomputes its forward there)."""
-        with exp.batch.routing(self.model, mb):
+        with exp.batch.routing(self.model, mb, self._allow_layout):
             return self._forward_backward(exp, mb, num_tokens, num_seqs, num_real, first_pass)
 
     def _forward_backward(
@@ -307,6 +307,7 @@ class PolicyUpdate:
                 chunk_size=self.chunk_size,
                 with_entropy=True,
                 entropy_grad=self._entropy_grad,
+                allow_layout=self._allow_layout,
             )
         old = exp.old_logprobs[mb] if exp.old_logprobs is not None else out_lp.logprobs.detach()
         if exp.engine_logprobs is not None:
@@ -320,7 +321,8 @@ class PolicyUpdate:
         total, router = out.loss, {}
         if collected is not None:
             extra, lb, z = self.router_terms.micro_batch(
-                collected, exp.batch.real_mask(mb), exp.batch.routes_for(mb), exp.expert_fractions, num_real,
+                collected, exp.batch.real_mask(mb, self.model, self._allow_layout),
+                exp.batch.routes_for(mb, self.model, self._allow_layout), exp.expert_fractions, num_real,
                 self._router_sums if first_pass else None,
             )
             total = total + extra
@@ -328,6 +330,18 @@ class PolicyUpdate:
         # FSDP averages gradients over ranks; the loss is already a global sum.
         (total * self.world_size).backward()
         return _MicroBatchOut(out, mismatch, router)
+
+    @property
+    def _allow_layout(self) -> bool:
+        """Whether the training forwards may run the batch's layout (shared-prompt or packed rows).
+
+        Not with router losses (a mixture of experts' ``moe.load_balance_coef`` / ``moe.z_loss_coef``): they are
+        sums over every token of every sequence (normalised by that count), and a layout holds a shared prompt
+        once and no response's last token, so those micro-batches run one row per sequence. The router metrics
+        alone (coefficients 0) are counted over the tokens the forward holds.
+        """
+        terms = self.router_terms
+        return terms is None or not (terms.load_balance_coef or terms.z_loss_coef)
 
     def loss_inputs(self, exp: Experience, mb: slice, out_lp: TokenLogprobs) -> Dict[str, Any]:
         """The loss's keyword inputs for micro-batch ``mb`` (``out_lp``: its logprobs and entropy), counts aside."""

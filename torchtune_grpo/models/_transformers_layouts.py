@@ -1,0 +1,152 @@
+"""The training layouts (packed rows, shared-prompt rows) on transformers' own modules: explicit attention masks.
+
+A layout (:class:`~torchtune_grpo.training.packed_rows.PackedMask`,
+:class:`~torchtune_grpo.training.batch.SharedPromptMask`) describes which slot of a row may attend which with one
+:class:`SlotPairs` (its ``pairs(input_pos)``): each slot's segment, whether every segment of its row sees it (a
+shared prompt's real tokens), and its position id. From it this module builds the 4-D mask transformers'
+attention takes as given (``masking_utils`` returns a 4-D mask as it is), in the format the attention
+implementation reads: bool (True = attend) for ``sdpa``, additive float (0 / the dtype's minimum) for ``eager``,
+whose attention adds the mask to the scores (gpt-oss's eager path too, before appending its sinks).
+
+Causality and sliding windows are by POSITION, not by slot: in a shared-prompt row a completion's slots come
+after other completions' slots, but its positions continue from the prompt, and a window of ``w`` lets a token at
+position ``p`` see positions ``> p - w`` (transformers' ``sliding_window_overlay``: ``kv > q - w``).
+
+Which mask each layer gets is the family's own rule, checked in transformers 5.19's modeling files:
+
+- families whose base model accepts a dict of masks (``if not isinstance(causal_mask_mapping := attention_mask,
+  dict)``) get one per ``config.layer_types`` value: ``full_attention`` unwindowed, ``sliding_attention`` with
+  ``config.sliding_window``;
+- the others take one mask for every layer, windowed exactly when the family windows it
+  (``config.sliding_window is not None`` for mistral, ministral3, phi3, qwen3_moe, mixtral; never for llama and
+  olmoe).
+
+Anything else is refused by name (:func:`layouts_unsupported`), and the training layouts then fall back to one
+row per sequence: a layer type whose state runs along the row (Qwen3.5's ``linear_attention``, Gated DeltaNet:
+transformers' torch path ignores sequence boundaries), an attention implementation other than ``sdpa`` or
+``eager``, bidirectional attention, or a family not checked here.
+"""
+
+from typing import Any, Dict, NamedTuple, Optional, Union
+
+import torch
+
+__all__ = ["SlotPairs", "layouts_unsupported", "layout_attention_mask"]
+
+# model_type -> how its base model takes masks: "per_type" (a dict keyed by layer type) or "one" (one 4-D mask).
+_MASK_STYLE = {
+    "qwen3": "per_type", "gemma3_text": "per_type", "gemma4_text": "per_type", "olmo3": "per_type",
+    "smollm3": "per_type", "gpt_oss": "per_type", "qwen3_5_text": "per_type", "qwen3_5_moe_text": "per_type",
+    "llama": "one", "olmoe": "one",  # never windowed
+    "mistral": "one", "ministral3": "one", "phi3": "one", "qwen3_moe": "one", "mixtral": "one",
+}
+_NEVER_WINDOWED = {"llama", "olmoe"}
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
+# Layer types that are not softmax attention over the row, and why a row of several sequences breaks them.
+_RECURRENT = {"linear_attention": "Gated DeltaNet"}
+SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+class SlotPairs(NamedTuple):
+    """Which slot of a row attends which, as both backends' masks are built from it. ``R`` rows, ``S`` slots.
+
+    Slot ``q`` attends slot ``k`` when both are in the same segment (or ``k`` is ``shared`` and ``q`` is not
+    padding), ``position[k] <= position[q]``, and, under a window ``w``, ``position[q] - position[k] < w``.
+    Every slot attends itself (a padding slot only itself), so no softmax row is empty.
+
+    Attributes:
+        segment (torch.Tensor): ``[R, S]`` long, the slot's segment in its row; -1: padding.
+        shared (torch.Tensor): ``[R, S]`` bool, a slot every segment of its row sees (a shared prompt's real
+            tokens).
+        position (torch.Tensor): ``[R, S]`` long position ids.
+    """
+
+    segment: torch.Tensor
+    shared: torch.Tensor
+    position: torch.Tensor
+
+    def allowed(self, window: Optional[int] = None) -> torch.Tensor:
+        """``[R, S, S]`` bool: ``[r, q, k]`` True where slot ``q`` attends slot ``k`` (window ``w`` or None)."""
+        seg_q, seg_k = self.segment[:, :, None], self.segment[:, None, :]
+        real_q = seg_q >= 0
+        sees = real_q & ((seg_q == seg_k) | self.shared[:, None, :])
+        position = self.position.to(torch.int32)  # positions < 2^31; half the memory of the [R, S, S] difference
+        distance = position[:, :, None] - position[:, None, :]  # [R, S, S]: q's position minus k's
+        sees = sees & (distance >= 0)
+        if window is not None:
+            sees = sees & (distance < window)
+        s = self.segment.size(1)
+        return sees | torch.eye(s, dtype=torch.bool, device=sees.device)
+
+
+def _config(model: Any) -> Any:
+    return model.causal_lm.config
+
+
+def layouts_unsupported(model: Any) -> Optional[str]:
+    """Why the packed and shared-prompt layouts cannot run on ``model`` (a ``TransformersDecoder``), or None.
+
+    Args:
+        model (Any): a :class:`~torchtune_grpo.models.TransformersDecoder`.
+
+    Returns:
+        Optional[str]: a reason naming the layer type, attention implementation or family; None when the
+        layouts' masks are this family's own.
+    """
+    config = _config(model)
+    model_type = getattr(config, "model_type", None)
+    for kind in getattr(config, "layer_types", None) or ():
+        if kind in _RECURRENT:
+            return (f"its {kind} layers ({_RECURRENT[kind]}) carry recurrent state along a row, across the sequences "
+                    "a layout puts in it")
+        if kind not in _ATTENTION_TYPES:
+            return f"its {kind} layers are not plain causal attention"
+    if model_type not in _MASK_STYLE:
+        return f"the layouts' attention masks are not checked for transformers' model_type {model_type!r}"
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation not in SUPPORTED_IMPLEMENTATIONS:
+        return (f"its attention implementation {implementation!r} takes no explicit mask here (the layouts run "
+                f"with {' or '.join(SUPPORTED_IMPLEMENTATIONS)}: set model.attn_implementation)")
+    if getattr(config, "use_bidirectional_attention", None):
+        return "its attention is bidirectional (use_bidirectional_attention)"
+    return None
+
+
+def _format(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """``[R, S, S]`` bool -> ``[R, 1, S, S]`` in the implementation's format."""
+    allowed = allowed[:, None]
+    if implementation == "eager":  # the eager attention adds the mask to the scores
+        zero = torch.zeros((), dtype=dtype, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(dtype).min)
+    return allowed
+
+
+def layout_attention_mask(model: Any, pairs: SlotPairs) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The ``attention_mask`` for ``model``'s base model that makes it attend exactly as ``pairs`` says.
+
+    Args:
+        model (Any): a ``TransformersDecoder`` that :func:`layouts_unsupported` accepts.
+        pairs (SlotPairs): the layout's description, ``[R, S]`` per field.
+
+    Returns:
+        Union[torch.Tensor, Dict[str, torch.Tensor]]: one ``[R, 1, S, S]`` mask, or one per layer type.
+
+    Raises:
+        ValueError: when :func:`layouts_unsupported` names a reason.
+    """
+    reason = layouts_unsupported(model)
+    if reason is not None:
+        raise ValueError(f"the packed and shared-prompt training layouts cannot run on this model: {reason}")
+    config = _config(model)
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    dtype = model.tok_embeddings.weight.dtype
+    window = getattr(config, "sliding_window", None)
+    if _MASK_STYLE[config.model_type] == "one":
+        if config.model_type in _NEVER_WINDOWED:
+            window = None
+        return _format(pairs.allowed(window), implementation, dtype)
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    masks = {}
+    for kind in kinds:  # each layer type's mask, built once for all its layers
+        masks[kind] = _format(pairs.allowed(window if kind == "sliding_attention" else None), implementation, dtype)
+    return masks
