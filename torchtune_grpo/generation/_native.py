@@ -14,7 +14,7 @@ from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import check_sampling, sample_tokens
 from torchtune_grpo.generation._session import NativeSession, RowViews
-from torchtune_grpo.generation._transformers import sample_with_generate
+from torchtune_grpo.generation._hf_rollout import sample_with_hf_cache
 from torchtune_grpo.models import TransformersDecoder
 from torchtune_grpo.models.logprobs import replace_unembed
 
@@ -232,12 +232,11 @@ class NativeGenerator(GenerationEngine):
         self._check_no_open_session("generate")
         temperature = self.temperature if temperature is None else temperature
         if isinstance(model, TransformersDecoder):
-            # transformers' own module: its generate() and KV cache (sliding windows, linear-attention state),
-            # on the live weights, as this engine samples with the torchtune model itself.
-            return sample_with_generate(
-                model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
-                stop_tokens=stop_tokens, generator=generator, temperature=float(temperature), top_k=self.top_k,
-                top_p=self.top_p,
+            # transformers' own module and KV cache (sliding windows, linear-attention state) on the live weights,
+            # decoded by this engine's loops and sampler (_hf_rollout.py).
+            return sample_with_hf_cache(
+                self, model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                stop_tokens=stop_tokens, generator=generator, temperature=float(temperature),
             )
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
