@@ -33,6 +33,7 @@ this path decodes eagerly with transformers' dynamic cache), and keeping the cac
 multi-turn session (each turn re-sends the row's history).
 """
 
+import inspect
 from contextlib import nullcontext
 from typing import Any, List, Optional, Sequence
 
@@ -133,11 +134,14 @@ class HFRollout:
         # [n] the rollout rows (0 .. B*G-1) in the decode batch, in batch order: which row a decode forward's
         # i-th entry is, for the routes.
         self.rows = torch.arange(b * group_size)
+        # Only the last position's logits (as generate() asks, where the family's forward takes it): the prefill
+        # never builds [B, W, V].
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
         self._forwards: List[torch.Tensor] = []  # the rows of each decode forward ([n] each, CPU)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         out = self.hf(input_ids=ids, attention_mask=self._mask, position_ids=positions, past_key_values=self.cache,
-                      use_cache=True, logits_to_keep=1)
+                      use_cache=True, **self._last_only)
         self.cache = out.past_key_values
         return out.logits[:, -1].float()  # [n, V]
 
