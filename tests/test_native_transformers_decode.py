@@ -14,9 +14,8 @@ makes them; 6-token windows, shorter than the 9-token prompts plus up to 24 deco
 import pytest
 import torch
 
-from tests.hf_families import FAMILIES, family_config, scale_routers, sharpen
-from tests.hf_models import randomize
-from tests.hf_moe import MOE_FAMILY_NAMES, ROUTER_GAIN
+from tests.hf_families import FAMILIES, family_model
+from tests.hf_moe import MOE_FAMILY_NAMES
 from tests.tolerances import ulps
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.generation import _native
@@ -37,20 +36,11 @@ KW = dict(group_size=3, max_new_tokens=24, pad_id=0, stop_tokens=STOPS)
 def policy():
     """``policy(family)``: the family's tiny model (seed 0, peaked attention, decisive routers) as the recipe's
     :class:`TransformersDecoder`, built once per module."""
-    from transformers import AutoModelForCausalLM
-
     built = {}
 
     def get(family: str) -> TransformersDecoder:
         if family not in built:
-            name = "qwen3_5_moe_text" if family == "qwen3_5_moe" else family  # its language model
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32)
-            randomize(model, 0)
-            sharpen(model, name, 0)
-            if family in MOE_FAMILY_NAMES:
-                scale_routers(model, ROUTER_GAIN)
-            built[family] = TransformersDecoder(model.eval(), 256, {})
+            built[family] = TransformersDecoder(family_model(family), 256, {})
         return built[family]
 
     return get

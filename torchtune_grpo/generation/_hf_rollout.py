@@ -29,8 +29,8 @@ is) with the engine's own decode loops and sampler:
   last).
 
 Not done here: a static cache with a compiled decode step (``compile_decode`` applies to the torchtune backend;
-this path decodes eagerly with transformers' dynamic cache), and keeping the cache between the turns of a
-multi-turn session (each turn re-sends the row's history).
+this path decodes eagerly with transformers' dynamic cache). Multi-turn sessions that keep this cache between
+turns: :mod:`~torchtune_grpo.generation._hf_session` (full-attention families).
 """
 
 import inspect
@@ -126,11 +126,12 @@ class HFRollout:
             mask[i, self.width - len(p):] = 1
         self._ids, mask = ids.to(self.device), mask.to(self.device)  # [B, W] each
         # generate()'s positions: count the real tokens, 0 on padding.
-        self._positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, W]
+        self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, W]
         # generate() drops an all-ones mask (no padding anywhere) once, before the prefill: the same here, so the
         # attention kernels see what they see under generate().
-        self._mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) else mask  # [rows, W + t] or None
+        self.mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) else mask  # [n, slots] or None
         self.cache = None
+        self.slots = 0  # the cache's sequence length: slots written so far (every row the same)
         # [n] the rollout rows (0 .. B*G-1) in the decode batch, in batch order: which row a decode forward's
         # i-th entry is, for the routes.
         self.rows = torch.arange(b * group_size)
@@ -140,42 +141,70 @@ class HFRollout:
         self._forwards: List[torch.Tensor] = []  # the rows of each decode forward ([n] each, CPU)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        out = self.hf(input_ids=ids, attention_mask=self._mask, position_ids=positions, past_key_values=self.cache,
+        out = self.hf(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
                       use_cache=True, **self._last_only)
         self.cache = out.past_key_values
+        self.slots += ids.size(1)
         return out.logits[:, -1].float()  # [n, V]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
+        self._expand(index)
+        self.rows = self.rows.index_select(0, index.cpu())
+
+    def full_mask(self) -> torch.Tensor:
+        """The ``[n, slots]`` attention mask, made explicit where it was dropped (no padding: all ones)."""
+        if self.mask is None:
+            self.mask = torch.ones((self.positions.size(0), self.slots), dtype=torch.long, device=self.device)
+        return self.mask
+
+    def append(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``[n, M]`` tokens to the rows in the batch after what their caches hold (a later turn's tokens).
+
+        Args:
+            ids (torch.Tensor): ``[n, M]`` token ids, each row's right-aligned (its last token in the last column).
+            valid (torch.Tensor): ``[n, M]`` 1 where ``ids`` holds a real token, 0 on the padding left of it.
+            positions (torch.Tensor): ``[n, M]`` each token's position id.
+
+        Returns:
+            torch.Tensor: ``[n, V]`` the logits after each row's last token (fp32).
+        """
+        self.mask = torch.cat([self.full_mask(), valid.to(self.mask.dtype)], dim=-1)
+        logits = self._forward(ids, positions)
+        self.positions = positions[:, -1:]
+        return logits
 
     def _expand(self, index: torch.Tensor) -> None:
         """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
         self.cache.reorder_cache(index)
-        self._positions = self._positions.index_select(0, index)
-        if self._mask is not None:
-            self._mask = self._mask.index_select(0, index)
+        self.positions = self.positions.index_select(0, index)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, index)
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts; return the first token's logits ``[B x G, V]`` (fp32)."""
         b, g = len(self.prompts), self.group_size
         per_group = torch.arange(b, device=self.device).repeat_interleave(g)  # [B*G] each row's prompt
-        ids, positions = self._ids, self._positions
+        ids, positions = self._ids, self.positions
         if not self.share_prefill:
             ids, positions = ids.index_select(0, per_group), positions.index_select(0, per_group)
-            self._positions = positions
-            if self._mask is not None:
-                self._mask = self._mask.index_select(0, per_group)
+            self.positions = positions
+            if self.mask is not None:
+                self.mask = self.mask.index_select(0, per_group)
         logits = self._forward(ids, positions)  # [B, V] or [B*G, V]
         if self.share_prefill:
             self._expand(per_group)
             logits = logits.index_select(0, per_group)
-        self._positions = self._positions[:, -1:]  # [N, 1] only the last position is needed from here on
+        self.positions = self.positions[:, -1:]  # [N, 1] only the last position is needed from here on
         return logits
 
     def decode(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """Feed ``token [n]`` (response token ``t`` of the rows in the batch); return the next logits ``[n, V]``."""
-        self._positions = self._positions + 1
-        if self._mask is not None:
-            self._mask = torch.cat([self._mask, self._mask.new_ones(self._mask.size(0), 1)], dim=-1)
+        self.positions = self.positions + 1
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.size(0), 1)], dim=-1)
         self._forwards.append(self.rows)
-        return self._forward(token[:, None], self._positions)
+        return self._forward(token[:, None], self.positions)
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep rows ``keep`` (``[n']`` indices into the batch's rows, ascending) of the decode batch."""
