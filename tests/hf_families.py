@@ -42,8 +42,8 @@ import torch
 from tests import family_templates as T
 
 __all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
-           "family_model", "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens",
-           "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
+           "family_model", "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness",
+           "probe_tokens", "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
 
 WINDOW = 6
 

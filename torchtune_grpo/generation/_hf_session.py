@@ -25,7 +25,8 @@ Rows and batches: the first turn samples every row (prompts prefilled once per g
 during a turn (a row whose turn stopped keeps its cache for the next one, and transformers' cache has no way to
 set rows aside and put them back), so ``compact_decode`` does not apply within a session's turns. A later turn
 runs only the rows it continues: the others are dropped from the cache for good (a multi-turn episode that
-ended never continues), and continuing a dropped row is an error.
+ended never continues), and continuing a dropped row is an error. A mixture of experts' routes are not recorded
+in a session (multi-turn episodes carry none).
 """
 
 from typing import Any, List, Optional, Sequence
@@ -40,12 +41,18 @@ from torchtune_grpo.generation._output import Rollout
 __all__ = ["HFSession", "hf_session_unsupported"]
 
 
+def _other_layers(layers: List[Any]) -> List[str]:
+    """The class names of cache layers that are not plain full attention (``DynamicLayer``)."""
+    from transformers import DynamicLayer
+
+    return sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+
+
 def hf_session_unsupported(hf: nn.Module) -> Optional[str]:
     """Why ``hf``'s cache cannot be kept between turns (see the module docstring), or None when it can."""
-    from transformers import DynamicCache, DynamicLayer
+    from transformers import DynamicCache
 
-    layers = DynamicCache(config=hf.config).layers  # the layer kinds the model's own cache will have
-    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    kinds = _other_layers(DynamicCache(config=hf.config).layers)  # the layer kinds the model's own cache will have
     if kinds:
         return (f"{type(hf).__name__}'s cache has {', '.join(kinds)} layers (sliding windows or linear attention "
                 "cannot keep a history with holes): each turn re-sends the history")
@@ -160,6 +167,10 @@ class HFSession:
         run = self._run = HFRollout(self.hf, self.prompt_groups, self.group_size, self.pad_id,
                                     share_prefill=self.engine.share_prefill)
         logits = run.prefill()
+        other = _other_layers(run.cache.layers)
+        if other:  # the model built another cache than its config said: never guess
+            raise RuntimeError(f"{type(self.hf).__name__} built a cache with {', '.join(other)} layers: a session "
+                               "cannot keep it between turns")
         out, stopped, first_slot = self._decode(logits, min(max_new_tokens, self.budget), generator, temperature, None)
         stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.device)
         rollout = to_rollout([list(p) for p in self.prompts], out, stopped, stop)
