@@ -106,7 +106,7 @@ def test_shared_prefill_and_compaction_give_the_per_row_tokens(family, policy, s
     if family in MOE_FAMILY_NAMES:  # decisive routers: the group's one prefill routes its prompt as each row's
         assert all(torch.equal(a, b) for a, b in zip(fast.routed_experts, slow.routed_experts))
     # Why equal tokens are not luck: the two layouts' logits differ by rounding (batch sizes of the matrix products:
-    # [B x 9] against [B x G x 9] prefill rows, shrinking decode batches), measured up to 6e-5 (qwen3_5_moe; 1e-5
+    # [B x 9] against [B x G x 9] prefill rows, shrinking decode batches), measured up to 6e-5 (gemma3_text; 1e-5
     # typically). A seeded draw flips only if its uniform falls between a CDF entry of one run and the same entry
     # of the other: the chance is at most the sum over vocabulary entries of |CDF_a - CDF_b|, summed here over
     # every step and row both runs sampled (measured 3e-4 to 4.5e-3 per family, 0.019 over the 15 families). Bound
