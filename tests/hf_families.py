@@ -42,8 +42,8 @@ import torch
 from tests import family_templates as T
 
 __all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
-           "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness", "probe_tokens",
-           "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
+           "family_model", "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness",
+           "probe_tokens", "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
 
 WINDOW = 6
 
@@ -319,6 +319,23 @@ def make_family_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
     model.to(dtype).save_pretrained(directory)
     write_tokenizer_files(family, directory)
     return directory
+
+
+def family_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """``family``'s tiny model in memory (fp32, eval), with the weights :func:`make_family_dir` writes for ``seed``
+    (peaked attention, decisive routers); ``qwen3_5_moe`` gives its language model (``qwen3_5_moe_text``)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.hf_models import randomize
+    from tests.hf_moe import MOE_FAMILIES, ROUTER_GAIN
+
+    name = "qwen3_5_moe_text" if family == "qwen3_5_moe" else family
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(name), dtype=torch.float32)
+    randomize(model, seed)
+    sharpen(model, name, seed)
+    scale_routers(model, ROUTER_GAIN if name in MOE_FAMILIES else 1.0)
+    return model.eval()
 
 
 def write_tokenizer_files(family: str, directory: Path) -> None:

@@ -314,11 +314,12 @@ def test_multi_turn_tool_episodes_train_a_transformers_policy(family_dir, tmp_pa
 
 
 def test_native_engine_samples_a_transformers_policy_turn_by_turn(family_dir, tmp_path):
-    # No KV cache kept between turns (session() is None: each turn re-sends the history to generate()); generate()
+    # A family with sliding windows keeps no cache between turns (session() is None: each turn re-sends the history
+    # to generate(); full-attention families keep theirs: tests/test_native_transformers_session.py); generate()
     # gives every row its prompt, a response cut after its first stop token, and the same samples for the same seed.
     from torchtune_grpo.generation import NativeGenerator
 
-    policy = _policy(family_dir("smollm3"), tmp_path)
+    policy = _policy(family_dir("olmo3"), tmp_path)
     engine = NativeGenerator(temperature=1.0)
     prompts = [[5, 6, 7, 8], [9, 10]]
     assert engine.session(policy, prompts, group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[3]) is None

@@ -1,4 +1,5 @@
-"""The native generation engine: batched, KV-cached sampling with the torchtune model itself."""
+"""The native generation engine: batched, KV-cached sampling with the trainer's own model (torchtune's modules, or
+transformers' through :mod:`~torchtune_grpo.generation._hf_rollout`)."""
 
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -14,7 +15,8 @@ from torchtune_grpo.generation._compact import compacting_decode_loop
 from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import check_sampling, sample_tokens
 from torchtune_grpo.generation._session import NativeSession, RowViews
-from torchtune_grpo.generation._transformers import sample_with_generate
+from torchtune_grpo.generation._hf_rollout import sample_with_hf_cache
+from torchtune_grpo.generation._hf_session import HFSession, hf_session_unsupported
 from torchtune_grpo.models import TransformersDecoder
 from torchtune_grpo.models.logprobs import replace_unembed
 
@@ -57,6 +59,12 @@ class NativeGenerator(GenerationEngine):
       every ``stop_check_interval`` tokens.
     - On CUDA the decode step (fixed shapes, see :mod:`~torchtune_grpo.generation._rollout_caches`) is compiled with
       ``torch.compile(mode="reduce-overhead")`` (CUDA graphs); sampling stays eager and sync-free.
+
+    A transformers policy (:class:`~torchtune_grpo.models.TransformersDecoder`) is decoded by the same loops and
+    sampler on transformers' own cache (:mod:`~torchtune_grpo.generation._hf_rollout`): ``share_prefill``,
+    ``compact_decode`` and ``stop_check_interval`` apply; the static cache, the shared-prefix attention and
+    ``compile_decode`` are the torchtune backend's. Its multi-turn sessions keep transformers' cache between turns
+    for full-attention families only (:mod:`~torchtune_grpo.generation._hf_session`).
 
     Args:
         temperature (float): sampling temperature; 0 is greedy. Default is 1.0.
@@ -232,12 +240,11 @@ class NativeGenerator(GenerationEngine):
         self._check_no_open_session("generate")
         temperature = self.temperature if temperature is None else temperature
         if isinstance(model, TransformersDecoder):
-            # transformers' own module: its generate() and KV cache (sliding windows, linear-attention state),
-            # on the live weights, as this engine samples with the torchtune model itself.
-            return sample_with_generate(
-                model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
-                stop_tokens=stop_tokens, generator=generator, temperature=float(temperature), top_k=self.top_k,
-                top_p=self.top_p,
+            # transformers' own module and KV cache (sliding windows, linear-attention state) on the live weights,
+            # decoded by this engine's loops and sampler (_hf_rollout.py).
+            return sample_with_hf_cache(
+                self, model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                stop_tokens=stop_tokens, generator=generator, temperature=float(temperature),
             )
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
@@ -265,8 +272,11 @@ class NativeGenerator(GenerationEngine):
         max_new_tokens: int,
         pad_id: int,
         stop_tokens: Sequence[int],
-    ) -> "NativeSession":
+    ) -> Optional[Union["NativeSession", HFSession]]:
         """A multi-turn session that keeps each row's KV cache between turns (:class:`NativeSession`).
+
+        For a transformers policy: an :class:`~torchtune_grpo.generation._hf_session.HFSession` where every layer's
+        cache is full attention, None otherwise (sliding windows, linear attention: each turn re-sends the history).
 
         Args:
             model (nn.Module): the torchtune decoder (with FSDP2: unsharded for the session's whole length).
@@ -278,14 +288,20 @@ class NativeGenerator(GenerationEngine):
             stop_tokens (Sequence[int]): ids that end a turn.
 
         Returns:
-            NativeSession: call its ``generate`` once per turn; close it (or use it as a context manager).
+            Optional[Union[NativeSession, HFSession]]: call its ``generate`` once per turn; close it (or use it as a
+            context manager).
 
         Raises:
             RuntimeError: while another session of this engine is open (one KV cache per engine).
         """
         self._check_no_open_session("session")
         if isinstance(model, TransformersDecoder):
-            return None  # no KV cache kept between turns: each turn re-sends the row's history to generate()
+            # transformers' cache kept between turns where its layers allow a history with holes (full attention
+            # only); None otherwise: each turn re-sends the row's history to generate() (_hf_session.py).
+            hf = model.sampler()
+            if hf_session_unsupported(hf) is not None:
+                return None
+            return HFSession(self, hf, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         self._session = NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         return self._session
 

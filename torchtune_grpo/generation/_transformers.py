@@ -4,8 +4,9 @@
 ``generate`` call it copies the trainer's (gathered) weights into a Hugging Face model of the same directory
 and samples with ``model.generate`` (multinomial, temperature, top-k/top-p as configured). It serves two
 purposes: a reference sampler, to tell whether a difference in learning comes from the native engine's
-sampling or from the update (docs/benchmarks/closed_loop.md), and generation for architectures transformers knows and
-the native engine's KV-cache path does not.
+sampling or from the update (docs/benchmarks/closed_loop.md), and transformers' own ``generate`` as a second
+sampler for any architecture transformers knows (the native engine samples those with its own decode loop on
+transformers' cache: :mod:`~torchtune_grpo.generation._hf_rollout`).
 
 Its samples come from the trainer's weights of the moment (like the native engine, ``holds_weights`` is
 False: no weight sync). With ``dtype`` other than the trainer's (a bf16 sampler of fp32 weights) it is a

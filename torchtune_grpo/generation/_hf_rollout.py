@@ -1,0 +1,251 @@
+"""The native engine's decode on transformers' own modules: one prefill per group, rows leave as they stop.
+
+A :class:`~torchtune_grpo.models.TransformersDecoder` policy (every family the torchtune backend does not build:
+Qwen3.5's Gated DeltaNet, Gemma 3/4, OLMo 3, the MoE families, ...) is sampled by
+:class:`~torchtune_grpo.generation.NativeGenerator` through :class:`HFRollout`, which drives the causal LM's own
+``forward`` and KV cache (sliding windows, linear-attention state, KV-shared layers: whatever the family's cache
+is) with the engine's own decode loops and sampler:
+
+- **prefill once per group**: the ``B`` left-padded prompts run once, with the attention mask and the position
+  ids transformers' ``generate`` builds (``mask.cumsum(-1) - 1``, 0 on padding; decode positions count on from
+  the last). Left padding is exact for every layer kind: softmax attention masks the padded keys, and Gated
+  DeltaNet zeroes the padded positions' hidden states before its projections
+  (``apply_mask_to_padding_states``), so a padded position adds nothing to the convolution window or the
+  recurrent state (zero keys and values leave a zero state zero). The cache is then repeated to the ``G`` rows
+  of each group with ``Cache.reorder_cache`` (an ``index_select`` of every layer's tensors), not
+  ``batch_repeat_interleave``: in transformers 5.19 the linear-attention cache layers have no
+  ``batch_repeat_interleave``/``batch_select_indices`` (the Qwen3.5 cache would fail) and the hybrid layers'
+  versions copy the attention part only, while ``reorder_cache`` covers keys/values, convolution and recurrent
+  states alike. ``share_prefill=False`` prefills every row instead.
+- **rows leave the batch**: with ``compact_decode`` the engine's
+  :func:`~torchtune_grpo.generation._compact.compacting_decode_loop` calls :meth:`HFRollout.compact`, which keeps
+  the live rows of the cache (``reorder_cache`` again), of the attention mask and of the positions. The sampler
+  draws its noise for the whole batch (``noise_rows``/``noise_batch``), so a row's tokens are a function of the
+  seed exactly as with the torchtune backend, whichever rows are still decoding.
+- **mixture of experts**: the routers' choices are recorded in every forward
+  (:func:`~torchtune_grpo.models.moe_routing.router_hooks`); :meth:`HFRollout.routes` lays them out per row as
+  :func:`~torchtune_grpo.generation._transformers.routes_of_generate` does for ``generate`` (prompt tokens from the
+  prefill, repeated to the group's rows; response token ``j`` from the decode forward that fed it; -1 for the
+  last).
+
+Not done here: a static cache with a compiled decode step (``compile_decode`` applies to the torchtune backend;
+this path decodes eagerly with transformers' dynamic cache). Multi-turn sessions that keep this cache between
+turns: :mod:`~torchtune_grpo.generation._hf_session` (full-attention families).
+"""
+
+import inspect
+from contextlib import nullcontext
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torchtune_grpo.generation._decode import to_rollout
+from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.models.moe_routing import router_hooks
+
+__all__ = ["HFRollout", "sample_with_hf_cache"]
+
+
+def sample_with_hf_cache(
+    engine: Any,
+    hf: nn.Module,
+    prompts: List[List[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    pad_id: int,
+    stop_tokens: Sequence[int],
+    generator: Optional[torch.Generator],
+    temperature: float,
+) -> Rollout:
+    """``group_size`` completions of each prompt, sampled by ``engine``'s decode loop on ``hf``'s cache.
+
+    Args:
+        engine (Any): the :class:`~torchtune_grpo.generation.NativeGenerator` (its ``share_prefill``,
+            ``compact_decode``, ``compacting_loop`` and ``decode_loop``: the sampling and stop checks of the
+            torchtune backend).
+        hf (nn.Module): a transformers causal LM (``TransformersDecoder.sampler()``).
+        prompts (List[List[int]]): ``B`` prompts.
+        group_size (int): completions per prompt, ``G``.
+        max_new_tokens (int): the response budget.
+        pad_id (int): the padding id.
+        stop_tokens (Sequence[int]): ids that end a completion (kept as its last token).
+        generator (Optional[torch.Generator]): the sampling RNG, on ``hf``'s device. Default is None.
+        temperature (float): 0 is greedy.
+
+    Returns:
+        Rollout: ``B x G`` rows (row ``i`` answers prompt ``i // G``); ``routed_experts`` for a mixture of experts.
+    """
+    hooks = router_hooks(hf)
+    run = HFRollout(hf, prompts, group_size, pad_id, share_prefill=engine.share_prefill)
+    stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.device)
+    # Inference mode, as the torchtune path: no autograd bookkeeping on the decode's many small ops.
+    with torch.inference_mode(), hooks.recording() if hooks is not None else nullcontext() as recorded:
+        try:
+            logits = run.prefill()  # [B*G, V]
+            if engine.compact_decode:
+                out, done = engine.compacting_loop(
+                    logits, run.decode, run.compact, max_new_tokens, pad_id, stop, temperature, generator)
+            else:
+                out, done = engine.decode_loop(logits, run.decode, max_new_tokens, pad_id, stop, temperature,
+                                               generator)
+        finally:
+            run.cache = None  # the cache is the rollout's: free it now, not at the next rollout
+    rollout = to_rollout([p for p in run.prompts for _ in range(group_size)], out, done, stop)
+    if recorded is not None:
+        rollout = rollout._replace(routed_experts=run.routes(recorded, rollout.response_ids))
+    return rollout
+
+
+class HFRollout:
+    """One rollout's transformers cache, attention mask and positions; prefill, decode steps and compaction.
+
+    Args:
+        hf (nn.Module): a transformers causal LM (``TransformersDecoder.sampler()``).
+        prompts (List[List[int]]): ``B`` prompts, token ids.
+        group_size (int): rows per prompt, ``G``; row ``i`` of the rollout belongs to prompt ``i // G``.
+        pad_id (int): the padding id.
+        share_prefill (bool): prefill each prompt once and repeat its cache to its ``G`` rows; False prefills all
+            ``B x G`` rows. Default is True.
+    """
+
+    def __init__(self, hf: nn.Module, prompts: List[List[int]], group_size: int, pad_id: int, *,
+                 share_prefill: bool = True) -> None:
+        self.hf = hf
+        self.prompts = [list(p) for p in prompts]
+        self.group_size = group_size
+        self.share_prefill = share_prefill
+        self.device = next(hf.parameters()).device
+        self.width = max(len(p) for p in self.prompts)
+        b = len(self.prompts)
+        ids = torch.full((b, self.width), pad_id, dtype=torch.long)
+        mask = torch.zeros((b, self.width), dtype=torch.long)
+        for i, p in enumerate(self.prompts):
+            ids[i, self.width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, self.width - len(p):] = 1
+        self._ids, mask = ids.to(self.device), mask.to(self.device)  # [B, W] each
+        # generate()'s positions: count the real tokens, 0 on padding.
+        self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, W]
+        # generate() drops an all-ones mask (no padding anywhere) once, before the prefill: the same here, so the
+        # attention kernels see what they see under generate().
+        self.mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) else mask  # [n, slots] or None
+        self.cache = None
+        self.slots = 0  # the cache's sequence length: slots written so far (every row the same)
+        # [n] the rollout rows (0 .. B*G-1) in the decode batch, in batch order: which row a decode forward's
+        # i-th entry is, for the routes.
+        self.rows = torch.arange(b * group_size)
+        # Only the last position's logits (as generate() asks, where the family's forward takes it): the prefill
+        # never builds [B, W, V].
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
+        self._forwards: List[torch.Tensor] = []  # the rows of each decode forward ([n] each, CPU)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self.hf(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
+                      use_cache=True, **self._last_only)
+        self.cache = out.past_key_values
+        self.slots += ids.size(1)
+        return out.logits[:, -1].float()  # [n, V]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
+        self._expand(index)
+        self.rows = self.rows.index_select(0, index.cpu())
+
+    def full_mask(self) -> torch.Tensor:
+        """The ``[n, slots]`` attention mask, made explicit where it was dropped (no padding: all ones)."""
+        if self.mask is None:
+            self.mask = torch.ones((self.positions.size(0), self.slots), dtype=torch.long, device=self.device)
+        return self.mask
+
+    def append(self, ids: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``[n, M]`` tokens to the rows in the batch after what their caches hold (a later turn's tokens).
+
+        Args:
+            ids (torch.Tensor): ``[n, M]`` token ids, each row's right-aligned (its last token in the last column).
+            valid (torch.Tensor): ``[n, M]`` 1 where ``ids`` holds a real token, 0 on the padding left of it.
+            positions (torch.Tensor): ``[n, M]`` each token's position id.
+
+        Returns:
+            torch.Tensor: ``[n, V]`` the logits after each row's last token (fp32).
+        """
+        self.mask = torch.cat([self.full_mask(), valid.to(self.mask.dtype)], dim=-1)
+        logits = self._forward(ids, positions)
+        self.positions = positions[:, -1:]
+        return logits
+
+    def _expand(self, index: torch.Tensor) -> None:
+        """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
+        self.cache.reorder_cache(index)
+        self.positions = self.positions.index_select(0, index)
+        if self.mask is not None:
+            self.mask = self.mask.index_select(0, index)
+
+    def prefill(self) -> torch.Tensor:
+        """Run the prompts; return the first token's logits ``[B x G, V]`` (fp32)."""
+        b, g = len(self.prompts), self.group_size
+        per_group = torch.arange(b, device=self.device).repeat_interleave(g)  # [B*G] each row's prompt
+        ids, positions = self._ids, self.positions
+        if not self.share_prefill:
+            ids, positions = ids.index_select(0, per_group), positions.index_select(0, per_group)
+            self.positions = positions
+            if self.mask is not None:
+                self.mask = self.mask.index_select(0, per_group)
+        logits = self._forward(ids, positions)  # [B, V] or [B*G, V]
+        if self.share_prefill:
+            self._expand(per_group)
+            logits = logits.index_select(0, per_group)
+        self.positions = self.positions[:, -1:]  # [N, 1] only the last position is needed from here on
+        return logits
+
+    def decode(self, token: torch.Tensor, t: int) -> torch.Tensor:
+        """Feed ``token [n]`` (response token ``t`` of the rows in the batch); return the next logits ``[n, V]``."""
+        self.positions = self.positions + 1
+        if self.mask is not None:
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.size(0), 1)], dim=-1)
+        self._forwards.append(self.rows)
+        return self._forward(token[:, None], self.positions)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep rows ``keep`` (``[n']`` indices into the batch's rows, ascending) of the decode batch."""
+        self._expand(keep.to(self.device))
+        self.rows = self.rows.index_select(0, keep.cpu())
+
+    def routes(self, recorded: List[List[torch.Tensor]], responses: List[List[int]]) -> List[torch.Tensor]:
+        """Each row's routes, as :func:`~torchtune_grpo.generation._transformers.routes_of_generate` gives them.
+
+        Args:
+            recorded (List[List[torch.Tensor]]): per MoE layer, per forward of this rollout (the prefill, then each
+                decode step), ``[tokens, k]`` int16 (``RouterHooks.recording``).
+            responses (List[List[int]]): the ``B x G`` kept responses.
+
+        Returns:
+            List[torch.Tensor]: per row ``[len(prompt) + len(response), layers, k]`` int16: the prompt's tokens
+            from the prefill (left padding stripped; with a shared prefill the group's one prefill row), response
+            token ``j`` from the decode forward that fed it, -1 for the last response token (sampled, never an
+            input).
+
+        Raises:
+            RuntimeError: when the recorded forwards do not line up with the prefill and the decode steps.
+        """
+        per_forward = [torch.stack(f, dim=1) for f in zip(*recorded)]  # each [tokens, layers, k]
+        prefilled = len(self.prompts) * (1 if self.share_prefill else self.group_size)
+        if len(per_forward) != 1 + len(self._forwards) or per_forward[0].size(0) != prefilled * self.width or any(
+                f.size(0) != rows.numel() for f, rows in zip(per_forward[1:], self._forwards)):
+            raise RuntimeError(f"routing record: forwards of {[f.size(0) for f in per_forward]} tokens; expected a "
+                               f"prefill of {prefilled} x {self.width} then {[r.numel() for r in self._forwards]}")
+        prefill = per_forward[0].view(prefilled, self.width, *per_forward[0].shape[1:])  # [B or N, W, layers, k]
+        n = len(self.prompts) * self.group_size
+        steps = torch.full((n, len(self._forwards), *prefill.shape[2:]), -1, dtype=torch.int16)  # [N, T, layers, k]
+        for t, (routes, rows) in enumerate(zip(per_forward[1:], self._forwards)):
+            steps[rows, t] = routes
+        out = []
+        for i, resp in enumerate(responses):
+            prompt = self.prompts[i // self.group_size]
+            source = i // self.group_size if self.share_prefill else i
+            r = torch.full((len(prompt) + len(resp), *prefill.shape[2:]), -1, dtype=torch.int16)
+            r[: len(prompt)] = prefill[source, self.width - len(prompt):]
+            known = min(max(len(resp) - 1, 0), steps.size(1))  # the last response token is never an input
+            r[len(prompt): len(prompt) + known] = steps[i, :known]
+            out.append(r)
+        return out

@@ -1,0 +1,225 @@
+"""Multi-turn sessions of the native engine on transformers' own modules: each row's cache kept between turns.
+
+The torchtune backend's session (``_session.py``) writes every row's tokens at its own positions of a static
+cache. transformers' dynamic cache is one rectangle ``[rows, heads, slots, dim]`` per layer, every row the
+same number of slots, so a row's history is kept with *holes*: slots its attention mask marks 0. A later turn
+appends, for every row it continues, what the row's cache does not hold yet (the last token the model sampled,
+never fed back, and the environment's reply), right-aligned in one ``[n, M]`` forward (the columns left of a
+shorter append are holes), with the row's own position ids (prompt length + index in the history); then it
+decodes. Slots a row wrote past its stop token (padding fed while other rows decoded) become holes after the
+turn. Softmax attention over a row's unmasked slots with explicit positions is then the same function as over
+its history re-sent in one piece.
+
+Which families: those whose cache is full attention in every layer (``DynamicLayer``: Llama, Qwen3, Phi-3,
+SmolLM3, Ministral 3, Qwen3-MoE, OLMoE, Mixtral without a window, ...). Not:
+
+- sliding windows (Gemma 3/4, OLMo 3, gpt-oss, Mistral with its window): transformers' sliding cache keeps the
+  last ``window - 1`` *slots* and its mask counts slots, so holes would push real tokens out of the window;
+- linear attention (Qwen3.5's Gated DeltaNet): its state is a running sum that cannot skip a hole (a hole's
+  zeroed input still decays the state).
+
+For those :func:`hf_session_unsupported` says why and the engine gives no session: each turn re-sends the
+row's history (prefilled once per turn, then decoded as a one-shot rollout).
+
+Rows and batches: the first turn samples every row (prompts prefilled once per group); no row leaves the batch
+during a turn (a row whose turn stopped keeps its cache for the next one, and transformers' cache has no way to
+set rows aside and put them back), so ``compact_decode`` does not apply within a session's turns. A later turn
+runs only the rows it continues: the others are dropped from the cache for good (a multi-turn episode that
+ended never continues), and continuing a dropped row is an error. A mixture of experts' routes are not recorded
+in a session (multi-turn episodes carry none).
+"""
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from torchtune_grpo.generation._decode import to_rollout
+from torchtune_grpo.generation._hf_rollout import HFRollout
+from torchtune_grpo.generation._output import Rollout
+
+__all__ = ["HFSession", "hf_session_unsupported"]
+
+
+def _other_layers(layers: List[Any]) -> List[str]:
+    """The class names of cache layers that are not plain full attention (``DynamicLayer``)."""
+    from transformers import DynamicLayer
+
+    return sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+
+
+def hf_session_unsupported(hf: nn.Module) -> Optional[str]:
+    """Why ``hf``'s cache cannot be kept between turns (see the module docstring), or None when it can."""
+    from transformers import DynamicCache
+
+    kinds = _other_layers(DynamicCache(config=hf.config).layers)  # the layer kinds the model's own cache will have
+    if kinds:
+        return (f"{type(hf).__name__}'s cache has {', '.join(kinds)} layers (sliding windows or linear attention "
+                "cannot keep a history with holes): each turn re-sends the history")
+    return None
+
+
+class HFSession:
+    """A native engine's multi-turn session over ``N = B x G`` rows of a transformers policy.
+
+    The same contract as :class:`~torchtune_grpo.generation._session.NativeSession` (``generate`` once per turn,
+    ``close``), for the families :func:`hf_session_unsupported` accepts.
+
+    Args:
+        engine (Any): the :class:`~torchtune_grpo.generation.NativeGenerator` (its ``temperature``,
+            ``share_prefill`` and ``decode_loop``).
+        hf (nn.Module): the transformers causal LM (``TransformersDecoder.sampler()``).
+        prompts (List[List[int]]): ``B`` prompts.
+        group_size (int): rows per prompt, ``G``.
+        max_new_tokens (int): each row's budget after its prompt over all turns.
+        pad_id (int): padding id.
+        stop_tokens (Sequence[int]): ids that end a turn.
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1 or a prompt is empty.
+    """
+
+    def __init__(self, engine: Any, hf: nn.Module, prompts: List[List[int]], group_size: int, max_new_tokens: int,
+                 pad_id: int, stop_tokens: Sequence[int]) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"a session's max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} is empty")
+        self.engine, self.hf = engine, hf
+        self.prompt_groups, self.group_size = [list(p) for p in prompts], group_size
+        self.prompts = [list(p) for p in prompts for _ in range(group_size)]  # per row
+        self.n = len(self.prompts)
+        self.budget, self.pad_id, self.stop_tokens = max_new_tokens, pad_id, list(stop_tokens)
+        self.history: List[List[int]] = [[] for _ in range(self.n)]  # each row's response tokens so far
+        # Per row, the cache slot of each history token that has keys and values there (a prefix of the history).
+        self.slots: List[List[int]] = [[] for _ in range(self.n)]
+        self.kept: List[int] = []  # the session rows in the cache, in its batch order
+        self._run: Optional[HFRollout] = None
+        self._closed = False
+
+    def __enter__(self) -> "HFSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session and free its cache."""
+        self._closed = True
+        self._run = None
+
+    def generate(self, rows: Sequence[int], responses: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 generator: Optional[torch.Generator] = None, temperature: Optional[float] = None) -> Rollout:
+        """Sample the next turn of ``rows``, whose tokens after the prompt are now ``responses``.
+
+        Args:
+            rows (Sequence[int]): the rows to sample (distinct, in ``[0, N)``); the first call: all, in order.
+            responses (Sequence[Sequence[int]]): each row's tokens after its prompt (the first call: empty).
+            max_new_tokens (int): tokens to sample at most this turn (each row also stops at the session's budget).
+            generator (Optional[torch.Generator]): sampling RNG. Default is None.
+            temperature (Optional[float]): overrides the engine's temperature. Default is None.
+
+        Returns:
+            Rollout: one row per entry of ``rows``, in that order; ``prompt_ids`` are prompt + response.
+
+        Raises:
+            ValueError: naming the row, when rows are out of range or repeated, the first call is not over every
+                row, a later response is empty or leaves no room in the budget, or a row left out of an earlier
+                turn is continued.
+            RuntimeError: after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("this generation session is closed")
+        rows, responses = [int(i) for i in rows], [list(r) for r in responses]
+        if len(rows) != len(responses) or len(set(rows)) != len(rows) or not all(0 <= i < self.n for i in rows):
+            raise ValueError(f"rows must be distinct indices in [0, {self.n}) with one response each, got {rows}")
+        temperature = self.engine.temperature if temperature is None else temperature
+        with torch.inference_mode():
+            if self._run is None:
+                return self._first_turn(rows, responses, max_new_tokens, generator, temperature)
+            return self._next_turn(rows, responses, max_new_tokens, generator, temperature)
+
+    def _decode(self, logits: torch.Tensor, max_new_tokens: int, generator, temperature,
+                room: Optional[torch.Tensor]) -> "tuple[torch.Tensor, torch.Tensor, int]":
+        """The engine's plain decode loop on the session's batch; also the slot of the turn's first decoded token."""
+        run = self._run
+        first_slot = run.slots
+        stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.device)
+        out, stopped = self.engine.decode_loop(logits, run.decode, max_new_tokens, self.pad_id, stop, temperature,
+                                               generator, room=room)
+        return out, stopped, first_slot
+
+    def _keep_fed(self, rows: List[int], ids: List[List[int]], first_slot: int) -> None:
+        """After a turn: each row's sampled tokens but the last (fed at ``first_slot + t``) join its cached history;
+        every slot after them becomes a hole."""
+        run = self._run
+        mask = run.full_mask()
+        for j, (i, new) in enumerate(zip(rows, ids)):
+            fed = max(len(new) - 1, 0)  # the last sampled token is never fed back
+            self.slots[i] += list(range(first_slot, first_slot + fed))
+            mask[j, first_slot + fed:] = 0
+            self.history[i] += new
+
+    def _first_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
+        if rows != list(range(self.n)) or any(responses):
+            raise ValueError("the first turn of a session samples every row from its prompt: rows must be 0 .. "
+                             f"{self.n - 1} in order, with empty responses")
+        run = self._run = HFRollout(self.hf, self.prompt_groups, self.group_size, self.pad_id,
+                                    share_prefill=self.engine.share_prefill)
+        logits = run.prefill()
+        other = _other_layers(run.cache.layers)
+        if other:  # the model built another cache than its config said: never guess
+            raise RuntimeError(f"{type(self.hf).__name__} built a cache with {', '.join(other)} layers: a session "
+                               "cannot keep it between turns")
+        out, stopped, first_slot = self._decode(logits, min(max_new_tokens, self.budget), generator, temperature, None)
+        stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=run.device)
+        rollout = to_rollout([list(p) for p in self.prompts], out, stopped, stop)
+        self.kept = list(rows)
+        self._keep_fed(rows, rollout.response_ids, first_slot)
+        return rollout
+
+    def _next_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
+        run, device = self._run, self._run.device
+        dropped = [i for i in rows if i not in self.kept]
+        if dropped:
+            raise ValueError(f"rows {dropped} were left out of an earlier turn: their caches are gone (a session "
+                             "continues the rows of live episodes only)")
+        for i, resp in zip(rows, responses):
+            if not resp:
+                raise ValueError(f"row {i}: an empty response cannot be continued (the first turn samples it)")
+            if len(resp) >= self.budget:
+                raise ValueError(f"row {i}: {len(resp)} tokens leave no room in the session's budget of {self.budget}")
+        if rows != self.kept:  # the turn's rows alone, in its order (the others' episodes ended)
+            at = {i: j for j, i in enumerate(self.kept)}
+            run.select(torch.tensor([at[i] for i in rows], dtype=torch.long, device=device))
+            self.kept = list(rows)
+        mask = run.full_mask()
+        appends = []
+        for j, (i, resp) in enumerate(zip(rows, responses)):
+            known, reuse = self.history[i], 0
+            limit = min(len(self.slots[i]), len(resp) - 1)  # at least one token is fed: its logits start the turn
+            while reuse < limit and resp[reuse] == known[reuse]:
+                reuse += 1
+            mask[j, self.slots[i][reuse:]] = 0  # cached tokens the response no longer has: holes
+            del self.slots[i][reuse:]
+            self.history[i] = resp[:reuse]
+            appends.append(resp[reuse:])
+        width = max(len(new) for new in appends)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [n, M]
+        valid = torch.zeros((len(rows), width), dtype=torch.long)  # [n, M]
+        positions = torch.zeros((len(rows), width), dtype=torch.long)  # [n, M]
+        for j, (i, new) in enumerate(zip(rows, appends)):
+            start = len(self.prompts[i]) + len(self.history[i])  # the position of the row's first new token
+            ids[j, width - len(new):] = torch.tensor(new, dtype=torch.long)
+            valid[j, width - len(new):] = 1
+            positions[j, width - len(new):] = torch.arange(start, start + len(new))
+            self.slots[i] += list(range(run.slots + width - len(new), run.slots + width))
+            self.history[i] += new
+        logits = run.append(ids.to(device), valid.to(device), positions.to(device))  # [n, V]
+        room = torch.tensor([self.budget - len(r) for r in responses], dtype=torch.long, device=device)
+        out, stopped, first_slot = self._decode(logits, max_new_tokens, generator, temperature, room)
+        stop = torch.tensor(self.stop_tokens, dtype=torch.long, device=device)
+        rollout = to_rollout([self.prompts[i] + r for i, r in zip(rows, responses)], out, stopped, stop)
+        new_ids = [ids_[: self.budget - len(r)] for ids_, r in zip(rollout.response_ids, responses)]  # budget's cut
+        self._keep_fed(rows, new_ids, first_slot)
+        return rollout._replace(response_ids=new_ids)
