@@ -16,15 +16,14 @@ package), each model built as the recipe builds it (``runtime.model_setup.build_
   the same rollouts: they are sampled once (the torchtune-backend recipe's own producer) and replayed to
   both through ``recipe.step.rollouts = FixedRollouts(...)``, so generation is out of the comparison.
   Once with ``share_prompt_in_training: false`` on both (the same layout: one row per sequence), once with
-  the default (torchtune shares each prompt across its group's rows; transformers' module cannot, and falls
-  back to one row per sequence). Per step: loss, KL, entropy, grad norm of each; after the two steps the
+  the default (both backends share each prompt across its group's rows). Per step: loss, KL, entropy, grad norm of each; after the two steps the
   logprobs of the rollout rows under each trained policy (did the updates agree?).
 - ``speed``: the recipe's step with each backend, generation and update timed apart (its own
   ``time/generation`` and ``time/train`` metrics): ``--speed-steps`` steps with real sampling (the native
-  engine: torchtune's KV-cached decode, or transformers' ``generate`` on the live module), then the same
+  engine: torchtune's KV-cached decode, or its transformers path on the live module), then the same
   number on one fixed batch (the update on identical rows). The first step of each is warm-up; medians of
   the rest; backends alternate ``--repeats`` times (the noise). Ratio transformers / torchtune. The layout
-  is the shipped default (torchtune shares each prompt, transformers cannot), or with ``--share-prompt
+  is the shipped default (both share each prompt), or with ``--share-prompt
   false`` one row per sequence on both.
 
 The reward is the fraction of even token ids in a completion (gpu_grpo.EvenTokenReward): it varies within

@@ -33,8 +33,9 @@ def test_backends_benchmark_tiny_path_agrees_across_backends(tmp_path):
 
     same_layout, default = result["steps"]
     assert same_layout["shared_prompt_layout"] == {"torchtune": False, "transformers": False}
-    # By default torchtune's decoder shares each prompt across its group's rows; transformers' module cannot.
-    assert default["shared_prompt_layout"] == {"torchtune": True, "transformers": False}
+    # By default both backends share each prompt across its group's rows (transformers' module through explicit
+    # attention masks, models/_transformers_layouts.py).
+    assert default["shared_prompt_layout"] == {"torchtune": True, "transformers": True}
     for run in (same_layout, default):
         first_tt, first_tr = run["torchtune"][0], run["transformers"][0]
         # Step 1 (the initial weights): the entropy is a token mean of per-token entropies (bound as above); the
