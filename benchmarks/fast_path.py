@@ -64,8 +64,7 @@ def count_padding(totals: Dict[str, int]) -> None:
             n = len(range(*rows.indices(len(self))))
             laid_out = self.share_prompt or self.pack
             if laid_out and batch_module.shared_prompt_unsupported(model) is None:
-                slots = int(self.layout(rows).tokens.numel())
-                real = self.real_tokens(rows)
+                slots, real = self.padded_tokens(rows), self.real_tokens(rows)
             else:  # one row per sequence (also what a model that cannot share prompts runs)
                 slots = n * self.forward_width(rows)
                 real = sum(self.lengths[rows])
