@@ -8,7 +8,7 @@ system message folded into the first user turn, Gemma 4's ``<|turn>`` markers, P
 prompt); tool calling and multimodal content are left out.
 """
 
-from tests.chat_templates import LLAMA3_2, QWEN3
+from tests.chat_templates import LLAMA3_2, QWEN2_5, QWEN3
 
 # Qwen3.5: ChatML; the generation prompt opens a thinking block (closed empty with enable_thinking=False).
 QWEN3_5 = """{%- for message in messages %}
@@ -168,4 +168,4 @@ OLMOE_SPECIALS = ["<|endoftext|>", "<|padding|>", "<|system|>", "<|user|>", "<|a
 
 __all__ = ["CHATML", "GEMMA", "GEMMA3", "GEMMA3_VISION", "GEMMA4", "GEMMA4_MEDIA", "GEMMA4_SPECIALS", "GPT_OSS",
            "GPT_OSS_SPECIALS", "LLAMA3", "LLAMA3_2", "MINISTRAL3", "MISTRAL", "MISTRAL_SPECIALS", "OLMO3", "OLMOE",
-           "OLMOE_SPECIALS", "PHI3", "QWEN3", "QWEN3_5", "QWEN_VISION", "SMOLLM3"]
+           "OLMOE_SPECIALS", "PHI3", "QWEN2_5", "QWEN3", "QWEN3_5", "QWEN_VISION", "SMOLLM3"]

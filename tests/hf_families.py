@@ -4,9 +4,9 @@
 (``AutoConfig.for_model(model_type, ...)`` -> ``AutoModelForCausalLM.from_config`` -> ``save_pretrained``,
 fp32 safetensors) with the family's tokenizer and chat template; the same seed gives byte-identical files.
 ``FAMILIES`` lists the families: ``qwen3_5_text``, ``gemma3_text``, ``gemma4_text``, ``olmo3``, ``smollm3``,
-``phi3``, ``mistral``, ``ministral3``, and ``llama``, ``qwen3`` (the architectures torchtune also builds, for
-cross-backend checks). ``make_multimodal_dir`` (:mod:`tests.hf_multimodal`) makes the checkpoints that are
-multimodal on disk. The mixture-of-experts families (``qwen3_moe``, ``qwen3_5_moe``, ``gpt_oss``, ``olmoe``,
+``phi3``, ``mistral``, ``ministral3``, ``qwen2`` (Qwen2.5), and ``llama``, ``qwen3`` (the architectures torchtune
+also builds, for cross-backend checks). ``make_multimodal_dir`` (:mod:`tests.hf_multimodal`) makes the checkpoints
+that are multimodal on disk. The mixture-of-experts families (``qwen3_moe``, ``qwen3_5_moe``, ``gpt_oss``, ``olmoe``,
 ``mixtral``; decisive routers, ``dtype=torch.bfloat16`` for a bf16 checkpoint) are described in :mod:`tests.hf_moe`
 and made by the same ``make_family_dir``.
 
@@ -15,8 +15,9 @@ What every fixture has:
 - every layer kind of the family (``LAYER_KINDS`` says which, and :func:`layer_kinds` reads them back from a
   loaded model): Gated DeltaNet and gated full attention (qwen3_5_text), sliding and global layers with their
   two RoPE tables (gemma3_text, gemma4_text, olmo3), Gemma 4's per-layer input embeddings, KV-sharing layers
-  and double-wide MLPs, NoPE and RoPE layers (smollm3), a sliding window (mistral), YaRN with Llama-4
-  attention temperature past 16 positions (ministral3), fused qkv/gate_up with partial rotary (phi3);
+  and double-wide MLPs, NoPE and RoPE layers (smollm3), a sliding window (mistral), a full layer then a
+  windowed one (qwen2's ``max_window_layers``), YaRN with Llama-4 attention temperature past 16 positions
+  (ministral3), fused qkv/gate_up with partial rotary (phi3);
 - windows of ``WINDOW`` = 6 tokens and YaRN's original length 16: shorter than the >= 24-token sequences of
   the tests, so a window (or a scaling) applied wrongly changes the numbers;
 - hidden 128, 4 heads of 32 (2 KV heads), intermediate 256, vocab 512 (>= the tokenizer's 480 + specials),
@@ -64,7 +65,7 @@ PEAKED_MIN = 0.6
 # 9-32 visible keys of full layers and 1/6 = 0.17 in the 6-token windows.
 MEASURED_PEAKEDNESS = {"qwen3_5_text": 0.859, "gemma3_text": 0.914, "gemma4_text": 0.978, "olmo3": 0.877,
                        "smollm3": 0.830, "phi3": 0.830, "mistral": 0.888, "ministral3": 0.833, "llama": 0.825,
-                       "qwen3": 0.859}
+                       "qwen3": 0.859, "qwen2": 0.828}
 VOCAB = 512
 # head_dim 32: the smallest vLLM's CPU attention runs (it supports 32, 64, 80, ..., 512); hidden 128 and
 # intermediate 256 keep q/o and MLP weights NF4-quantisable (multiples of 64 x 256 elements).
@@ -172,6 +173,11 @@ FAMILIES: Dict[str, Family] = {
         dict(num_hidden_layers=2, tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
         T.QWEN3, T.CHATML, eos="<|im_end|>", pad="<|endoftext|>", stops=["<|im_end|>", "<|endoftext|>"],
         added=["<think>", "</think>"]),
+    "qwen2": Family(  # Qwen2.5: q/k/v biases, tied; a full layer, then a windowed one (max_window_layers=1)
+        "qwen2",
+        dict(num_hidden_layers=2, tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW,
+             max_window_layers=1, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        T.QWEN2_5, T.CHATML, eos="<|im_end|>", pad="<|endoftext|>", stops=["<|im_end|>", "<|endoftext|>"]),
 }
 
 # The layer kinds each fixture has (what :func:`layer_kinds` reports for it).
@@ -187,6 +193,7 @@ LAYER_KINDS: Dict[str, set] = {
     "ministral3": {"full_attention"},
     "llama": {"full_attention"},
     "qwen3": {"full_attention"},
+    "qwen2": {"full_attention", "sliding_attention"},
 }
 
 

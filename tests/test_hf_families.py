@@ -23,7 +23,7 @@ from tests.hf_families import (
 from tests.hf_multimodal import MULTIMODAL_FAMILIES, TEXT_FAMILY, language_state_dict, make_multimodal_dir
 from tests.tolerances import ulps
 
-SLIDING = ("gemma3_text", "gemma4_text", "olmo3", "mistral")
+SLIDING = ("gemma3_text", "gemma4_text", "olmo3", "mistral", "qwen2")
 LENGTH = 32  # > every window (6) and YaRN's original length (16)
 
 

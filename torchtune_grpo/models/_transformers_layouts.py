@@ -16,7 +16,8 @@ Which mask each layer gets is the family's own rule, checked in transformers 5.1
 
 - families whose base model accepts a dict of masks (``if not isinstance(causal_mask_mapping := attention_mask,
   dict)``) get one per ``config.layer_types`` value: ``full_attention`` unwindowed, ``sliding_attention`` with
-  ``config.sliding_window``;
+  ``config.sliding_window`` (qwen2 too: Qwen2.5's ``use_sliding_window`` windows the layers from
+  ``max_window_layers`` on, as ``sliding_attention`` entries of ``layer_types``);
 - the others take one mask for every layer, windowed exactly when the family windows it
   (``config.sliding_window is not None`` for mistral, ministral3, phi3, qwen3_moe, mixtral; never for llama and
   olmoe).
@@ -35,8 +36,9 @@ __all__ = ["SlotPairs", "layouts_unsupported", "layout_attention_mask"]
 
 # model_type -> how its base model takes masks: "per_type" (a dict keyed by layer type) or "one" (one 4-D mask).
 _MASK_STYLE = {
-    "qwen3": "per_type", "gemma3_text": "per_type", "gemma4_text": "per_type", "olmo3": "per_type",
-    "smollm3": "per_type", "gpt_oss": "per_type", "qwen3_5_text": "per_type", "qwen3_5_moe_text": "per_type",
+    "qwen3": "per_type", "qwen2": "per_type", "gemma3_text": "per_type", "gemma4_text": "per_type",
+    "olmo3": "per_type", "smollm3": "per_type", "gpt_oss": "per_type", "qwen3_5_text": "per_type",
+    "qwen3_5_moe_text": "per_type",
     "llama": "one", "olmoe": "one",  # never windowed
     "mistral": "one", "ministral3": "one", "phi3": "one", "qwen3_moe": "one", "mixtral": "one",
 }
