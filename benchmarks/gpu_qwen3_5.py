@@ -11,11 +11,18 @@ implementation when flash-linear-attention is not installed, and gated full atte
    shape, bf16 weights N(0, 0.02), norms 1; ``tiny_qwen3_5`` with ``--tiny``);
 3. runs the real recipe on it (benchmarks/gpu_grpo.py ``run_recipe``: the shipped Qwen3-0.6B config with
    only ``checkpointer.checkpoint_dir`` changed, synthetic id prompts, the even-id reward, no checkpoint
-   save), the decode step eager (transformers' ``generate`` samples for this backend);
-4. runs TRL's GRPOTrainer on the same directory and batch (benchmarks/gpu_trl.py ``run``), if the time
+   save): the native engine samples on transformers' own cache (each prompt prefilled once per group,
+   finished rows compacted out; eager, no compiled decode for this backend), and the update trains one row
+   per sequence (the Gated DeltaNet layers carry state along a row, so the packed and shared-prompt layouts
+   fall back);
+4. runs the same recipe on a family that takes the layouts (``gemma3_1b``, Gemma 3 1B's text model with its
+   sliding windows; ``tiny_gemma3`` with ``--tiny``): shared-prompt rows on transformers' own modules;
+5. runs TRL's GRPOTrainer on the Qwen3.5 directory and batch (benchmarks/gpu_trl.py ``run``), if the time
    budget (``--time-budget``, seconds since start) is not spent;
-5. writes ``--json``: both results, the backend the recipe used and why, and the step-time ratio ours / TRL
-   (our median ``time/step`` after the first step against TRL's median step after its warm-up).
+6. writes ``--json``: the results, the backend each recipe run used and why, what each run really did
+   (``paths``, observed while it ran: the training layout of the update's forwards, or one row per sequence
+   with the reason, and the engine path that sampled), and the step-time ratio ours / TRL (our median
+   ``time/step`` after the first step against TRL's median step after its warm-up).
 
     python benchmarks/gpu_qwen3_5.py --json qwen3_5.json                   # on a GPU (scripts/gpu_check.sh)
     python benchmarks/gpu_qwen3_5.py --device cpu --tiny --json out.json   # its CPU rehearsal
@@ -29,8 +36,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -40,6 +49,8 @@ import hf_random
 from harness import REPO
 
 SHAPE, TINY_SHAPE = "qwen3_5_0_8b", "tiny_qwen3_5"
+# The family that takes the training layouts: Gemma 3's sliding and global attention layers.
+LAYOUTS_SHAPE, TINY_LAYOUTS_SHAPE = "gemma3_1b", "tiny_gemma3"
 # The recipe's starting config: the shipped dense Qwen config of the nearest size (its model and checkpointer
 # are the one-line Hugging Face components, so the directory alone decides the backend).
 RECIPE_CONFIG = "configs/qwen3/0.6B_full_grpo.yaml"
@@ -59,12 +70,98 @@ def chosen_backend(directory: Path) -> Dict[str, str]:
     return {"name": chosen.name, "reason": chosen.reason}
 
 
-def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: str = RECIPE_CONFIG) -> Dict[str, Any]:
-    """Our recipe then TRL on one random directory (``shape``, default this stage's; benchmarks/gpu_moe.py
-    passes its own shape and config), as the module docstring says."""
+_LAYOUT_NAMES = {"SharedPromptLayout": "shared prompts", "PackedLayout": "packed"}
+
+
+class ObservedPaths:
+    """What a recipe run did, recorded by :func:`observed_paths`: the update's training layouts and the engine's
+    sampling calls."""
+
+    def __init__(self) -> None:
+        self.layouts: Counter = Counter()  # layout name -> update forwards that ran it
+        self.fallbacks: Counter = Counter()  # why a forward ran one row per sequence -> forwards
+        self.engine: Counter = Counter()  # sampling calls per path
+        self.compactions = 0
+
+    def summary(self) -> Dict[str, Any]:
+        """``training_layout``: the layouts of the update's forwards (``one row per sequence`` with its reasons);
+        ``engine``: the paths that sampled, and how many times finished rows were compacted out."""
+        layouts = dict(self.layouts)
+        if self.fallbacks:
+            layouts["one row per sequence"] = sum(self.fallbacks.values())
+        return {"training_layout": sorted(layouts), "update_forwards": layouts,
+                "fallback_reasons": sorted(self.fallbacks), "engine": sorted(self.engine),
+                "sampling_calls": dict(self.engine), "compactions": self.compactions}
+
+
+def _fallback_reason(batch: Any, model: Any, allow_layout: bool) -> str:
+    """Why :meth:`TrainingBatch.layout_for` gave no layout: the model's reason first (the recipe then asks for
+    none: ``training_layout`` turned the default off), else the batch's or the call's."""
+    from torchtune_grpo.training.batch import shared_prompt_unsupported
+
+    reason = shared_prompt_unsupported(model)
+    if reason is not None:
+        return reason
+    if not (batch.share_prompt or batch.pack):
+        return "no layout asked for (share_prompt_in_training and pack_sequences_in_training off)"
+    if not allow_layout:
+        return "the caller asked for one row per sequence"
+    return "a row longer than the model's max_seq_len"
+
+
+@contextmanager
+def observed_paths() -> Iterator[ObservedPaths]:
+    """Inside: record the layout of every gradient-taking forward of :meth:`TrainingBatch.logprobs` (the update's;
+    old and reference logprobs run without gradients) and every sampling call of the engines (the native engine
+    on transformers' cache with its ``share_prefill``/``compact_decode``, ``HFRollout.compact`` calls, and
+    transformers' ``generate``). The wrapped functions compute exactly what they did."""
+    from torchtune_grpo.generation import _hf_rollout, _native, _transformers
+    from torchtune_grpo.training.batch import TrainingBatch
+
+    seen = ObservedPaths()
+    logprobs, hf_cache = TrainingBatch.logprobs, _native.sample_with_hf_cache
+    compact, generate = _hf_rollout.HFRollout.compact, _transformers.sample_with_generate
+
+    def spy_logprobs(self, model, rows, **kw):
+        if torch.is_grad_enabled():
+            allow = kw.get("allow_layout", True)
+            lay = self.layout_for(model, rows, allow)
+            if lay is None:
+                seen.fallbacks[_fallback_reason(self, model, allow)] += 1
+            else:
+                seen.layouts[_LAYOUT_NAMES.get(type(lay).__name__, type(lay).__name__)] += 1
+        return logprobs(self, model, rows, **kw)
+
+    def spy_hf_cache(engine, *a, **kw):
+        prefill = "prefill once per group" if engine.share_prefill else "prefill every row"
+        decode = "compaction" if engine.compact_decode else "no compaction"
+        seen.engine[f"native engine on transformers' cache: {prefill} + {decode}"] += 1
+        return hf_cache(engine, *a, **kw)
+
+    def spy_compact(self, *a, **kw):
+        seen.compactions += 1
+        return compact(self, *a, **kw)
+
+    def spy_generate(*a, **kw):
+        seen.engine["transformers' generate"] += 1
+        return generate(*a, **kw)
+
+    TrainingBatch.logprobs, _native.sample_with_hf_cache = spy_logprobs, spy_hf_cache
+    _hf_rollout.HFRollout.compact, _transformers.sample_with_generate = spy_compact, spy_generate
+    try:
+        yield seen
+    finally:
+        TrainingBatch.logprobs, _native.sample_with_hf_cache = logprobs, hf_cache
+        _hf_rollout.HFRollout.compact, _transformers.sample_with_generate = compact, generate
+
+
+def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: str = RECIPE_CONFIG,
+        layouts_shape: Optional[str] = None) -> Dict[str, Any]:
+    """Our recipe, then on ``layouts_shape`` (if given), then TRL on one random directory (``shape``, default this
+    stage's; benchmarks/gpu_moe.py passes its own shape and config), as the module docstring says."""
     shape = shape or (TINY_SHAPE if args.tiny else SHAPE)
     result: Dict[str, Any] = {"model": shape, "config": recipe_config, "device": args.device, "errors": [],
-                              "skipped": None}
+                              "skipped": None, "paths": {}}
     available, reason = hf_random.model_type_available(shape)
     if not available:
         result["skipped"] = reason
@@ -89,10 +186,23 @@ def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: st
                                      "traceback": traceback.format_exc()[-3000:]})
             return None
 
+    def recipe(name: str) -> Optional[Dict[str, Any]]:
+        """The recipe on ``name``'s directory, and what its update and engine did (``result["paths"]``)."""
+        out_dir = tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{name}_")
+        with observed_paths() as seen:
+            out = attempt(f"recipe {name}", lambda: gpu_grpo.run_recipe(name, device, args, out_dir))
+        result["paths"][name] = seen.summary()
+        print(json.dumps({name: result["paths"][name]}), flush=True)
+        return out
+
     directory = gpu_grpo.model_dir(shape)
     result["backend"] = chosen_backend(directory)
-    out_dir = tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{shape}_")
-    result["recipe"] = attempt(f"recipe {shape}", lambda: gpu_grpo.run_recipe(shape, device, args, out_dir))
+    result["recipe"] = recipe(shape)
+    if layouts_shape is not None:
+        register(layouts_shape, recipe_config)
+        result["layouts_model"] = {"model": layouts_shape,
+                                   "backend": chosen_backend(gpu_grpo.model_dir(layouts_shape))}
+        result["layouts_model"]["recipe"] = recipe(layouts_shape)
     if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
         result["trl"] = None
         result["skipped_parts"] = [f"trl {shape} (time budget of {args.time_budget:.0f} s spent)"]
@@ -129,7 +239,7 @@ def finish_args(args: argparse.Namespace) -> None:
         args.chunk_size, args.recipe_steps, args.trl_steps = 64, 2, 1
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
-    args.compile_decode = False  # transformers' generate samples for this backend: nothing to compile
+    args.compile_decode = False  # the native engine decodes transformers modules eagerly: nothing to compile
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
 
@@ -139,12 +249,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_args(parser)
     args = parser.parse_args(argv)
     finish_args(args)
-    return report(run(args), args)
+    return report(run(args, layouts_shape=TINY_LAYOUTS_SHAPE if args.tiny else LAYOUTS_SHAPE), args)
 
 
 def report(result: Dict[str, Any], args: argparse.Namespace) -> int:
     """Print a stage's result (without the per-side details), write it whole to ``--json``; the exit code."""
-    print(json.dumps({k: v for k, v in result.items() if k not in ("recipe", "trl")}, default=str), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("recipe", "trl", "layouts_model")}, default=str),
+          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 1 if result["errors"] else 0

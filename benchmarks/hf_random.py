@@ -49,6 +49,23 @@ SHAPES: Dict[str, Dict[str, Any]] = {
                          linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                          linear_conv_kernel_dim=4,
                          rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25)),
+    # Gemma 3 1B's text model (its published config.json, tests/real_hf_configs.py): 26 layers of 5 sliding
+    # (window 512) then 1 global attention, hidden 1152, 4 Q / 1 KV heads of 256, vocabulary 262,144, tied.
+    # benchmarks/gpu_qwen3_5.py's layouts model: transformers' own module with the packed and shared-prompt
+    # training layouts and the native engine's prefill-once sampling (Qwen3.5 falls back from the layouts).
+    "gemma3_1b": dict(model_type="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_hidden_layers=26, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                      query_pre_attn_scalar=256, max_position_embeddings=32768,
+                      rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                                           full_attention=dict(rope_type="default", rope_theta=1000000.0))),
+    # Its CPU rehearsal stand-in: both layer kinds, a window of 8 (shorter than the tiny workload's sequences).
+    "tiny_gemma3": dict(model_type="gemma3_text", vocab_size=512, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                        query_pre_attn_scalar=16,
+                        rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                                             full_attention=dict(rope_type="default", rope_theta=1000000.0))),
     # Qwen3-30B-A3B's layer, 2 of its 48 layers (benchmarks/gpu_moe.py): hidden 2048, 32 Q / 4 KV heads of 128,
     # 128 experts of 768 of which 8 per token (softmax over all, top-8 renormalised), vocabulary 151,936, untied
     # head (tests/real_hf_configs.py has the published config.json): 1.87B parameters, so that full fine-tuning

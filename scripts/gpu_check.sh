@@ -16,7 +16,9 @@
 # 4. grpo_0_6b: benchmarks/gpu_grpo.py on the Qwen3-0.6B shape: ceilings, decode, one GRPO step, the recipe;
 # 5. trl: benchmarks/gpu_trl.py, TRL's GRPOTrainer on the same model and batch (the step-time ratio);
 # 6. qwen3_5: benchmarks/gpu_qwen3_5.py, the transformers backend (Qwen3.5 is not a torchtune architecture)
-#    on a Qwen3.5-0.8B-shaped random model, and TRL on the same model and batch (the step-time ratio);
+#    on a Qwen3.5-0.8B-shaped random model (its update falls back to one row per sequence: Gated DeltaNet),
+#    then on Gemma 3 1B's shape (shared-prompt rows on transformers' modules), and TRL on the Qwen3.5 model and
+#    batch (the step-time ratio); the report says which training layout and engine path each run used;
 #    skipped, with the reason in the report, where the installed transformers has no qwen3_5;
 # 6b. moe: benchmarks/gpu_moe.py, a mixture of experts (Qwen3-30B-A3B's layout, 2 of its 48 layers) through the
 #    transformers backend, and TRL on the same model and batch (step time and peak memory), beside the paper

@@ -9,7 +9,8 @@ reported as such): ``env.json``, ``stages.jsonl`` (one line per stage: name, exi
 ``grpo_*.json`` (benchmarks/gpu_grpo.py), ``trl.json`` (benchmarks/gpu_trl.py), ``ablation.json``
 (benchmarks/gpu_ablation.py: the update's switches; with the recipe's generation and reward seconds of the
 same shape, when the check measured them, each variant's whole-step MFU), ``qwen3_5.json``
-(benchmarks/gpu_qwen3_5.py: the transformers backend and TRL on the Qwen3.5 shape) and ``moe.json``
+(benchmarks/gpu_qwen3_5.py: the transformers backend and TRL on the Qwen3.5 shape, the recipe on a family that
+takes the training layouts, and each run's observed training layout and engine path) and ``moe.json``
 (benchmarks/gpu_moe.py: the same on the scaled-down Qwen3-30B-A3B, with the paper estimate of our peak). Its exit status is 0
 only when every stage exited 0, every GPU test passed, and no benchmark part raised.
 """
@@ -237,11 +238,21 @@ def _qwen3_5_section(q: Dict[str, Any], title: str = "Qwen3.5 through the transf
         return lines + [f"Skipped: {q['skipped']}.", ""]
     backend = q.get("backend") or {}
     lines += [f"transformers {q.get('transformers')}; backend **{backend.get('name')}** ({backend.get('reason')}).", ""]
+    for name, paths in (q.get("paths") or {}).items():  # what each recipe run did, observed while it ran
+        layout = f"**{', '.join(paths['training_layout']) or 'no update forward'}**"
+        if paths["fallback_reasons"]:
+            layout += f" (because {'; '.join(paths['fallback_reasons'])})"
+        lines += [f"- {name}: the update trained in {layout}; sampled by "
+                  f"**{', '.join(paths['engine']) or 'no engine call'}** ({paths['compactions']} compactions).", ""]
     rows = []
     recipe, trl = q.get("recipe"), q.get("trl")
-    if recipe:
-        m = recipe["median"]
-        rows.append(f"| ours (recipe) | {_fmt(m.get('time/step'))} | {_fmt(m.get('time/generation'))} | "
+    layouts_model = q.get("layouts_model") or {}
+    for label, part in (("ours (recipe)", recipe), (f"ours (recipe, {layouts_model.get('model')})",
+                                                    layouts_model.get("recipe"))):
+        if not part:
+            continue
+        m = part["median"]
+        rows.append(f"| {label} | {_fmt(m.get('time/step'))} | {_fmt(m.get('time/generation'))} | "
                     f"{_fmt(m.get('time/train'))} | {_fmt(m.get('tokens_per_second'))} | "
                     f"{_fmt(m.get('memory/peak_allocated_gib'))} |")
     if trl:

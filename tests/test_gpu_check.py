@@ -40,6 +40,27 @@ GPU_TESTS = {
 }
 
 
+ENGINE_PATH = "native engine on transformers' cache: prefill once per group + compaction"
+
+
+def assert_stage_paths(stage: dict, md: str) -> None:
+    """The Qwen3.5 stage's report (``qwen3_5.json`` and its markdown) names each run's layout and engine path."""
+    gemma = stage["layouts_model"]
+    assert gemma["model"] == "tiny_gemma3" and gemma["backend"]["name"] == "transformers"
+    assert gemma["recipe"]["steps"] == 2
+    paths = stage["paths"]
+    assert set(paths) == {"tiny_qwen3_5", "tiny_gemma3"}
+    fallback, shared = paths["tiny_qwen3_5"], paths["tiny_gemma3"]
+    assert fallback["training_layout"] == ["one row per sequence"]
+    assert len(fallback["fallback_reasons"]) == 1 and "(Gated DeltaNet)" in fallback["fallback_reasons"][0]
+    assert shared["training_layout"] == ["shared prompts"] and shared["fallback_reasons"] == []
+    for p in (fallback, shared):
+        assert p["engine"] == [ENGINE_PATH] and p["sampling_calls"][ENGINE_PATH] == 2  # one rollout per step
+        assert sum(p["update_forwards"].values()) >= 2  # at least one update forward per step
+    assert "- tiny_gemma3: the update trained in **shared prompts**; sampled by **" + ENGINE_PATH in md
+    assert "- tiny_qwen3_5: the update trained in **one row per sequence** (because its linear_attention" in md
+
+
 def _wheels(kind: str) -> Path:
     path = WHEELS / kind
     assert list(path.glob("*.whl")), (
@@ -115,6 +136,10 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert qwen3_5["trl"]["model"] == "tiny_qwen3_5" and qwen3_5["trl"]["rows"] == 16
     assert qwen3_5["ours_vs_trl"]["ratio"] > 0
     assert "Step time, ours / TRL (tiny_qwen3_5, transformers backend)" in md
+    # What each run really did (observed while it ran): Qwen3.5's update one row per sequence, for its Gated
+    # DeltaNet layers; Gemma 3's (sliding and global layers) shared-prompt rows on transformers' modules; both
+    # sampled by the native engine on transformers' cache, prompts prefilled once per group, rows compacted out.
+    assert_stage_paths(qwen3_5, md)
     # The MoE stage: the Qwen3-30B-A3B layout (its tiny stand-in) from the shipped MoE config, through
     # transformers' module; TRL on the same directory and batch, with no KL term on either side (as the config);
     # the paper estimate of our peak computed for the same run.
@@ -123,6 +148,8 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert moe["config"] == "configs/qwen3_moe/30B-A3B_full_grpo.yaml"
     assert moe["recipe"]["model"] == "tiny_qwen3_moe" and moe["recipe"]["steps"] == 2
     assert moe["recipe"]["median"]["kl"] == 0 and moe["trl"]["kl_coef"] == 0.0
+    assert moe["paths"]["tiny_qwen3_moe"]["training_layout"] == ["shared prompts"]  # a checked MoE family
+    assert moe["paths"]["tiny_qwen3_moe"]["engine"] == [ENGINE_PATH]
     assert moe["trl"]["model"] == "tiny_qwen3_moe" and moe["trl"]["rows"] == 16 and moe["ours_vs_trl"]["ratio"] > 0
     assert moe["layout"] == {"layers": 2, "published_layers": 48, "experts": 8, "experts_per_token": 2}
     assert moe["paper_estimate"]["peak_gb"] > 0 and moe["paper_estimate"]["measured_peak_gb"] is None  # CPU
