@@ -50,7 +50,7 @@ from torchtune import config, training, utils
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm
 
-from torchtune_grpo.config.algorithm_card import AlgorithmSpec, config_values, write_algorithm_card
+from torchtune_grpo.config.algorithm_card import AlgorithmSpec, write_algorithm_card
 from torchtune_grpo.assets import register_resolvers
 from torchtune_grpo.checkpoints.manager import (
     capture_training_state, CheckpointManager, restore_training_state, restored_rollouts,
@@ -313,7 +313,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 device=self._device, all_reduce_max=self._dist.max, chunk_size=c.logprob_chunk_size,
                 trainer_dtype=self._placement.precision.compute_dtype,  # the engine's dtype follows it unless set
             )
-        self.evaluation = self._held_out_evaluation(cfg, rewards, multi_turn)
+        self.evaluation = None  # held-out evaluation: this rank's share of the validation prompts
+        if c.validation is not None:
+            validation = config.instantiate(cfg.validation, self.tokenizer)
+            self.evaluation = HeldOutEvaluation.from_config(
+                c, validation, rank=self.rank, world_size=self.world_size, tokenizer=self.tokenizer,
+                engine=self.engine, rewards=rewards, all_reduce_sum=self._dist.sum, seed=self.seed,
+                device=self._device, multi_turn=multi_turn,
+            )
+            utils.log_rank_zero(log, f"Held-out evaluation on {self.evaluation.num_prompts} validation prompts")
         lr_scheduler = None
         if c.lr_scheduler is not None:
             lr_scheduler = instantiate_component(
@@ -388,24 +396,15 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             if not restored_rng:
                 utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
         self._profiler, _ = config.instantiate(c.profiler or OmegaConf.create(_PROFILER_OFF))
-        spec = AlgorithmSpec.from_components(
-            loss=loss_fn, advantage=advantage, rewards=rewards, optimizer=self.optimizer,
+        spec = AlgorithmSpec.from_run(  # what the run optimises, for its algorithm card
+            c, loss=loss_fn, advantage=advantage, rewards=rewards, optimizer=self.optimizer,
             lr_schedule=cfg.lr_scheduler._component_ if lr_scheduler is not None else None,
-            world_size=self.world_size, precision=self._placement.precision.describe() + (
-                "; logprob head: bf16 products with fp32 accumulation (logprob_head: bf16)"
-                if c.logprob_head == "bf16" else ""),
-            policy_model=getattr(self.model, "backend_note", None) or "torchtune TransformerDecoder (built from torchtune's modules)",
-            reference_model=reference is not None, reference_description=models.reference_description,
-            dynamic_sampling=dynamic.enabled, max_rounds=dynamic.max_rounds, **config_values(c),
-            environment=None if multi_turn is None else (
-                f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"
-            ),
-            max_staleness=c.generation_workers.max_staleness if c.generation_workers.enabled else None,
-            routing_replay=replay_mode,
-            load_balance_coef=c.moe.load_balance_coef, z_loss_coef=c.moe.z_loss_coef,
-            in_flight_updates=c.generation_workers.enabled and c.generation_workers.in_flight_updates,
+            world_size=self.world_size, precision=self._placement.precision.describe(),
+            policy_model=getattr(self.model, "backend_note", None),
+            reference_description=models.reference_description if reference is not None else None,
+            dynamic=dynamic, multi_turn=multi_turn, routing_replay=replay_mode,
             weight_sync=publisher.describe(self.model) if publisher is not None else None,
-            **loss_masks.formula_lines(),
+            formula_lines=loss_masks.formula_lines(),
         )
         if self._is_rank_zero:
             card = write_algorithm_card(spec, c.output_dir)
@@ -456,22 +455,6 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             utils.log_rank_zero(log, f"Using the checkpoint's seed {resume.state['seed']}, not {self.seed}")
             self.seed = training.set_seed(seed=resume.state["seed"])
         return resume.state, resume.directory
-
-    def _held_out_evaluation(self, cfg: DictConfig, rewards: Any, multi_turn: Any) -> Optional[HeldOutEvaluation]:
-        """This rank's share of the validation prompts (every world_size-th) and the eval settings, or None."""
-        c = self.config
-        if c.validation is None:
-            return None
-        dataset = config.instantiate(cfg.validation, self.tokenizer)
-        n = len(dataset) if c.eval_max_prompts is None else min(len(dataset), c.eval_max_prompts)
-        utils.log_rank_zero(log, f"Held-out evaluation on {n} validation prompts")
-        return HeldOutEvaluation(
-            [dataset[i] for i in range(self.rank, n, self.world_size)], tokenizer=self.tokenizer, engine=self.engine,
-            rewards=rewards, num_prompts=n, all_reduce_sum=self._dist.sum, every_n_steps=c.eval_every_n_steps,
-            seed=self.seed, rank=self.rank, device=self._device, max_new_tokens=c.max_response_length,
-            num_samples=c.eval_num_samples, k=c.eval_pass_k, correctness=c.eval_reward, threshold=c.eval_threshold,
-            batch_size=c.eval_batch_size, multi_turn=multi_turn,
-        )
 
     # ============================================================================================= the loop
 

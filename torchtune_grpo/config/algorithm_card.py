@@ -192,6 +192,53 @@ class AlgorithmSpec:
         )
 
 
+    @classmethod
+    def from_run(
+        cls, config: Any, *, loss: Any, advantage: Any, rewards: Any, optimizer: Any, lr_schedule: Optional[str],
+        world_size: int, precision: str, policy_model: Optional[str], reference_description: Optional[str],
+        dynamic: Any, multi_turn: Any, routing_replay: Optional[str], weight_sync: Optional[str],
+        formula_lines: Dict[str, Any],
+    ) -> "AlgorithmSpec":
+        """The recipe's spec: its components (:meth:`from_components`), its config
+        (:func:`config_values`, the logprob head, the MoE terms, the generation workers) and its run's facts.
+
+        Args:
+            config (Any): a :class:`~torchtune_grpo.config.schema.RecipeConfig`.
+            loss (Any), advantage (Any), rewards (Any), optimizer (Any): as :meth:`from_components`.
+            lr_schedule (Optional[str]): the LR schedule's component path, or None.
+            world_size (int): processes.
+            precision (str): the placement's precision, described.
+            policy_model (Optional[str]): the policy's backend note (None: torchtune's modules).
+            reference_description (Optional[str]): the reference model, described; None: no reference model.
+            dynamic (Any): the :class:`~torchtune_grpo.rollouts.group_selection.DynamicSampling`.
+            multi_turn (Any): the episodes' settings (``environment``, ``max_turns``), or None (single turn).
+            routing_replay (Optional[str]): ``moe.routing_replay`` for a mixture of experts, else None.
+            weight_sync (Optional[str]): the weight publisher's description, or None (the engine uses the
+                trainer's weights).
+            formula_lines (Dict[str, Any]): the loss masks' formula lines (``LossMasks.formula_lines()``).
+
+        Returns:
+            AlgorithmSpec: the spec the algorithm card is written from.
+        """
+        c, workers = config, config.generation_workers
+        reference = {} if reference_description is None else dict(reference_description=reference_description)
+        if c.logprob_head == "bf16":
+            precision += "; logprob head: bf16 products with fp32 accumulation (logprob_head: bf16)"
+        return cls.from_components(
+            loss=loss, advantage=advantage, rewards=rewards, optimizer=optimizer, lr_schedule=lr_schedule,
+            world_size=world_size, precision=precision,
+            policy_model=policy_model or "torchtune TransformerDecoder (built from torchtune's modules)",
+            reference_model=reference_description is not None, **reference,
+            dynamic_sampling=dynamic.enabled, max_rounds=dynamic.max_rounds, **config_values(c),
+            environment=None if multi_turn is None else (
+                f"{type(multi_turn.environment).__name__}, at most {multi_turn.max_turns} turns"),
+            max_staleness=workers.max_staleness if workers.enabled else None, routing_replay=routing_replay,
+            load_balance_coef=c.moe.load_balance_coef, z_loss_coef=c.moe.z_loss_coef,
+            in_flight_updates=workers.enabled and workers.in_flight_updates, weight_sync=weight_sync,
+            **formula_lines,
+        )
+
+
 def _g(x: float) -> str:
     return f"{x:g}"
 

@@ -253,6 +253,33 @@ class HeldOutEvaluation:
         self._device = device
         self._settings = settings
 
+    @classmethod
+    def from_config(
+        cls, config: Any, dataset: Sequence[Dict[str, Any]], *, rank: int, world_size: int, **run: Any
+    ) -> "HeldOutEvaluation":
+        """This rank's share of ``dataset`` (every ``world_size``-th of its first ``eval_max_prompts`` items) with
+        the recipe config's evaluation settings.
+
+        Args:
+            config (Any): a :class:`~torchtune_grpo.config.schema.RecipeConfig` (its ``eval_*`` settings and
+                ``max_response_length``).
+            dataset (Sequence[Dict[str, Any]]): the validation dataset, tokenized.
+            rank (int): this process's rank.
+            world_size (int): processes.
+            **run (Any): the run's ``tokenizer``, ``engine``, ``rewards``, ``all_reduce_sum``, ``seed``, ``device``
+                and ``multi_turn`` (None for single-turn episodes).
+
+        Returns:
+            HeldOutEvaluation: the evaluation of this rank's prompts.
+        """
+        c = config
+        n = len(dataset) if c.eval_max_prompts is None else min(len(dataset), c.eval_max_prompts)
+        return cls(
+            [dataset[i] for i in range(rank, n, world_size)], num_prompts=n, every_n_steps=c.eval_every_n_steps,
+            rank=rank, max_new_tokens=c.max_response_length, num_samples=c.eval_num_samples, k=c.eval_pass_k,
+            correctness=c.eval_reward, threshold=c.eval_threshold, batch_size=c.eval_batch_size, **run,
+        )
+
     def due(self, step: int, total_steps: int) -> bool:
         """Whether to evaluate after training step ``step`` (the final evaluation is the caller's)."""
         return bool(self.every_n_steps) and step < total_steps and step % int(self.every_n_steps) == 0
