@@ -1,9 +1,9 @@
 """The training layouts (packed rows, shared-prompt rows) on transformers' own modules: explicit attention masks.
 
 A layout (:class:`~torchtune_grpo.training.packed_rows.PackedMask`,
-:class:`~torchtune_grpo.training.batch.SharedPromptMask`) describes which slot of a row may attend which with one
-:class:`SlotPairs` (its ``pairs(input_pos)``): each slot's segment, whether every segment of its row sees it (a
-shared prompt's real tokens), and its position id. From it this module builds the 4-D mask transformers'
+:class:`~torchtune_grpo.training.shared_prompt_rows.SharedPromptMask`) describes which slot of a row may attend
+which with one :class:`SlotPairs` (its ``pairs(input_pos)``): each slot's segment, whether every segment of its
+row sees it (a shared prompt's real tokens), and its position id. From it this module builds the 4-D mask transformers'
 attention takes as given (``masking_utils`` returns a 4-D mask as it is), in the format the attention
 implementation reads: bool (True = attend) for ``sdpa``, additive float (0 / the dtype's minimum) for ``eager``,
 whose attention adds the mask to the scores (gpt-oss's eager path too, before appending its sinks).
