@@ -42,9 +42,9 @@ import torch
 
 from tests import family_templates as T
 
-__all__ = ["FAMILIES", "LAYER_KINDS", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family", "family_config",
-           "family_model", "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer", "peakedness",
-           "probe_tokens", "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
+__all__ = ["FAMILIES", "LAYER_KINDS", "LAYOUT_FAMILIES", "MEASURED_PEAKEDNESS", "PEAKED_MIN", "WINDOW", "Family",
+           "family_config", "family_model", "family_spec", "layer_kinds", "make_family_dir", "make_tokenizer",
+           "peakedness", "probe_tokens", "qwen3_5_layers", "scale_routers", "sharpen", "write_tokenizer_files"]
 
 WINDOW = 6
 
@@ -180,6 +180,36 @@ FAMILIES: Dict[str, Family] = {
         T.QWEN2_5, T.CHATML, eos="<|im_end|>", pad="<|endoftext|>", stops=["<|im_end|>", "<|endoftext|>"]),
 }
 
+# Model types checked for the training layouts only (tests/test_transformers_layouts.py feeds them token ids):
+# families users bring whose base model takes the masks as one of the checked ones does, with what sets each
+# apart. Their tokenizers and templates are the nearest fixture's (only ``family_config``'s special-token ids
+# are read); the full fixture treatment (templates, engines, recipe runs) is for :data:`FAMILIES`.
+LAYOUT_FAMILIES: Dict[str, Family] = {
+    "gemma2": Family(  # Gemma 2: alternating 6-token windows, attention and final logit soft-capping
+        "gemma2",
+        dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+             query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0)),
+        T.GEMMA3, T.GEMMA, bos="<bos>", eos="<eos>", pad="<pad>", stops=["<eos>", "<end_of_turn>"],
+        offset_norm=True),
+    "olmo2": Family(  # OLMo 2: q/k norms over the whole projection, norms after attention and MLP
+        "olmo2", dict(num_hidden_layers=2, rope_parameters=dict(rope_type="default", rope_theta=500000.0)),
+        T.OLMOE, T.OLMOE_SPECIALS, eos="<|endoftext|>", pad="<|padding|>", stops=["<|endoftext|>"]),
+    # Granite 3: embedding, attention (1 / head_dim, not 1 / sqrt(head_dim): a larger q/k gain keeps the
+    # attention peaked), residual and logit multipliers.
+    "granite": Family(
+        "granite",
+        dict(num_hidden_layers=2, tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=1 / 32,
+             residual_multiplier=0.2, logits_scaling=8.0, rope_parameters=dict(rope_type="default",
+                                                                                rope_theta=10000.0)),
+        T.OLMOE, T.OLMOE_SPECIALS, eos="<|endoftext|>", pad="<|padding|>", stops=["<|endoftext|>"], qk_gain=6.0),
+    "cohere2": Family(  # Command R7B: windowed and global layers, parallel attention and MLP, logit scale
+        "cohere2",
+        dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=WINDOW,
+             logit_scale=0.25, rope_parameters=dict(rope_type="default", rope_theta=50000.0)),
+        T.QWEN2_5, T.CHATML, eos="<|im_end|>", pad="<|endoftext|>", stops=["<|im_end|>"]),
+}
+
 # The layer kinds each fixture has (what :func:`layer_kinds` reports for it).
 LAYER_KINDS: Dict[str, set] = {
     "qwen3_5_text": {"linear_attention", "full_attention"},
@@ -198,15 +228,17 @@ LAYER_KINDS: Dict[str, set] = {
 
 
 def family_spec(family: str) -> Family:
-    """The :class:`Family` of a dense (:data:`FAMILIES`) or mixture-of-experts (:data:`tests.hf_moe.MOE_FAMILIES`)
-    fixture."""
+    """The :class:`Family` of a dense (:data:`FAMILIES`), mixture-of-experts (:data:`tests.hf_moe.MOE_FAMILIES`) or
+    layouts-only (:data:`LAYOUT_FAMILIES`) fixture."""
     from tests.hf_moe import MOE_FAMILIES
 
     if family in FAMILIES:
         return FAMILIES[family]
     if family in MOE_FAMILIES:
         return MOE_FAMILIES[family]
-    raise ValueError(f"unknown family {family!r}; known: {', '.join([*FAMILIES, *MOE_FAMILIES])}")
+    if family in LAYOUT_FAMILIES:
+        return LAYOUT_FAMILIES[family]
+    raise ValueError(f"unknown family {family!r}; known: {', '.join([*FAMILIES, *MOE_FAMILIES, *LAYOUT_FAMILIES])}")
 
 
 def make_tokenizer(family: str):

@@ -1,6 +1,7 @@
 """The packed and shared-prompt training layouts on transformers' own modules (every family of the fixtures).
 
-Each family's tiny model (:mod:`tests.hf_families`, :mod:`tests.hf_moe`: peaked attention, windows of 6) is built
+Each family's tiny model (:mod:`tests.hf_families`, its layouts-only ``LAYOUT_FAMILIES`` included, and
+:mod:`tests.hf_moe`: peaked attention, windows of 6) is built
 once per module, in memory, and three fp32 computations of the same step are compared with each other and with an
 fp64 one: one row per sequence (transformers' own masks), shared-prompt rows and packed rows (our explicit masks).
 The sequences are long enough for the windows to bite (24-51 tokens), prompts are shared by groups of 3 with
@@ -22,7 +23,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from tests.hf_families import FAMILIES, family_config, scale_routers, sharpen
+from tests.hf_families import FAMILIES, family_config, LAYOUT_FAMILIES, scale_routers, sharpen
 from tests.hf_models import randomize
 from tests.hf_moe import MOE_FAMILIES, ROUTER_GAIN
 from tests.tolerances import ulps
@@ -34,7 +35,7 @@ from torchtune_grpo.training.batch import shared_prompt_unsupported, training_la
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPERATURE = 0.7
 LINEAR_ATTENTION = {"qwen3_5_text", "qwen3_5_moe_text"}  # Gated DeltaNet: the layouts fall back
-SOFTMAX_FAMILIES = [f for f in [*FAMILIES, *MOE_FAMILIES] if f not in LINEAR_ATTENTION]
+SOFTMAX_FAMILIES = [f for f in [*FAMILIES, *MOE_FAMILIES, *LAYOUT_FAMILIES] if f not in LINEAR_ATTENTION]
 MEASURED: Dict[str, Dict[str, float]] = {}  # family -> quantity -> measured / bound (printed with -s)
 
 
@@ -171,7 +172,8 @@ def _batches(prompts, responses, **kw) -> Dict[str, TrainingBatch]:
 
 
 @pytest.mark.parametrize("family,attention",
-                         [(f, None) for f in SOFTMAX_FAMILIES] + [("mistral", "eager"), ("gemma3_text", "eager")])
+                         [(f, None) for f in SOFTMAX_FAMILIES]
+                         + [(f, "eager") for f in ("mistral", "gemma3_text", "gemma2")])
 def test_layouts_equal_one_row_per_sequence(family, attention, model_of):
     model = model_of(family, attention)
     assert shared_prompt_unsupported(model) is None

@@ -19,8 +19,8 @@ Which mask each layer gets is the family's own rule, checked in transformers 5.1
   ``config.sliding_window`` (qwen2 too: Qwen2.5's ``use_sliding_window`` windows the layers from
   ``max_window_layers`` on, as ``sliding_attention`` entries of ``layer_types``);
 - the others take one mask for every layer, windowed exactly when the family windows it
-  (``config.sliding_window is not None`` for mistral, ministral3, phi3, qwen3_moe, mixtral; never for llama and
-  olmoe).
+  (``config.sliding_window is not None`` for mistral, ministral3, phi3, qwen3_moe, mixtral; never for llama,
+  olmoe, olmo2 and granite).
 
 Anything else is refused by name (:func:`layouts_unsupported`), and the training layouts then fall back to one
 row per sequence: a layer type whose state runs along the row (Qwen3.5's ``linear_attention``, Gated DeltaNet:
@@ -38,11 +38,11 @@ __all__ = ["SlotPairs", "layouts_unsupported", "layout_attention_mask"]
 _MASK_STYLE = {
     "qwen3": "per_type", "qwen2": "per_type", "gemma3_text": "per_type", "gemma4_text": "per_type",
     "olmo3": "per_type", "smollm3": "per_type", "gpt_oss": "per_type", "qwen3_5_text": "per_type",
-    "qwen3_5_moe_text": "per_type",
-    "llama": "one", "olmoe": "one",  # never windowed
+    "qwen3_5_moe_text": "per_type", "gemma2": "per_type", "cohere2": "per_type",
+    "llama": "one", "olmoe": "one", "olmo2": "one", "granite": "one",  # never windowed
     "mistral": "one", "ministral3": "one", "phi3": "one", "qwen3_moe": "one", "mixtral": "one",
 }
-_NEVER_WINDOWED = {"llama", "olmoe"}
+_NEVER_WINDOWED = {"llama", "olmoe", "olmo2", "granite"}
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # Layer types that are not softmax attention over the row, and why a row of several sequences breaks them.
 _RECURRENT = {"linear_attention": "Gated DeltaNet"}
