@@ -1,0 +1,162 @@
+"""Images in the prompt for a :class:`~torchtune_grpo.models.TransformersDecoder` policy of a multimodal directory.
+
+The policy trains the language model of a Qwen3.5, Gemma 3 or Gemma 4 directory as transformers' text class. To
+read images it needs what the image-text class (``AutoModelForImageTextToText``) has besides that language model:
+the vision tower, the projector into the language model's embedding space, and the family's rules for where the
+image features go and how image tokens attend and are positioned (Gemma 3: bidirectional attention within an
+image; Qwen3.5: 3-D M-RoPE positions; Gemma 4: both its own way). :func:`attach_images` builds the image-text
+class's inner model (``model.model``: ``Qwen3_5Model``, ``Gemma3Model``, ``Gemma4Model``) from the directory and
+puts the policy's own language model in it (``language_model`` is the policy's base model, the same module: one
+set of language weights, trained as before). A forward with images then runs that inner model's own ``forward``
+(image features scattered over the image tokens, the family's masks and positions) and the policy's head: the
+logits are the image-text class's, computed by its code.
+
+The tower is held by the policy but is not one of its modules: the policy's parameters, state dict and saved
+checkpoints are the language model's as without images (the towers are carried byte for byte from the source
+directory on save). Frozen by default; ``train="projector"`` or ``"tower"`` sets ``requires_grad`` on the
+projector or the whole vision side and :func:`image_parameters` lists them for an optimizer (the recipe does not
+yet optimise or save them: see docs/multimodal.md).
+
+Image inputs of a batch (:func:`batch_image_inputs`): the per-image tensors of the rows, concatenated in row order
+(the image-text class scatters the features over the image tokens in row-major order), and the per-token ones
+(``token_type_ids``, ``mm_token_type_ids``) padded to the batch's width with 0 (text).
+"""
+
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "PER_TOKEN_KEYS",
+           "VISION_MODULES"]
+
+#: Per-token image inputs (one value per prompt token; 0 = text); the others are per image.
+PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
+#: model_type -> (the projector's module, the whole vision side's modules) in the image-text class's inner model.
+VISION_MODULES = {
+    "qwen3_5": ("visual.merger", ("visual",)),
+    "qwen3_5_moe": ("visual.merger", ("visual",)),
+    "gemma3": ("multi_modal_projector", ("vision_tower", "multi_modal_projector")),
+    "gemma4": ("embed_vision", ("vision_tower", "embed_vision")),
+}
+TRAIN_CHOICES = ("none", "projector", "tower")
+
+
+def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> nn.Module:
+    """Give ``policy`` the image side of ``model_dir`` (see the module docstring).
+
+    Args:
+        policy (nn.Module): a :class:`~torchtune_grpo.models.TransformersDecoder` built from ``model_dir``'s
+            language model, weights loaded.
+        model_dir (str): the multimodal directory.
+        train (str): ``"none"`` (the tower and projector frozen), ``"projector"`` or ``"tower"`` (the projector
+            included). Default is ``"none"``.
+
+    Returns:
+        nn.Module: the image-text class's inner model, whose ``language_model`` is the policy's base model.
+
+    Raises:
+        ValueError: an unknown ``train``, a directory that is not one of :data:`VISION_MODULES`' families, or a
+            language model that is not the policy's class.
+    """
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if train not in TRAIN_CHOICES:
+        raise ValueError(f"train must be one of {list(TRAIN_CHOICES)}, got {train!r}")
+    model_type = AutoConfig.from_pretrained(model_dir).model_type
+    if model_type not in VISION_MODULES:
+        raise ValueError(f"{model_dir}: images in the prompt are supported for {sorted(VISION_MODULES)}, "
+                         f"not model_type {model_type!r}")
+    weight = policy.tok_embeddings.weight
+    # The image-text class as transformers loads it (its own names for the Hub files: Gemma 3's
+    # vision_tower.vision_model.*); its language model is replaced by the policy's just below.
+    full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=weight.dtype)
+    inner = full.model
+    if type(inner.language_model) is not type(policy.base):
+        raise ValueError(f"{model_dir}: the image-text class's language model is {type(inner.language_model).__name__}"
+                         f", the policy's {type(policy.base).__name__}")
+    inner.language_model = policy.base
+    for name, child in inner.named_children():
+        if name != "language_model":
+            child.to(weight.device)
+    inner.train(policy.training)
+    projector, vision = VISION_MODULES[model_type]
+    for name, child in inner.named_children():
+        if name != "language_model":
+            child.requires_grad_(False)
+    if train == "tower":
+        for name in vision:
+            inner.get_submodule(name).requires_grad_(True)
+    elif train == "projector":
+        inner.get_submodule(projector).requires_grad_(True)
+    object.__setattr__(policy, "image_model", inner)  # held, not a child: the policy's state dict is unchanged
+    return inner
+
+
+def image_parameters(policy: nn.Module) -> List[nn.Parameter]:
+    """The image side's parameters with ``requires_grad`` (empty when frozen or without :func:`attach_images`)."""
+    inner = getattr(policy, "image_model", None)
+    if inner is None:
+        return []
+    return [p for name, child in inner.named_children() if name != "language_model"
+            for p in child.parameters() if p.requires_grad]
+
+
+@contextmanager
+def image_inputs(policy: nn.Module, inputs: Optional[Mapping[str, torch.Tensor]]) -> Iterator[None]:
+    """Forwards of ``policy`` inside the block see ``inputs`` (its rows' images), as if passed as ``images=``.
+
+    The logprob code calls ``model(tokens)``; this is how a batch's images reach that call. None: no images.
+    """
+    previous = getattr(policy, "_pending_images", None)
+    object.__setattr__(policy, "_pending_images", inputs)
+    try:
+        yield
+    finally:
+        object.__setattr__(policy, "_pending_images", previous)
+
+
+def batch_image_inputs(per_row: Sequence[Optional[Mapping[str, torch.Tensor]]], width: int,
+                       device: Optional[torch.device] = None) -> Optional[Dict[str, torch.Tensor]]:
+    """One batch's image inputs from its rows' (right-padded rows of ``width`` slots; a row may have none).
+
+    Args:
+        per_row (Sequence[Optional[Mapping[str, torch.Tensor]]]): each row's image inputs (as
+            :class:`~torchtune_grpo.data.ImagePromptDataset` gives them: per-token keys ``[L_prompt]``) or None.
+        width (int): the batch's row width ``L``.
+        device (Optional[torch.device]): where to put them. Default is None (where they are).
+
+    Returns:
+        Optional[Dict[str, torch.Tensor]]: per-image keys concatenated in row order; per-token keys ``[B, L]``
+        (0 on rows without images and on padding); None when no row has images.
+    """
+    if all(r is None for r in per_row):
+        return None
+    keys = sorted({k for r in per_row if r is not None for k in r})
+    out: Dict[str, torch.Tensor] = {}
+    for key in keys:
+        if key in PER_TOKEN_KEYS:
+            first = next(r[key] for r in per_row if r is not None and key in r)
+            batch = torch.zeros((len(per_row), width), dtype=first.dtype)
+            for i, r in enumerate(per_row):
+                if r is not None and key in r:
+                    value = r[key].reshape(-1)
+                    batch[i, : value.numel()] = value
+            out[key] = batch
+        else:
+            out[key] = torch.cat([r[key] for r in per_row if r is not None and key in r], dim=0)
+    return {k: v.to(device) for k, v in out.items()} if device is not None else out
+
+
+def forward_with_images(policy: nn.Module, tokens: torch.Tensor, images: Mapping[str, Any],
+                        input_pos: Optional[torch.Tensor]) -> torch.Tensor:
+    """The last hidden states ``[B, L, D]`` of ``tokens`` with ``images``, by the image-text class's inner model."""
+    inner = getattr(policy, "image_model", None)
+    if inner is None:
+        raise ValueError("image inputs given to a policy without an image side: call attach_images(policy, model_dir)")
+    if input_pos is not None:
+        # Qwen3.5's M-RoPE positions are 3-D and computed from the image grid; the Gemmas' are 0..L-1 for a row.
+        raise ValueError("a forward with images takes no input_pos: the family computes its positions")
+    out = inner(input_ids=tokens, use_cache=False, **images)
+    return out.last_hidden_state
