@@ -118,14 +118,17 @@ def image_inputs(policy: nn.Module, inputs: Optional[Mapping[str, torch.Tensor]]
 
 
 def batch_image_inputs(per_row: Sequence[Optional[Mapping[str, torch.Tensor]]], width: int,
-                       device: Optional[torch.device] = None) -> Optional[Dict[str, torch.Tensor]]:
-    """One batch's image inputs from its rows' (right-padded rows of ``width`` slots; a row may have none).
+                       device: Optional[torch.device] = None, *, left: bool = False
+                       ) -> Optional[Dict[str, torch.Tensor]]:
+    """One batch's image inputs from its rows' (rows of ``width`` slots; a row may have none).
 
     Args:
         per_row (Sequence[Optional[Mapping[str, torch.Tensor]]]): each row's image inputs (as
             :class:`~torchtune_grpo.data.ImagePromptDataset` gives them: per-token keys ``[L_prompt]``) or None.
         width (int): the batch's row width ``L``.
         device (Optional[torch.device]): where to put them. Default is None (where they are).
+        left (bool): the rows are left-padded (a rollout's prompts): per-token values end at the last slot.
+            Default is False (right-padded training rows).
 
     Returns:
         Optional[Dict[str, torch.Tensor]]: per-image keys concatenated in row order; per-token keys ``[B, L]``
@@ -142,7 +145,10 @@ def batch_image_inputs(per_row: Sequence[Optional[Mapping[str, torch.Tensor]]], 
             for i, r in enumerate(per_row):
                 if r is not None and key in r:
                     value = r[key].reshape(-1)
-                    batch[i, : value.numel()] = value
+                    if left:
+                        batch[i, width - value.numel():] = value
+                    else:
+                        batch[i, : value.numel()] = value
             out[key] = batch
         else:
             out[key] = torch.cat([r[key] for r in per_row if r is not None and key in r], dim=0)
