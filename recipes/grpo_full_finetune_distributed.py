@@ -215,6 +215,25 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ))
         return Models(policy, reference, checkpointer, options.describe(self._placement.precision.compute_dtype))
 
+    def _attach_images(self, source: str, reference: Any) -> None:
+        """Give the policy (and the reference) the image side of the multimodal directory ``source``: the tower
+        and projector, frozen (docs/multimodal.md); only the native engine samples from image prompts."""
+        from torchtune_grpo.generation import NativeGenerator
+        from torchtune_grpo.models import attach_images, TransformersDecoder
+
+        if not isinstance(self.model, TransformersDecoder) or not isinstance(self.engine, NativeGenerator):
+            raise ValueError(
+                "a dataset with images needs the transformers backend (model.backend: transformers, a multimodal "
+                f"Qwen3.5 / Gemma 3 / Gemma 4 directory) and the native engine; got {type(self.model).__name__} with "
+                f"{type(self.engine).__name__}")
+        attach_images(self.model, source)
+        if reference is not None and reference.model is not self.model:
+            attach_images(reference.model, source)
+        utils.log_rank_zero(
+            log, "Images in the prompt: the directory's vision tower and projector (frozen) feed the policy"
+            + (" and the reference" if reference is not None else "") + "; training forwards run one row per "
+            "sequence (no shared prompts or packing with images)")
+
     def gather_model_state(self) -> Dict[str, Any]:
         """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""
         return training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device)
@@ -293,6 +312,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.optimizer = instantiate_component(cfg, "optimizer", self.model.parameters())
         # This rank's prompts across epochs (torchtune_grpo/rollouts/producer.py).
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        if "image_inputs" in dataset[0]:  # images in the prompt (docs/multimodal.md)
+            self._attach_images(checkpoint_source(cfg), reference)
         self.prompts = PromptStream.over(
             dataset, batch_size=c.batch_size, world_size=self.world_size, rank=self.rank, shuffle=c.shuffle,
             seed=self.seed,

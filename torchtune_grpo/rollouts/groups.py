@@ -216,6 +216,9 @@ def sample_and_score(
             max_new_tokens=max_new_tokens, generator=generator, temperature=temperature,
             generation_context=generation_context,
         )
+    images = [f.get("image_inputs") for f in batch.fields]
+    if any(i is not None for i in images):  # prompts with images: only engines that take them (the native engine)
+        kwargs["images"] = images
     with generation_context if generation_context is not None else nullcontext():
         rollout = engine.generate(
             model,

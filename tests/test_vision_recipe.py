@@ -1,0 +1,66 @@
+"""Two GRPO steps on a tiny multimodal Gemma 3 directory with an image dataset written here (PIL-drawn shapes):
+the rollouts, the old/reference/policy logprobs and the update all see each prompt's image."""
+
+import json
+
+import torch
+
+from tests.hf_models import hf_components
+from tests.hf_vision import shape_image
+from tests.recipe_utils import run_in_process, weights, write_config
+
+SHAPES = ("circle", "square", "triangle")
+COLORS = {"red": (220, 40, 40), "blue": (40, 40, 220)}
+
+
+def _shapes_dataset(folder):
+    (folder / "img").mkdir(parents=True)
+    rows = []
+    for i, (shape, color) in enumerate((s, c) for s in SHAPES for c in COLORS):
+        shape_image(shape, color=COLORS[color]).save(folder / "img" / f"{i}.png")
+        rows.append({"image": f"img/{i}.png", "question": "Which shape is it?", "answer": shape})
+    path = folder / "shapes.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+    from torchtune_grpo.generation._hf_rollout import HFRollout
+    from torchtune_grpo.models import _vision
+
+    calls = {"prefill": 0, "forward": []}
+    prefill, forward = HFRollout._prefill_with_images, _vision.forward_with_images
+
+    def counted_prefill(self, *args, **kwargs):
+        calls["prefill"] += 1
+        return prefill(self, *args, **kwargs)
+
+    def counted_forward(policy, tokens, images, input_pos):
+        calls["forward"].append((torch.is_grad_enabled(), tokens.size(0)))
+        return forward(policy, tokens, images, input_pos)
+
+    monkeypatch.setattr(HFRollout, "_prefill_with_images", counted_prefill)
+    monkeypatch.setattr(_vision, "forward_with_images", counted_forward)
+    src = vision_dir("gemma3")
+    data = _shapes_dataset(tmp_path / "data")
+    components = {k: v for k, v in hf_components(src).items() if not k.startswith("dataset.")}
+    log = []
+    config = write_config(
+        tmp_path, **components, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2, group_size=2,
+        micro_batch_size=2, max_response_length=6, max_prompt_length=64, kl_coef=0.04,
+        dataset={"_component_": "torchtune_grpo.data.image_dataset", "source": "json", "data_files": str(data),
+                 "max_prompt_length": "${max_prompt_length}"})
+    run_in_process(config, log=log)
+    text = "\n".join(log)
+    assert "Images in the prompt" in text and "one row per sequence" in text
+    # Each step: one rollout prefilled with the pixels; the reference's logprobs (no grad) and the update's
+    # forward (with grad) with the images, one row per sequence.
+    assert calls["prefill"] == 2
+    assert any(g for g, _ in calls["forward"]) and any(not g for g, _ in calls["forward"])
+    step = tmp_path / "out" / "step_2"
+    start, end = weights(src), weights(step)
+    assert start.keys() == end.keys()
+    # The tower and projector are frozen and carried byte for byte; the language model moved.
+    tower = [k for k in start if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert tower and all(torch.equal(start[k], end[k]) for k in tower)
+    assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith("language_model.")) > 1e-5
