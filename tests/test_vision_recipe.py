@@ -1,11 +1,12 @@
-"""Two GRPO steps on a tiny multimodal Gemma 3 directory with an image dataset written here (PIL-drawn shapes):
-the rollouts, the old/reference/policy logprobs and the update all see each prompt's image."""
+"""Two GRPO steps of the image example (docs/examples/gemma3_4B_image_grpo.yaml) on a tiny multimodal Gemma 3
+directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
+logprobs and the update all see each prompt's image."""
 
 import json
 
 import torch
 
-from tests.hf_models import hf_components
+from tests.conftest import REPO
 from tests.hf_vision import shape_image
 from tests.recipe_utils import run_in_process, weights, write_config
 
@@ -43,13 +44,15 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     monkeypatch.setattr(_vision, "forward_with_images", counted_forward)
     src = vision_dir("gemma3")
     data = _shapes_dataset(tmp_path / "data")
-    components = {k: v for k, v in hf_components(src).items() if not k.startswith("dataset.")}
+    # The example's reward file is named relative to the repository; a random model never names the shape, so
+    # the vowel-fraction reward (write_config's default) gives the update a signal.
+    monkeypatch.chdir(REPO)
     log = []
     config = write_config(
-        tmp_path, **components, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2, group_size=2,
-        micro_batch_size=2, max_response_length=6, max_prompt_length=64, kl_coef=0.04,
-        dataset={"_component_": "torchtune_grpo.data.image_dataset", "source": "json", "data_files": str(data),
-                 "max_prompt_length": "${max_prompt_length}"})
+        tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
+        **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
+        enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
+        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, **{"optimizer.lr": 1e-3})
     run_in_process(config, log=log)
     text = "\n".join(log)
     assert "Images in the prompt" in text and "one row per sequence" in text
@@ -64,3 +67,13 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     tower = [k for k in start if k.startswith(("vision_tower.", "multi_modal_projector."))]
     assert tower and all(torch.equal(start[k], end[k]) for k in tower)
     assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith("language_model.")) > 1e-5
+
+
+def test_the_example_reward():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("shape_reward", REPO / "docs" / "examples" / "shape_reward.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    completions = ["It has three corners.\nA triangle.", "A circle, or maybe a square", "I cannot tell.", ""]
+    assert module.names_the_shape(completions, ["triangle", "square", "circle", "circle"]) == [1.0, 1.0, 0.0, 0.0]
