@@ -1,16 +1,20 @@
 """Two GRPO steps of the image example (docs/examples/gemma3_4B_image_grpo.yaml) on a tiny multimodal Gemma 3
-directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
+(and Qwen3.5: M-RoPE) directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
 logprobs and the update all see each prompt's image."""
 
 import json
 
+import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.hf_multimodal import LANGUAGE_PREFIX
 from tests.hf_vision import shape_image
 from tests.recipe_utils import run_in_process, weights, write_config
 
 SHAPES = ("circle", "square", "triangle")
+# The on-disk names of the vision tower and projector (tests/hf_multimodal.py).
+TOWER = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",)}
 COLORS = {"red": (220, 40, 40), "blue": (40, 40, 220)}
 
 
@@ -25,7 +29,8 @@ def _shapes_dataset(folder):
     return path
 
 
-def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch, family):
     from torchtune_grpo.generation._hf_rollout import HFRollout
     from torchtune_grpo.models import _vision
 
@@ -42,7 +47,7 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
 
     monkeypatch.setattr(HFRollout, "_prefill_with_images", counted_prefill)
     monkeypatch.setattr(_vision, "forward_with_images", counted_forward)
-    src = vision_dir("gemma3")
+    src = vision_dir(family)
     data = _shapes_dataset(tmp_path / "data")
     # The example's reward file is named relative to the repository; a random model never names the shape, so
     # the vowel-fraction reward (write_config's default) gives the update a signal.
@@ -64,9 +69,9 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     start, end = weights(src), weights(step)
     assert start.keys() == end.keys()
     # The tower and projector are frozen and carried byte for byte; the language model moved.
-    tower = [k for k in start if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    tower = [k for k in start if k.startswith(TOWER[family])]
     assert tower and all(torch.equal(start[k], end[k]) for k in tower)
-    assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith("language_model.")) > 1e-5
+    assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(LANGUAGE_PREFIX[family])) > 1e-5
 
 
 def test_the_example_reward():

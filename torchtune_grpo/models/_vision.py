@@ -77,14 +77,12 @@ def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> 
         raise ValueError(f"{model_dir}: the image-text class's language model is {type(inner.language_model).__name__}"
                          f", the policy's {type(policy.base).__name__}")
     inner.language_model = policy.base
-    for name, child in inner.named_children():
-        if name != "language_model":
-            child.to(weight.device)
-    inner.train(policy.training)
     projector, vision = VISION_MODULES[model_type]
     for name, child in inner.named_children():
         if name != "language_model":
-            child.requires_grad_(False)
+            # Eval mode for good: the policy's train()/eval() do not reach these modules (not its children), and
+            # the old, reference and new logprobs of a row must see the same image features (no dropout).
+            child.to(weight.device).eval().requires_grad_(False)
     if train == "tower":
         for name in vision:
             inner.get_submodule(name).requires_grad_(True)
