@@ -215,28 +215,46 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             ))
         return Models(policy, reference, checkpointer, options.describe(self._placement.precision.compute_dtype))
 
-    def _attach_images(self, source: str, reference: Any) -> None:
-        """Give the policy (and the reference) the image side of the multimodal directory ``source``: the tower
-        and projector, frozen (docs/multimodal.md); only the native engine samples from image prompts."""
+    def _attach_images(self, cfg: DictConfig, resume_dir: Optional[Path], reference: Any) -> None:
+        """Give the policy (and the reference) the image side of the multimodal directory: the tower and
+        projector, frozen unless ``train_vision`` says otherwise (then in the optimizer, and saved with every
+        step); only the native engine samples from image prompts (docs/multimodal.md)."""
         from torchtune_grpo.generation import NativeGenerator
-        from torchtune_grpo.models import attach_images, TransformersDecoder
+        from torchtune_grpo.models import attach_images, image_parameters, TransformersDecoder
 
         if not isinstance(self.model, TransformersDecoder) or not isinstance(self.engine, NativeGenerator):
             raise ValueError(
                 "a dataset with images needs the transformers backend (model.backend: transformers, a multimodal "
                 f"Qwen3.5 / Gemma 3 / Gemma 4 directory) and the native engine; got {type(self.model).__name__} with "
                 f"{type(self.engine).__name__}")
-        attach_images(self.model, source)
+        train = self.config.train_vision
+        if train != "none" and self.world_size > 1:
+            # The trained vision modules are added after FSDP2 wrapped the policy: their gradients would not be
+            # averaged across processes, and the replicas would drift apart.
+            raise ValueError(f"train_vision: {train} runs on one process for now (world size {self.world_size}); "
+                             "train_vision: none trains the language model on any number")
+        # The policy's tower from the step being resumed (a trained one was saved there), the reference's from
+        # the source: the reference is the initial policy.
+        attach_images(self.model, str(resume_dir) if resume_dir is not None else checkpoint_source(cfg), train=train)
         if reference is not None and reference.model is not self.model:
-            attach_images(reference.model, source)
+            attach_images(reference.model, checkpoint_source(cfg))
+        trained = image_parameters(self.model)
+        if trained:
+            self.optimizer.add_param_group({"params": trained})
+        what = {"none": "frozen", "projector": "projector trained", "tower": "tower and projector trained"}[train]
         utils.log_rank_zero(
-            log, "Images in the prompt: the directory's vision tower and projector (frozen) feed the policy"
+            log, f"Images in the prompt: the directory's vision tower and projector ({what}"
+            + (f", {sum(p.numel() for p in trained):,} parameters" if trained else "") + ") feed the policy"
             + (" and the reference" if reference is not None else "") + "; training forwards run one row per "
             "sequence (no shared prompts or packing with images)")
 
     def gather_model_state(self) -> Dict[str, Any]:
         """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""
-        return training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device)
+        from torchtune_grpo.models import image_state_dict
+
+        # A trained vision tower or projector (train_vision) under the checkpoint's own names.
+        return image_state_dict(self.model, training.gather_cpu_state_dict(self.model, self._is_rank_zero,
+                                                                           device=self._device))
 
     def write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
         """Write the checkpoint's model files as the directory ``staging`` (a hook: LoRA adds its adapter)."""
@@ -313,7 +331,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         # This rank's prompts across epochs (torchtune_grpo/rollouts/producer.py).
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
         if "image_inputs" in dataset[0]:  # images in the prompt (docs/multimodal.md)
-            self._attach_images(checkpoint_source(cfg), reference)
+            self._attach_images(cfg, resume_dir, reference)
+        elif c.train_vision != "none":
+            raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")
         self.prompts = PromptStream.over(
             dataset, batch_size=c.batch_size, world_size=self.world_size, rank=self.rank, shuffle=c.shuffle,
             seed=self.seed,

@@ -74,6 +74,36 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(LANGUAGE_PREFIX[family])) > 1e-5
 
 
+def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+    """``train_vision: projector`` on Gemma 3, whose on-disk projector and tower names differ from transformers'
+    in-memory ones: the projector moves and is saved under the checkpoint's own names, the tower does not, and the
+    step directory loads in the image-text class with the trained projector."""
+    from transformers import AutoModelForImageTextToText
+
+    src = vision_dir("gemma3")
+    data = _shapes_dataset(tmp_path / "data")
+    monkeypatch.chdir(REPO)
+    log = []
+    config = write_config(
+        tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
+        **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
+        enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
+        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, kl_coef=0.0,
+        train_vision="projector", **{"optimizer.lr": 1e-2})
+    recipe = run_in_process(config, log=log)
+    assert "projector trained" in "\n".join(log)
+    step = tmp_path / "out" / "step_2"
+    start, end = weights(src), weights(step)
+    assert start.keys() == end.keys()  # the checkpoint's own names, nothing added
+    projector = [k for k in start if k.startswith("multi_modal_projector.")]
+    tower = [k for k in start if k.startswith("vision_tower.")]
+    assert projector and tower and all(torch.equal(start[k], end[k]) for k in tower)
+    assert all(not torch.equal(start[k], end[k]) for k in projector)
+    trained = recipe.model.image_model.multi_modal_projector.state_dict()
+    loaded = AutoModelForImageTextToText.from_pretrained(step, dtype=torch.float32).model.multi_modal_projector
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in trained.items())
+
+
 def test_the_example_reward():
     import importlib.util
 

@@ -11,11 +11,16 @@ set of language weights, trained as before). A forward with images then runs tha
 (image features scattered over the image tokens, the family's masks and positions) and the policy's head: the
 logits are the image-text class's, computed by its code.
 
-The tower is held by the policy but is not one of its modules: the policy's parameters, state dict and saved
-checkpoints are the language model's as without images (the towers are carried byte for byte from the source
-directory on save). Frozen by default; ``train="projector"`` or ``"tower"`` sets ``requires_grad`` on the
-projector or the whole vision side and :func:`image_parameters` lists them for an optimizer (the recipe does not
-yet optimise or save them: see docs/multimodal.md).
+The tower is held by the policy but is not one of its modules: the policy's parameters and state dict are the
+language model's as without images. Frozen by default (the checkpointer then carries the towers byte for byte
+from the source directory into every save). ``train="projector"`` or ``"tower"`` sets ``requires_grad`` on the
+projector or the whole vision side and makes those modules the policy's too (a child :data:`TRAINED_PREFIX`,
+so the optimizer state is named with the policy's): :func:`image_parameters` lists them for the optimizer and
+:func:`image_state_dict` renames them in the policy's state dict to their ON-DISK names, for the checkpointer
+to write in place of the source's. Those names are found once, at attach time, by matching each trained parameter's values to the one
+tensor of the directory's files that holds them (the image-text class renames some on load, e.g. Gemma 3's
+``vision_tower.vision_model.*`` is ``vision_tower.*`` in memory, and the names a checkpoint uses depend on where it
+came from: they are read off the files, not derived).
 
 Image inputs of a batch (:func:`batch_image_inputs`): the per-image tensors of the rows, concatenated in row order
 (the image-text class scatters the features over the image tokens in row-major order), and the per-token ones
@@ -28,8 +33,8 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-__all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "PER_TOKEN_KEYS",
-           "VISION_MODULES"]
+__all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "image_state_dict",
+           "PER_TOKEN_KEYS", "TRAIN_CHOICES", "VISION_MODULES"]
 
 #: Per-token image inputs (one value per prompt token; 0 = text); the others are per image.
 PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
@@ -41,6 +46,8 @@ VISION_MODULES = {
     "gemma4": ("embed_vision", ("vision_tower", "embed_vision")),
 }
 TRAIN_CHOICES = ("none", "projector", "tower")
+#: The policy's child holding the trained vision modules (``train`` other than ``"none"``).
+TRAINED_PREFIX = "trained_vision"
 
 
 def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> nn.Module:
@@ -89,7 +96,66 @@ def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> 
     elif train == "projector":
         inner.get_submodule(projector).requires_grad_(True)
     object.__setattr__(policy, "image_model", inner)  # held, not a child: the policy's state dict is unchanged
+    if train != "none":
+        # The trained modules become the policy's (under TRAINED_PREFIX): its parameters, so the optimizer's
+        # state is named and saved with the policy's, and its state dict, from which the recipe saves them.
+        trained = (projector,) if train == "projector" else vision
+        policy.add_module(TRAINED_PREFIX, nn.ModuleDict(
+            {name.replace(".", "__"): inner.get_submodule(name) for name in trained}))
+        params = {f"{name}.{k}": p for name in trained for k, p in inner.get_submodule(name).named_parameters()}
+        disk = _disk_names(model_dir, params)
+        object.__setattr__(policy, "_image_disk_names", {
+            f"{TRAINED_PREFIX}.{name.replace('.', '__')}.{k}": disk[f"{name}.{k}"]
+            for name in trained for k, _ in inner.get_submodule(name).named_parameters()})
     return inner
+
+
+def _disk_names(model_dir: str, params: Mapping[str, torch.Tensor]) -> Dict[str, str]:
+    """In-memory name -> the on-disk name of the one tensor in ``model_dir``'s files equal to it (same shape and
+    values, the file's dtype cast to the parameter's).
+
+    Raises:
+        ValueError: a parameter that no tensor, or more than one, of the files equals (its name is then unknown).
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    if not params:
+        return {}
+    directory = Path(model_dir)
+    index = directory / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    shapes = {tuple(p.shape) for p in params.values()}
+    found: Dict[str, List[str]] = {name: [] for name in params}
+    for file_name in files:
+        with safe_open(str(directory / file_name), framework="pt") as f:
+            for key in f.keys():
+                if "language_model" in key or tuple(f.get_slice(key).get_shape()) not in shapes:
+                    continue
+                tensor = f.get_tensor(key)
+                for name, p in params.items():
+                    if p.shape == tensor.shape and torch.equal(tensor.to(p.dtype), p.detach().cpu()):
+                        found[name].append(key)
+    unmatched = {name: keys for name, keys in found.items() if len(keys) != 1}
+    if unmatched:
+        name, keys = next(iter(unmatched.items()))
+        raise ValueError(f"{model_dir}: the trained vision parameter {name!r} equals {len(keys)} tensors of the "
+                         f"files ({keys[:3]}), so its on-disk name is unknown; train: none keeps the tower frozen")
+    return {name: keys[0] for name, keys in found.items()}
+
+
+def image_state_dict(policy: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """``state`` (the policy's state dict) with the trained vision tensors (``TRAINED_PREFIX.*``) renamed to
+    their on-disk names, for the checkpointer; unchanged when the tower is frozen.
+
+    Raises:
+        KeyError: a ``TRAINED_PREFIX`` tensor whose on-disk name is not known (not from :func:`attach_images`).
+    """
+    names = getattr(policy, "_image_disk_names", None) or {}
+    return {(names[k] if k.startswith(TRAINED_PREFIX + ".") else k): v for k, v in state.items()}
 
 
 def image_parameters(policy: nn.Module) -> List[nn.Parameter]:
