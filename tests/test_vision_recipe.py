@@ -57,13 +57,16 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
         tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
         **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
         enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
-        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, **{"optimizer.lr": 1e-3})
+        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, **{"optimizer.lr": 1e-3},
+        # held-out evaluation on image prompts too (at step 0 and step 2), through the same engine
+        validation={"_component_": "torchtune_grpo.data.image_dataset", "source": "json", "data_files": str(data)},
+        eval_every_n_steps=2, eval_max_prompts=2)
     run_in_process(config, log=log)
     text = "\n".join(log)
     assert "Images in the prompt" in text and "one row per sequence" in text
-    # Each step: one rollout prefilled with the pixels; the reference's logprobs (no grad) and the update's
-    # forward (with grad) with the images, one row per sequence.
-    assert calls["prefill"] == 2
+    # Prefills with the pixels: one rollout per step, and one greedy pass per held-out evaluation (steps 0 and 2).
+    # The reference's logprobs (no grad) and the update's forward (with grad) run with the images.
+    assert calls["prefill"] == 4, calls["prefill"]
     assert any(g for g, _ in calls["forward"]) and any(not g for g, _ in calls["forward"])
     step = tmp_path / "out" / "step_2"
     start, end = weights(src), weights(step)
