@@ -107,6 +107,33 @@ def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in trained.items())
 
 
+def test_resume_with_a_trained_projector_equals_the_uninterrupted_run(vision_dir, tmp_path, clean_env, one_thread,
+                                                                        monkeypatch):
+    """3 steps straight against 2 steps then a resumed run to step 3, ``train_vision: projector``: the resumed run
+    takes the trained projector from step 2 and its optimizer state by name. Exact: the same operations on the
+    same numbers."""
+    src = vision_dir("gemma3")
+    data = _shapes_dataset(tmp_path / "data")
+    monkeypatch.chdir(REPO)
+
+    def config(folder, **overrides):
+        folder.mkdir(exist_ok=True)
+        return write_config(
+            folder, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
+            **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu",
+            dtype="fp32", enable_activation_checkpointing=False, lr_scheduler=None, batch_size=2, group_size=2,
+            micro_batch_size=2, max_response_length=6, max_prompt_length=64, train_vision="projector",
+            **{"optimizer.lr": 1e-2}, **overrides)
+
+    run_in_process(config(tmp_path / "a", max_steps=3, save_every_n_steps=3))
+    run_in_process(config(tmp_path / "b", max_steps=2, save_every_n_steps=2))
+    run_in_process(config(tmp_path / "b", max_steps=3, save_every_n_steps=3, resume_from_checkpoint=True))
+    a, b = weights(tmp_path / "a" / "out" / "step_3"), weights(tmp_path / "b" / "out" / "step_3")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    projector = [k for k in a if k.startswith("multi_modal_projector.")]
+    assert not all(torch.equal(a[k], weights(tmp_path / "b" / "out" / "step_2")[k]) for k in projector)
+
+
 def test_the_example_reward():
     import importlib.util
 
