@@ -95,6 +95,14 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
             model, reference, base_checkpointer, "the base model: the policy with its adapters disabled (no second copy)"
         )
 
+    def _attach_images(self, cfg: DictConfig, resume_dir: Optional[Path], reference: Any) -> None:
+        """Image prompts with the tower frozen: the adapters are in the language model the image forward runs.
+        A trained tower or projector is not part of the adapter or the merged model: refused."""
+        if self.config.train_vision != "none":
+            raise ValueError(f"train_vision: {self.config.train_vision} is not supported by the LoRA recipe (the "
+                             "adapter and merged model hold the language model only); use train_vision: none")
+        super()._attach_images(cfg, resume_dir, reference)
+
     def gather_model_state(self) -> Dict[str, Any]:
         """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``)."""
         return training.gather_cpu_state_dict(
