@@ -80,7 +80,7 @@ def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> 
     # vision_tower.vision_model.*); its language model is replaced by the policy's just below.
     full = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=weight.dtype)
     inner = full.model
-    if type(inner.language_model) is not type(policy.base):
+    if not isinstance(policy.base, type(inner.language_model)):  # (FSDP2 wrapping makes a subclass)
         raise ValueError(f"{model_dir}: the image-text class's language model is {type(inner.language_model).__name__}"
                          f", the policy's {type(policy.base).__name__}")
     inner.language_model = policy.base
