@@ -93,3 +93,28 @@ def test_image_rollouts(vision_dir, tmp_path, family, sampled):
     with torch.no_grad(), image_inputs(policy, rows):
         trainer = sequence_logprobs(policy, batch.tokens, start=batch.start).logprobs[batch.response_mask]
     torch.testing.assert_close(trainer.double(), torch.stack(engine), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_a_sampled_image_token_is_text(vision_dir, tmp_path, family):
+    """A completion may contain the image token (a random model samples it): the engine fed it to the language
+    model as a token, and the trainer's forward does the same (not an image slot without a feature)."""
+    from torchtune_grpo.generation._hf_rollout import HFRollout
+    from torchtune_grpo.models import batch_image_inputs, image_inputs
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+
+    directory = vision_dir(family)
+    sample = image_rows(directory, tmp_path / "data")[0]
+    policy = vision_policy(directory, tmp_path / "scratch")
+    image_id = policy.image_model.config.image_token_id
+    response = [5, image_id, 7, image_id, 9]
+    with torch.inference_mode():
+        run = HFRollout(policy.sampler(), [sample["tokens"]], 1, 0, image_model=policy.image_model,
+                        images=[sample["image_inputs"]])
+        logits = [run.prefill()] + [run.decode(torch.tensor([tok]), t) for t, tok in enumerate(response[:-1])]
+    engine = torch.stack([torch.log_softmax(lg[0].double(), -1)[tok] for lg, tok in zip(logits, response)])
+    row = sample["tokens"] + response
+    with torch.no_grad(), image_inputs(policy, batch_image_inputs([sample["image_inputs"]], len(row))):
+        trainer = sequence_logprobs(policy, torch.tensor([row]), start=len(sample["tokens"]) - 1).logprobs[0]
+    # As the engine-vs-trainer check above: the same function computed in other orders, bound 1e-4.
+    torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)

@@ -228,5 +228,43 @@ def forward_with_images(policy: nn.Module, tokens: torch.Tensor, images: Mapping
     if input_pos is not None:
         # Qwen3.5's M-RoPE positions are 3-D and computed from the image grid; the Gemmas' are 0..L-1 for a row.
         raise ValueError("a forward with images takes no input_pos: the family computes its positions")
-    out = inner(input_ids=tokens, use_cache=False, **images)
-    return out.last_hidden_state
+    stray = _stray_image_tokens(inner, tokens, images)
+    if stray is None:
+        return inner(input_ids=tokens, use_cache=False, **images).last_hidden_state
+    # An image token the policy SAMPLED (in a response; the processor's per-token types say 0 there) is text: the
+    # engine fed it to the language model as a token. The image-text class would take it for an image slot (and
+    # refuse the count): it gets a plain id here, and its input embeddings are put back to the sampled token's.
+    sentinel = getattr(inner.config.get_text_config(), "pad_token_id", None) or 0
+    handles = [module.register_forward_hook(_restore_ids(tokens, stray))
+               for module in _token_embeddings(inner.language_model)]
+    try:
+        return inner(input_ids=tokens.masked_fill(stray, sentinel), use_cache=False, **images).last_hidden_state
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _stray_image_tokens(inner: nn.Module, tokens: torch.Tensor, images: Mapping[str, Any]) -> Optional[torch.Tensor]:
+    """``[B, L]`` True where a row holds the image token outside its prompt's images (None: nowhere)."""
+    image_id = getattr(inner.config, "image_token_id", None)
+    types = next((images[k] for k in PER_TOKEN_KEYS if k in images), None)
+    if image_id is None or types is None:
+        return None
+    stray = (tokens == image_id) & (types.to(tokens.device) == 0)
+    return stray if bool(stray.any()) else None
+
+
+def _token_embeddings(language_model: nn.Module) -> List[nn.Module]:
+    """The language model's embeddings looked up by token id (Gemma 4's per-layer embedding too)."""
+    names = ("embed_tokens", "embed_tokens_per_layer")
+    return [getattr(language_model, n) for n in names if isinstance(getattr(language_model, n, None), nn.Module)]
+
+
+def _restore_ids(tokens: torch.Tensor, stray: torch.Tensor):
+    """A forward hook: at ``stray`` positions, the embedding of ``tokens`` (the ids the forward was not given)."""
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].shape != tokens.shape:
+            return output
+        return torch.where(stray[..., None], module.forward(tokens), output)
+
+    return hook
