@@ -155,8 +155,11 @@ class ImagePromptDataset(Dataset):
             log.warning(f"dropped {too_long} of {num_rows} prompts longer than max_prompt_length={max_prompt_length} "
                         "tokens (image tokens included)")
         if not self._samples:
-            raise ValueError(f"no prompts left from {source_name}: {num_rows} rows" if num_rows
-                             else f"{source_name} has no rows")
+            raise ValueError(
+                f"no prompts left from {source_name}: of {num_rows} rows, {too_long} longer than max_prompt_length="
+                f"{max_prompt_length} tokens (image tokens included), {sum(self.bad_images.values())} with an image "
+                f"that could not be used, {invalid.num_dropped} with an empty or null value" if num_rows
+                else f"{source_name} has no rows")
 
     @staticmethod
     def _process(row, processor, question_column, image_column, image_root, system_prompt) -> Dict[str, Any]:
