@@ -107,6 +107,27 @@ def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in trained.items())
 
 
+def test_train_vision_tower_on_qwen3_5(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+    """``train_vision: tower`` on Qwen3.5: every tensor of the tower (``model.visual.*``, its merger included)
+    moves and is saved under its name; the language model moves; ``mtp.*`` is carried unchanged."""
+    src = vision_dir("qwen3_5")
+    data = _shapes_dataset(tmp_path / "data")
+    monkeypatch.chdir(REPO)
+    config = write_config(
+        tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
+        **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
+        enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
+        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, kl_coef=0.0,
+        train_vision="tower", **{"optimizer.lr": 1e-2})
+    run_in_process(config)
+    start, end = weights(src), weights(tmp_path / "out" / "step_2")
+    assert start.keys() == end.keys()
+    tower = [k for k in start if k.startswith("model.visual.")]
+    moved = [k for k in tower if not torch.equal(start[k], end[k])]
+    assert len(moved) == len(tower), sorted(set(tower) - set(moved))[:5]
+    assert all(torch.equal(start[k], end[k]) for k in start if k.startswith("mtp."))
+
+
 def test_resume_with_a_trained_projector_equals_the_uninterrupted_run(vision_dir, tmp_path, clean_env, one_thread,
                                                                         monkeypatch):
     """3 steps straight against 2 steps then a resumed run to step 3, ``train_vision: projector``: the resumed run
