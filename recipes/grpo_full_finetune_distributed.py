@@ -64,16 +64,19 @@ from torchtune_grpo.training.diagnostics import StepDiagnostics
 from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.rollouts.evaluation import check_evaluation_keys, correctness_name, HeldOutEvaluation
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
-from torchtune_grpo.generation import check_engine, GenerationEngine, request_routes, WeightPublisher, WeightSyncCheck
+from torchtune_grpo.generation import (
+    check_engine, GenerationEngine, NativeGenerator, request_routes, WeightPublisher, WeightSyncCheck,
+)
 from torchtune_grpo.loss.masks import LossMasks
 from torchtune_grpo.runtime.compute import set_tf32
 from torchtune_grpo.runtime.model_setup import build_model, check_device, Placement
-from torchtune_grpo.models import drop_pad_input_embedding_grad
+from torchtune_grpo.models import drop_pad_input_embedding_grad, image_state_dict
 from torchtune_grpo.runtime.nonfinite import advice, NonFiniteError
 from torchtune_grpo.loss.rollout_correction import off_policy_note, RolloutCorrection
 from torchtune_grpo.runtime.output_lock import check_output_dir, OutputDirLock
 from torchtune_grpo.runtime.precision import Precision
 from torchtune_grpo.runtime.preemption import SIGTERM_EXIT_CODE, StopOnSigterm
+from torchtune_grpo.runtime.image_setup import attach_image_side
 from torchtune_grpo.runtime.reference_setup import build_reference, ReferenceOptions
 from torchtune_grpo.rollouts.producer import PromptStream, RolloutProducer
 from torchtune_grpo.checkpoints.resume import config_changes, earlier_run_note, save_start_config
@@ -217,7 +220,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
 
     def gather_model_state(self) -> Dict[str, Any]:
         """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""
-        return training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device)
+        # A trained vision tower or projector (train_vision) under the checkpoint's own names.
+        return image_state_dict(self.model, training.gather_cpu_state_dict(self.model, self._is_rank_zero,
+                                                                           device=self._device))
 
     def write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
         """Write the checkpoint's model files as the directory ``staging`` (a hook: LoRA adds its adapter)."""
@@ -293,6 +298,14 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.optimizer = instantiate_component(cfg, "optimizer", self.model.parameters())
         # This rank's prompts across epochs (torchtune_grpo/rollouts/producer.py).
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        if "image_inputs" in dataset[0]:  # images in the prompt (docs/multimodal.md)
+            utils.log_rank_zero(log, attach_image_side(
+                self.model, None if reference is None else reference.model, self.optimizer,
+                native_engine=isinstance(self.engine, NativeGenerator), train=c.train_vision,
+                world_size=self.world_size, reference_source=checkpoint_source(cfg),
+                policy_source=str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)))
+        elif c.train_vision != "none":
+            raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")
         self.prompts = PromptStream.over(
             dataset, batch_size=c.batch_size, world_size=self.world_size, rank=self.rank, shuffle=c.shuffle,
             seed=self.seed,

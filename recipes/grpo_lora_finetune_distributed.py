@@ -79,6 +79,9 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
                 "full recipe only: the LoRA recipe's reference is the policy with its adapters off (no second copy; "
                 "QLoRA's base is NF4 already). Remove the reference: section."
             )
+        if self.config.train_vision != "none":  # a trained tower or projector is in neither adapter nor merged model
+            raise ValueError(f"train_vision: {self.config.train_vision} is not supported by the LoRA recipe (the "
+                             "adapter and merged model hold the language model only); use train_vision: none")
         # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.
         # Saves go through the same checkpointer, whose config.json and tokenizer files are the base's.
         base_state = base_checkpointer.load_checkpoint()[training.MODEL_KEY]

@@ -91,6 +91,22 @@ def write_jsonl(path: Path, rows) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="session")
+def vision_dir(tmp_path_factory):
+    """``vision_dir(family)``: the tiny multimodal directory of ``family`` with its image processor and chat
+    template (:func:`tests.hf_vision.make_vision_dir`), built once per session (per test file under xdist)."""
+    from tests.hf_vision import make_vision_dir
+
+    built = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = make_vision_dir(family, tmp_path_factory.mktemp(f"vision_{family}"))
+        return built[family]
+
+    return get
+
+
 @pytest.fixture
 def tiny_decoder():
     return make_tiny_decoder()

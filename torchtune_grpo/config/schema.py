@@ -269,6 +269,10 @@ class RecipeConfig(ConfigSchema):
         False, doc="with one row per sequence (`share_prompt_in_training: false`, or a model that cannot share): "
                    "several sequences per training row, none attending to another "
                    "([configs.md](configs.md#packed-rows-pack_sequences_in_training)); same numbers")
+    train_vision: str = setting(
+        "none", choices=("none", "projector", "tower"),
+        doc="with a dataset of image prompts ([multimodal.md](multimodal.md)): `none` keeps the vision tower and "
+            "projector frozen; `projector` or `tower` (tower and projector) trains them with the language model")
     drop_pad_embedding_grad: bool = setting(False, doc="no gradient to the pad token's input embedding "
                                             "(transformers' `padding_idx`, TRL's behaviour)")
     weight_sync: Any = component("for engines holding their own weights (vLLM): `WeightSyncCheck` interval and "

@@ -8,6 +8,7 @@ from torchtune_grpo.data._arithmetic import (
 )
 from torchtune_grpo.data._code import CODE_SYSTEM_PROMPT, code_dataset
 from torchtune_grpo.data._files import DataFileError
+from torchtune_grpo.data._images import image_dataset, ImagePromptDataset
 from torchtune_grpo.data._gsm8k import extract_gsm8k_answer, gsm8k_dataset
 from torchtune_grpo.data._math import extract_boxed_answer, math_dataset
 from torchtune_grpo.data._prompt import collate_prompts, PromptBatch, PromptDataset
@@ -42,6 +43,8 @@ __all__ = [
     "extract_boxed_answer",
     "extract_gsm8k_answer",
     "gsm8k_dataset",
+    "image_dataset",
+    "ImagePromptDataset",
     "load_rows",
     "make_prompt_formatter",
     "ON_INVALID_ROW",

@@ -28,6 +28,13 @@ is) with the engine's own decode loops and sampler:
   prefill, repeated to the group's rows; response token ``j`` from the decode forward that fed it; -1 for the
   last).
 
+- **images in the prompt** (a policy with :func:`~torchtune_grpo.models.attach_images`): the prefill runs the
+  image-text class's inner model (``policy.image_model``: the tower, the projector, the family's image masks and
+  positions) with the prompts' pixels and the same cache, mask and positions; the decode steps are text and run
+  the causal LM on that cache as before. Qwen3.5's M-RoPE: the prefill's positions are transformers' own
+  ``get_rope_index`` (3-D on image tokens), passed as ``generate`` passes them (text positions first, then the
+  three M-RoPE axes); a decode position is the text position plus the row's ``rope_delta`` on the three axes.
+
 Not done here: a static cache with a compiled decode step (``compile_decode`` applies to the torchtune backend;
 this path decodes eagerly with transformers' dynamic cache). Multi-turn sessions that keep this cache between
 turns: :mod:`~torchtune_grpo.generation._hf_session` (full-attention families).
@@ -35,7 +42,7 @@ turns: :mod:`~torchtune_grpo.generation._hf_session` (full-attention families).
 
 import inspect
 from contextlib import nullcontext
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -58,6 +65,8 @@ def sample_with_hf_cache(
     stop_tokens: Sequence[int],
     generator: Optional[torch.Generator],
     temperature: float,
+    image_model: Optional[nn.Module] = None,
+    images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
 ) -> Rollout:
     """``group_size`` completions of each prompt, sampled by ``engine``'s decode loop on ``hf``'s cache.
 
@@ -73,12 +82,16 @@ def sample_with_hf_cache(
         stop_tokens (Sequence[int]): ids that end a completion (kept as its last token).
         generator (Optional[torch.Generator]): the sampling RNG, on ``hf``'s device. Default is None.
         temperature (float): 0 is greedy.
+        image_model (Optional[nn.Module]): the policy's ``image_model`` (needed with ``images``). Default is None.
+        images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs (as
+            :class:`~torchtune_grpo.data.ImagePromptDataset` gives them) or None. Default is None.
 
     Returns:
         Rollout: ``B x G`` rows (row ``i`` answers prompt ``i // G``); ``routed_experts`` for a mixture of experts.
     """
     hooks = router_hooks(hf)
-    run = HFRollout(hf, prompts, group_size, pad_id, share_prefill=engine.share_prefill)
+    run = HFRollout(hf, prompts, group_size, pad_id, share_prefill=engine.share_prefill, image_model=image_model,
+                    images=images)
     stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.device)
     # Inference mode, as the torchtune path: no autograd bookkeeping on the decode's many small ops.
     with torch.inference_mode(), hooks.recording() if hooks is not None else nullcontext() as recorded:
@@ -108,10 +121,14 @@ class HFRollout:
         pad_id (int): the padding id.
         share_prefill (bool): prefill each prompt once and repeat its cache to its ``G`` rows; False prefills all
             ``B x G`` rows. Default is True.
+        image_model (Optional[nn.Module]): the image-text class's inner model sharing ``hf``'s language model
+            (:func:`~torchtune_grpo.models.attach_images`); the prefill runs it when ``images`` are given.
+        images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs, or None.
     """
 
     def __init__(self, hf: nn.Module, prompts: List[List[int]], group_size: int, pad_id: int, *,
-                 share_prefill: bool = True) -> None:
+                 share_prefill: bool = True, image_model: Optional[nn.Module] = None,
+                 images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None) -> None:
         self.hf = hf
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
@@ -139,8 +156,16 @@ class HFRollout:
         # never builds [B, W, V].
         self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
         self._forwards: List[torch.Tensor] = []  # the rows of each decode forward ([n] each, CPU)
+        self.image_model = image_model
+        self.images = None if images is None or all(i is None for i in images) else list(images)
+        if self.images is not None and image_model is None:
+            raise ValueError("prompts with images need the policy's image side (attach_images)")
+        self.rope_delta: Optional[torch.Tensor] = None  # [n, 1] Qwen3.5's M-RoPE offset of each row's text positions
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.rope_delta is not None:  # M-RoPE after images: text positions, then the three rotary axes
+            shifted = positions + self.rope_delta
+            positions = torch.stack([positions, shifted, shifted, shifted])  # [4, n, M]
         out = self.hf(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
                       use_cache=True, **self._last_only)
         self.cache = out.past_key_values
@@ -178,6 +203,8 @@ class HFRollout:
         """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
         self.cache.reorder_cache(index)
         self.positions = self.positions.index_select(0, index)
+        if self.rope_delta is not None:
+            self.rope_delta = self.rope_delta.index_select(0, index)
         if self.mask is not None:
             self.mask = self.mask.index_select(0, index)
 
@@ -191,12 +218,36 @@ class HFRollout:
             self.positions = positions
             if self.mask is not None:
                 self.mask = self.mask.index_select(0, per_group)
-        logits = self._forward(ids, positions)  # [B, V] or [B*G, V]
+        if self.images is not None:
+            rows = range(b) if self.share_prefill else per_group.tolist()
+            logits = self._prefill_with_images(ids, positions, [self.images[i] for i in rows])
+        else:
+            logits = self._forward(ids, positions)  # [B, V] or [B*G, V]
         if self.share_prefill:
             self._expand(per_group)
             logits = logits.index_select(0, per_group)
         self.positions = self.positions[:, -1:]  # [N, 1] only the last position is needed from here on
         return logits
+
+    def _prefill_with_images(self, ids: torch.Tensor, positions: torch.Tensor,
+                             images: List[Optional[Mapping[str, torch.Tensor]]]) -> torch.Tensor:
+        """The prefill of ``ids [n, W]`` with the rows' ``images``, by the image-text class's inner model."""
+        from torchtune_grpo.models._transformers_policy import TransformersHead
+        from torchtune_grpo.models._vision import batch_image_inputs
+
+        inputs = batch_image_inputs(images, ids.size(1), self.device, left=True)
+        inner = self.image_model
+        if hasattr(inner, "get_rope_index"):  # Qwen3.5: M-RoPE, as generate() computes it
+            mask = self.mask if self.mask is not None else torch.ones_like(ids)
+            rotary, delta = inner.get_rope_index(ids, attention_mask=mask, **{
+                k: v for k, v in inputs.items() if k in ("mm_token_type_ids", "image_grid_thw")})
+            positions = torch.cat([positions[None], rotary], dim=0)  # [4, n, W]
+            self.rope_delta = delta.to(self.device).reshape(-1, 1)
+        out = inner(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=None,
+                    use_cache=True, **inputs)
+        self.cache = out.past_key_values
+        self.slots += ids.size(1)
+        return TransformersHead(self.hf)(out.last_hidden_state[:, -1:])[:, -1].float()  # [n, V]
 
     def decode(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """Feed ``token [n]`` (response token ``t`` of the rows in the batch); return the next logits ``[n, V]``."""

@@ -1,7 +1,7 @@
 """The native generation engine: batched, KV-cached sampling with the trainer's own model (torchtune's modules, or
 transformers' through :mod:`~torchtune_grpo.generation._hf_rollout`)."""
 
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -216,6 +216,7 @@ class NativeGenerator(GenerationEngine):
         stop_tokens: Sequence[int],
         generator: Optional[torch.Generator] = None,
         temperature: Optional[float] = None,
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Rollout:
         """Generate completions.
 
@@ -230,14 +231,22 @@ class NativeGenerator(GenerationEngine):
             generator (Optional[torch.Generator]): RNG on the model's device. Default is None.
             temperature (Optional[float]): override this engine's temperature (0 for greedy
                 evaluation). Default is None.
+            images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs
+                (:class:`~torchtune_grpo.data.ImagePromptDataset`'s ``image_inputs``), for a transformers policy with
+                its image side attached (:func:`~torchtune_grpo.models.attach_images`). Default is None.
 
         Returns:
             Rollout: ``B x G`` rows; row ``i`` belongs to prompt ``i // G``.
 
         Raises:
             RuntimeError: while a :meth:`session` of this engine is open (it holds the KV cache).
+            ValueError: images for a policy without an image side.
         """
         self._check_no_open_session("generate")
+        has_images = images is not None and any(i is not None for i in images)
+        if has_images and getattr(model, "image_model", None) is None:
+            raise ValueError("prompts with images: the policy has no image side (a transformers policy of a "
+                             "multimodal directory, with attach_images)")
         temperature = self.temperature if temperature is None else temperature
         if isinstance(model, TransformersDecoder):
             # transformers' own module and KV cache (sliding windows, linear-attention state) on the live weights,
@@ -245,6 +254,8 @@ class NativeGenerator(GenerationEngine):
             return sample_with_hf_cache(
                 self, model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
                 stop_tokens=stop_tokens, generator=generator, temperature=float(temperature),
+                image_model=getattr(model, "image_model", None) if has_images else None,
+                images=images if has_images else None,
             )
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the

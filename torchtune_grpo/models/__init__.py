@@ -18,8 +18,20 @@ from torchtune_grpo.models._padding_idx import drop_pad_input_embedding_grad
 from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
 from torchtune_grpo.models._tokenizer import HFTokenizer, hf_tokenizer
 from torchtune_grpo.models._transformers_policy import TransformersDecoder, TransformersHead, text_model_config
+from torchtune_grpo.models._vision import (
+    attach_images,
+    batch_image_inputs,
+    image_inputs,
+    image_parameters,
+    image_state_dict,
+)
 
 __all__ = [
+    "attach_images",
+    "batch_image_inputs",
+    "image_inputs",
+    "image_parameters",
+    "image_state_dict",
     "BACKENDS",
     "Backend",
     "TransformersDecoder",

@@ -197,7 +197,8 @@ class TransformersDecoder(nn.Module):
             module._buffers[leaf] = value.to(device)
 
     def forward(self, tokens: torch.Tensor, mask: Optional[Any] = None,
-                input_pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+                input_pos: Optional[torch.Tensor] = None, images: Optional[Dict[str, torch.Tensor]] = None
+                ) -> torch.Tensor:
         """Logits (or whatever ``unembed`` returns) of ``tokens``.
 
         Args:
@@ -207,6 +208,11 @@ class TransformersDecoder(nn.Module):
                 or a training layout's :class:`~torchtune_grpo.models.attention.AttentionLayout` (packed or
                 shared-prompt rows), turned into explicit masks by :mod:`._transformers_layouts`.
             input_pos (Optional[torch.Tensor]): ``[B, L]`` position ids; None: ``0..L-1``. A layout needs them.
+            images (Optional[Dict[str, torch.Tensor]]): the rows' image inputs
+                (:func:`~torchtune_grpo.models._vision.batch_image_inputs`; or set for a block by
+                :func:`~torchtune_grpo.models._vision.image_inputs`), after
+                :func:`~torchtune_grpo.models._vision.attach_images`: the image-text class's own forward on the
+                policy's language model. Right-padded plain rows only (no layout, no ``input_pos``).
 
         Returns:
             torch.Tensor: ``unembed(h)``, by default ``[B, L, V]`` logits.
@@ -214,6 +220,14 @@ class TransformersDecoder(nn.Module):
         Raises:
             ValueError: for a tensor mask, or a layout on a model :func:`layouts_unsupported` refuses.
         """
+        images = images if images is not None else self.__dict__.get("_pending_images")
+        if images is not None:
+            from torchtune_grpo.models._vision import forward_with_images
+
+            if mask is not None:
+                raise ValueError("a forward with images takes plain right-padded rows (one per sequence), not a "
+                                 "training layout")
+            return self.unembed(forward_with_images(self, tokens, images, input_pos))
         attention_mask = None
         if mask is not None:
             from torchtune_grpo.models._transformers_layouts import layout_attention_mask

@@ -119,7 +119,8 @@ class LanguageWeights:
         return tensor
 
     def to_disk(self, state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """The tensors to write: the policy's under their on-disk names, then every carried tensor unchanged."""
+        """The tensors to write: the policy's under their on-disk names, then every carried tensor unchanged (but
+        those ``state`` holds under their on-disk names: a trained vision tower's, :func:`image_state_dict`)."""
         out: Dict[str, torch.Tensor] = {}
         for name, tensor in state.items():
             if name in self._experts.disk_names:
@@ -132,5 +133,6 @@ class LanguageWeights:
         for file_name, keys in by_file.items():
             with safe_open(str(self.directory / file_name), framework="pt") as f:
                 for key in keys:
-                    out[key] = f.get_tensor(key)
+                    if key not in out:  # a trained vision tensor in the state, under its on-disk name, wins
+                        out[key] = f.get_tensor(key)
         return out

@@ -210,12 +210,17 @@ def sample_and_score(
     t0 = time.perf_counter()
     # Only an override is passed: an engine's generate need not take `temperature`.
     kwargs = {} if temperature is None else {"temperature": temperature}
+    images = [f.get("image_inputs") for f in batch.fields]
+    if multi_turn is not None and any(i is not None for i in images):
+        raise ValueError("multi-turn episodes with images in the prompt are not supported (docs/multimodal.md)")
     if multi_turn is not None:
         return _sample_and_score_episodes(
             model, tokenizer, engine, batch, rewards, multi_turn, group_size=group_size,
             max_new_tokens=max_new_tokens, generator=generator, temperature=temperature,
             generation_context=generation_context,
         )
+    if any(i is not None for i in images):  # prompts with images: only engines that take them (the native engine)
+        kwargs["images"] = images
     with generation_context if generation_context is not None else nullcontext():
         rollout = engine.generate(
             model,

@@ -26,7 +26,7 @@ aggregation therefore do not depend on the layout.
 
 import copy
 from contextlib import nullcontext
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +131,11 @@ class TrainingBatch:
             (``Rollout.routed_experts``), for the router metrics and routing replay. Default is None.
         replay (bool): force ``routed_experts`` in every forward of this batch (``moe.routing_replay: rollout``;
             in every layout: :meth:`routes_for` lays them out in the layout's slots). Default is False.
+        images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each row's prompt image inputs
+            (:class:`~torchtune_grpo.data.ImagePromptDataset`'s ``image_inputs``), or None. With images the rows are
+            laid out one per sequence (no shared prompts, no packing: the image-text forward takes plain rows), and
+            every forward of this batch (old, reference and policy logprobs) sees its rows' images
+            (:func:`~torchtune_grpo.models.image_inputs`). Default is None.
 
     Attributes:
         tokens (torch.Tensor): ``[N, L]`` the unshared rows ``prompt + response``, right-padded.
@@ -152,8 +157,13 @@ class TrainingBatch:
         packed_attention: str = "sdpa",
         routed_experts: Optional[List[torch.Tensor]] = None,
         replay: bool = False,
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> None:
         tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
+        # Rows whose prompts have images: one row per sequence, each forward with its rows' image inputs.
+        self.images = None if images is None or all(i is None for i in images) else list(images)
+        if self.images is not None:
+            share_prompt, pack = False, False
         self.routes = None if routed_experts is None else layout_routes(
             prompt_ids, response_ids, routed_experts, tokens.size(1))
         if replay and self.routes is None:
@@ -185,6 +195,7 @@ class TrainingBatch:
         batch.pad_id, batch.share_prompt, batch.pack, batch.device = None, False, False, tokens.device
         batch.packed_attention = "sdpa"
         batch.routes, batch.replay = None, False
+        batch.images = None
         batch.row_width = None
         batch._layouts = {}
         return batch
@@ -219,6 +230,8 @@ class TrainingBatch:
             batch.response_mask = self.response_mask.index_select(0, index)
         if self.routes is not None:
             batch.routes = self.routes.index_select(0, index.cpu())
+        if self.images is not None:
+            batch.images = [self.images[i] for i in rows]
         if self.prompt_ids is not None:
             batch.prompt_ids = [self.prompt_ids[i] for i in rows]
             batch.response_ids = [self.response_ids[i] for i in rows]
@@ -267,6 +280,14 @@ class TrainingBatch:
         if hooks is None:
             return nullcontext()
         return hooks.forcing(self.routes_for(rows, model, allow_layout))
+
+    def _images(self, model: nn.Module, rows: slice, tokens: torch.Tensor) -> ContextManager:
+        """The forwards over ``rows`` (``tokens [n, L]``) with their prompts' images (none: a no-op)."""
+        if self.images is None:
+            return nullcontext()
+        from torchtune_grpo.models._vision import batch_image_inputs, image_inputs
+
+        return image_inputs(model, batch_image_inputs(self.images[rows], tokens.size(1), tokens.device))
 
     def layout_for(self, model: nn.Module, rows: slice, allow_layout: bool = True
                    ) -> "Optional[SharedPromptLayout | PackedLayout]":
@@ -376,7 +397,7 @@ class TrainingBatch:
                 # Cut to these rows' longest sequence: the rest is padding after every real token, which
                 # causal attention never lets a real token see.
                 tokens = tokens[:, : max(max(self.lengths[rows]), self.start + 2)]
-            with compiled_layers(model), self.routing(model, rows, allow_layout):  # compiled: a no-op without them
+            with compiled_layers(model), self.routing(model, rows, allow_layout), self._images(model, rows, tokens):
                 out = sequence_logprobs(
                     model, tokens, start=self.start, temperature=temperature, chunk_size=chunk_size,
                     with_entropy=with_entropy, entropy_grad=entropy_grad,

@@ -327,7 +327,7 @@ class ExperienceBuilder:
         layout = TrainingBatch(
             trained.prompt_ids, trained.response_ids, self.pad_id, share_prompt=self.share_prompt,
             pack=self.pack_sequences, device=self.device, packed_attention=self.packed_attention,
-            routed_experts=trained.routed_experts, replay=self.routing_replay,
+            routed_experts=trained.routed_experts, replay=self.routing_replay, images=row_images(trained),
         )
         fractions = None  # [layers, E] the load-balancing loss's f: the engine's routes over every process's batch
         if self.num_experts is not None and layout.routes is not None:
@@ -377,3 +377,11 @@ class ExperienceBuilder:
             seconds=seconds, expert_fractions=fractions,
         )
         return BuiltExperience(experience, kl_penalty)
+
+
+def row_images(groups: Any) -> Optional[List[Optional[Dict[str, torch.Tensor]]]]:
+    """Each sequence's prompt image inputs (its group's ``image_inputs`` field), or None when no prompt has any."""
+    per_group = [f.get("image_inputs") for f in groups.fields]
+    if all(i is None for i in per_group):
+        return None
+    return [per_group[i // groups.group_size] for i in range(len(groups.response_ids))]

@@ -1,0 +1,120 @@
+"""The native engine samples from image prompts on transformers' modules: one prefill per group with the pixels,
+then text decode steps on that cache (generation/_hf_rollout.py)."""
+
+import pytest
+import torch
+
+from tests.hf_vision import VISION_FAMILIES
+from tests.test_vision_policy import image_rows, vision_policy
+from torchtune_grpo.generation import _native, NativeGenerator
+from torchtune_grpo.training.batch import TrainingBatch
+
+# 40 of the 512 ids stop a row: rows stop at scattered lengths, so the decode batch shrinks.
+KW = dict(group_size=3, max_new_tokens=8, pad_id=0, stop_tokens=list(range(100, 140)))
+
+
+@pytest.fixture
+def sampled(monkeypatch):
+    """Every call of the engine's sampler: ``[N, V]`` logits of the whole batch (NaN for rows not decoding) and
+    the ``[N]`` tokens drawn (-1 likewise), one entry per step, a list per ``generate``."""
+    runs = []
+    original = _native.sample_tokens
+
+    def recording(logits, **kw):
+        token = original(logits, **kw)
+        rows = kw.get("noise_rows")
+        n = kw.get("noise_batch") or logits.size(0)
+        full = torch.full((n, logits.size(1)), float("nan"))
+        drawn = torch.full((n,), -1, dtype=torch.long)
+        index = rows.cpu() if rows is not None else torch.arange(n)
+        full[index], drawn[index] = logits.float().cpu(), token.cpu()
+        runs[-1].append((full, drawn))
+        return token
+
+    monkeypatch.setattr(_native, "sample_tokens", recording)
+    return runs
+
+
+def _run(policy, data, runs, seed, **engine):
+    runs.append([])
+    gen = torch.Generator().manual_seed(seed)
+    return NativeGenerator(stop_check_interval=4, **engine).generate(
+        policy, [s["tokens"] for s in data], generator=gen, temperature=1.0,
+        images=[s["image_inputs"] for s in data], **KW)
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_image_rollouts(vision_dir, tmp_path, family, sampled):
+    from transformers import AutoModelForImageTextToText
+
+    directory = vision_dir(family)
+    data = image_rows(directory, tmp_path / "data")
+    policy = vision_policy(directory, tmp_path / "scratch")
+    fast = _run(policy, data, sampled, seed=1)
+    slow = _run(policy, data, sampled, seed=1, share_prefill=False, compact_decode=False)
+    # One prefill per group repeated to its rows, rows leaving the batch: the tokens of every row prefilled and
+    # decoded to the end under the same seed. (The two compute the same logits in other batch shapes: rounding
+    # only; a seeded draw could flip only where a uniform falls between the two runs' CDF entries, bounded below.)
+    assert fast.response_ids == slow.response_ids
+    flip_chance = 0.0
+    for (a, _), (b, _) in zip(*sampled):
+        both = ~(a.isnan().any(1) | b.isnan().any(1))
+        cdf_a, cdf_b = (torch.softmax(x[both].double(), -1).cumsum(-1) for x in (a, b))
+        flip_chance += float((cdf_a - cdf_b).abs().sum())
+    assert flip_chance < 0.01, flip_chance
+    assert len({len(r) for r in fast.response_ids}) > 1
+    # The first token's logits are transformers' image-text class's on each prompt alone with its images.
+    reference = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
+    first = sampled[0][0][0]
+    for i, sample in enumerate(data):
+        one = {k: (v[None] if k.endswith("token_type_ids") else v) for k, v in sample["image_inputs"].items()}
+        with torch.no_grad():
+            want = reference(input_ids=torch.tensor([sample["tokens"]]), **one).logits[0, -1].float()
+        # Same modules and weights; a left-padded batch of two prompts against one prompt alone: rounding of
+        # other matmul shapes through 3-4 layers, 32 ulp of the largest logit (as the text engine's padding test).
+        bound = 32 * torch.finfo(torch.float32).eps * want.abs().max().item()
+        for row in range(i * 3, i * 3 + 3):
+            assert (first[row] - want).abs().max().item() <= bound
+    # The trainer's logprobs (one right-padded forward per row with the prompt's images) are those of the logits
+    # the engine sampled from. Same bound as the text engine's test (tests/test_native_transformers_decode.py):
+    # 1e-4, a logit minus a logsumexp through 2-4 layers of peaked softmaxes computed in other orders.
+    from torchtune_grpo.models import batch_image_inputs, image_inputs
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+
+    engine = []
+    for i, response in enumerate(fast.response_ids):
+        for j, token in enumerate(response):
+            logits, drawn = sampled[0][j]
+            assert int(drawn[i]) == token
+            engine.append(torch.log_softmax(logits[i].double(), -1)[token])
+    batch = TrainingBatch(fast.prompt_ids, fast.response_ids, 0, share_prompt=False)
+    width = batch.tokens.size(1)
+    rows = batch_image_inputs([data[i // 3]["image_inputs"] for i in range(len(fast.response_ids))], width)
+    with torch.no_grad(), image_inputs(policy, rows):
+        trainer = sequence_logprobs(policy, batch.tokens, start=batch.start).logprobs[batch.response_mask]
+    torch.testing.assert_close(trainer.double(), torch.stack(engine), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_a_sampled_image_token_is_text(vision_dir, tmp_path, family):
+    """A completion may contain the image token (a random model samples it): the engine fed it to the language
+    model as a token, and the trainer's forward does the same (not an image slot without a feature)."""
+    from torchtune_grpo.generation._hf_rollout import HFRollout
+    from torchtune_grpo.models import batch_image_inputs, image_inputs
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+
+    directory = vision_dir(family)
+    sample = image_rows(directory, tmp_path / "data")[0]
+    policy = vision_policy(directory, tmp_path / "scratch")
+    image_id = policy.image_model.config.image_token_id
+    response = [5, image_id, 7, image_id, 9]
+    with torch.inference_mode():
+        run = HFRollout(policy.sampler(), [sample["tokens"]], 1, 0, image_model=policy.image_model,
+                        images=[sample["image_inputs"]])
+        logits = [run.prefill()] + [run.decode(torch.tensor([tok]), t) for t, tok in enumerate(response[:-1])]
+    engine = torch.stack([torch.log_softmax(lg[0].double(), -1)[tok] for lg, tok in zip(logits, response)])
+    row = sample["tokens"] + response
+    with torch.no_grad(), image_inputs(policy, batch_image_inputs([sample["image_inputs"]], len(row))):
+        trainer = sequence_logprobs(policy, torch.tensor([row]), start=len(sample["tokens"]) - 1).logprobs[0]
+    # As the engine-vs-trainer check above: the same function computed in other orders, bound 1e-4.
+    torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)
