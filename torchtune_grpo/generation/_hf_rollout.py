@@ -36,7 +36,7 @@ is) with the engine's own decode loops and sampler:
   three M-RoPE axes); a decode position is the text position plus the row's ``rope_delta`` on the three axes.
 
 Not done here: a static cache with a compiled decode step (``compile_decode`` applies to the torchtune backend;
-this path decodes eagerly with transformers' dynamic cache). Multi-turn sessions that keep this cache between
+this path decodes eagerly with transformers' dynamic cache, its full-attention layers growing in place: _hf_cache.py). Multi-turn sessions that keep this cache between
 turns: :mod:`~torchtune_grpo.generation._hf_session` (full-attention families).
 """
 
@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.generation._decode import to_rollout
+from torchtune_grpo.generation._hf_cache import growing_cache
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.models.moe_routing import router_hooks
 
@@ -147,7 +148,8 @@ class HFRollout:
         # generate() drops an all-ones mask (no padding anywhere) once, before the prefill: the same here, so the
         # attention kernels see what they see under generate().
         self.mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) else mask  # [n, slots] or None
-        self.cache = None
+        # transformers' cache for the model, its full-attention layers growing in place (_hf_cache.py)
+        self.cache = growing_cache(hf.config)
         self.slots = 0  # the cache's sequence length: slots written so far (every row the same)
         # [n] the rollout rows (0 .. B*G-1) in the decode batch, in batch order: which row a decode forward's
         # i-th entry is, for the routes.
@@ -243,7 +245,7 @@ class HFRollout:
                 k: v for k, v in inputs.items() if k in ("mm_token_type_ids", "image_grid_thw")})
             positions = torch.cat([positions[None], rotary], dim=0)  # [4, n, W]
             self.rope_delta = delta.to(self.device).reshape(-1, 1)
-        out = inner(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=None,
+        out = inner(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
                     use_cache=True, **inputs)
         self.cache = out.past_key_values
         self.slots += ids.size(1)

@@ -45,7 +45,9 @@ def _other_layers(layers: List[Any]) -> List[str]:
     """The class names of cache layers that are not plain full attention (``DynamicLayer``)."""
     from transformers import DynamicLayer
 
-    return sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    from torchtune_grpo.generation._hf_cache import GrowingLayer
+
+    return sorted({type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, GrowingLayer)})
 
 
 def hf_session_unsupported(hf: nn.Module) -> Optional[str]:
