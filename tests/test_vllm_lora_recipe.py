@@ -3,8 +3,10 @@
 - One process, LoRA, adapter sync: 2 steps whose every version checks out (fp32: rounding only), each
   sending the adapter alone; then a resumed run, whose engine gets the resumed (trained, non-zero) adapter
   before its first rollout: the start-up check compares it with the trainer's resumed policy.
-- Two processes, QLoRA, multi-turn episodes: one engine per rank holding the dequantised NF4 base plus the
-  adapter, each checked against the trainer's NF4 model.
+- Two processes, QLoRA, multi-turn episodes, ``lora_sync: adapter``: one engine per rank holding the
+  dequantised NF4 base plus the adapter, each checked against the trainer's NF4 model (this run also carries
+  the one-process QLoRA run's claims, and the adapter-only sync over FSDP2 shards: one engine start-up per
+  rank instead of three runs).
 - Two processes, LoRA, ``lora_sync: merge``: full merged weights from the FSDP2 shards, checked.
 - A stale adapter sync stops the run after step 1 (in process, with an in-test engine that keeps its own LoRA
   copy and drops adapter versions after the first: no vLLM engine starts for a run meant to stop).
@@ -77,9 +79,14 @@ def test_lora_with_vllm_syncs_adapters_only_and_resumes(tmp_path: Path):
 
 @pytest.mark.slow
 def test_qlora_on_two_processes_with_multi_turn_episodes(tmp_path: Path):
+    # One run for three claims (each used to start its own engines): QLoRA on two processes with multi-turn
+    # episodes; the engine holds the NF4 base dequantised as the trainer's forward computes it and the adapter
+    # alone follows (formerly also a one-process QLoRA run: the same claims, here on each rank's engine); and
+    # lora_sync: adapter over FSDP2 shards (formerly test_lora_sync_on_two_processes[adapter]): the base once,
+    # then each rank's engine gets the adapter alone, the checks pass and the card says what is sent.
     config = write_config(
         tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN,
-        **{"model.quantize_base": True, "dataset.prompt_style": "chat"},
+        **{"model.quantize_base": True, "dataset.prompt_style": "chat", "generation.lora_sync": "adapter"},
         tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
         environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
         multi_turn={"max_turns": 3, "env_timeout": 10},
@@ -87,22 +94,25 @@ def test_qlora_on_two_processes_with_multi_turn_episodes(tmp_path: Path):
     )
     output = run_tune(config, nproc=2, cwd=tmp_path, recipe=RECIPE)
     assert "2 rank(s)" in output and "with NF4 base weights (QLoRA)" in output
+    assert "Generation engine started, weights synced and checked" in output
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["generation/sync_logprob_diff"] < 1e-4, r  # the largest over both ranks' engines
         assert r["generation/logprob_mismatch"] < 1e-4, r  # over the model's tokens of every turn
-        assert r["generation/sync_bytes"] == _adapter_bytes(config), r
+        assert r["generation/sync_bytes"] == _adapter_bytes(config), r  # the adapter alone, not the base
+    assert rows[1]["grad_norm"] > 0
     assert max(r["episode/turns"] for r in rows) > 1  # histories were continued through the adapter
+    card = (tmp_path / "out" / "algorithm_card.md").read_text()
+    assert "(lora_sync: adapter)" in card
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora_sync", ["merge", "adapter"])
-def test_lora_sync_on_two_processes(tmp_path: Path, lora_sync: str):
+def test_lora_sync_merge_on_two_processes(tmp_path: Path):
     # merge: every sync sends every weight with the adapter merged (fp32), gathered from the FSDP2 shards on
-    # both ranks; adapter: the base once, then each rank's engine gets the adapter alone. The checks pass and
-    # the card says what is sent.
-    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"generation.lora_sync": lora_sync})
+    # both ranks. The checks pass and the card says what is sent. (lora_sync: adapter on two processes:
+    # test_qlora_on_two_processes_with_multi_turn_episodes.)
+    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"generation.lora_sync": "merge"})
     output = run_tune(config, nproc=2, cwd=tmp_path, recipe=RECIPE)
     assert "2 rank(s)" in output
     rows = _rows(tmp_path)
@@ -112,26 +122,10 @@ def test_lora_sync_on_two_processes(tmp_path: Path, lora_sync: str):
     for r in rows:
         assert r["generation/sync_logprob_diff"] < 1e-4, r
         assert r["generation/logprob_mismatch"] < 1e-4, r
-        # merge: every base weight (merged), no adapter; adapter: the adapter alone
-        assert r["generation/sync_bytes"] == (base_bytes if lora_sync == "merge" else _adapter_bytes(config)), r
+        assert r["generation/sync_bytes"] == base_bytes, r  # every base weight (merged), no adapter
     card = (tmp_path / "out" / "algorithm_card.md").read_text()
-    assert f"(lora_sync: {lora_sync})" in card
-    if lora_sync == "merge":
-        assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
-
-
-def test_qlora_with_vllm_on_one_process(tmp_path: Path):
-    # The engine holds the NF4 base dequantised as the trainer's forward computes it; the adapter alone follows.
-    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"model.quantize_base": True})
-    output = run_tune(config, cwd=tmp_path, recipe=RECIPE)
-    assert "with NF4 base weights (QLoRA)" in output and "Generation engine started, weights synced and checked" in output
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:
-        assert r["generation/sync_logprob_diff"] < 1e-4, r
-        assert r["generation/logprob_mismatch"] < 1e-4, r
-        assert r["generation/sync_bytes"] == _adapter_bytes(config), r
-    assert rows[1]["grad_norm"] > 0
+    assert "(lora_sync: merge)" in card
+    assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
 
 
 class StaleAdapterGenerator(NativeGenerator):

@@ -243,7 +243,7 @@ def test_the_recipe_with_replay_and_vllm_on_cpu_stops_at_start_naming_the_key(tm
 # --------------------------------------------------------------------- the server, through a generation worker
 
 
-def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path):
+def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path, monkeypatch):
     # transformers' Qwen3-MoE module trained with its own vLLM server inside a generation worker, no staleness:
     # every batch after the first is sampled by a version sent through vLLM's weight-transfer API (per-expert
     # tensors in shared memory, the server's CPU experts prepacked again), and the worker checks each version's
@@ -251,7 +251,7 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path)
     from transformers import AutoModelForCausalLM
 
     from tests.hf_models import hf_components
-    from tests.recipe_utils import read_jsonl, run_tune, write_config
+    from tests.recipe_utils import read_jsonl, run_in_process, write_config
     from tests.test_vllm_server import SERVER_CONFIG, TRAIN
     from tests.tolerances import ulps
     from torchtune_grpo.generation import WeightSyncCheck
@@ -268,7 +268,11 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path)
             "probe_length": 32}
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
                           generation_workers={"enabled": True, "max_staleness": 0}, weight_sync=sync)
-    output = run_tune(config, cwd=tmp_path)
+    # The trainer in this process (its worker and the worker's server are processes of their own either way).
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's and server's threads, as under `tune run`
+    log = []
+    run_in_process(config, log=log)
+    output = "\n".join(log)
     assert "Generation worker started (max_staleness 0)" in output
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]

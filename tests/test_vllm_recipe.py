@@ -1,4 +1,5 @@
-"""The recipe with the vLLM engine on CPU, through `tune run`: real training steps, real weight syncs.
+"""The recipe with the vLLM engine on CPU, through `tune run` (one and two processes; the run whose engine is in a
+generation worker drives the trainer in this process): real training steps, real weight syncs.
 
 - A run trains a tiny Qwen3 model directory for a few steps; after every optimizer step the weights go
   to vLLM and the sync check passes (``generation/sync_logprob_diff`` stays at fp32 rounding), the
@@ -138,12 +139,17 @@ def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path:
     assert record["conversation"][1] == {"role": "user", "content": "Go on."}
 
 
-def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path):
+def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path, monkeypatch):
     # vLLM in the worker process (its only copy of the weights, loaded with the in-place reload after every
     # step), one step off: batch 1 comes from the initial weights the trainer also holds, so the engine's
     # sampling logprobs match the trainer's; later batches are one version behind, within the bound.
+    # The trainer runs in this process (the engine is in the worker's process either way: no vLLM engine starts
+    # here); `tune run` end to end with vLLM: the other runs of this file.
     config = write_config(tmp_path, base=VLLM_CONFIG, **TRAIN, generation_workers={"enabled": True, "max_staleness": 1})
-    output = run_tune(config, cwd=tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's threads, as under `tune run`
+    log = []
+    run_in_process(config, log=log)
+    output = "\n".join(log)
     assert "Generation worker started (max_staleness 1)" in output
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["staleness/max"] for r in rows] == [0, 1, 1]

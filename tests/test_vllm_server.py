@@ -5,9 +5,11 @@
   the samples, stale weights are seen by the sync check and a sync through vLLM's weight-transfer API (the
   shared-memory engine registered by the package's vLLM plugin) repairs them, no staging file is left, a
   completion stamped with a weight version other than the one sent stops the run, and close stops the server.
-- Through ``tune run``: a server started by hand with the command of docs/vllm.md and listed in
-  ``generation.servers`` (the multi-node layout's shape); the run's own server inside a generation worker, one
-  step off (docs/async.md).
+- The recipe (in this process: the servers and workers are processes of their own either way): a server
+  started by hand with the command of docs/vllm.md and listed in ``generation.servers`` (the multi-node
+  layout's shape), which then goes by itself when the process that started it is killed; the run's own server
+  inside a generation worker, one step off (docs/async.md), and with in-flight updates; the LoRA recipe's
+  merged weights. Through ``tune run`` end to end: two trainer processes, each with its own server.
 - Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
   servers, a server without the RL routes, a server that dies while starting (its log is quoted).
 """
@@ -17,7 +19,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,7 @@ import torch
 
 from tests.conftest import free_port, REPO
 from tests.hf_models import hf_components, make_model_dir
-from tests.recipe_utils import read_jsonl, run_results_script, run_tune, weights, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, run_results_script, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
 from torchtune_grpo.generation._vllm_server_process import VLLMServer
@@ -264,6 +265,15 @@ def test_close_stops_the_server(results):
 # ------------------------------------------------------------------------------------------ the recipe
 
 
+@pytest.fixture
+def log_list(monkeypatch):
+    """The INFO messages of a recipe run in this process (``run_in_process(..., log=...)``): what ``tune run``
+    would print. One intra-op thread in the processes the run starts (its worker, its server), as under
+    ``tune run`` (tests/recipe_utils.py, ``tune_env``)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    return []
+
+
 def _check_trained(tmp_path: Path, src: Path, rows: list) -> None:
     for r in rows:
         assert torch.isfinite(torch.tensor(r["loss"]))
@@ -273,35 +283,62 @@ def _check_trained(tmp_path: Path, src: Path, rows: list) -> None:
     assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3  # the check had something to catch
 
 
-def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, monkeypatch):
-    # The server is started with the command docs/vllm.md gives (the shape of a multi-node layout, where
-    # servers run before the trainer); the run uses it, leaves it running, and its version is the last sent.
-    # Its start also meets a port taken between being picked and being bound: the server exits saying so and
-    # the next port is tried.
-    _needs_vllm()
+_STARTER = textwrap.dedent(
+    r"""
+    import json, socket, sys, time
+    from pathlib import Path
     import torchtune_grpo.generation._vllm_server_process as server_process
+    from torchtune_grpo.generation._vllm_server_process import VLLMServer
 
+    # A port taken between being picked and being bound: the server exits saying so and the next port is tried.
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     taken_port = taken.getsockname()[1]
     picks = iter([taken_port])
     pick_free = server_process._free_port
-    monkeypatch.setattr(server_process, "_free_port", lambda: next(picks, None) or pick_free())
+    server_process._free_port = lambda: next(picks, None) or pick_free()
+    server = VLLMServer.start(json.loads(sys.argv[1]), log_path=Path(sys.argv[2]), env={"OMP_NUM_THREADS": "1"})
+    taken.close()
+    print(json.dumps({"url": server.url, "taken_port": taken_port}), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, log_list):
+    # The server is started with the command docs/vllm.md gives (the shape of a multi-node layout, where
+    # servers run before the trainer), by a process of its own; the run uses it, leaves it running, and its
+    # version is the last sent. Its start also meets a port taken between being picked and being bound: the
+    # server exits saying so and the next port is tried.
+    # Then the process that started it is killed (SIGKILL: it cannot stop its server): the server must go by
+    # itself (else it keeps its devices and a restarted worker starts a second one). This was
+    # test_a_server_does_not_outlive_the_process_that_started_it, on a server of its own.
+    # The recipe runs in this process (the claim is the listed server's use and the numbers, not the launcher;
+    # `tune run` end to end with a server: test_two_trainer_processes_each_with_its_own_server).
+    _needs_vllm()
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     log_path = tmp_path / "server.log"
     args = ["--model", str(src), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--enable-scale-out",
             "--weight-transfer-config", json.dumps({"backend": BACKEND}), "--max-model-len", "256",
             "--kv-cache-memory-bytes", str(2**28), "--no-enable-chunked-prefill", "--max-num-batched-tokens", "8192"]
-    server = VLLMServer.start(args, log_path=log_path, env={"OMP_NUM_THREADS": "1"})
-    taken.close()
-    assert "Address already in use" in log_path.read_text() and not server.url.endswith(f":{taken_port}")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _STARTER, json.dumps(args), str(log_path)],
+                            stdout=subprocess.PIPE, text=True, env=env)
     try:
-        address = server.url.removeprefix("http://")
+        line = proc.stdout.readline()
+        assert line, f"the starter exited ({proc.poll()}); server log:\n" + (
+            log_path.read_text()[-3000:] if log_path.exists() else "")
+        started = json.loads(line)
+        url = started["url"]
+        assert url.startswith("http://127.0.0.1:"), url
+        assert "Address already in use" in log_path.read_text() and not url.endswith(f":{started['taken_port']}")
+        address = url.removeprefix("http://")
         config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src),
                               **{**TRAIN, "save_every_n_steps": 3}, **{"generation.servers": [address]})
-        output = run_tune(config, cwd=tmp_path)
+        run_in_process(config, log=log_list)
+        output = "\n".join(log_list)
         assert f"Rank 0: vLLM server http://{address} (listed in generation.servers)" in output
         assert "Generation engine started, weights synced and checked" in output
         rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
@@ -310,14 +347,27 @@ def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, monkeyp
         for r in rows:
             assert r["generation/logprob_mismatch"] < 1e-4, r  # sampled by exactly the trainer's weights
         # Still running (a listed server belongs to whoever started it), on the version the run sent last.
-        with urllib.request.urlopen(server.url + "/weight_info", timeout=10) as response:
+        with urllib.request.urlopen(url + "/weight_info", timeout=10) as response:
             version = json.load(response)["weight_version"]
         assert int(version) >= 3
+        urllib.request.urlopen(url + "/health", timeout=10)  # up, before its starter goes
     finally:
-        server.stop()
+        proc.kill()
+        proc.wait()
+    import time
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=5)
+        except (urllib.error.URLError, ConnectionError):
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the server at {url} still answers 60 s after the process that started it was killed")
 
 
-def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path):
+def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path, log_list, capfd):
     # The policy is transformers' own Gemma 3 module (not a torchtune architecture): its weights reach the server
     # under their own names, through the worker (torchtune names through a server: the test above).
     from tests.hf_families import make_family_dir
@@ -326,7 +376,10 @@ def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path
     src = make_family_dir("gemma3_text", tmp_path / "gemma3")
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
                           generation_workers={"enabled": True, "max_staleness": 1})
-    output = run_tune(config, cwd=tmp_path)
+    # In this process (the worker and its server are processes of their own either way): what the trainer
+    # logs, and what the worker printed (its log goes to the stderr it inherits).
+    run_in_process(config, log=log_list)
+    output = "\n".join(log_list) + "\n" + "".join(capfd.readouterr())
     assert "Generation worker started (max_staleness 1)" in output
     started = re.search(r"Rank 0: vLLM server started at (http://\S+)", output)
     assert started, output[-3000:]
@@ -340,7 +393,7 @@ def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path
         urllib.request.urlopen(started.group(1) + "/health", timeout=5)
 
 
-def test_recipe_with_in_flight_weight_updates(tmp_path: Path):
+def test_recipe_with_in_flight_weight_updates(tmp_path: Path, log_list):
     # generation_workers.in_flight_updates: the worker generates on a thread and a version that arrives
     # meanwhile goes into its server at once. Whether a batch is caught mid-generation depends on timing (the
     # engine test above forces it); what must hold every step: the bound counts each row's oldest token, the
@@ -349,7 +402,8 @@ def test_recipe_with_in_flight_weight_updates(tmp_path: Path):
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
                           generation_workers={"enabled": True, "max_staleness": 1, "in_flight_updates": True})
-    output = run_tune(config, cwd=tmp_path)
+    run_in_process(config, log=log_list)  # in this process: the worker and its server are processes either way
+    output = "\n".join(log_list)
     assert "Generation worker started (max_staleness 1)" in output
     assert "In-flight weight updates: a version that reaches a worker while it generates" in output  # the card
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
@@ -437,7 +491,7 @@ def test_a_server_that_dies_while_starting_quotes_its_log(tmp_path: Path):
     assert str(log_path) in str(error.value) and "no_such_model" in str(error.value)
 
 
-def test_lora_recipe_sends_the_server_merged_weights(tmp_path: Path):
+def test_lora_recipe_sends_the_server_merged_weights(tmp_path: Path, log_list):
     # The LoRA recipe with a server: the publisher merges W + (alpha / r) B A in fp32 and sends full weights
     # after every step (the server engine serves no adapters); every sync checks out and the adapter trains.
     _needs_vllm()
@@ -445,7 +499,8 @@ def test_lora_recipe_sends_the_server_merged_weights(tmp_path: Path):
                   "max_model_len": 256, "kv_cache_memory_gib": 0.25, "log_dir": "${output_dir}/vllm"}
     config = write_config(tmp_path, base=REPO / "configs" / "tiny" / "lora_vllm_grpo_cpu.yaml", max_steps=2,
                           save_every_n_steps=None, lr_scheduler=None, generation=generation)
-    output = run_tune(config, cwd=tmp_path, recipe="grpo_lora_finetune_distributed")
+    run_in_process(config, lora=True, log=log_list)  # in this process: the server is a process of its own
+    output = "\n".join(log_list)
     assert "with the LoRA adapter merged: W + (alpha / r) B A computed in fp32" in output  # the algorithm card
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2]
@@ -454,45 +509,6 @@ def test_lora_recipe_sends_the_server_merged_weights(tmp_path: Path):
         assert r["generation/logprob_mismatch"] < 1e-4, r
     assert rows[0]["generation/sync_bytes"] == rows[1]["generation/sync_bytes"] > 0  # every weight, every step
     assert any(r["loss"] != 0 for r in rows)
-
-
-def test_a_server_does_not_outlive_the_process_that_started_it(tmp_path: Path):
-    # A trainer or worker killed with SIGKILL cannot stop its server: the server must go by itself (else it
-    # keeps its devices and a restarted worker starts a second one).
-    _needs_vllm()
-    src = make_model_dir(tmp_path / "Qwen3-tiny")
-    starter = textwrap.dedent(
-        f"""
-        import sys, time
-        from pathlib import Path
-        from torchtune_grpo.generation._vllm_server_process import VLLMServer
-        server = VLLMServer.start(["--model", {str(src)!r}, "--skip-tokenizer-init", "--enforce-eager",
-                                   "--kv-cache-memory-bytes", str(2**27), "--max-model-len", "128"],
-                                  log_path=Path({str(tmp_path / "server.log")!r}))
-        print(server.url, flush=True)
-        time.sleep(600)
-        """
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", starter], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        url = proc.stdout.readline().strip()
-        assert url.startswith("http://127.0.0.1:"), url
-        urllib.request.urlopen(url + "/health", timeout=10)  # up
-    finally:
-        proc.kill()
-        proc.wait()
-    import time
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=5)
-        except (urllib.error.URLError, ConnectionError):
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"the server at {url} still answers 60 s after the process that started it was killed")
 
 
 def test_tune_grpo_vllm_serve_prints_the_servers_command(tmp_path: Path):
