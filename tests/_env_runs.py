@@ -1,6 +1,10 @@
-"""`tune run` checks shared by the ecosystem adapters' tests: resume equals the uninterrupted run, and 2 processes.
+"""Checks shared by the ecosystem adapters' tests: resume equals the uninterrupted run, and 2 processes.
 
-Each config is written by its test (output_dir in tmp_path, ``max_steps`` 4, a checkpoint every 2 steps).
+Each config is written by its test (output_dir in tmp_path, ``max_steps`` 4, a checkpoint every 2 steps). The
+resume check is a claim about numbers (the same rewards and weights), so its two runs go in this process
+(``run_in_process``: the recipe's own ``setup``/``train``/``cleanup``, without two ``tune run`` start-ups of
+10-20 s each); the 2-process check stays a real ``tune run --nproc_per_node 2`` (launcher, gloo group, servers
+per process), each adapter's end-to-end run.
 """
 
 import json
@@ -11,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from tests.recipe_utils import read_jsonl, run_tune, weights
+from tests.recipe_utils import read_jsonl, run_in_process, run_tune, weights
 
 
 def write(cfg, tmp_path: Path, name: str = "config.yaml", **overrides) -> Path:
@@ -29,14 +33,14 @@ def check_resume_equals_uninterrupted(cfg, tmp_path: Path) -> None:
     and 4 (the prompts, hence the episodes' seeds and tasks, are restored with the data order) and the same
     final weights."""
     out = tmp_path / "out"
-    run_tune(write(cfg, tmp_path, max_steps=4, save_every_n_steps=2, output_dir=str(out)), cwd=tmp_path)
+    run_in_process(write(cfg, tmp_path, max_steps=4, save_every_n_steps=2, output_dir=str(out)))
     metrics = read_jsonl(out / "metrics.jsonl")
     uninterrupted = weights(out / "step_4")
     shutil.rmtree(out / "step_4")
     (out / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics[:2]))
     resume = write(cfg, tmp_path, "resume.yaml", max_steps=4, save_every_n_steps=2, output_dir=str(out),
                    resume_from_checkpoint=True)
-    run_tune(resume, cwd=tmp_path)
+    run_in_process(resume)
     resumed = read_jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     for before, after in zip(metrics[2:], resumed[2:]):

@@ -43,6 +43,15 @@ def _reasoning_gym_on_path() -> None:
 
 _reasoning_gym_on_path()
 
+# One intra-op thread for every test in this process, as the recipe's subprocess runs get (OMP_NUM_THREADS=1,
+# tests/recipe_utils.py tune_env). The suite's tensors are tiny: with torch's default pool (one thread per core)
+# on a few busy cores (xdist workers, other jobs), each op waits on the pool's synchronisation and tiny ops run
+# 10-100x slower (tests/test_generation_compact.py: 32.6 s -> 1.5 s per case on 2 loaded cores). No result
+# changes: every comparison in the suite is between computations in one process or against subprocesses that
+# already run on one thread. Tests that need another count set it and restore it (the ``one_thread`` fixture,
+# tests/test_benchmarks.py, tests/test_backends_benchmark.py). vLLM's tests run their engines in subprocesses.
+torch.set_num_threads(1)
+
 
 def make_tiny_decoder(seed: int = 0, vocab_size: int = 97, scale: float = 4.0):
     """A 2-layer Qwen2-shaped decoder with weights scaled up so greedy outputs vary by prompt."""

@@ -7,7 +7,9 @@
 - a two-process checkpoint resumed on one process (docs/distributed.md says what changes).
 
 The kill points are spread over the process counts to keep this file to a few tiny runs: one process
-(cheap launches) is killed mid-rollout, between saves and mid-update; two processes mid-save.
+(cheap launches) is killed mid-rollout, between saves and mid-update; two processes mid-save. Runs whose only
+claim is their numbers (the one-process reference, the one-process final resume) go in this process
+(``run_in_process``), without a ``tune run`` start-up; every kill, and every two-process run, is a real launch.
 """
 
 import math
@@ -20,7 +22,9 @@ import torch
 
 from torchtune_grpo.runtime.crash_points import CRASH_ENV
 from tests.conftest import free_port
-from tests.recipe_utils import read_jsonl, run_tune, tune_command, tune_env, weights, write_config
+from tests.recipe_utils import (
+    read_jsonl, run_in_process, run_tune, tune_command, tune_env, weights, with_overrides, write_config,
+)
 
 STEPS = 4
 # Saves at steps 2 and 4; keep_last_n_checkpoints=1 removes step_2 once step_4 is complete.
@@ -31,7 +35,10 @@ NOT_COMPARED = ("time/", "tokens_per_second")  # wall-clock measurements
 def _reference(tmp_path_factory, nproc: int):
     tmp = tmp_path_factory.mktemp(f"reference_{nproc}proc")
     cfg = write_config(tmp, **OVERRIDES)
-    run_tune(cfg, nproc=nproc, cwd=tmp)
+    if nproc == 1:  # a reference for its numbers only: in this process (the killed runs are real launches)
+        run_in_process(cfg)
+    else:
+        run_tune(cfg, nproc=nproc, cwd=tmp)
     return tmp / "out"
 
 
@@ -100,7 +107,8 @@ def test_one_process_killed_mid_rollout_between_saves_and_mid_update_resumes_exa
     # Resumed (step 3 is cut from the logs, it is trained again); killed mid-update of step 4.
     log = run_killed(cfg, "update:4", "resume_from_checkpoint=True", nproc=1, cwd=tmp_path)
     assert "Resuming at step 2: removed 1 later record(s) from metrics.jsonl" in log
-    run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    # The last resume is judged by its numbers only (assert_same_run): in this process.
+    run_in_process(with_overrides(cfg, resume_from_checkpoint=True))
     assert_same_run(out, one_process_reference)
 
 
