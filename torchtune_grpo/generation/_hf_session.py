@@ -37,6 +37,7 @@ from torch import nn
 from torchtune_grpo.generation._decode import to_rollout
 from torchtune_grpo.generation._hf_rollout import HFRollout
 from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.generation._session import SessionRows
 
 __all__ = ["HFSession", "hf_session_unsupported"]
 
@@ -61,7 +62,7 @@ def hf_session_unsupported(hf: nn.Module) -> Optional[str]:
     return None
 
 
-class HFSession:
+class HFSession(SessionRows):
     """A native engine's multi-turn session over ``N = B x G`` rows of a transformers policy.
 
     The same contract as :class:`~torchtune_grpo.generation._session.NativeSession` (``generate`` once per turn,
@@ -83,32 +84,11 @@ class HFSession:
 
     def __init__(self, engine: Any, hf: nn.Module, prompts: List[List[int]], group_size: int, max_new_tokens: int,
                  pad_id: int, stop_tokens: Sequence[int]) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"a session's max_new_tokens must be >= 1, got {max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} is empty")
-        self.engine, self.hf = engine, hf
-        self.prompt_groups, self.group_size = [list(p) for p in prompts], group_size
-        self.prompts = [list(p) for p in prompts for _ in range(group_size)]  # per row
-        self.n = len(self.prompts)
-        self.budget, self.pad_id, self.stop_tokens = max_new_tokens, pad_id, list(stop_tokens)
-        self.history: List[List[int]] = [[] for _ in range(self.n)]  # each row's response tokens so far
+        super().__init__(engine, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
+        self.hf = hf
         # Per row, the cache slot of each history token that has keys and values there (a prefix of the history).
         self.slots: List[List[int]] = [[] for _ in range(self.n)]
         self.kept: List[int] = []  # the session rows in the cache, in its batch order
-        self._run: Optional[HFRollout] = None
-        self._closed = False
-
-    def __enter__(self) -> "HFSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """End the session and free its cache."""
-        self._closed = True
-        self._run = None
 
     def generate(self, rows: Sequence[int], responses: Sequence[Sequence[int]], *, max_new_tokens: int,
                  generator: Optional[torch.Generator] = None, temperature: Optional[float] = None) -> Rollout:
@@ -130,11 +110,7 @@ class HFSession:
                 turn is continued.
             RuntimeError: after :meth:`close`.
         """
-        if self._closed:
-            raise RuntimeError("this generation session is closed")
-        rows, responses = [int(i) for i in rows], [list(r) for r in responses]
-        if len(rows) != len(responses) or len(set(rows)) != len(rows) or not all(0 <= i < self.n for i in rows):
-            raise ValueError(f"rows must be distinct indices in [0, {self.n}) with one response each, got {rows}")
+        rows, responses = self._turn(rows, responses)
         temperature = self.engine.temperature if temperature is None else temperature
         with torch.inference_mode():
             if self._run is None:
@@ -163,9 +139,6 @@ class HFSession:
             self.history[i] += new
 
     def _first_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
-        if rows != list(range(self.n)) or any(responses):
-            raise ValueError("the first turn of a session samples every row from its prompt: rows must be 0 .. "
-                             f"{self.n - 1} in order, with empty responses")
         run = self._run = HFRollout(self.hf, self.prompt_groups, self.group_size, self.pad_id,
                                     share_prefill=self.engine.share_prefill)
         logits = run.prefill()

@@ -126,7 +126,67 @@ class RowViews:
             self.run.write_rows(self.current, self.rows)
 
 
-class NativeSession:
+class SessionRows:
+    """What every multi-turn session of the native engine holds: its ``N = B x G`` rows (each row's prompt and
+    the response tokens so far), its budget and stop tokens, and whether it is open. A context manager: leaving
+    the block closes it. :class:`NativeSession` (torchtune decoders) and
+    :class:`~torchtune_grpo.generation._hf_session.HFSession` (transformers' modules) add the cache.
+
+    Args:
+        engine (Any): the :class:`NativeGenerator`.
+        prompts (List[List[int]]): B prompts.
+        group_size (int): rows per prompt, G.
+        max_new_tokens (int): each row's budget after its prompt over all turns.
+        pad_id (int): padding id.
+        stop_tokens (Sequence[int]): ids that end a turn.
+
+    Raises:
+        ValueError: when ``max_new_tokens`` < 1 or a prompt is empty.
+    """
+
+    def __init__(self, engine: Any, prompts: List[List[int]], group_size: int, max_new_tokens: int, pad_id: int,
+                 stop_tokens: Sequence[int]) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"a session's max_new_tokens must be >= 1, got {max_new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} is empty")
+        self.engine = engine
+        self.prompts = [list(p) for p in prompts for _ in range(group_size)]  # per row
+        self.prompt_groups, self.group_size = [list(p) for p in prompts], group_size
+        self.budget, self.pad_id, self.stop_tokens = max_new_tokens, pad_id, list(stop_tokens)
+        self.n = len(self.prompts)
+        self.history: List[List[int]] = [[] for _ in range(self.n)]  # each row's response tokens so far
+        self._run: Any = None  # the session's rollout (its cache), from the first turn on
+        self._closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """End the session and drop its rollout (subclasses free their cache here too)."""
+        self._closed = True
+        self._run = None
+
+    def _turn(self, rows: Sequence[int], responses: Sequence[Sequence[int]]) -> Tuple[List[int], List[List[int]]]:
+        """``rows`` and ``responses`` of a ``generate`` call as lists, checked: the session open, the rows distinct
+        indices in ``[0, N)`` with one response each, and a first turn over every row in order from its prompt."""
+        if self._closed:
+            raise RuntimeError("this generation session is closed")
+        rows, responses = [int(i) for i in rows], [list(r) for r in responses]
+        if len(rows) != len(responses) or len(set(rows)) != len(rows) or not all(0 <= i < self.n for i in rows):
+            raise ValueError(f"rows must be distinct indices in [0, {self.n}) with one response each, got {rows}")
+        if self._run is None and (rows != list(range(self.n)) or any(responses)):
+            raise ValueError(
+                "the first turn of a session samples every row from its prompt: rows must be 0 .. "
+                f"{self.n - 1} in order, with empty responses"
+            )
+        return rows, responses
+
+
+class NativeSession(SessionRows):
     """A native engine's multi-turn session over ``N = B x G`` rows (:meth:`NativeGenerator.session`).
 
     Args:
@@ -153,30 +213,13 @@ class NativeSession:
         pad_id: int,
         stop_tokens: Sequence[int],
     ) -> None:
-        if max_new_tokens < 1:
-            raise ValueError(f"a session's max_new_tokens must be >= 1, got {max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError(f"prompt {next(i for i, p in enumerate(prompts) if not p)} is empty")
-        self.engine, self.model = engine, model
-        self.prompts = [list(p) for p in prompts for _ in range(group_size)]  # per row
-        self.prompt_groups, self.group_size = [list(p) for p in prompts], group_size
-        self.budget, self.pad_id, self.stop_tokens = max_new_tokens, pad_id, list(stop_tokens)
-        self.n = len(self.prompts)
-        self.history: List[List[int]] = [[] for _ in range(self.n)]  # each row's response tokens so far
+        super().__init__(engine, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
+        self.model = model
         self.cached = [0] * self.n  # how many leading history tokens have keys/values in the cache
-        self._run = None
-        self._closed = False
-
-    def __enter__(self) -> "NativeSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         """End the session (the engine frees the cache here unless it ``reuse_cache``)."""
-        self._closed = True
-        self._run = None
+        super().close()
         self.engine.session_closed(self)
         if not self.engine.reuse_cache:
             self.engine.cache.release()
@@ -213,11 +256,7 @@ class NativeSession:
                 first turn) or leaves no room in the budget, or the first call is not over every row.
             RuntimeError: after :meth:`close`.
         """
-        if self._closed:
-            raise RuntimeError("this generation session is closed")
-        rows, responses = [int(i) for i in rows], [list(r) for r in responses]
-        if len(rows) != len(responses) or len(set(rows)) != len(rows) or not all(0 <= i < self.n for i in rows):
-            raise ValueError(f"rows must be distinct indices in [0, {self.n}) with one response each, got {rows}")
+        rows, responses = self._turn(rows, responses)
         engine = self.engine
         temperature = engine.temperature if temperature is None else temperature
         with torch.inference_mode(), replace_unembed(self.model, engine.unembed_for(self.model)):
@@ -226,11 +265,6 @@ class NativeSession:
             return self._next_turn(rows, responses, max_new_tokens, generator, temperature)
 
     def _first_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
-        if rows != list(range(self.n)) or any(responses):
-            raise ValueError(
-                "the first turn of a session samples every row from its prompt: rows must be 0 .. "
-                f"{self.n - 1} in order, with empty responses"
-            )
         engine, model = self.engine, self.model
         attns = attention_modules(model)
         # Sized once from the whole budget: later turns never outgrow it.
