@@ -16,9 +16,9 @@ import torch
 
 from tests.hf_families import FAMILIES, family_model
 from tests.hf_moe import MOE_FAMILY_NAMES
+from tests.sampler_records import flip_chance, record_sampler
 from tests.tolerances import ulps
 from torchtune_grpo.generation import NativeGenerator
-from torchtune_grpo.generation import _native
 from torchtune_grpo.generation._hf_rollout import HFRollout
 from torchtune_grpo.generation._transformers import sample_with_generate
 from torchtune_grpo.models import TransformersDecoder
@@ -48,24 +48,8 @@ def policy():
 
 @pytest.fixture
 def sampled(monkeypatch):
-    """Every call of the engine's sampler: ``[N, V]`` logits of the whole batch (NaN for rows not in the decode
-    batch) and the ``[N]`` tokens drawn (-1 likewise), one entry per step, a list per ``generate``."""
-    runs = []
-    original = _native.sample_tokens
-
-    def recording(logits, **kw):
-        token = original(logits, **kw)
-        rows = kw.get("noise_rows")
-        n = kw.get("noise_batch") or logits.size(0)
-        full = torch.full((n, logits.size(1)), float("nan"))
-        drawn = torch.full((n,), -1, dtype=torch.long)
-        full[rows if rows is not None else slice(None)] = logits.float()
-        drawn[rows if rows is not None else slice(None)] = token
-        runs[-1].append((full, drawn))
-        return token
-
-    monkeypatch.setattr(_native, "sample_tokens", recording)
-    return runs
+    """Every sampler call of the test's ``generate`` runs (tests/sampler_records.py)."""
+    return record_sampler(monkeypatch)
 
 
 @pytest.fixture
@@ -111,12 +95,8 @@ def test_shared_prefill_and_compaction_give_the_per_row_tokens(family, policy, s
     # of the other: the chance is at most the sum over vocabulary entries of |CDF_a - CDF_b|, summed here over
     # every step and row both runs sampled (measured 3e-4 to 4.5e-3 per family, 0.019 over the 15 families). Bound
     # 0.01: a kernel of other rounding (AVX2, another BLAS) fails this test spuriously less than 1 time in 100.
-    flip_chance = 0.0
-    for (a, _), (b, _) in zip(*sampled):
-        both = ~(a.isnan().any(1) | b.isnan().any(1))
-        cdf_a, cdf_b = (torch.softmax(x[both].double(), -1).cumsum(-1) for x in (a, b))
-        flip_chance += float((cdf_a - cdf_b).abs().sum())
-    assert flip_chance < 0.01, flip_chance
+    chance = flip_chance(*sampled)
+    assert chance < 0.01, chance
 
 
 @pytest.mark.parametrize("family", ALL)

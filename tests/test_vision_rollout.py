@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from tests.hf_vision import VISION_FAMILIES
+from tests.sampler_records import flip_chance, record_sampler
 from tests.test_vision_policy import image_rows, vision_policy
-from torchtune_grpo.generation import _native, NativeGenerator
+from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.training.batch import TrainingBatch
 
 # 40 of the 512 ids stop a row: rows stop at scattered lengths, so the decode batch shrinks.
@@ -15,24 +16,8 @@ KW = dict(group_size=3, max_new_tokens=8, pad_id=0, stop_tokens=list(range(100, 
 
 @pytest.fixture
 def sampled(monkeypatch):
-    """Every call of the engine's sampler: ``[N, V]`` logits of the whole batch (NaN for rows not decoding) and
-    the ``[N]`` tokens drawn (-1 likewise), one entry per step, a list per ``generate``."""
-    runs = []
-    original = _native.sample_tokens
-
-    def recording(logits, **kw):
-        token = original(logits, **kw)
-        rows = kw.get("noise_rows")
-        n = kw.get("noise_batch") or logits.size(0)
-        full = torch.full((n, logits.size(1)), float("nan"))
-        drawn = torch.full((n,), -1, dtype=torch.long)
-        index = rows.cpu() if rows is not None else torch.arange(n)
-        full[index], drawn[index] = logits.float().cpu(), token.cpu()
-        runs[-1].append((full, drawn))
-        return token
-
-    monkeypatch.setattr(_native, "sample_tokens", recording)
-    return runs
+    """Every sampler call of the test's ``generate`` runs (tests/sampler_records.py)."""
+    return record_sampler(monkeypatch)
 
 
 def _run(policy, data, runs, seed, **engine):
@@ -56,12 +41,8 @@ def test_image_rollouts(vision_dir, tmp_path, family, sampled):
     # decoded to the end under the same seed. (The two compute the same logits in other batch shapes: rounding
     # only; a seeded draw could flip only where a uniform falls between the two runs' CDF entries, bounded below.)
     assert fast.response_ids == slow.response_ids
-    flip_chance = 0.0
-    for (a, _), (b, _) in zip(*sampled):
-        both = ~(a.isnan().any(1) | b.isnan().any(1))
-        cdf_a, cdf_b = (torch.softmax(x[both].double(), -1).cumsum(-1) for x in (a, b))
-        flip_chance += float((cdf_a - cdf_b).abs().sum())
-    assert flip_chance < 0.01, flip_chance
+    chance = flip_chance(*sampled)
+    assert chance < 0.01, chance
     assert len({len(r) for r in fast.response_ids}) > 1
     # The first token's logits are transformers' image-text class's on each prompt alone with its images.
     reference = AutoModelForImageTextToText.from_pretrained(directory, dtype=torch.float32).eval()
