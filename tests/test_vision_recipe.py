@@ -15,6 +15,7 @@ from tests.recipe_utils import run_in_process, weights, write_config
 SHAPES = ("circle", "square", "triangle")
 # The on-disk names of the vision tower and projector (tests/hf_multimodal.py).
 TOWER = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",)}
+EXAMPLE = REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml"
 COLORS = {"red": (220, 40, 40), "blue": (40, 40, 220)}
 
 
@@ -27,6 +28,16 @@ def _shapes_dataset(folder):
     path = folder / "shapes.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def _example_config(folder, src, data, **overrides):
+    """The image example (docs/examples/gemma3_4B_image_grpo.yaml) on the tiny directory ``src`` and the shapes
+    file ``data``, at the tiny sizes every test here runs (CPU, fp32, 2 prompts x 2 completions of 6 tokens), with
+    ``overrides``; written in ``folder``."""
+    return write_config(
+        folder, EXAMPLE, **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu",
+        dtype="fp32", enable_activation_checkpointing=False, lr_scheduler=None, batch_size=2, group_size=2,
+        micro_batch_size=2, max_response_length=6, max_prompt_length=64, **overrides)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
@@ -53,11 +64,8 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     # the vowel-fraction reward (write_config's default) gives the update a signal.
     monkeypatch.chdir(REPO)
     log = []
-    config = write_config(
-        tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
-        **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
-        enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
-        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, **{"optimizer.lr": 1e-3},
+    config = _example_config(
+        tmp_path, src, data, max_steps=2, save_every_n_steps=2, **{"optimizer.lr": 1e-3},
         # held-out evaluation on image prompts too (at step 0 and step 2), through the same engine
         validation={"_component_": "torchtune_grpo.data.image_dataset", "source": "json", "data_files": str(data)},
         eval_every_n_steps=2, eval_max_prompts=2)
@@ -87,12 +95,8 @@ def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean
     data = _shapes_dataset(tmp_path / "data")
     monkeypatch.chdir(REPO)
     log = []
-    config = write_config(
-        tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
-        **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
-        enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
-        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, kl_coef=0.0,
-        train_vision="projector", **{"optimizer.lr": 1e-2})
+    config = _example_config(tmp_path, src, data, max_steps=2, save_every_n_steps=2, kl_coef=0.0,
+                             train_vision="projector", **{"optimizer.lr": 1e-2})
     recipe = run_in_process(config, log=log)
     assert "projector trained" in "\n".join(log)
     step = tmp_path / "out" / "step_2"
@@ -113,12 +117,8 @@ def test_train_vision_tower_on_qwen3_5(vision_dir, tmp_path, clean_env, one_thre
     src = vision_dir("qwen3_5")
     data = _shapes_dataset(tmp_path / "data")
     monkeypatch.chdir(REPO)
-    config = write_config(
-        tmp_path, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
-        **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu", dtype="fp32",
-        enable_activation_checkpointing=False, max_steps=2, save_every_n_steps=2, lr_scheduler=None, batch_size=2,
-        group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64, kl_coef=0.0,
-        train_vision="tower", **{"optimizer.lr": 1e-2})
+    config = _example_config(tmp_path, src, data, max_steps=2, save_every_n_steps=2, kl_coef=0.0,
+                             train_vision="tower", **{"optimizer.lr": 1e-2})
     run_in_process(config)
     start, end = weights(src), weights(tmp_path / "out" / "step_2")
     assert start.keys() == end.keys()
@@ -139,12 +139,7 @@ def test_resume_with_a_trained_projector_equals_the_uninterrupted_run(vision_dir
 
     def config(folder, **overrides):
         folder.mkdir(exist_ok=True)
-        return write_config(
-            folder, REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml",
-            **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu",
-            dtype="fp32", enable_activation_checkpointing=False, lr_scheduler=None, batch_size=2, group_size=2,
-            micro_batch_size=2, max_response_length=6, max_prompt_length=64, train_vision="projector",
-            **{"optimizer.lr": 1e-2}, **overrides)
+        return _example_config(folder, src, data, train_vision="projector", **{"optimizer.lr": 1e-2}, **overrides)
 
     run_in_process(config(tmp_path / "a", max_steps=3, save_every_n_steps=3))
     run_in_process(config(tmp_path / "b", max_steps=2, save_every_n_steps=2))
