@@ -29,11 +29,6 @@ class GrowingLayer(DynamicLayer):
         self._k = self._v = None
         self._len = 0
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._k = self._v = None
-        self._len = 0
-
     def _views(self) -> None:
         self.keys, self.values = self._k[..., : self._len, :], self._v[..., : self._len, :]
 
@@ -65,7 +60,7 @@ class GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self._len if self.is_initialized else 0
+        return self._len
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep (and repeat) batch entries ``beam_idx``: the filled slots are copied, the room kept."""
