@@ -4,7 +4,9 @@ Recipe-level checks of split independence compare weights after each step of run
 global batch differently. Checking every variant in separate runs would cost one `tune run` each; with
 ``StepCyclingLoss`` one run checks them all: step ``k`` uses ``variants[(k - 1) % len(variants)]``, and
 weights saved after every step isolate each variant's update (the weights before step ``k`` already agree).
-The step number is the generation-call count of :class:`tests._engines.ScriptedGenerator` (one call per step).
+The step number is the count of :class:`tests._engines.ScriptedGenerator` calls (one per step) since the loss
+was built (the recipe's setup), so every run, in a fresh process or after other runs in this one, trains the
+same variant at the same step.
 """
 
 from typing import Any, Dict, List, Optional
@@ -17,7 +19,7 @@ from torchtune_grpo.loss import LossOutput
 
 
 class StepCyclingLoss(nn.Module):
-    """Step ``k`` uses ``Loss(**{recipe kwargs, **variants[(k - 1) % len]})``.
+    """Step ``k`` uses ``Loss(**{recipe kwargs, **variants[(k - 1) % len]})``, counting steps from construction.
 
     ``Loss`` is the class of :mod:`torchtune_grpo.loss` named by the variant's ``_class`` (default
     ``GRPOLoss``).
@@ -43,9 +45,14 @@ class StepCyclingLoss(nn.Module):
             for v in variants
         ]
         self.entropy_coef = max(loss.entropy_coef for loss in self.losses)
+        # Count from here, not from the process's first call: GENERATE_CALLS is process-wide, and an earlier
+        # in-process run (another test on the same pytest worker) would otherwise shift the cycle, pairing the
+        # variants with other steps' advantages: another workload, whose numbers differ from the one a test's
+        # tolerances were derived on (it made tests/test_shared_prompt.py flaky).
+        self.first_call = _engines.GENERATE_CALLS
 
     def forward(self, *args: Any, **kwargs: Any) -> LossOutput:
-        return self.losses[(_engines.GENERATE_CALLS - 1) % len(self.losses)](*args, **kwargs)
+        return self.losses[(_engines.GENERATE_CALLS - self.first_call - 1) % len(self.losses)](*args, **kwargs)
 
 
 class StepCyclingAdvantage:
