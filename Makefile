@@ -1,7 +1,8 @@
 # CPU development setup: a local .venv, set up in two stages (scripts/setup_env.sh): what the demos need, then
 # what the tests need besides.
 #
-#   make demo   # set up .venv's demo stage if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh)
+#   make demo   # set up .venv's demo stage if needed, then the SFT -> GRPO -> evaluation demo (scripts/demo.sh;
+#               # GRPO from the shipped SFT warm start, DEMO_WARM_START=sft trains it first)
 #   make demo-multi-turn   # the same for tool use: GRPO teaches the calculator (scripts/demo_multi_turn.sh)
 #   make demo-process-rewards   # outcome vs process-supervised advantages, 3 seeds each (scripts/demo_process_rewards.sh)
 #   make demo-routing-replay    # MoE routing replay off vs on, bf16 engine, 3 seeds each (scripts/demo_routing_replay.sh)
