@@ -2,8 +2,9 @@
 dynamic sampling with resumption, and the algorithm card.
 
 One-process runs go in process (tests.recipe_utils.run_in_process: no `tune run` start-up, 10-20 s each on
-2 loaded cores); two-process runs through `tune run --nproc_per_node 2`. Checks are batched so that each run
-covers several variants (see tests/_losses.py).
+2 loaded cores); the two-process runs and the split runs' one-process references in one launch of two processes
+for the whole file (tests/_spawn_runs.py; `tune run --nproc_per_node 2` end to end: tests/test_distributed_runs.py).
+Checks are batched so that each run covers several variants (see tests/_losses.py).
 """
 
 import logging
@@ -16,8 +17,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from tests._spawn_runs import launch as spawn_launch, log_of, Run
 from tests.conftest import REPO
-from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, recipe_in_process, run_in_process, run_tune, weights, write_config
+from tests.recipe_utils import REQUIRED_METRICS, read_jsonl, recipe_in_process, run_in_process, weights, write_config
 from torchtune_grpo.assets import asset_path
 
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo"]
@@ -87,32 +89,50 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int, **overr
     )
 
 
+# Every two-process run of this file, and the one-process references of the split runs, in ONE launch of two
+# processes (tests/_spawn_runs.py): one start-up of torch and the recipe per process instead of three per
+# `tune run --nproc_per_node 2`, and the one-process runs side by side on the two processes.
+SPLIT_RUNS = {  # name: (processes, batch_size, micro_batch_size, overrides)
+    "A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, {"max_tokens_per_micro_batch": 96}),
+    "D": (1, 4, 16, {"max_tokens_per_micro_batch": 96}),
+    "E": (2, 2, 8, {"max_tokens_per_micro_batch": 96, "share_prompt_in_training": False,
+                    "pack_sequences_in_training": True}),
+}
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """The runs of SPLIT_RUNS and the DAPO preset's two-process run, done once for this file's tests; returns
+    the directory that holds one folder per run."""
+    root = tmp_path_factory.mktemp("launch")
+    runs = []
+    for name, (nproc, batch_size, mbs, overrides) in SPLIT_RUNS.items():
+        (root / name).mkdir()
+        config = str(_split_config(root / name, batch_size, mbs, **overrides))
+        runs.append(Run(two_processes=config) if nproc == 2 else Run(one_process=config))
+    # The DAPO preset: dynamic sampling's cross-rank round agreement needs 2 ranks.
+    cfg = OmegaConf.load(REPO / "configs" / "algorithms" / "dapo_tiny.yaml")
+    cfg.output_dir = str(root / "dapo" / "out")
+    cfg.max_steps, cfg.save_every_n_steps = 2, None
+    (root / "dapo").mkdir()
+    OmegaConf.save(cfg, root / "dapo" / "config.yaml")
+    runs.append(Run(two_processes=str(root / "dapo" / "config.yaml")))
+    spawn_launch(runs)
+    return root
+
+
 @pytest.mark.slow
-def test_every_variant_is_independent_of_micro_batches_and_processes(tmp_path, caplog, clean_env, one_thread):
-    # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches (both in process);
-    # C = 2 processes of 8 sequences (`tune run`) and D = 1 process, both with token-budget micro-batches
+def test_every_variant_is_independent_of_micro_batches_and_processes(launch):
+    # 16 sequences per step: A = 1 process, 1 micro-batch; B = 1 process, 4 micro-batches;
+    # C = 2 processes of 8 sequences and D = 1 process, both with token-budget micro-batches
     # (max_tokens_per_micro_batch: sorted by length, groups split where one is over the budget, and on 2
     # processes as many micro-batches on each rank); E = 2 processes with packed rows under the budget (every
     # sequence of a rank's step packed into rows as wide as its longest, micro-batches of whole rows). Weights
-    # after every step must agree.
-    budget = {"max_tokens_per_micro_batch": 96}  # a shared row of 4 completions is ~130 tokens here
-    packed = {**budget, "share_prompt_in_training": False, "pack_sequences_in_training": True}
-    runs = {"A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, budget), "D": (1, 4, 16, budget),
-            "E": (2, 2, 8, packed)}
+    # after every step must agree. (A shared row of 4 completions is ~130 tokens here, over the budget of 96.)
     results = {}
-    for name, (nproc, batch_size, mbs, overrides) in runs.items():
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        config = _split_config(run_dir, batch_size, mbs, **overrides)
-        if nproc == 1:
-            caplog.clear()
-            os.environ.pop("MASTER_PORT", None)  # each one-process group picks a free port
-            with caplog.at_level(logging.INFO):
-                run_in_process(config)
-            log = caplog.text
-        else:
-            log = run_tune(config, nproc=nproc, cwd=run_dir)
-        assert f"{nproc} rank(s)" in log
+    for name, (nproc, *_rest) in SPLIT_RUNS.items():
+        run_dir = launch / name
+        assert f"{nproc} rank(s)" in log_of(run_dir / "config.yaml")
         out = run_dir / "out"
         results[name] = [weights(out / f"step_{k}") for k in range(1, len(VARIANTS) + 1)]
         results[name + "_metrics"] = read_jsonl(out / "metrics.jsonl")
@@ -184,15 +204,12 @@ def test_tiny_preset_runs_two_steps_in_process(preset, tmp_path, caplog, clean_e
 
 
 @pytest.mark.slow
-def test_dapo_preset_runs_two_steps_on_two_processes(tmp_path):
-    # Dynamic sampling's cross-rank round agreement needs 2 ranks: through `tune run --nproc_per_node 2`.
-    config = REPO / "configs" / "algorithms" / "dapo_tiny.yaml"
-    log = run_tune(
-        config, f"output_dir={tmp_path / 'out'}", "max_steps=2", "save_every_n_steps=null", nproc=2, cwd=tmp_path,
-    )
-    _check_tiny_preset("dapo", tmp_path / "out", log)
+def test_dapo_preset_runs_two_steps_on_two_processes(launch):
+    # Dynamic sampling's cross-rank round agreement needs 2 ranks: the preset on two processes, in the file's launch.
+    out, log = launch / "dapo" / "out", log_of(launch / "dapo" / "config.yaml")
+    _check_tiny_preset("dapo", out, log)
     assert "2 rank(s)" in log
-    assert all(1 <= m["dynamic_sampling/rounds"] <= 3 for m in read_jsonl(tmp_path / "out" / "metrics.jsonl"))
+    assert all(1 <= m["dynamic_sampling/rounds"] <= 3 for m in read_jsonl(out / "metrics.jsonl"))
 
 
 @pytest.mark.slow

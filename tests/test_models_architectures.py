@@ -9,10 +9,7 @@
 """
 
 import math
-import os
-import sys
 from pathlib import Path
-from typing import List, NamedTuple, Optional
 
 import pytest
 import torch
@@ -20,7 +17,8 @@ import torch
 from tests.hf_families import make_family_dir
 from tests.hf_moe import MOE_FAMILY_NAMES, ROUTER_GAIN
 from tests.hf_models import ARCHITECTURES, hf_components, make_model_dir
-from tests.conftest import free_port, REPO
+from tests._spawn_runs import launch, Run
+from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from tests.tolerances import ulps
 from tests.test_models_recipe import TWO_STEPS, check_trained_directory
@@ -62,41 +60,6 @@ def _split_config(run_dir: Path, src: Path, batch_size: int, **overrides) -> Pat
     return write_config(run_dir, **{**hf_components(src), **settings, **overrides})
 
 
-class _Run(NamedTuple):
-    """A two-process run and, when it has one, its one-process reference (config paths)."""
-
-    two_processes: str
-    one_process: Optional[str] = None
-    lora: bool = False
-
-
-def _rank_main(rank: int, runs: List[_Run], store_port: int) -> None:
-    """One of the two spawned processes: first its share of the one-process references (the two ranks run
-    them side by side, each in its own one-process group), then every two-process run."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    # The parent's store hands rank 1 the port rank 0 picked just before each two-process run (ports picked
-    # ahead of time could be taken by then on a busy machine).
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
-    for i, r in enumerate(runs):
-        if r.one_process is not None and i % 2 == rank:
-            os.environ.pop("MASTER_PORT", None)  # the recipe picks a free one for its one-process group
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-            _run_in_process(Path(r.one_process), r.lora)
-    for i, r in enumerate(runs):
-        if rank == 0:
-            store.set(f"port/{i}", str(free_port()))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=store.get(f"port/{i}").decode(), RANK=str(rank),
-                          LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
-        _run_in_process(Path(r.two_processes), r.lora)
-    # All output is written and every process group destroyed: leave before interpreter teardown, where gloo
-    # occasionally aborts (DESIGN.md). An exception above never gets here and fails the spawn with its traceback.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 LORA_CONFIG = REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml"
 # Families trained as transformers' own module: Gemma 3 (sliding + global layers, scaled embeddings, tied), Qwen3.5
 # (Gated DeltaNet linear attention + gated full attention, untied).
@@ -118,15 +81,12 @@ QLORA_SHAPES = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=
 def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread):
     # Replaces one `tune run --nproc_per_node 2` per architecture (Llama 3.2 ~65 s, Qwen3 ~40 s on a loaded
     # machine): one launch of two processes for all architectures, plus QLoRA on Qwen3 (lora_hf_model).
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
     archs = sorted(ARCHITECTURES)
     runs = []
     for arch in archs:
         src = make_model_dir(tmp_path / arch / "model", arch)
         one, two = (_split_config(tmp_path / arch / name, src, size) for name, size in (("one", 4), ("two", 2)))
-        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+        runs.append(Run(two_processes=str(two), one_process=str(one)))
     # QLoRA, two processes only: each rank initialises its shard of the adapters' A matrices from its own RNG
     # stream (seed + rank; DTensor's synchronised RNG is CUDA-only), so the run cannot equal a one-process one.
     qlora_src = make_model_dir(tmp_path / "qlora" / "model", "qwen3", **QLORA_SHAPES)
@@ -135,7 +95,7 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
         "lora_rank": 4, "lora_alpha": 8, "quantize_base": True,
     }, base=LORA_CONFIG)
-    runs.append(_Run(two_processes=str(qlora), lora=True))
+    runs.append(Run(two_processes=str(qlora), lora=True))
     # transformers' own modules (model.backend: auto on these families): FSDP2 per decoder layer on two processes
     # equals one process, and so does a two-process run whose micro-batches come from a token budget. Gemma 3 trains
     # in the default shared-prompt layout (explicit masks: one row per group of 4 on one process, of 2 on each of
@@ -145,9 +105,9 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         # (the equality tests' fixtures) would amplify rounding near softmax transitions past the bound below.
         src = make_family_dir(family, tmp_path / family / "model", peaked=False)
         one, two = (_split_config(tmp_path / family / name, src, size) for name, size in (("one", 4), ("two", 2)))
-        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+        runs.append(Run(two_processes=str(two), one_process=str(one)))
         budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40)
-        runs.append(_Run(two_processes=str(budget)))
+        runs.append(Run(two_processes=str(budget)))
     # Mixture-of-experts families (transformers' modules): random attention as above, but decisive routers (top-k
     # logit gaps >= 1e-3, far above the regrouping's rounding), so both groupings route every token alike. Qwen3-MoE
     # also with micro-batches from a token budget. SGD lr 0.005: these fixtures' gradients are ~10x the dense ones'
@@ -158,23 +118,23 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         src = make_family_dir(family, tmp_path / family / "model", peaked=False, router_gain=ROUTER_GAIN)
         one, two = (_split_config(tmp_path / family / name, src, size, **moe_sgd)
                     for name, size in (("one", 4), ("two", 2)))
-        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+        runs.append(Run(two_processes=str(two), one_process=str(one)))
         if family == "qwen3_moe":
             budget = _split_config(tmp_path / family / "budget", src, 2, max_tokens_per_micro_batch=40, **moe_sgd)
-            runs.append(_Run(two_processes=str(budget)))
+            runs.append(Run(two_processes=str(budget)))
             # Routing replay with both router losses on: scripted engine routes forced in every forward, the
             # load-balance fractions summed over the ranks, both losses token means over the global count.
             replay = (_split_config(tmp_path / "replay_qwen3_moe" / name, src, size, **moe_sgd, **REPLAY)
                       for name, size in (("one", 4), ("two", 2)))
             one, two = replay
-            runs.append(_Run(two_processes=str(two), one_process=str(one)))
+            runs.append(Run(two_processes=str(two), one_process=str(one)))
     # An update switch (docs/gpu.md), selective activation checkpointing, on one process and on two, on a torchtune
     # model and on a transformers one.
     for name, arch in SWITCH_RUNS.items():
         src = (make_family_dir(arch, tmp_path / name / "model", peaked=False) if arch in TRANSFORMERS_FAMILIES
                else make_model_dir(tmp_path / name / "model", arch))
         one, two = (_split_config(tmp_path / name / run, src, size, **SWITCHES) for run, size in (("one", 4), ("two", 2)))
-        runs.append(_Run(two_processes=str(two), one_process=str(one)))
+        runs.append(Run(two_processes=str(two), one_process=str(one)))
     # LoRA on transformers' own module, two processes (adapters sharded with their decoder layer).
     lora_src = make_family_dir("gemma3_text", tmp_path / "lora_gemma3" / "model", peaked=False)
     lora = _split_config(tmp_path / "lora_gemma3" / "two", lora_src, 2, model={
@@ -182,7 +142,7 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "lora_attn_modules": ["q_proj", "v_proj", "output_proj"], "apply_lora_to_mlp": True,
         "lora_rank": 4, "lora_alpha": 8,
     }, base=LORA_CONFIG)
-    runs.append(_Run(two_processes=str(lora), lora=True))
+    runs.append(Run(two_processes=str(lora), lora=True))
     # Attention LoRA on a mixture of experts, two processes: each FSDP2 unit holds trainable adapters next to the
     # frozen fused experts and router; with routing replay and both router losses (the reference is the policy with
     # its adapters off: the routes are forced there too).
@@ -191,11 +151,10 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
         "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4, "lora_alpha": 8,
     }, base=LORA_CONFIG, **REPLAY)
-    runs.append(_Run(two_processes=str(moe_lora), lora=True))
-    # One launch: the spawned processes are judged by their exit codes (0 only after the last run; mp.spawn
-    # raises with the traceback of a rank that failed and stops the other).
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
-    mp.spawn(_rank_main, args=(runs, store.port), nprocs=2, join=True)
+    runs.append(Run(two_processes=str(moe_lora), lora=True))
+    # One launch (tests/_spawn_runs.py): the spawned processes are judged by their exit codes (0 only after the last
+    # run; a rank that failed raises here with its traceback and stops the other).
+    launch(runs)
 
     for arch in archs:
         src, one, two = (tmp_path / arch / name for name in ("model", "one", "two"))
