@@ -71,6 +71,11 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor", classes:
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
+    # With dynamic=True the layers' float attributes (norm eps, dropout p) are first traced as symbolic floats,
+    # then found to be fixed, which restarts each compile from scratch: specialise them from the start (the
+    # three graphs of a tiny layer compile in 13.5 s instead of 21.3 s on CPU; the traced graph is the same).
+    if hasattr(torch._dynamo.config, "specialize_float"):
+        torch._dynamo.config.specialize_float = True
     count = 0
     for layer in _layers(model, classes):
         if not isinstance(getattr(layer, _STATE, None), _LayerForward):
