@@ -191,20 +191,31 @@ def _prompts_by_step(out: Path):
     return {s: sorted(set(p)) for s, p in steps.items()}
 
 
-def test_one_step_off_is_deterministic_bounded_and_resumes_exactly_after_sigkill(tmp_path, clean_env, one_thread):
+# One step off, 8 prompts, 2 per step: steps 1-4 are one epoch; checkpoints at steps 2 and 4.
+ONE_STEP_OFF = dict(max_steps=4, save_every_n_steps=2, log_completions=64, generation_workers=_workers(1), batch_size=2,
+                    **{"dataset.num_samples": 8})
+
+
+@pytest.fixture(scope="module")
+def one_step_off_run(tmp_path_factory):
+    """The uninterrupted ONE_STEP_OFF run, in this process (the reference of the killed runs below): its output
+    directory and its log messages."""
+    tmp = tmp_path_factory.mktemp("one_step_off")
+    log: list = []
+    run_in_process(write_config(tmp, **ONE_STEP_OFF), log=log)
+    return tmp / "out", log
+
+
+def test_one_step_off_is_deterministic_bounded_and_resumes_exactly_after_sigkill(tmp_path, clean_env, one_thread,
+                                                                                 one_step_off_run):
     # 8 prompts, 2 per step: steps 1-4 are one epoch. Uninterrupted, then killed after step 3 (batch 4 in
     # flight; no step-3 checkpoint: save_every 2) and resumed from step 2's checkpoint, whose in-flight batches
     # 3 and 4 come from the checkpoint, not from new samples. Equal numbers in separate processes: deterministic
     # (steps 1-3 and the step-2 checkpoint come from the killed `tune run`, a real launch: SIGKILL ends the
     # process). The uninterrupted run and the resume are judged by their numbers only: in this process.
-    overrides = dict(max_steps=4, save_every_n_steps=2, log_completions=64, generation_workers=_workers(1), batch_size=2,
-                     **{"dataset.num_samples": 8})
-    done = {}
-    for name in ("a", "killed"):
-        (tmp_path / name).mkdir()
-    run_in_process(write_config(tmp_path / "a", **overrides))
-    done["a"] = tmp_path / "a" / "out"
-    config = write_config(tmp_path / "killed", **overrides)
+    done = {"a": one_step_off_run[0]}
+    (tmp_path / "killed").mkdir()
+    config = write_config(tmp_path / "killed", **ONE_STEP_OFF)
     crash = tune_env(TORCHTUNE_GRPO_CRASH_AT="logged:3")
     proc = subprocess.run(tune_command(config), cwd=tmp_path, env=crash, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -226,23 +237,21 @@ def test_one_step_off_is_deterministic_bounded_and_resumes_exactly_after_sigkill
     assert len(epoch) == 8 and set(epoch.values()) == {1}
 
 
-def test_a_worker_that_dies_is_replaced_and_the_run_continues_unchanged(tmp_path, clean_env, one_thread):
+def test_a_worker_that_dies_is_replaced_and_the_run_continues_unchanged(tmp_path, clean_env, one_thread, one_step_off_run):
     # Killed while batches were in flight: the new worker gets the weights and requests the old one had not
-    # answered, from the sampling state after its last answer, so the run ends as an uninterrupted one.
-    ends = {}
-    for name in ("uninterrupted", "killed"):
-        (tmp_path / name).mkdir()
-        config = write_config(tmp_path / name, max_steps=3, save_every_n_steps=None, generation_workers=_workers(1))
-        log: list = []
-        with recipe_in_process(config, log=log) as recipe:
-            recipe.train_step()
-            if name == "killed":
-                os.kill(recipe.step.rollouts.pid, signal.SIGKILL)
-            recipe.train()
-        ends[name] = (_metrics(tmp_path / name / "out"), weights(tmp_path / name / "out" / "step_3"))
-        assert ("died with exit code -9: starting a new one (1 of 3 restarts)" in "\n".join(log)) == (name == "killed")
-    (a, wa), (b, wb) = ends["uninterrupted"], ends["killed"]
+    # answered, from the sampling state after its last answer, so the run ends as an uninterrupted one (the
+    # module's ONE_STEP_OFF run).
+    reference, reference_log = one_step_off_run
+    log: list = []
+    with recipe_in_process(write_config(tmp_path, **ONE_STEP_OFF), log=log) as recipe:
+        recipe.train_step()
+        os.kill(recipe.step.rollouts.pid, signal.SIGKILL)
+        recipe.train()
+    replaced = "died with exit code -9: starting a new one (1 of 3 restarts)"
+    assert replaced in "\n".join(log) and replaced not in "\n".join(reference_log)
+    a, b = _metrics(reference), _metrics(tmp_path / "out")
     assert [{k: m[k] for k in COMPARED} for m in a] == [{k: m[k] for k in COMPARED} for m in b]
+    wa, wb = weights(reference / "step_4"), weights(tmp_path / "out" / "step_4")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
