@@ -3,13 +3,15 @@
 - killed with SIGKILL at named points (torchtune_grpo/runtime/crash_points.py) and resumed, on 1 and 2 processes:
   the resumed run ends with the reference's weights and metrics, and metrics.jsonl holds each step once;
 - two "nodes" (two launchers, `--nnodes 2`, c10d rendezvous on 127.0.0.1), one process each: the same
-  result as one node with two processes;
+  result as one node with two processes (this run is the two-rank reference, so every one-node two-process
+  run compared with it proves it);
 - a two-process checkpoint resumed on one process (docs/distributed.md says what changes).
 
 The kill points are spread over the process counts to keep this file to a few tiny runs: one process
-(cheap launches) is killed mid-rollout, between saves and mid-update; two processes mid-save. Runs whose only
-claim is their numbers (the one-process reference, the one-process final resume) go in this process
-(``run_in_process``), without a ``tune run`` start-up; every kill, and every two-process run, is a real launch.
+(cheap launches) is killed mid-rollout, between saves and mid-update; two processes get a SIGTERM on one rank,
+then, resumed, a SIGKILL mid-save. Runs whose only claim is their numbers (the one-process reference, the
+one-process final resume) go in this process (``run_in_process``), without a ``tune run`` start-up; every
+kill, and every two-process run, is a real launch.
 """
 
 import math
@@ -32,24 +34,38 @@ OVERRIDES = dict(max_steps=STEPS, save_every_n_steps=2, keep_last_n_checkpoints=
 NOT_COMPARED = ("time/", "tokens_per_second")  # wall-clock measurements
 
 
-def _reference(tmp_path_factory, nproc: int):
-    tmp = tmp_path_factory.mktemp(f"reference_{nproc}proc")
-    cfg = write_config(tmp, **OVERRIDES)
-    if nproc == 1:  # a reference for its numbers only: in this process (the killed runs are real launches)
-        run_in_process(cfg)
-    else:
-        run_tune(cfg, nproc=nproc, cwd=tmp)
+@pytest.fixture(scope="module")
+def one_process_reference(tmp_path_factory):
+    """The uninterrupted one-process run, for its numbers only: in this process (the killed runs are real
+    launches)."""
+    tmp = tmp_path_factory.mktemp("reference_1proc")
+    run_in_process(write_config(tmp, **OVERRIDES))
     return tmp / "out"
 
 
 @pytest.fixture(scope="module")
-def one_process_reference(tmp_path_factory):
-    return _reference(tmp_path_factory, nproc=1)
-
-
-@pytest.fixture(scope="module")
 def two_process_reference(tmp_path_factory):
-    return _reference(tmp_path_factory, nproc=2)
+    """The uninterrupted two-rank run, launched as two "nodes" of one process each (two launchers, ``--nnodes
+    2``, c10d rendezvous on 127.0.0.1): ``(output directory, [(launcher exit code, its output)] per node)``.
+    One launch serves both claims: the multi-node path runs (test_two_nodes_of_one_process_run_one_job_of_two_ranks),
+    and the one-node two-process runs compared with it end equal to it."""
+    tmp = tmp_path_factory.mktemp("reference_2nodes")
+    cfg = write_config(tmp, **OVERRIDES)
+    port = free_port()
+    launchers = [
+        subprocess.Popen(
+            tune_command(cfg, launcher_args=[
+                "--nnodes", "2", "--node-rank", str(rank), "--nproc_per_node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            ]),
+            cwd=tmp, env=tune_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
+    # The tests that compare with it need a finished run (the test of the two-node path asserts the same).
+    assert all(launcher.returncode == 0 for launcher in launchers), [out[-4000:] for out in outputs]
+    return tmp / "out", [(launcher.returncode, output) for launcher, output in zip(launchers, outputs)]
 
 
 def run_killed(cfg, crash_at: str, *overrides: str, nproc: int, cwd) -> str:
@@ -113,28 +129,28 @@ def test_one_process_killed_mid_rollout_between_saves_and_mid_update_resumes_exa
 
 
 @pytest.mark.slow
-def test_two_processes_killed_mid_save_resume_exactly(tmp_path, two_process_reference):
-    cfg = write_config(tmp_path, **OVERRIDES)
-    out = tmp_path / "out"
-    # Killed mid-save of step 4: rank 0 has written the model files, not the recipe state; rank 1 waits
-    # at the save's barrier and is stopped by torchrun. Step 4 is already in metrics.jsonl.
-    run_killed(cfg, "save:4", nproc=2, cwd=tmp_path)
-    assert (out / ".step_4.staging").is_dir() and not (out / "step_4").exists()
-    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
-    # Resumed from step_2: the incomplete save is removed, steps 3-4 cut from the logs and trained again.
-    log = run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
-    assert "removed the incomplete interrupted save .step_4.staging" in log
-    assert "Resuming at step 2: removed 2 later record(s) from metrics.jsonl" in log
-    assert_same_run(out, two_process_reference)
-    # (A kill while re-saving a step that has a checkpoint: tests/test_checkpointing.py.)
+def test_two_nodes_of_one_process_run_one_job_of_two_ranks(two_process_reference):
+    # torchtune's multi-node path: two launchers (one per "node"), c10d rendezvous on 127.0.0.1. Judged by
+    # both launchers' exit codes: the recipe leaves with os._exit(0) after cleanup under torchrun, which
+    # sidesteps the gloo teardown abort (DESIGN.md), as test_recipe.py's two-process test relies on. That it
+    # matches one node of two processes, weights and every metric, is asserted where one-node two-process runs
+    # are compared with this run (test_sigterm_to_one_rank_then_killed_mid_save_resumes_exactly).
+    _, launchers = two_process_reference
+    for rank, (returncode, output) in enumerate(launchers):
+        assert returncode == 0, f"node {rank} failed ({returncode}):\n{output[-4000:]}"
+    # 2 ranks in all: the global batch is the one-node run's (batch_size 4 x 2 ranks x group_size 4)
+    assert "global batch per step = batch_size 4 x 2 rank(s) x group_size 4 = 32 sequences" in launchers[0][1]
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_saves_the_step_on_every_rank_and_resumes_exactly(tmp_path, two_process_reference):
-    # A preemption notice that reaches rank 0 only, mid-rollout of step 3 (between the saves at 2 and 4):
-    # both ranks finish step 3, agree to stop, save step_3 and exit with 143 (torchtune_grpo/runtime/preemption.py).
+def test_sigterm_to_one_rank_then_killed_mid_save_resumes_exactly(tmp_path, two_process_reference):
+    # One two-process run on one node, stopped twice and resumed each time, ending as the uninterrupted
+    # two-node run (so one node of two processes also matches two nodes of one).
+    reference, _ = two_process_reference
     cfg = write_config(tmp_path, **OVERRIDES)
     out = tmp_path / "out"
+    # A preemption notice that reaches rank 0 only, mid-rollout of step 3 (between the saves at 2 and 4):
+    # both ranks finish step 3, agree to stop, save step_3 and exit with 143 (torchtune_grpo/runtime/preemption.py).
     proc = subprocess.run(
         tune_command(cfg, nproc=2), cwd=tmp_path, env=tune_env(**{CRASH_ENV: "rollout:3:0:TERM"}),
         capture_output=True, text=True, timeout=600,
@@ -145,42 +161,28 @@ def test_sigterm_to_one_rank_saves_the_step_on_every_rank_and_resumes_exactly(tm
     assert "Stopping on SIGTERM after step 3: saving a checkpoint" in log
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
     assert sorted(p.name for p in out.iterdir() if "step_" in p.name) == ["step_3"]  # keep_last_n_checkpoints=1
-    # Nothing trained is lost: the resumed run starts after step 3 and ends as the uninterrupted one.
-    log = run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
+    # Nothing trained is lost: resumed after step 3; then killed mid-save of step 4: rank 0 has written the
+    # model files, not the recipe state; rank 1 waits at the save's barrier and is stopped by torchrun. Step 4
+    # is already in metrics.jsonl.
+    log = run_killed(cfg, "save:4", "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
     assert f"Resuming from {out / 'step_3'}" in log
-    assert_same_run(out, two_process_reference)
-
-@pytest.mark.slow
-def test_two_nodes_of_one_process_match_one_node_of_two(tmp_path, two_process_reference):
-    # torchrun's multi-node path: two launchers (one per "node"), c10d rendezvous on 127.0.0.1. Judged by
-    # both launchers' exit codes: the recipe leaves with os._exit(0) after cleanup under torchrun, which
-    # sidesteps the gloo teardown abort (DESIGN.md), as test_recipe.py's two-process test relies on.
-    cfg = write_config(tmp_path, **OVERRIDES)
-    port = free_port()
-    launchers = [
-        subprocess.Popen(
-            tune_command(cfg, launcher_args=[
-                "--nnodes", "2", "--node-rank", str(rank), "--nproc_per_node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            ]),
-            cwd=tmp_path, env=tune_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
-    for rank, (launcher, output) in enumerate(zip(launchers, outputs)):
-        assert launcher.returncode == 0, f"node {rank} failed ({launcher.returncode}):\n{output[-4000:]}"
-    # 2 ranks in all: the global batch is the one-node run's (batch_size 4 x 2 ranks x group_size 4)
-    assert "global batch per step = batch_size 4 x 2 rank(s) x group_size 4 = 32 sequences" in outputs[0]
-    assert_same_run(tmp_path / "out", two_process_reference)
+    assert (out / ".step_4.staging").is_dir() and not (out / "step_4").exists()
+    assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
+    # Resumed from step_3: the incomplete save is removed, step 4 cut from the logs and trained again.
+    log = run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
+    assert "removed the incomplete interrupted save .step_4.staging" in log
+    assert "Resuming at step 3: removed 1 later record(s) from metrics.jsonl" in log
+    assert_same_run(out, reference)
+    # (A kill while re-saving a step that has a checkpoint: tests/test_checkpointing.py.)
 
 
 @pytest.mark.slow
 def test_resume_on_another_number_of_processes(tmp_path, two_process_reference):
-    # The two-process run's final checkpoint (step 4), continued for two more steps on one process. (The
+    # The two-rank run's final checkpoint (step 4), continued for two more steps on one process. (The
     # first of them has LR 0: the 4-step cosine schedule ended at 0 and the optimizer state carries that
     # LR; the scheduler, now over 6 steps, sets a nonzero one for the second.)
-    shutil.copytree(two_process_reference, tmp_path / "out")
+    reference, _ = two_process_reference
+    shutil.copytree(reference, tmp_path / "out")
     cfg = write_config(tmp_path, **{**OVERRIDES, "max_steps": STEPS + 2})
     log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
     assert f"Resuming from {tmp_path / 'out' / f'step_{STEPS}'}" in log
@@ -199,6 +201,6 @@ def test_resume_on_another_number_of_processes(tmp_path, two_process_reference):
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 3))
     assert all(math.isfinite(m["loss"]) for m in metrics[STEPS:])
     # The re-sharded weights and optimizer state were loaded and trained on.
-    before = weights(two_process_reference / f"step_{STEPS}")
+    before = weights(reference / f"step_{STEPS}")
     after = weights(tmp_path / "out" / f"step_{STEPS + 2}")
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)

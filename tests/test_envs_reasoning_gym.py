@@ -107,9 +107,10 @@ def test_bad_task_mixes_are_refused_by_name(tasks, message):
         reasoning_gym_rows(tasks, num_samples=4, validation_size=0)
 
 
-@pytest.mark.parametrize("engine", ["native", "vllm"])
+@pytest.mark.parametrize("engine", ["vllm"])
 def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch, engine: str):
     # The adapters are a dataset and a reward: any engine samples for them (vLLM: its own weights, synced).
+    # The native engine's run of this config: test_resume_and_two_processes (its two-process `tune run`).
     extra_pythonpath(monkeypatch, "reasoning-gym")
     cfg = OmegaConf.load(CONFIG)
     cfg.output_dir = str(tmp_path / "out")
@@ -142,7 +143,14 @@ def test_tiny_config_trains_with_per_task_metrics(tmp_path: Path, monkeypatch, e
 def test_resume_and_two_processes(tmp_path: Path, monkeypatch):
     extra_pythonpath(monkeypatch, "reasoning-gym")
     cfg = OmegaConf.load(CONFIG)
-    cfg.validation = None  # evaluation is covered above; here the training data's order and rewards
-    check_resume_equals_uninterrupted(cfg, tmp_path)
+    # The resume: the training data's order and rewards (no evaluation: the two-process run has it)
+    check_resume_equals_uninterrupted(OmegaConf.merge(cfg, {"validation": None}), tmp_path)
+    # The shipped config through `tune run` with the native engine: per-task metrics and the evaluation.
     steps = check_two_processes(cfg, tmp_path)
-    assert all(f"reward_by_group/{g}/mean" in m for m in steps for g in ("sum2", "sum3", "basic_arithmetic"))
+    for r in steps:
+        for label in ("sum2", "sum3", "basic_arithmetic"):
+            assert f"reward_by_group/{label}/mean" in r and f"reward_by_group/{label}/reasoning_gym/mean" in r
+        assert "reward/reasoning_gym/mean" in r
+    evals = [r for r in read_jsonl(tmp_path / "out2" / "metrics.jsonl") if "eval/accuracy" in r]
+    assert len(evals) >= 2  # step 0 and the end
+    assert (tmp_path / "out2" / "step_2").is_dir()

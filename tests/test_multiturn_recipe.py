@@ -11,7 +11,7 @@ prompt and row, so one-process, two-process and resumed runs see the same episod
   the uninterrupted run;
 - the LoRA recipe: a short run with the same episodes.
 
-The one-process reference and the LoRA run are in process. The vLLM engine with multi-turn episodes (a real
+The one-process reference, the resume after the kill and the LoRA run are in process. The vLLM engine with multi-turn episodes (a real
 model's continuation turns): tests/test_vllm_recipe.py::
 test_two_processes_one_engine_per_rank_running_multi_turn_episodes.
 """
@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from tests.chat_templates import make_tokenizer_dir
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, run_tune, with_overrides, write_config
 from tests.test_distributed_runs import STEPS, assert_same_run, run_killed
 from tests.test_lora_recipe import LORA_CONFIG
 
@@ -118,14 +118,16 @@ def test_two_processes_match_one(tmp_path, one_process_run):
 
 
 @pytest.mark.slow
-def test_killed_mid_multi_turn_run_resumes_exactly(tmp_path, one_process_run):
+def test_killed_mid_multi_turn_run_resumes_exactly(tmp_path, one_process_run, clean_env, one_thread):
     # Killed right after the step-3 episodes were run and scored (nothing trained): step_2 is the checkpoint.
+    # The kill is a real launch (SIGKILL ends the process); the resume is judged by its numbers: in process.
     out, _ = one_process_run
     cfg = multi_turn_config(tmp_path, **SCHEDULE)
     run_killed(cfg, "rollout:3", nproc=1, cwd=tmp_path)
     assert [m["step"] for m in read_jsonl(tmp_path / "out" / "metrics.jsonl")] == [1, 2]
-    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
-    assert f"Resuming from {tmp_path / 'out' / 'step_2'}" in log
+    log: list = []
+    run_in_process(with_overrides(cfg, resume_from_checkpoint=True), log=log)
+    assert f"Resuming from {tmp_path / 'out' / 'step_2'}" in "\n".join(log)
     assert_same_run(tmp_path / "out", out)  # weights, every metric but timings (episode/* included)
 
 

@@ -9,6 +9,7 @@ a resumed run is the uninterrupted one, and a KL other than the full reference's
 
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -200,11 +201,11 @@ def test_nf4_offloaded_reference_through_the_recipe(tmp_path, clean_env, one_thr
     card = (tmp_path / "A" / "out" / "algorithm_card.md").read_text()
     assert "linear weights NF4 (4-bit blocks of 64), the rest in float32; transformer layers in CPU memory" in card
     assert "pi_ref is computed by a quantised copy of the initial policy" in card
-    path = _config(tmp_path / "R", max_steps=1)
-    run_in_process(path)
+    # R: A's run as if stopped after its step-1 checkpoint (A saves every step), resumed for step 2.
+    resumed = _config(tmp_path / "R", resume_from_checkpoint=True)
+    shutil.copytree(tmp_path / "A" / "out", tmp_path / "R" / "out")
+    shutil.rmtree(tmp_path / "R" / "out" / "step_2")
     os.environ.pop("MASTER_PORT", None)
-    resumed = OmegaConf.load(path)
-    resumed.resume_from_checkpoint, resumed.max_steps = True, 2
     run_in_process(resumed)
     run_tune(_config(tmp_path / "C", batch_size=2, micro_batch_size=8, max_tokens_per_micro_batch=96), nproc=2,
              cwd=tmp_path / "C")

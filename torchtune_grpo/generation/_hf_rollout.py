@@ -148,7 +148,8 @@ class HFRollout:
         # attention kernels see what they see under generate().
         self.mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) else mask  # [n, slots] or None
         # transformers' cache for the model, its full-attention layers growing in place (_hf_cache.py). Imported
-        # here: transformers is needed for transformers' modules only, and `make demo`'s environment has none.
+        # here, not at the top: transformers is needed for transformers' modules only (`make demo`'s environment
+        # has none), and a run without a transformers policy saves its 1.5 s of start-up.
         from torchtune_grpo.generation._hf_cache import growing_cache
 
         self.cache = growing_cache(hf.config)
