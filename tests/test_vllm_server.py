@@ -7,9 +7,11 @@
   completion stamped with a weight version other than the one sent stops the run, and close stops the server.
 - The recipe (in this process: the servers and workers are processes of their own either way): a server
   started by hand with the command of docs/vllm.md and listed in ``generation.servers`` (the multi-node
-  layout's shape), which then goes by itself when the process that started it is killed; the run's own server
-  inside a generation worker, one step off (docs/async.md), and with in-flight updates; the LoRA recipe's
-  merged weights. Through ``tune run`` end to end: two trainer processes, each with its own server.
+  layout's shape), which then goes by itself when the process that started it is killed; the same listed
+  server for a run with in-flight updates (through a generation worker) and for the LoRA recipe's merged
+  weights (one server start for three runs: :class:`HandStartedServer`); the run's own server inside a
+  generation worker, one step off (docs/async.md). Through ``tune run`` end to end: two trainer processes,
+  each with its own server.
 - Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
   servers, a server without the RL routes, a server that dies while starting (its log is quoted).
 """
@@ -574,24 +576,24 @@ def test_a_server_that_dies_while_starting_quotes_its_log(tmp_path: Path):
     assert str(log_path) in str(error.value) and "no_such_model" in str(error.value)
 
 
-def test_tune_grpo_vllm_serve_prints_the_servers_command(tmp_path: Path):
+def test_tune_grpo_vllm_serve_prints_the_servers_command(capsys):
     # The command for a server you start yourself comes from the config (so its flags match what the run
-    # needs); a config with another engine is refused naming the key.
+    # needs); a config with another engine is refused naming the key. Through the console script's entry point
+    # (``main``) in this process: what is checked is what it prints, not the interpreter's start (two of them
+    # cost 15 s here).
+    from torchtune_grpo.cli import main
+
     _needs_vllm()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "torchtune_grpo.cli", "vllm-serve"]
-    proc = subprocess.run([*cli, "--config", str(SERVER_CONFIG), "--port", "8123", "--print", "dtype=fp32"],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
+    assert main(["vllm-serve", "--config", str(SERVER_CONFIG), "--port", "8123", "--print", "dtype=fp32"]) == 0
+    printed = capsys.readouterr()
+    line = printed.out.strip().splitlines()[-1]
     assert line.startswith("VLLM_SERVER_DEV_MODE=1 ") and "-m vllm.entrypoints.openai.api_server" in line
     for part in (f"--model {asset_path('tiny_qwen2')}", "--dtype float32", "--enable-scale-out",
                  "--skip-tokenizer-init", "--logprobs-mode processed_logprobs", "--port 8123",
                  '{"backend": "torchtune_grpo_shm"}', "--max-model-len 256"):
         assert part in line, (part, line)
-    other = subprocess.run([*cli, "--config", str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), "--print"],
-                           env=env, capture_output=True, text=True, timeout=300)
-    assert other.returncode == 1 and "generation._component_ builds VLLMGenerator" in other.stderr
+    assert main(["vllm-serve", "--config", str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), "--print"]) == 1
+    assert "generation._component_ builds VLLMGenerator" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------- the transfer's calls, on a recording server
