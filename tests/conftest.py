@@ -150,10 +150,12 @@ def clean_env():
 
 
 # Files run first under pytest-xdist (`make test`: -n auto --dist loadfile --no-loadscope-reorder hands out
-# whole files in collection order). The learning test is the longest single test (minutes on 2 cores):
-# started last, it would run alone on one core at the end. After it, the files with multi-process (`slow`)
-# tests.
-LONGEST_FIRST = ("test_learning.py",)
+# whole files in collection order): the longest files (docs/test_durations.md), longest first, so that none
+# starts late and runs alone on one core at the end. After them, the files with multi-process (`slow`) tests.
+LONGEST_FIRST = (
+    "test_vllm_server.py", "test_gpu_check.py", "test_vllm_lora_recipe.py", "test_generation_workers.py",
+    "test_vllm_moe.py", "test_distributed_runs.py", "test_vllm_recipe.py", "test_algorithms_recipe.py",
+)
 
 
 def pytest_addoption(parser):

@@ -1,8 +1,8 @@
 """The recipes with a model directory read by torchtune_grpo.models (a tiny random Qwen3 with its own
 tokenizer and chat template): full fine-tuning, LoRA and QLoRA in process; every output directory loads in
 transformers (and PEFT) with the logits of our own model. The vLLM engine with such a directory, through
-`tune run`: tests/test_vllm_recipe.py::test_recipe_trains_with_vllm_and_every_sync_checks_out. Two processes,
-for every architecture: tests/test_models_architectures.py."""
+`tune run`: tests/test_vllm_recipe.py::test_two_processes_one_engine_per_rank_running_multi_turn_episodes.
+Two processes, for every architecture: tests/test_models_architectures.py."""
 
 from pathlib import Path
 
@@ -48,7 +48,7 @@ def _rows(tmp_path: Path):
 
 def test_qwen3_full_one_process(tmp_path: Path, clean_env, one_thread):
     # In process (the recipe's setup/train/cleanup; `tune run` with a model directory:
-    # tests/test_vllm_recipe.py::test_recipe_trains_with_vllm_and_every_sync_checks_out).
+    # tests/test_vllm_recipe.py::test_two_processes_one_engine_per_rank_running_multi_turn_episodes).
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(tmp_path, **hf_components(src), **TWO_STEPS)
     run_in_process(config)
