@@ -35,18 +35,7 @@ PROBLEMS="${DEMO_PROBLEMS:-3200}"
 TOOL_RATE="${DEMO_TOOL_RATE:-0.3}"
 SFT_EPOCHS="${DEMO_SFT_EPOCHS:-4}"
 GRPO_STEPS="${DEMO_GRPO_STEPS:-10}"
-# One thread per process (see scripts/demo.sh): results do not depend on the core count.
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export TOKENIZERS_PARALLELISM=false
-export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-
-START=$(date +%s)
-elapsed() { echo "$(( $(date +%s) - START ))s"; }
-step() { echo; echo "==== [$(elapsed)] $*"; }
-
-rm -rf "$WORK"
-mkdir -p "$WORK"
-cd "$WORK"  # `tune run` finds the recipes as installed modules, from any directory
+. "$REPO/scripts/_demo_steps.sh"  # threads, step(), a fresh $WORK, sft_stage and warm_start
 
 # The SFT warm start from the random init (DEMO_WARM_START=sft): sets WARM_DIR and WARM_FILE.
 sft_warm_start() {
@@ -63,30 +52,10 @@ with open(out, "w") as f:
 print(f"{counts['problems']} problems: the teacher called the calculator for {counts['tool_calls']} and "
       f"guessed (wrong) for {counts['guesses']}")
 PY
-  local asset_dir
-  asset_dir="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2"))')"
-  step "1/2 SFT warm start: tune run full_finetune_single_device (torchtune's recipe), $SFT_EPOCHS epoch(s)"
-  tune run full_finetune_single_device --config "$REPO/configs/tiny/demo_multi_turn_sft.yaml" \
-    asset_dir="$asset_dir" dataset.data_files="$WORK/traces.jsonl" dataset.cache_dir="$WORK/hf_cache" \
-    output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed="$SEED" ${DEMO_SFT_ARGS:-} > "$WORK/sft.log" 2>&1 \
-    || { tail -n 40 "$WORK/sft.log"; exit 1; }
-  WARM_DIR="$WORK/sft/epoch_$((SFT_EPOCHS - 1))"
-  WARM_FILE=model-00001-of-00001.safetensors  # the name torchtune's SFT recipe writes
-  echo "SFT checkpoint: $WARM_DIR/$WARM_FILE (log: $WORK/sft.log)"
+  sft_stage "1/2" "$REPO/configs/tiny/demo_multi_turn_sft.yaml" "$WORK/traces.jsonl"
 }
 
-case "$WARM_START" in
-  shipped)
-    WARM_DIR="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2_tools"))')"
-    WARM_FILE=model.safetensors
-    step "1/2 warm start: the shipped SFT checkpoint $WARM_DIR (DEMO_WARM_START=sft trains it here)" ;;
-  sft) sft_warm_start ;;
-  *) echo "DEMO_WARM_START must be 'shipped' or 'sft', got '$WARM_START'" >&2; exit 2 ;;
-esac
-if [ "$GRPO_STEPS" -eq 0 ]; then
-  echo "DEMO_GRPO_STEPS=0: stopping after the warm start (outputs in $WORK)"
-  exit 0
-fi
+warm_start "1/2" tiny_qwen2_tools
 
 step "2/2 GRPO with the calculator: tune run grpo_full_finetune_distributed, $GRPO_STEPS steps"
 tune run grpo_full_finetune_distributed --config "$REPO/configs/tiny/demo_multi_turn_grpo.yaml" \
