@@ -48,23 +48,4 @@ def __dir__() -> list:
     return sorted(set(globals()) | set(_WHERE))
 
 
-__all__ = [
-    "EXTRAS",
-    "EpisodeInfoReward",
-    "MissingExtraError",
-    "OpenEnvEnvironment",
-    "ReasoningGymReward",
-    "TaskSpec",
-    "UNSUPPORTED_VERIFIERS_FEATURES",
-    "UnsupportedVerifiersFeature",
-    "VerifiersEnvironment",
-    "VerifiersReward",
-    "load_taskset",
-    "local_server",
-    "openenv_dataset",
-    "parse_tasks",
-    "reasoning_gym_dataset",
-    "reasoning_gym_rows",
-    "require",
-    "verifiers_dataset",
-]
+__all__ = sorted(_WHERE)
