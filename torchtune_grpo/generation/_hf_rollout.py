@@ -49,6 +49,7 @@ from torch import nn
 
 from torchtune_grpo.generation._decode import to_rollout
 from torchtune_grpo.generation._output import Rollout
+from torchtune_grpo.models import grouped_kv_attention
 from torchtune_grpo.models.moe_routing import router_hooks
 
 __all__ = ["HFRollout", "sample_with_hf_cache"]
@@ -93,8 +94,10 @@ def sample_with_hf_cache(
     run = HFRollout(hf, prompts, group_size, pad_id, share_prefill=engine.share_prefill, image_model=image_model,
                     images=images)
     stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.device)
-    # Inference mode, as the torchtune path: no autograd bookkeeping on the decode's many small ops.
-    with torch.inference_mode(), hooks.recording() if hooks is not None else nullcontext() as recorded:
+    # Inference mode, as the torchtune path: no autograd bookkeeping on the decode's many small ops. Grouped-query
+    # heads attend without copying the cache per step (models/_grouped_attention.py).
+    with torch.inference_mode(), grouped_kv_attention(hf), \
+            hooks.recording() if hooks is not None else nullcontext() as recorded:
         try:
             logits = run.prefill()  # [B*G, V]
             if engine.compact_decode:

@@ -38,6 +38,7 @@ from torchtune_grpo.generation._decode import to_rollout
 from torchtune_grpo.generation._hf_rollout import HFRollout
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.generation._session import SessionRows
+from torchtune_grpo.models import grouped_kv_attention
 
 __all__ = ["HFSession", "hf_session_unsupported"]
 
@@ -112,7 +113,7 @@ class HFSession(SessionRows):
         """
         rows, responses = self._turn(rows, responses)
         temperature = self.engine.temperature if temperature is None else temperature
-        with torch.inference_mode():
+        with torch.inference_mode(), grouped_kv_attention(self.hf):
             if self._run is None:
                 return self._first_turn(rows, responses, max_new_tokens, generator, temperature)
             return self._next_turn(rows, responses, max_new_tokens, generator, temperature)

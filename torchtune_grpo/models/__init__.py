@@ -14,6 +14,7 @@ from torchtune_grpo.models._builder import HeadNormLinear, HeadNormLoRALinear, h
 from torchtune_grpo.models._chat_template import ChatTemplateError
 from torchtune_grpo.models._checkpointer import HFCheckpointer, weight_files
 from torchtune_grpo.models._convert import tune_to_hf_param
+from torchtune_grpo.models._grouped_attention import grouped_kv_attention
 from torchtune_grpo.models._padding_idx import drop_pad_input_embedding_grad
 from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
 from torchtune_grpo.models._tokenizer import HFTokenizer, hf_tokenizer
@@ -44,6 +45,7 @@ __all__ = [
     "HeadNormLinear",
     "HeadNormLoRALinear",
     "drop_pad_input_embedding_grad",
+    "grouped_kv_attention",
     "SUPPORTED_MODEL_TYPES",
     "hf_model",
     "hf_tokenizer",
