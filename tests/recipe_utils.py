@@ -95,14 +95,16 @@ def run_tune(
     nproc: int = 1,
     cwd: Path,
     recipe: str = "grpo_full_finetune_distributed",
+    env: Optional[Dict[str, str]] = None,
 ) -> str:
     """``tune run [--nproc_per_node N] RECIPE --config ...``; returns the output.
 
     Runs from ``cwd`` (outside the repository: the recipe is an installed module) with the repository on
-    PYTHONPATH, so test-only components (``tests._rewards``...) import.
+    PYTHONPATH, so test-only components (``tests._rewards``...) import; ``env`` adds variables
+    (:func:`tune_env`).
     """
     cmd = tune_command(config_path, *overrides, nproc=nproc, recipe=recipe)
-    proc = subprocess.run(cmd, cwd=cwd, env=tune_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=cwd, env=tune_env(**(env or {})), capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"
     return output

@@ -1,13 +1,13 @@
 """``grpo_lora_finetune_distributed`` with the vLLM engine (configs/tiny/lora_vllm_grpo_cpu.yaml), through `tune run`.
 
 - One process, LoRA, adapter sync: 2 steps whose every version checks out (fp32: rounding only), each
-  sending the adapter alone; then a resumed run, whose engine gets the resumed (trained, non-zero) adapter
-  before its first rollout: the start-up check compares it with the trainer's resumed policy.
+  sending the adapter alone; then a run resumed on two processes with ``lora_sync: merge``, whose engines get
+  the resumed (trained, non-zero) adapter, merged, before their first rollout: the start-up check compares it
+  with the trainer's resumed policy; every sync sends full merged weights gathered from the FSDP2 shards.
 - Two processes, QLoRA, multi-turn episodes, ``lora_sync: adapter``: one engine per rank holding the
   dequantised NF4 base plus the adapter, each checked against the trainer's NF4 model (this run also carries
   the one-process QLoRA run's claims, and the adapter-only sync over FSDP2 shards: one engine start-up per
   rank instead of three runs).
-- Two processes, LoRA, ``lora_sync: merge``: full merged weights from the FSDP2 shards, checked.
 - A stale adapter sync stops the run after step 1 (in process, with an in-test engine that keeps its own LoRA
   copy and drops adapter versions after the first: no vLLM engine starts for a run meant to stop).
 
@@ -54,7 +54,9 @@ def _needs_vllm():
         pytest.fail("vllm is not installed: these tests need a real engine (README, Install).")
 
 
-def test_lora_with_vllm_syncs_adapters_only_and_resumes(tmp_path: Path):
+@pytest.mark.slow
+def test_lora_syncs_adapters_only_then_resumes_on_two_processes_with_merge(tmp_path: Path):
+    # One process, adapter sync: 2 steps, each sending the adapter alone, then a checkpoint.
     config = write_config(tmp_path, base=CONFIG, save_every_n_steps=2, **TRAIN)
     output = run_tune(config, cwd=tmp_path, recipe=RECIPE)
     assert "Generation engine started, weights synced and checked" in output
@@ -68,13 +70,28 @@ def test_lora_with_vllm_syncs_adapters_only_and_resumes(tmp_path: Path):
     adapter = torch.load(tmp_path / "out" / "step_2" / "adapter_model.pt", weights_only=True)
     assert max(v.abs().max().item() for k, v in adapter.items() if k.endswith("lora_b.weight")) > 1e-3
 
-    # Resume: the engine starts from the base files; the first sync (before any rollout) must carry the
-    # resumed adapter, or the start-up check fails (B != 0 moves the probe's logprobs off the base's).
-    output = run_tune(config, "resume_from_checkpoint=True", "max_steps=3", cwd=tmp_path, recipe=RECIPE)
+    # Resumed on two processes with lora_sync: merge (one run for what were two: this resume, formerly on one
+    # process, and test_lora_sync_merge_on_two_processes, formerly 2 fresh steps). Each rank's engine starts from
+    # the base files; its first sync (before any rollout) must carry the resumed adapter, merged, or the start-up
+    # check fails (B != 0 moves the probe's logprobs off the base's). merge: every sync sends every weight with
+    # the adapter merged (fp32), gathered from the FSDP2 shards on both ranks: the start-up sync and step 3's.
+    # The checks pass and the card says what is sent. (lora_sync: adapter on two processes:
+    # test_qlora_on_two_processes_with_multi_turn_episodes.)
+    output = run_tune(config, "resume_from_checkpoint=True", "max_steps=3", "generation.lora_sync=merge", nproc=2,
+                      cwd=tmp_path, recipe=RECIPE)
     assert "Resuming from" in output and "Generation engine started, weights synced and checked" in output
+    assert "2 rank(s)" in output
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["generation/sync_logprob_diff"] < 1e-4
+    base_bytes = sum(p.numel() * 4 for n, p in tt_config.instantiate(OmegaConf.load(config).model).named_parameters()
+                     if "lora_" not in n)
+    merged = rows[-1]
+    assert merged["generation/sync_logprob_diff"] < 1e-4, merged
+    assert merged["generation/logprob_mismatch"] < 1e-4, merged
+    assert merged["generation/sync_bytes"] == base_bytes, merged  # every base weight (merged), no adapter
+    card = (tmp_path / "out" / "algorithm_card.md").read_text()
+    assert "(lora_sync: merge)" in card
+    assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
 
 
 @pytest.mark.slow
@@ -105,27 +122,6 @@ def test_qlora_on_two_processes_with_multi_turn_episodes(tmp_path: Path):
     assert max(r["episode/turns"] for r in rows) > 1  # histories were continued through the adapter
     card = (tmp_path / "out" / "algorithm_card.md").read_text()
     assert "(lora_sync: adapter)" in card
-
-
-@pytest.mark.slow
-def test_lora_sync_merge_on_two_processes(tmp_path: Path):
-    # merge: every sync sends every weight with the adapter merged (fp32), gathered from the FSDP2 shards on
-    # both ranks. The checks pass and the card says what is sent. (lora_sync: adapter on two processes:
-    # test_qlora_on_two_processes_with_multi_turn_episodes.)
-    config = write_config(tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN, **{"generation.lora_sync": "merge"})
-    output = run_tune(config, nproc=2, cwd=tmp_path, recipe=RECIPE)
-    assert "2 rank(s)" in output
-    rows = _rows(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2]
-    base_bytes = sum(p.numel() * 4 for n, p in tt_config.instantiate(OmegaConf.load(config).model).named_parameters()
-                     if "lora_" not in n)
-    for r in rows:
-        assert r["generation/sync_logprob_diff"] < 1e-4, r
-        assert r["generation/logprob_mismatch"] < 1e-4, r
-        assert r["generation/sync_bytes"] == base_bytes, r  # every base weight (merged), no adapter
-    card = (tmp_path / "out" / "algorithm_card.md").read_text()
-    assert "(lora_sync: merge)" in card
-    assert "computed in fp32 and cast to float32 once (lora_sync: merge)" in card
 
 
 class StaleAdapterGenerator(NativeGenerator):

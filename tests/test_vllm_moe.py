@@ -252,7 +252,7 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
 
     from tests.hf_models import hf_components
     from tests.recipe_utils import read_jsonl, run_in_process, write_config
-    from tests.test_vllm_server import SERVER_CONFIG, TRAIN
+    from tests.test_vllm_server import LEAN_SERVER_ARGS, LEAN_SERVER_ENV, SERVER_CONFIG, TRAIN
     from tests.tolerances import ulps
     from torchtune_grpo.generation import WeightSyncCheck
 
@@ -267,9 +267,14 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
     sync = {"_component_": "torchtune_grpo.generation.WeightSyncCheck", "tolerance": bound, "probe": "random",
             "probe_length": 32}
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
-                          generation_workers={"enabled": True, "max_staleness": 0}, weight_sync=sync)
+                          generation_workers={"enabled": True, "max_staleness": 0}, weight_sync=sync,
+                          **{"generation.server_args": LEAN_SERVER_ARGS})
     # The trainer in this process (its worker and the worker's server are processes of their own either way).
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's and server's threads, as under `tune run`
+    # The server's model in its engine's process (one Python start-up less; the experts are prepacked by the
+    # same transfer engine, there instead of in a worker process): tests/test_vllm_server.py, LEAN_SERVER_ARGS.
+    for key, value in LEAN_SERVER_ENV.items():
+        monkeypatch.setenv(key, value)
     log = []
     run_in_process(config, log=log)
     output = "\n".join(log)

@@ -11,7 +11,8 @@
   server for a run with in-flight updates (through a generation worker) and for the LoRA recipe's merged
   weights (one server start for three runs: :class:`HandStartedServer`); the run's own server inside a
   generation worker, one step off (docs/async.md). Through ``tune run`` end to end: two trainer processes,
-  each with its own server.
+  each with its own server. The recipe's servers run vLLM's one-process layout (:data:`LEAN_SERVER_ARGS`: one
+  Python start-up less per server); the engine test's server starts with the package's own flags.
 - Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
   servers, a server without the RL routes, a server that dies while starting (its log is quoted).
 """
@@ -42,6 +43,15 @@ from torchtune_grpo.generation.vllm_plugin import BACKEND
 
 SERVER_CONFIG = REPO / "configs" / "tiny" / "vllm_server_grpo_cpu.yaml"
 TRAIN = dict(max_steps=3, save_every_n_steps=None, lr_scheduler=None)
+# A started server with its model in the engine's process (vLLM's one-process executor, which its CPU build
+# allows only with V1 multiprocessing off) instead of an engine process that spawns a worker process: one
+# Python start-up less per server (measured on 2 cores: 27 s instead of 37 s for one server alone; two servers
+# starting at once gain more). This is vLLM's layout inside a server, which the trainer never sees (the same
+# routes; the same transfer engine, in the engine's process): for the runs whose claims are on the trainer's
+# side. The engine test's server (``results``) starts with the package's own flags, so that layout stays run.
+# Not the package's default: the worker process is where vLLM's CPU build binds its OpenMP threads to cores.
+LEAN_SERVER_ARGS = ["--distributed-executor-backend", "uni"]
+LEAN_SERVER_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _needs_vllm():
@@ -309,8 +319,9 @@ _STARTER = textwrap.dedent(
 
 
 class HandStartedServer:
-    """A vLLM server started with the command docs/vllm.md gives, by a process of its own (``_STARTER``), the
-    shape of a multi-node layout where servers run before the trainer; runs list it in ``generation.servers``.
+    """A vLLM server started with the command docs/vllm.md gives (in the one-process layout of
+    :data:`LEAN_SERVER_ARGS`), by a process of its own (``_STARTER``), the shape of a multi-node layout where
+    servers run before the trainer; runs list it in ``generation.servers``.
 
     One server serves the module's runs on the shipped tiny Qwen2 (its start is most of a run's time on CPU).
     Sharing it is sound: a run's first sync sends every weight (a LoRA run's merged weights: the server holds no
@@ -337,8 +348,8 @@ class HandStartedServer:
                 "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
                 "--enable-scale-out", "--weight-transfer-config", json.dumps({"backend": BACKEND}),
                 "--max-model-len", "256", "--kv-cache-memory-bytes", str(2**28), "--no-enable-chunked-prefill",
-                "--max-num-batched-tokens", "8192"]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+                "--max-num-batched-tokens", "8192", *LEAN_SERVER_ARGS]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **LEAN_SERVER_ENV}
         self.proc = subprocess.Popen([sys.executable, "-c", _STARTER, json.dumps(args), str(self.log_path)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
@@ -408,7 +419,8 @@ def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, log_lis
     urllib.request.urlopen(url + "/health", timeout=10)  # up
 
 
-def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path, log_list, capfd):
+def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path, log_list, capfd,
+                                                                        monkeypatch):
     # The policy is transformers' own Gemma 3 module (not a torchtune architecture): its weights reach the server
     # under their own names, through the worker (torchtune names through a server: the test above).
     from tests.hf_families import make_family_dir
@@ -416,7 +428,10 @@ def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path
     _needs_vllm()
     src = make_family_dir("gemma3_text", tmp_path / "gemma3")
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
-                          generation_workers={"enabled": True, "max_staleness": 1})
+                          generation_workers={"enabled": True, "max_staleness": 1},
+                          **{"generation.server_args": LEAN_SERVER_ARGS})
+    for key, value in LEAN_SERVER_ENV.items():  # the worker, and so its server, inherit this process's environment
+        monkeypatch.setenv(key, value)
     # In this process (the worker and its server are processes of their own either way): what the trainer
     # logs, and what the worker printed (its log goes to the stderr it inherits).
     run_in_process(config, log=log_list)
@@ -508,8 +523,9 @@ def test_two_trainer_processes_each_with_its_own_server(tmp_path: Path):
     # trainer's weights' (mismatch < 1e-4).
     _needs_vllm()
     src = make_model_dir(tmp_path / "Qwen3-tiny")
-    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3})
-    output = run_tune(config, nproc=2, cwd=tmp_path)
+    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
+                          **{"generation.server_args": LEAN_SERVER_ARGS})
+    output = run_tune(config, nproc=2, cwd=tmp_path, env=LEAN_SERVER_ENV)
     urls = {rank: re.search(rf"Rank {rank}: vLLM server started at (http://\S+)", output) for rank in (0, 1)}
     assert all(urls.values()), output[-3000:]
     assert urls[0].group(1) != urls[1].group(1)
