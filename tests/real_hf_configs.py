@@ -54,14 +54,27 @@ TORCHTUNE_BUILDERS = {
 
 # The 2026 families (transformers backend). Their shape fields as published (Hugging Face model cards and
 # config.json copies; docs/models.md names the sources), nested as on disk for the checkpoints that are
-# multimodal there (Qwen3.5, Gemma 3 4B, Gemma 4: the language model's fields in ``text_config``; the towers'
-# configs are transformers' defaults here, since only the language model is built from them). RoPE scalings
-# that change no shape are left out (OLMo 3's YaRN on its full-attention layers, Phi-4-mini's LongRoPE factors).
+# multimodal there (Qwen3.5, Gemma 3 4B, Gemma 4: the language model's fields in ``text_config``). The towers'
+# ``vision_config`` is the published one for the models an image config names (configs/*/*_image_grpo.yaml: its
+# memory estimate counts the tower), transformers' defaults elsewhere (only the language model is built from
+# them). RoPE scalings that change no shape are left out (OLMo 3's YaRN on its full-attention layers,
+# Phi-4-mini's LongRoPE factors).
 def _layers(pattern, n):
     return [pattern[i % len(pattern)] for i in range(n)]
 
 
-def _qwen3_5(hidden, layers, intermediate, heads, kv_heads, linear_k_heads, linear_v_heads, tied):
+# Qwen3.5's vision tower of the 2B and 4B checkpoints (24 blocks of 1024; the 0.8B's has 12 of 768), its merger
+# projecting to the language model's width (out_hidden_size). The 4B's is as published; the 2B's is taken to be
+# the same tower: its download size (about 4.5 GB in bf16) fits 2.21B parameters with this tower (plus the
+# multi-token-prediction head's 0.06B), not the 1.99B the 0.8B's tower would give.
+def _qwen3_5_vision(out_hidden_size):
+    return dict(model_type="qwen3_5", depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                num_position_embeddings=2304, out_hidden_size=out_hidden_size, hidden_act="gelu_pytorch_tanh",
+                deepstack_visual_indexes=[])
+
+
+def _qwen3_5(hidden, layers, intermediate, heads, kv_heads, linear_k_heads, linear_v_heads, tied, vision=None):
     text = dict(model_type="qwen3_5_text", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=intermediate,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, vocab_size=248320,
                 linear_num_key_heads=linear_k_heads, linear_num_value_heads=linear_v_heads, linear_key_head_dim=128,
@@ -70,14 +83,14 @@ def _qwen3_5(hidden, layers, intermediate, heads, kv_heads, linear_k_heads, line
                 max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu", attn_output_gate=True,
                 rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25))
     return dict(model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], text_config=text,
-                tie_word_embeddings=tied)
+                tie_word_embeddings=tied, **({} if vision is None else {"vision_config": vision}))
 
 
 _GEMMA_ROPE = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0))
 FAMILY_HUB_CONFIGS: Dict[str, Dict[str, Any]] = {
     "Qwen3.5-0.8B": _qwen3_5(1024, 24, 3584, 8, 2, 16, 16, tied=True),
-    "Qwen3.5-2B": _qwen3_5(2048, 24, 6144, 8, 2, 16, 16, tied=True),
-    "Qwen3.5-4B": _qwen3_5(2560, 32, 9216, 16, 4, 16, 32, tied=True),
+    "Qwen3.5-2B": _qwen3_5(2048, 24, 6144, 8, 2, 16, 16, tied=True, vision=_qwen3_5_vision(2048)),
+    "Qwen3.5-4B": _qwen3_5(2560, 32, 9216, 16, 4, 16, 32, tied=True, vision=_qwen3_5_vision(2560)),
     "Qwen3.5-9B": _qwen3_5(4096, 32, 12288, 16, 4, 16, 32, tied=False),
     "gemma-3-1b-it": dict(
         model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], hidden_size=1152, num_hidden_layers=26,
@@ -91,7 +104,11 @@ FAMILY_HUB_CONFIGS: Dict[str, Dict[str, Any]] = {
         layer_types=_layers(["sliding_attention"] * 5 + ["full_attention"], 34), max_position_embeddings=131072,
         query_pre_attn_scalar=256,
         rope_parameters=dict(_GEMMA_ROPE, full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1000000.0))),
-        tie_word_embeddings=True),
+        # SigLIP So400m at 896 x 896 (no pooling head), pooled to 256 tokens per image.
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=1152, intermediate_size=4304,
+                           num_attention_heads=16, num_hidden_layers=27, image_size=896, patch_size=14,
+                           vision_use_head=False),
+        mm_tokens_per_image=256, tie_word_embeddings=True),
     "gemma-4-E2B-it": dict(model_type="gemma4", architectures=["Gemma4ForConditionalGeneration"], text_config=dict(
         model_type="gemma4_text", hidden_size=1536, num_hidden_layers=35, intermediate_size=6144,
         num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512, vocab_size=262144,

@@ -170,13 +170,14 @@ def test_format_reward_matches_prompt_style(path: Path):
 
 
 def assert_real_config_conventions(cfg: DictConfig) -> Path:
-    """What every config for a real model keeps (GPU, bf16, activation checkpointing, a math dataset whose
-    prompt limit is the config's, its own output directory, and one line to edit: model, tokenizer and weights
-    all read checkpointer.checkpoint_dir); returns that directory (``/tmp/<name>``, as `tune download <repo>
-    --output-dir /tmp/<name>` writes it)."""
+    """What every config for a real model keeps (GPU, bf16, activation checkpointing, a math dataset, with images
+    in the prompt or not, whose prompt limit is the config's, its own output directory, and one line to edit:
+    model, tokenizer and weights all read checkpointer.checkpoint_dir); returns that directory (``/tmp/<name>``,
+    as `tune download <repo> --output-dir /tmp/<name>` writes it)."""
     assert cfg.device == "cuda" and cfg.dtype == "bf16"
     assert cfg.enable_activation_checkpointing is True
-    assert cfg.dataset._component_ in ("torchtune_grpo.data.gsm8k_dataset", "torchtune_grpo.data.math_dataset")
+    assert cfg.dataset._component_ in (
+        "torchtune_grpo.data.gsm8k_dataset", "torchtune_grpo.data.math_dataset", "torchtune_grpo.data.image_dataset")
     assert cfg.dataset.max_prompt_length == cfg.max_prompt_length
     assert str(cfg.output_dir).startswith("/tmp/torchtune_grpo/")
     assert cfg.checkpointer._component_ == "torchtune_grpo.models.HFCheckpointer"

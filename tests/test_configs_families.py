@@ -11,6 +11,11 @@ Two checks per config, neither loading a real checkpoint:
   prompt and thinking switch;
 - from the real model's ``config.json`` (``tests/real_hf_configs.py``), on the meta device: the parameter count
   the config's memory comment is worked out from is the real model's, and its lengths fit the model.
+
+The image configs (``*_image_grpo``: images in the prompt, docs/multimodal.md) are built from a tiny directory
+that also has the family's image processor and image chat template (``tests/hf_vision.py``), and their dataset is
+built too, from a local file with the columns of the Hub dataset they name; their memory comment's vision-tower
+count is the real tower's (the image-text class of the real ``config.json``, on the meta device).
 """
 
 from pathlib import Path
@@ -26,6 +31,7 @@ from torchtune import config as tt_config
 
 from tests.hf_families import family_spec, make_family_dir, make_tokenizer
 from tests.hf_multimodal import TEXT_FAMILY, make_multimodal_dir
+from tests.hf_vision import IMAGE_MARKER, make_vision_dir, shape_image
 from tests.real_hf_configs import FAMILY_HUB_CONFIGS
 from tests.test_configs import CONFIG_DIR, assert_real_config_conventions
 from torchtune_grpo.checkpoints.checkpointer_facts import instantiate_checkpointer
@@ -35,12 +41,14 @@ from torchtune_grpo.models import hf_model
 class Fixture(NamedTuple):
     """The tiny checkpoint a config is built from: ``family`` of :mod:`tests.hf_families` (text on disk) or
     :mod:`tests.hf_multimodal` (``multimodal``), its head tied to the embeddings or not as the real model's
-    (``tied``); ``causal_lm`` is the transformers class the policy must be."""
+    (``tied``); ``causal_lm`` is the transformers class the policy must be; ``images``: the config trains on
+    image prompts, and the directory has the image processor and chat template of :mod:`tests.hf_vision`."""
 
     family: str
     multimodal: bool
     tied: bool
     causal_lm: str
+    images: bool = False
 
 
 QWEN3_5 = Fixture("qwen3_5", True, True, "Qwen3_5ForCausalLM")
@@ -53,6 +61,9 @@ FIXTURES: Dict[str, Fixture] = {
     "qwen3_5/4B_lora_grpo": QWEN3_5,
     "qwen3_5/9B_full_grpo": QWEN3_5._replace(tied=False),  # Qwen3.5-9B's head is its own (lm_head.weight)
     "qwen3_5/9B_lora_grpo": QWEN3_5._replace(tied=False),
+    "qwen3_5/2B_image_grpo": QWEN3_5._replace(images=True),
+    "qwen3_5/4B_image_grpo": QWEN3_5._replace(images=True),
+    "gemma3/4B_image_grpo": Fixture("gemma3", True, True, "Gemma3ForCausalLM", images=True),
     "gemma3/1B_full_grpo": Fixture("gemma3_text", False, True, "Gemma3ForCausalLM"),  # Gemma 3 1B is text-only
     "gemma3/4B_full_grpo": Fixture("gemma3", True, True, "Gemma3ForCausalLM"),
     "gemma4/E2B_full_grpo": Fixture("gemma4", True, True, "Gemma4ForCausalLM"),
@@ -81,8 +92,12 @@ def tiny_dirs(tmp_path_factory):
     def get(fixture: Fixture) -> Path:
         if fixture not in made:
             directory = tmp_path_factory.mktemp(fixture.family)
-            maker = make_multimodal_dir if fixture.multimodal else make_family_dir
-            made[fixture] = maker(fixture.family, directory, tie_word_embeddings=fixture.tied)
+            if fixture.images:
+                assert fixture.tied  # make_vision_dir writes the family's default, tied
+                made[fixture] = make_vision_dir(fixture.family, directory)
+            else:
+                maker = make_multimodal_dir if fixture.multimodal else make_family_dir
+                made[fixture] = maker(fixture.family, directory, tie_word_embeddings=fixture.tied)
         return made[fixture]
 
     return get
@@ -130,6 +145,39 @@ def test_family_config_builds_from_a_tiny_directory_of_its_family(name: str, tin
     family_tokenizer = make_tokenizer(_text_family(fixture))
     for stop in family_spec(_text_family(fixture)).stops:
         assert family_tokenizer.token_to_id(stop) in tokenizer.stop_tokens, stop
+    if fixture.images:
+        _assert_image_dataset_builds(cfg, tokenizer, fixture, tmp_path)
+
+
+def _assert_image_dataset_builds(cfg, tokenizer, fixture: Fixture, tmp_path: Path) -> None:
+    """The config's image dataset, built as the recipe builds it, from a local parquet file with the columns and
+    types of the Hub dataset it names (hiyouga/geometry3k: ``images``, a list of images; ``problem`` and
+    ``answer``, strings, the problem starting with a literal ``<image>``): each row's one image is in its prompt,
+    with the config's system prompt, and the gold answer is the row's."""
+    import io
+
+    from datasets import Dataset, Features, Image, Sequence, Value
+
+    assert cfg.dataset.source == "hiyouga/geometry3k"
+
+    def png(kind):
+        buffer = io.BytesIO()
+        shape_image(kind).save(buffer, format="PNG")
+        return {"bytes": buffer.getvalue(), "path": None}
+
+    features = Features({"images": Sequence(Image()), "problem": Value("string"), "answer": Value("string")})
+    rows = Dataset.from_dict({"images": [[png("triangle")], [png("circle")]],
+                              "problem": ["<image>Find x.", "<image>Find the area of the circle."],
+                              "answer": ["3", "4 \\pi"]}, features=features)
+    rows.to_parquet(str(tmp_path / "train.parquet"))
+    cfg.dataset.source, cfg.dataset.data_files = "parquet", str(tmp_path / "train.parquet")
+    data = tt_config.instantiate(cfg.dataset, tokenizer)
+    assert len(data) == 2
+    for item, problem, answer in zip(data, rows["problem"], rows["answer"]):
+        assert item["num_images"] == 1 and item["answer"] == answer
+        assert item["prompt"].count(IMAGE_MARKER[fixture.family]) == 1
+        assert cfg.dataset.system_prompt in item["prompt"] and problem in item["prompt"]
+        assert "pixel_values" in item["image_inputs"] and len(item["tokens"]) <= cfg.max_prompt_length
 
 
 def _comment_parameters(text: str) -> int:
@@ -168,3 +216,31 @@ def test_family_config_memory_comment_counts_the_real_model(name: str, tmp_path:
     else:
         assert f"16 bytes/parameter x {billions} = {16 * parameters / 1e9:.1f} GB" in text
     assert model.max_seq_len == cfg.max_prompt_length + cfg.max_response_length
+    if FIXTURES[name].images:
+        _assert_vision_terms(text, real.name, parameters)
+
+
+def _assert_vision_terms(text: str, hub_name: str, language_parameters: int) -> None:
+    """An image config's memory comment counts the real vision tower and projector (the image-text class of the
+    real config.json on the meta device), loaded in fp32 for the policy (dtype bf16: its parameter dtype) and in
+    bf16 for the reference, and states the family's image tokens as the real config gives them."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(**FAMILY_HUB_CONFIGS[hub_name])
+    with torch.device("meta"):
+        full = AutoModelForImageTextToText.from_config(config)
+    # Everything outside the language model (a tied head is the embedding: named once, as the embedding).
+    vision = sum(p.numel() for n, p in full.named_parameters()
+                 if ".language_model." not in n and not n.startswith("lm_head"))
+    assert sum(p.numel() for p in full.parameters()) == language_parameters + vision
+    counts = {int(m.replace(",", "")) for m in re.findall(r"([\d,]{11,}) vision-tower and \w+ parameters", text)}
+    assert counts == {vision}, counts
+    millions = f"{vision / 1e6:.0f}M"
+    assert f"4 bytes x {millions} = {4 * vision / 1e9:.1f} GB" in text  # the policy's copy (fp32)
+    assert f"2 bytes x {millions} = {2 * vision / 1e9:.1f} GB" in text  # the reference's (bf16)
+    if config.model_type == "gemma3":
+        size = config.vision_config.image_size
+        assert f"{size} x {size}" in text and f"{config.mm_tokens_per_image} image tokens per image" in text
+    else:  # Qwen3.5: one token per merged patch
+        side = config.vision_config.patch_size * config.vision_config.spatial_merge_size
+        assert f"one token per {side} x {side} pixels" in text
