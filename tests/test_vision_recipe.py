@@ -91,6 +91,32 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(LANGUAGE_PREFIX[family])) > 1e-5
 
 
+def test_two_grpo_steps_with_the_transformers_engine(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+    """TransformersGenerator on image prompts (Qwen3.5: M-RoPE through generate): every rollout passes each row's
+    pixels to the image-text class's ``generate``, and the run trains the language model."""
+    from torchtune_grpo.generation import _transformers
+
+    calls = []
+    original = _transformers.sample_with_generate
+
+    def recorded(hf, prompts, **kwargs):
+        calls.append((type(hf).__name__, len(prompts), sorted(kwargs.get("model_inputs") or {})))
+        return original(hf, prompts, **kwargs)
+
+    monkeypatch.setattr(_transformers, "sample_with_generate", recorded)
+    src = vision_dir("qwen3_5")
+    data = _shapes_dataset(tmp_path / "data")
+    monkeypatch.chdir(REPO)
+    config = _example_config(tmp_path, src, data, max_steps=2, save_every_n_steps=2, **{"optimizer.lr": 1e-3},
+                             generation={"_component_": "torchtune_grpo.generation.TransformersGenerator",
+                                         "model": str(src)})
+    run_in_process(config)
+    assert calls == [("Qwen3_5ForConditionalGeneration", 2, ["image_grid_thw", "mm_token_type_ids", "pixel_values"])] * 2
+    start, end = weights(src), weights(tmp_path / "out" / "step_2")
+    assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(LANGUAGE_PREFIX["qwen3_5"])) > 1e-5
+    assert all(torch.equal(start[k], end[k]) for k in start if k.startswith(TOWER["qwen3_5"]))
+
+
 def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
     """``train_vision: projector`` on Gemma 3, whose on-disk projector and tower names differ from transformers'
     in-memory ones: the projector moves and is saved under the checkpoint's own names, the tower does not, and the

@@ -50,7 +50,7 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
         raise ValueError(
             f"a dataset with images needs an engine that samples with them; generation._component_ is "
             f"{type(engine).__name__}, which does not (vLLM refuses multimodal directories): use "
-            "torchtune_grpo.generation.NativeGenerator (docs/multimodal.md)")
+            "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
     if workers:
         raise ValueError("generation_workers.enabled: true is not supported with images in the prompt yet (the "
                          "worker's policy has no image side); set it to false (docs/multimodal.md)")
