@@ -65,7 +65,7 @@ from torchtune_grpo.rollouts.group_selection import DynamicSampling
 from torchtune_grpo.rollouts.evaluation import check_evaluation_keys, correctness_name, HeldOutEvaluation
 from torchtune_grpo.training.experience import ExperienceBuilder, Reference
 from torchtune_grpo.generation import (
-    check_engine, GenerationEngine, NativeGenerator, request_routes, WeightPublisher, WeightSyncCheck,
+    check_engine, GenerationEngine, request_routes, WeightPublisher, WeightSyncCheck,
 )
 from torchtune_grpo.loss.masks import LossMasks
 from torchtune_grpo.runtime.compute import set_tf32
@@ -301,8 +301,9 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         if "image_inputs" in dataset[0]:  # images in the prompt (docs/multimodal.md)
             utils.log_rank_zero(log, attach_image_side(
                 self.model, None if reference is None else reference.model, self.optimizer,
-                native_engine=isinstance(self.engine, NativeGenerator), train=c.train_vision,
-                world_size=self.world_size, reference_source=checkpoint_source(cfg),
+                engine=self.engine, train=c.train_vision, world_size=self.world_size,
+                workers=c.generation_workers.enabled, multi_turn=multi_turn is not None,
+                reference_source=checkpoint_source(cfg),
                 policy_source=str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)))
         elif c.train_vision != "none":
             raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")

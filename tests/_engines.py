@@ -10,7 +10,7 @@ instantiated by the recipe like :class:`~torchtune_grpo.generation.NativeGenerat
 number (one generation round per step without dynamic sampling).
 """
 
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import torch
 
@@ -36,9 +36,13 @@ class ScriptedGenerator(GenerationEngine):
             ``p`` holding token ``t``, layer ``l`` gets ``top_k`` distinct experts from ``(7 t + 3 l + p) % E``, a
             fixed function of the token, so they agree across ranks and runs and often differ from the trainer's
             own choice; -1 for the last token (never an input). Default is None (no routes).
+
+    Image prompts (``takes_images``): the completions are the same function of the prompt's ids (which hold the
+    image tokens); the images are only checked to come one entry per prompt.
     """
 
     temperature = 1.0
+    takes_images = True
 
     def __init__(
         self, flat_every: int = 0, low: int = 60, high: int = 300, logprob_center: Optional[float] = None,
@@ -60,9 +64,13 @@ class ScriptedGenerator(GenerationEngine):
         stop_tokens: Sequence[int],
         generator: Optional[torch.Generator] = None,
         temperature: Optional[float] = None,
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Rollout:
         global GENERATE_CALLS
         GENERATE_CALLS += 1
+        if images is not None:
+            if len(images) != len(prompts):
+                raise ValueError(f"{len(images)} image entries for {len(prompts)} prompts")
         prompt_ids, response_ids, truncated = [], [], []
         span = self.high - self.low
         for p in prompts:

@@ -97,20 +97,21 @@ def _image_processor(family: str):
     return Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
 
 
-def make_vision_dir(family: str, directory, *, seed: int = 0) -> Path:
+def make_vision_dir(family: str, directory, *, seed: int = 0, peaked: bool = True) -> Path:
     """Write ``family``'s tiny multimodal checkpoint with its image prompt files (see the module docstring).
 
     Args:
         family (str): ``qwen3_5``, ``gemma3`` or ``gemma4``.
         directory: where to write (created if needed).
         seed (int): the weights' seed. Default is 0.
+        peaked (bool): sharpen the language model's attention (:func:`tests.hf_families.sharpen`). Default is True.
 
     Returns:
         Path: ``directory``.
     """
     from transformers import AutoTokenizer
 
-    directory = make_multimodal_dir(family, directory, seed=seed)
+    directory = make_multimodal_dir(family, directory, seed=seed, peaked=peaked)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["extra_special_tokens"] = _TOKEN_NAMES[family]

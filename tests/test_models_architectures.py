@@ -5,7 +5,8 @@
 - two steps on two processes (FSDP2) for every architecture in ONE two-process launch, each equal to the same
   global batch on one process; in the same launch, two transformers-backend families (one and two processes, and
   micro-batches from a token budget) and every mixture-of-experts family (FSDP2 shards each decoder layer, its
-  fused expert parameters along the expert dimension, as one unit), and attention LoRA on Qwen3-MoE.
+  fused expert parameters along the expert dimension, as one unit), and attention LoRA on Qwen3-MoE; and image
+  prompts on tiny Gemma 3 and Qwen3.5 image directories (tests/test_vision_recipe.py).
 """
 
 import math
@@ -22,6 +23,7 @@ from tests.conftest import REPO
 from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from tests.tolerances import ulps
 from tests.test_models_recipe import TWO_STEPS, check_trained_directory
+from tests.test_vision_recipe import check_image_split, image_split_runs
 
 
 def _config(tmp_path: Path, arch: str) -> Path:
@@ -152,6 +154,9 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4, "lora_alpha": 8,
     }, base=LORA_CONFIG, **REPLAY)
     runs.append(Run(two_processes=str(moe_lora), lora=True))
+    # Image prompts (tests/test_vision_recipe.py): tiny Gemma 3 and Qwen3.5 (M-RoPE) image directories, one process
+    # and two.
+    runs.extend(image_split_runs(tmp_path / "images"))
     # One launch (tests/_spawn_runs.py): the spawned processes are judged by their exit codes (0 only after the last
     # run; a rank that failed raises here with its traceback and stops the other).
     launch(runs)
@@ -249,6 +254,8 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     lora_rows = [r for r in read_jsonl(moe_step.parent / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in lora_rows] == [1, 2]
     assert all(r["moe/router_agreement"] < 0.9 and r["moe/load_balance_loss"] > 0 for r in lora_rows)  # replayed
+
+    check_image_split(tmp_path / "images")
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]

@@ -1,16 +1,20 @@
 """Two GRPO steps of the image example (docs/examples/gemma3_4B_image_grpo.yaml) on a tiny multimodal Gemma 3
 (and Qwen3.5: M-RoPE) directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
-logprobs and the update all see each prompt's image."""
+logprobs and the update all see each prompt's image. The same two steps on two processes (FSDP2) equal one process:
+:func:`image_split_runs` and :func:`check_image_split`, run in tests/test_models_architectures.py's two-process
+launch."""
 
 import json
 
 import pytest
 import torch
 
+from tests._spawn_runs import log_of, Run
 from tests.conftest import REPO
 from tests.hf_multimodal import LANGUAGE_PREFIX
-from tests.hf_vision import shape_image
-from tests.recipe_utils import run_in_process, weights, write_config
+from tests.hf_vision import make_vision_dir, shape_image
+from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
+from tests.tolerances import ulps
 
 SHAPES = ("circle", "square", "triangle")
 # The on-disk names of the vision tower and projector (tests/hf_multimodal.py).
@@ -19,12 +23,14 @@ EXAMPLE = REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml"
 COLORS = {"red": (220, 40, 40), "blue": (40, 40, 220)}
 
 
-def _shapes_dataset(folder):
+def _shapes_dataset(folder, colors=COLORS, numbered=False):
+    """A shape of each colour per row; ``numbered``: each row's question names its row (prompts whose ids differ)."""
     (folder / "img").mkdir(parents=True)
     rows = []
-    for i, (shape, color) in enumerate((s, c) for s in SHAPES for c in COLORS):
-        shape_image(shape, color=COLORS[color]).save(folder / "img" / f"{i}.png")
-        rows.append({"image": f"img/{i}.png", "question": "Which shape is it?", "answer": shape})
+    for i, (shape, color) in enumerate((s, c) for s in SHAPES for c in colors):
+        shape_image(shape, color=colors[color]).save(folder / "img" / f"{i}.png")
+        question = f"Shape {i}?" if numbered else "Which shape is it?"
+        rows.append({"image": f"img/{i}.png", "question": question, "answer": shape})
     path = folder / "shapes.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
@@ -34,10 +40,10 @@ def _example_config(folder, src, data, **overrides):
     """The image example (docs/examples/gemma3_4B_image_grpo.yaml) on the tiny directory ``src`` and the shapes
     file ``data``, at the tiny sizes every test here runs (CPU, fp32, 2 prompts x 2 completions of 6 tokens), with
     ``overrides``; written in ``folder``."""
-    return write_config(
-        folder, EXAMPLE, **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)}, device="cpu",
-        dtype="fp32", enable_activation_checkpointing=False, lr_scheduler=None, batch_size=2, group_size=2,
-        micro_batch_size=2, max_response_length=6, max_prompt_length=64, **overrides)
+    settings = dict(device="cpu", dtype="fp32", enable_activation_checkpointing=False, lr_scheduler=None, batch_size=2,
+                    group_size=2, micro_batch_size=2, max_response_length=6, max_prompt_length=64)
+    return write_config(folder, EXAMPLE, **{"checkpointer.checkpoint_dir": str(src), "dataset.data_files": str(data)},
+                        **{**settings, **overrides})
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
@@ -83,6 +89,32 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
     tower = [k for k in start if k.startswith(TOWER[family])]
     assert tower and all(torch.equal(start[k], end[k]) for k in tower)
     assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(LANGUAGE_PREFIX[family])) > 1e-5
+
+
+def test_two_grpo_steps_with_the_transformers_engine(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+    """TransformersGenerator on image prompts (Qwen3.5: M-RoPE through generate): every rollout passes each row's
+    pixels to the image-text class's ``generate``, and the run trains the language model."""
+    from torchtune_grpo.generation import _transformers
+
+    calls = []
+    original = _transformers.sample_with_generate
+
+    def recorded(hf, prompts, **kwargs):
+        calls.append((type(hf).__name__, len(prompts), sorted(kwargs.get("model_inputs") or {})))
+        return original(hf, prompts, **kwargs)
+
+    monkeypatch.setattr(_transformers, "sample_with_generate", recorded)
+    src = vision_dir("qwen3_5")
+    data = _shapes_dataset(tmp_path / "data")
+    monkeypatch.chdir(REPO)
+    config = _example_config(tmp_path, src, data, max_steps=2, save_every_n_steps=2, **{"optimizer.lr": 1e-3},
+                             generation={"_component_": "torchtune_grpo.generation.TransformersGenerator",
+                                         "model": str(src)})
+    run_in_process(config)
+    assert calls == [("Qwen3_5ForConditionalGeneration", 2, ["image_grid_thw", "mm_token_type_ids", "pixel_values"])] * 2
+    start, end = weights(src), weights(tmp_path / "out" / "step_2")
+    assert max((end[k] - start[k]).abs().max().item() for k in start if k.startswith(LANGUAGE_PREFIX["qwen3_5"])) > 1e-5
+    assert all(torch.equal(start[k], end[k]) for k in start if k.startswith(TOWER["qwen3_5"]))
 
 
 def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
@@ -201,3 +233,89 @@ def test_the_example_reward():
     spec.loader.exec_module(module)
     completions = ["It has three corners.\nA triangle.", "A circle, or maybe a square", "I cannot tell.", ""]
     assert module.names_the_shape(completions, ["triangle", "square", "circle", "circle"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+# ------------------------------------------------------------------------------- 1 vs 2 processes
+
+# Image prompts on one process (batch_size 4) and on two (FSDP2, gloo, batch_size 2 each) see the same global batch,
+# as the text runs of tests/test_models_architectures.py (_split_config there): shuffle off, so rank r of W takes
+# prompts r, r + W, ..., each with its own images; the scripted engine (tests/_engines.py) gives a prompt the same
+# completions on any rank; SGD without clipping or schedule (the update is the raw global gradient; lr 0.005, as
+# for the MoE families there: these gradients' norm is ~30, and lr 0.05 moved weights by 0.3); micro-batches
+# of 4 rows: two on one process, one on each of two. 8 prompts (of 12: the two steps' worth). The scripted
+# completions are the tiny tokenizer's letters (ids 64-89), so the vowel reward varies within a group.
+IMAGE_SPLIT_FAMILIES = ("gemma3", "qwen3_5")
+SPLIT_COLORS = {**COLORS, "green": (40, 160, 40), "black": (0, 0, 0)}
+
+
+def image_split_runs(folder) -> list:
+    """The one- and two-process runs of both families (:class:`tests._spawn_runs.Run`), written under ``folder``."""
+    # Numbered questions: every prompt's ids differ (an image's tokens are the same for every picture of one size),
+    # so the scripted completions differ from group to group.
+    data = _shapes_dataset(folder / "data", colors=SPLIT_COLORS, numbered=True)
+    runs = []
+    for family in IMAGE_SPLIT_FAMILIES:
+        # Plain random attention, as the text families' split runs (peaked attention amplifies the regrouping's
+        # rounding near softmax transitions past the bound derived below).
+        src = make_vision_dir(family, folder / family / "model", peaked=False)
+        configs = {}
+        for name, size in (("one", 4), ("two", 2)):
+            (folder / family / name).mkdir(parents=True)
+            configs[name] = _example_config(
+                folder / family / name, src, data, max_steps=2, save_every_n_steps=2, shuffle=False, batch_size=size,
+                micro_batch_size=4, generation={"_component_": "tests._engines.ScriptedGenerator", "low": 64, "high": 90},
+                clip_grad_norm=None, optimizer={"_component_": "torch.optim.SGD", "lr": 0.005},
+                # the example's reward file, named from the repository (the spawned processes' directory may differ)
+                **{"reward_functions.0.function": f"{EXAMPLE.parent / 'shape_reward.py'}:names_the_shape"})
+        one, two = configs["one"], configs["two"]
+        runs.append(Run(two_processes=str(two), one_process=str(one)))
+    return runs
+
+
+def check_image_split(folder) -> None:
+    """Two processes equal one on the runs of :func:`image_split_runs`, after they ran."""
+    for family in IMAGE_SPLIT_FAMILIES:
+        src, one, two = (folder / family / name for name in ("model", "one", "two"))
+        for run in (one, two):  # both trained on image prompts: the policy and the reference got the tower
+            assert "Images in the prompt" in log_of(run / "config.yaml"), (family, run.name)
+        start, expected, got = weights(src), weights(one / "out" / "step_2"), weights(two / "out" / "step_2")
+        assert got.keys() == expected.keys() == start.keys(), family
+        tower = [k for k in start if k.startswith(TOWER[family])]
+        assert tower and all(torch.equal(start[k], got[k]) and torch.equal(start[k], expected[k]) for k in tower)
+        language = [k for k in start if k.startswith(LANGUAGE_PREFIX[family])]
+        assert max((expected[k] - start[k]).abs().max().item() for k in language) > 1e-3, family
+        # As tests/test_models_architectures.py derives it for the text families: each step's gradient is the same sum
+        # of per-token terms grouped by micro-batch and rank (~sqrt(n) ulp of each sum, ~1e-7 relative); SGD at lr
+        # 0.005 moves a weight by lr x that per step (updates of ~0.03 here), plus one rounding of each weight
+        # (ulp 7.5e-9 at 0.1), over 2 steps: bound 1e-5 (> 100x that).
+        for key in language:
+            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=0, msg=lambda m: f"{family} {key}: {m}")
+        rows = [[r for r in read_jsonl(run / "out" / "metrics.jsonl") if "loss" in r] for run in (one, two)]
+        assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [1, 2], family
+        for m1, m2 in zip(*rows):
+            # Rewards and lengths are exact (the same completions); loss and kl are the same regrouped fp32 sums: 1e-5
+            # at O(1), or 64 ulp of the value where the KL's e^d amplifies d's rounding (as the text families there).
+            for key in ("loss", "kl", "reward/mean", "response_length/mean"):
+                bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
+                assert m2[key] == pytest.approx(m1[key], abs=bound), (family, m1["step"], key, m1[key], m2[key])
+
+
+@pytest.mark.parametrize("setting, key", [
+    ({"generation": {"_component_": "tests._engines.ToolScriptGenerator", "tokenizer_dir": "SRC"}},
+     "generation._component_ is ToolScriptGenerator"),
+    ({"generation_workers.enabled": True}, "generation_workers.enabled: true is not supported with images"),
+    ({"environment": {"_component_": "tests.test_vllm_recipe.NudgeEnvironment"}},
+     r"environment \(multi-turn episodes\) is not supported with images"),
+], ids=["engine", "workers", "multi_turn"])
+def test_what_does_not_take_images_is_refused_naming_the_key(vision_dir, tmp_path, clean_env, one_thread, setting,
+                                                            key):
+    """An engine without images (vLLM, a custom one), generation workers and multi-turn episodes stop the run when
+    it starts, naming the key to change."""
+    src = vision_dir("gemma3")
+    data = _shapes_dataset(tmp_path / "data")
+    setting = {k: ({**v, "tokenizer_dir": str(src)} if isinstance(v, dict) and "tokenizer_dir" in v else v)
+               for k, v in setting.items()}
+    config = _example_config(tmp_path, src, data, max_steps=1, **setting,
+                             **{"reward_functions.0.function": f"{EXAMPLE.parent / 'shape_reward.py'}:names_the_shape"})
+    with pytest.raises(ValueError, match=key):
+        run_in_process(config)

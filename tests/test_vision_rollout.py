@@ -1,5 +1,6 @@
 """The native engine samples from image prompts on transformers' modules: one prefill per group with the pixels,
-then text decode steps on that cache (generation/_hf_rollout.py)."""
+then text decode steps on that cache (generation/_hf_rollout.py). The transformers engine (generation/_transformers.py)
+samples from them with the directory's image-text class's ``generate``."""
 
 import pytest
 import torch
@@ -7,7 +8,7 @@ import torch
 from tests.hf_vision import VISION_FAMILIES
 from tests.sampler_records import flip_chance, record_sampler
 from tests.test_vision_policy import image_rows, vision_policy
-from torchtune_grpo.generation import NativeGenerator
+from torchtune_grpo.generation import NativeGenerator, TransformersGenerator
 from torchtune_grpo.training.batch import TrainingBatch
 
 # 40 of the 512 ids stop a row: rows stop at scattered lengths, so the decode batch shrinks.
@@ -59,21 +60,73 @@ def test_image_rollouts(vision_dir, tmp_path, family, sampled):
     # The trainer's logprobs (one right-padded forward per row with the prompt's images) are those of the logits
     # the engine sampled from. Same bound as the text engine's test (tests/test_native_transformers_decode.py):
     # 1e-4, a logit minus a logsumexp through 2-4 layers of peaked softmaxes computed in other orders.
-    from torchtune_grpo.models import batch_image_inputs, image_inputs
-    from torchtune_grpo.models.logprobs import sequence_logprobs
-
     engine = []
     for i, response in enumerate(fast.response_ids):
         for j, token in enumerate(response):
             logits, drawn = sampled[0][j]
             assert int(drawn[i]) == token
             engine.append(torch.log_softmax(logits[i].double(), -1)[token])
-    batch = TrainingBatch(fast.prompt_ids, fast.response_ids, 0, share_prompt=False)
-    width = batch.tokens.size(1)
-    rows = batch_image_inputs([data[i // 3]["image_inputs"] for i in range(len(fast.response_ids))], width)
-    with torch.no_grad(), image_inputs(policy, rows):
-        trainer = sequence_logprobs(policy, batch.tokens, start=batch.start).logprobs[batch.response_mask]
+    trainer = _trainer_logprobs(policy, data, fast)
     torch.testing.assert_close(trainer.double(), torch.stack(engine), atol=1e-4, rtol=0)
+
+
+def _trainer_logprobs(policy, data, rollout):
+    """The trainer's logprobs of ``rollout``'s response tokens (one right-padded row per sequence with its prompt's
+    images, as the recipe's forwards), flattened in row order."""
+    from torchtune_grpo.models import batch_image_inputs, image_inputs
+    from torchtune_grpo.models.logprobs import sequence_logprobs
+
+    batch = TrainingBatch(rollout.prompt_ids, rollout.response_ids, 0, share_prompt=False)
+    group = len(rollout.response_ids) // len(data)
+    rows = batch_image_inputs([data[i // group]["image_inputs"] for i in range(len(rollout.response_ids))],
+                              batch.tokens.size(1))
+    with torch.no_grad(), image_inputs(policy, rows):
+        return sequence_logprobs(policy, batch.tokens, start=batch.start).logprobs[batch.response_mask]
+
+
+@pytest.mark.parametrize("family", VISION_FAMILIES)
+def test_transformers_engine_with_images(vision_dir, tmp_path, family, sampled, monkeypatch):
+    """TransformersGenerator samples image prompts with the image-text class's ``generate``: greedy, the native
+    engine's tokens; sampled, its logprobs are the trainer's (with the images) of the tokens it drew."""
+    from torchtune_grpo.generation import _transformers
+
+    directory = vision_dir(family)
+    data = image_rows(directory, tmp_path / "data")
+    policy = vision_policy(directory, tmp_path / "scratch")
+    prompts, images = [s["tokens"] for s in data], [s["image_inputs"] for s in data]
+    greedy = dict(KW, temperature=0.0)
+    sampled.append([])
+    native = NativeGenerator(stop_check_interval=4).generate(policy, prompts, images=images, **greedy)
+    engine = TransformersGenerator(model=str(directory))
+    theirs = engine.generate(policy, prompts, images=images, **greedy)
+    assert theirs.prompt_ids == native.prompt_ids
+    assert theirs.response_ids == native.response_ids
+    assert theirs.truncated.tolist() == native.truncated.tolist()
+    # Why equal tokens are expected: the two compute the same logits in other batch shapes and kernels (the first
+    # token's within 32 ulp of the largest logit, test_image_rollouts), so an argmax could differ only where the top
+    # two logits of a step are closer than twice that; every step of the native run is far from such a tie.
+    gaps = []
+    for logits, drawn in sampled[0]:
+        live = drawn >= 0
+        top = logits[live].topk(2, dim=-1).values
+        gaps.append(((top[:, 0] - top[:, 1]) / (64 * torch.finfo(torch.float32).eps * top[:, 0].abs())).min())
+    assert min(gaps) > 1, min(gaps)
+    # The images matter: the same prompts without their pixels (image tokens read as text) give other tokens.
+    blind = engine.generate(policy, prompts, **greedy)
+    assert blind.response_ids != native.response_ids
+    # Sampled at temperature 1 with the logprobs of the distribution it drew from (the engine reports them only
+    # when its dtype differs from the trainer's: forced here), against the trainer's forward with the images. The
+    # same bound as the native engine's check above (1e-4: a logit minus a logsumexp through 2-4 layers of peaked
+    # softmaxes computed in other orders).
+    original = _transformers.sample_with_generate
+    monkeypatch.setattr(_transformers, "sample_with_generate",
+                        lambda *a, **k: original(*a, **{**k, "with_logprobs": True}))
+    drawn = [engine.generate(policy, prompts, images=images, generator=torch.Generator().manual_seed(1),
+                             temperature=1.0, **KW) for _ in range(2)]
+    assert drawn[0].response_ids == drawn[1].response_ids  # seeded
+    assert len({len(r) for r in drawn[0].response_ids}) > 1
+    engine_logprobs = torch.tensor([lp for row in drawn[0].logprobs for lp in row], dtype=torch.float64)
+    torch.testing.assert_close(_trainer_logprobs(policy, data, drawn[0]).double(), engine_logprobs, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", VISION_FAMILIES)

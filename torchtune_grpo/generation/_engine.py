@@ -58,10 +58,14 @@ class GenerationEngine(Protocol):
         temperature (float): the sampling temperature (0: greedy); training logprobs are computed at it.
         holds_weights (bool): the engine samples from its own copy of the weights, synced by the recipe
             with :meth:`load_weights` after every optimizer step. Default is False.
+        takes_images (bool): ``generate`` also takes ``images=``, each prompt's image inputs (as
+            :class:`~torchtune_grpo.data.ImagePromptDataset` gives them, or None), and samples with them; a run
+            whose prompts carry images needs such an engine (docs/multimodal.md). Default is False.
     """
 
     temperature: float
     holds_weights: bool = False
+    takes_images: bool = False
 
     def generate(
         self,

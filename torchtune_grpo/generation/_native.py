@@ -97,6 +97,8 @@ class NativeGenerator(GenerationEngine):
             row its own copy of the prompt's keys/values (at most the per-row layout's size). Default is True.
     """
 
+    takes_images = True  # a transformers policy with its image side (generate's images=)
+
     def __init__(
         self,
         temperature: float = 1.0,

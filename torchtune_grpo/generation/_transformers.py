@@ -16,10 +16,19 @@ top-k and top-p, as vLLM's ``processed_logprobs``) so the sampler/trainer mismat
 records the experts each token was routed to (``Rollout.routed_experts``, prompt tokens included, from the
 prefill) for routing replay. It decodes one batch with left padding and no prefix caching, so it is slower
 than the native engine; it is a reference, not the default.
+
+Image prompts (``generate(..., images=...)``, a policy with its image side: docs/multimodal.md): it samples with
+the directory's image-text class (``AutoModelForImageTextToText``) whose language model and head are the copy of
+the trainer's weights above, and whose vision tower and projector are copies of the policy's (refreshed at every
+call, so a trained projector samples as trained). Each row gets its prompt's processed image inputs (repeated to
+the group's ``G`` rows), and ``generate`` runs the family's own image prefill (features on the image tokens, Gemma 3's
+bidirectional image attention, Qwen3.5's M-RoPE positions), then decodes text.
 """
 
+import copy
+
 from contextlib import nullcontext
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +55,7 @@ class TransformersGenerator(GenerationEngine):
     """
 
     holds_weights = False
+    takes_images = True
 
     def __init__(
         self, model: str, temperature: float = 1.0, top_k: Optional[int] = None, top_p: float = 1.0,
@@ -59,6 +69,7 @@ class TransformersGenerator(GenerationEngine):
         self.top_p = float(top_p)
         self.dtype = dtype
         self._hf: Optional[nn.Module] = None
+        self._image_text: Optional[nn.Module] = None
         self._names: Optional[TuneToHFNames] = None
 
     def check_available(self) -> None:
@@ -93,6 +104,35 @@ class TransformersGenerator(GenerationEngine):
         return hf
 
     @torch.no_grad()
+    def _with_images(self, hf: nn.Module, image_model: nn.Module) -> nn.Module:
+        """The directory's image-text class around ``hf`` (its language model and head, the same modules) with
+        copies of ``image_model``'s (the policy's) vision modules, their weights refreshed from the policy."""
+        param = next(hf.parameters())
+        if self._image_text is None:
+            from transformers import AutoConfig, AutoModelForImageTextToText
+
+            # Built on the meta device: every part is replaced below (no second language model in memory).
+            with torch.device("meta"):
+                full = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(self.model_dir),
+                                                               dtype=param.dtype)
+            full.lm_head = hf.lm_head
+            for name, child in image_model.named_children():
+                if name == "language_model":
+                    setattr(full.model, name, hf.model)
+                else:  # buffers included (a tower's rotary frequencies are not in its state dict)
+                    setattr(full.model, name,
+                            copy.deepcopy(child).to(device=param.device, dtype=param.dtype).requires_grad_(False))
+            left = [n for n, t in (*full.named_parameters(), *full.named_buffers()) if t.is_meta]
+            if left:
+                raise ValueError(f"TransformersGenerator: the image-text class of {self.model_dir} has parts the "
+                                 f"policy's image side does not give: {left[:5]}")
+            self._image_text = full.eval()
+        for name, child in image_model.named_children():
+            if name != "language_model":  # the trainer's current vision weights (train_vision moves them)
+                self._image_text.model.get_submodule(name).load_state_dict(child.state_dict())
+        return self._image_text
+
+    @torch.no_grad()
     def generate(
         self,
         model: nn.Module,
@@ -104,6 +144,7 @@ class TransformersGenerator(GenerationEngine):
         stop_tokens: Sequence[int],
         generator: Optional[torch.Generator] = None,
         temperature: Optional[float] = None,
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Rollout:
         """``group_size`` sampled completions of each prompt, each cut after its first stop token.
 
@@ -118,14 +159,34 @@ class TransformersGenerator(GenerationEngine):
                 RNG: a seed drawn from ``generator`` is used inside a forked RNG, so the global stream is left
                 alone). Default is None.
             temperature (Optional[float]): overrides the engine's; 0 is greedy. Default is None.
+            images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs (as
+                :class:`~torchtune_grpo.data.ImagePromptDataset` gives them) or None; the policy must have its
+                image side (:func:`~torchtune_grpo.models.attach_images`). Default is None.
 
         Returns:
             Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]`` (no stop token within the
             budget); ``logprobs`` when its dtype differs from the trainer's weights' (else None: the trainer
             computes the same ones); ``routed_experts`` for a mixture-of-experts model.
+
+        Raises:
+            ValueError: images for a policy without an image side.
         """
         device = next(model.parameters()).device
+        has_images = images is not None and any(i is not None for i in images)
+        if has_images and getattr(model, "image_model", None) is None:
+            raise ValueError("prompts with images: the policy has no image side (a transformers policy of a "
+                             "multimodal directory, with attach_images)")
         hf = self._load(model, device)
+        inputs = None
+        if has_images:
+            from torchtune_grpo.models import batch_image_inputs
+
+            hf = self._with_images(hf, model.image_model)
+            dtype = next(hf.parameters()).dtype
+            # Row i answers prompt i // G: each row its prompt's images, per-token types aligned to the left padding.
+            inputs = batch_image_inputs([images[i // group_size] for i in range(len(prompts) * group_size)],
+                                        max(len(p) for p in prompts), device, left=True)
+            inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
         temp = self.temperature if temperature is None else float(temperature)
         # Its own distribution when it computes in another dtype than the trainer's weights: report it.
         trainer_dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -133,11 +194,12 @@ class TransformersGenerator(GenerationEngine):
         return sample_with_generate(
             hf, prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
             stop_tokens=stop_tokens, generator=generator, temperature=temp, top_k=self.top_k, top_p=self.top_p,
-            with_logprobs=own_logprobs,
+            with_logprobs=own_logprobs, model_inputs=inputs,
         )
 
     def close(self) -> None:
         self._hf = None
+        self._image_text = None
 
 
 @torch.no_grad()
@@ -154,6 +216,7 @@ def sample_with_generate(
     top_k: Optional[int],
     top_p: float,
     with_logprobs: bool = False,
+    model_inputs: Optional[Mapping[str, torch.Tensor]] = None,
 ) -> Rollout:
     """``group_size`` completions of each prompt sampled by transformers' ``generate`` on ``hf``.
 
@@ -175,6 +238,8 @@ def sample_with_generate(
         top_p (float): nucleus sampling mass; 1.0: all.
         with_logprobs (bool): also return each sampled token's log-probability under the distribution it was
             sampled from (after temperature, top-k, top-p). Default is False.
+        model_inputs (Optional[Mapping[str, torch.Tensor]]): more inputs of ``hf.generate`` for the
+            ``B x group_size`` rows (an image-text class's ``pixel_values``, ...). Default is None.
 
     Returns:
         Rollout: ``prompt_ids``, ``response_ids`` ``[N]`` lists, ``truncated [N]``; ``logprobs`` with
@@ -203,7 +268,7 @@ def sample_with_generate(
         if seed is not None:
             torch.manual_seed(seed)
         with hooks.recording() if hooks is not None else nullcontext() as recorded:
-            out = hf.generate(input_ids=ids, attention_mask=mask, **options)
+            out = hf.generate(input_ids=ids, attention_mask=mask, **options, **(model_inputs or {}))
     sequences = out.sequences if with_logprobs else out
     stops = set(int(t) for t in stop_tokens)
     responses, truncated = [], []

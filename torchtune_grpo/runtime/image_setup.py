@@ -17,32 +17,46 @@ __all__ = ["attach_image_side"]
 _WHAT = {"none": "frozen", "projector": "projector trained", "tower": "tower and projector trained"}
 
 
-def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimizer: Any, *, native_engine: bool,
-                      train: str, world_size: int, policy_source: str, reference_source: str) -> str:
+def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimizer: Any, *, engine: Any,
+                      train: str, world_size: int, policy_source: str, reference_source: str,
+                      workers: bool = False, multi_turn: bool = False) -> str:
     """Attach the directory's image side to ``policy`` (and ``reference``); returns the line the run logs.
 
     Args:
         policy (nn.Module): the policy, a :class:`~torchtune_grpo.models.TransformersDecoder` (possibly FSDP2-wrapped).
         reference (Optional[nn.Module]): the reference model, or None (no KL term, or the policy itself).
         optimizer (Any): the policy's optimizer: trained vision parameters are added to it as one group.
-        native_engine (bool): whether the run samples with the native engine (the only one that takes images).
+        engine (Any): the run's generation engine; it must take images
+            (:attr:`~torchtune_grpo.generation.GenerationEngine.takes_images`).
         train (str): ``train_vision``: ``none``, ``projector`` or ``tower``.
         world_size (int): processes in the run.
         policy_source (str): the directory the policy's tower comes from (the step being resumed, else the source).
         reference_source (str): the directory the reference's tower comes from (the source: the initial policy).
+        workers (bool): ``generation_workers.enabled``. Default is False.
+        multi_turn (bool): the run has an ``environment`` (multi-turn episodes). Default is False.
 
     Returns:
         str: what the run uses, for the log.
 
     Raises:
-        ValueError: for the torchtune backend or another engine, and for a trained tower or projector on more
-            than one process.
+        ValueError: for the torchtune backend, an engine that does not take images, generation workers,
+            multi-turn episodes, and a trained tower or projector on more than one process.
     """
-    if not isinstance(policy, TransformersDecoder) or not native_engine:
+    if not isinstance(policy, TransformersDecoder):
         raise ValueError(
             "a dataset with images needs the transformers backend (model.backend: transformers, a multimodal "
-            f"Qwen3.5 / Gemma 3 / Gemma 4 directory) and the native engine; got {type(policy).__name__}"
-            + ("" if native_engine else " with another engine than torchtune_grpo.generation.NativeGenerator"))
+            f"Qwen3.5 / Gemma 3 / Gemma 4 directory); got {type(policy).__name__}")
+    if not getattr(engine, "takes_images", False):
+        raise ValueError(
+            f"a dataset with images needs an engine that samples with them; generation._component_ is "
+            f"{type(engine).__name__}, which does not (vLLM refuses multimodal directories): use "
+            "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
+    if workers:
+        raise ValueError("generation_workers.enabled: true is not supported with images in the prompt yet (the "
+                         "worker's policy has no image side); set it to false (docs/multimodal.md)")
+    if multi_turn:
+        raise ValueError("environment (multi-turn episodes) is not supported with images in the prompt yet; "
+                         "remove it, or use a dataset without images (docs/multimodal.md)")
     if train != "none" and world_size > 1:
         # The trained vision modules are added after FSDP2 wrapped the policy: their gradients would not be
         # averaged across processes, and the replicas would drift apart.
