@@ -50,10 +50,13 @@ def _run(config: str, lora: bool) -> None:
 
 def _rank_main(rank: int, runs: List[Run], store_port: int) -> None:
     """One of the two spawned processes: its share of the one-process runs, then every two-process run."""
+    import faulthandler
     import logging
 
     import torch.distributed as dist
 
+    # A rank that dies on a signal (gloo aborts with SIGABRT) prints every thread's Python stack: where it was.
+    faulthandler.enable()
     torch.set_num_threads(1)
     logging.getLogger().setLevel(logging.INFO)  # the recipe's INFO messages reach the log handler
     # The parent's store hands rank 1 the port rank 0 picked just before each two-process run (ports picked

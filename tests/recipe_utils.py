@@ -83,10 +83,12 @@ def tune_env(**extra: str) -> Dict[str, str]:
     components such as ``tests._rewards`` import, and this checkout's recipe modules run, not those of
     whichever checkout is installed), one intra-op thread, and ``extra``. Entries already on PYTHONPATH are
     kept after them: where packages are not installed in the interpreter but put on the path (the GPU
-    check's wheels, scripts/gpu_check.sh), the launched recipe needs them too."""
+    check's wheels, scripts/gpu_check.sh), the launched recipe needs them too. ``PYTHONFAULTHANDLER``: a rank
+    that dies on a signal (gloo aborts with SIGABRT) prints every thread's Python stack, so a failure says
+    where the run was (a collective, the checkpoint's gather, the teardown after all work; DESIGN.md)."""
     inherited = filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))
     path = os.pathsep.join([str(REPO), str(REPO / "recipes"), *inherited])
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def run_tune(

@@ -298,5 +298,17 @@ def test_metrics_reduce_by_key_and_ranks_with_other_keys_fail_loudly():
         c.add(("component", "length") if key == ("component", "format") else key, value, b.op(key))
     with pytest.raises(RuntimeError, match=r"The ranks computed different metrics this step"):
         two_ranks(a, c)
+    # One rank with a key more (an episode counter only its own rollouts produced, say): every collective still has
+    # the same length on both ranks (the fake asserts it: on gloo a mismatch aborts the process, SIGABRT, before any
+    # check after it could run), and both ranks raise.
+    d = StepSums().merge(b)
+    d.add(("errors", "environment"), 1.0)
+    with pytest.raises(RuntimeError, match=r"The ranks computed different metrics this step"):
+        two_ranks(a, d)
+    e = StepSums()  # the same keys, one reduced by max on one rank only: as many sums on each rank would not be
+    for key, value in b.items():
+        e.add(key, value, Reduce.MAX if key == ("component", "format") else b.op(key))
+    with pytest.raises(RuntimeError, match=r"The ranks computed different metrics this step"):
+        two_ranks(a, e)
     with pytest.raises(ValueError, match=r"metric \('longest',\) is reduced by max, not sum"):
         a.add(("longest",), 1.0)

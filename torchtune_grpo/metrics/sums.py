@@ -3,8 +3,9 @@
 A step's metrics start as one rank's quantities (:class:`StepSums`): sums (rewards, tokens, counts), and
 maxima or minima (the longest completion). Each is stored under a tuple key (``("component", "format")``,
 not a string with a prefix to parse) together with its :class:`Reduce`. :func:`reduce_over_ranks` combines
-them key by key (sorted, one collective per kind of reduction) and checks that every rank had the same
-keys: reducing lists by position would silently add one rank's ``format`` to another's ``correctness``.
+them key by key (sorted, one collective per kind of reduction) once a collective of fixed size has shown that
+every rank has the same keys: reducing lists by position would silently add one rank's ``format`` to another's
+``correctness``, and lists of different lengths would make a collective of mismatched sizes.
 
 Logged metrics are then declared over the reduced quantities (:class:`Mean`, :class:`Std`, :class:`Value`),
 once, in :mod:`torchtune_grpo.training.step_metrics`.
@@ -82,7 +83,7 @@ def one_process_sum(values: List[float]) -> List[float]:
     return values
 
 
-def _fingerprint(keys: List[Key]) -> float:
+def _fingerprint(keys: List[Tuple[Key, str]]) -> float:
     # Small enough that a float64 sum of one per rank stays exact for any realistic number of ranks.
     return float(zlib.crc32(repr(keys).encode()) % (1 << 20))
 
@@ -105,16 +106,20 @@ def reduce_over_ranks(
         RuntimeError: when the ranks' keys differ (naming this rank's), instead of mixing their values.
     """
     keys = sorted(local)
-    sums = [k for k in keys if local.op(k) is Reduce.SUM]
-    # One SUM collective carries the sums, a fingerprint of the whole key set and a rank count.
-    out = all_reduce([local[k] for k in sums] + [_fingerprint(keys), 1.0], Reduce.SUM)
-    fingerprint, ranks = out[-2], out[-1]
-    if fingerprint != _fingerprint(keys) * ranks:
+    # First the key set, in a collective whose size does not depend on it: its fingerprint, its size and a rank
+    # count. Only then the values: ranks whose lists had different lengths would be in a collective of mismatched
+    # sizes, which no backend reports as an error (gloo aborts the process, SIGABRT; others hang), so a check after
+    # it would never run.
+    mine = _fingerprint([(k, local.op(k).value) for k in keys])  # a key reduced otherwise is another key
+    fingerprint, count, ranks = all_reduce([mine, float(len(keys)), 1.0], Reduce.SUM)
+    if fingerprint != mine * ranks or count != len(keys) * ranks:
         raise RuntimeError(
             f"The ranks computed different metrics this step (this rank has {keys}): a rank whose keys differ "
             "would have its values added to another metric's."
         )
-    reduced: Dict[Key, float] = dict(zip(sums, out[:-2]))
+    # Every rank has these keys: the collectives below have the same sizes everywhere, and are run (or not) alike.
+    sums = [k for k in keys if local.op(k) is Reduce.SUM]
+    reduced: Dict[Key, float] = dict(zip(sums, all_reduce([local[k] for k in sums], Reduce.SUM))) if sums else {}
     extremes = [k for k in keys if local.op(k) is not Reduce.SUM]
     if extremes:  # min(x) = -max(-x): one MAX collective for both
         signs = [1.0 if local.op(k) is Reduce.MAX else -1.0 for k in extremes]
