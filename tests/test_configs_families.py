@@ -152,8 +152,9 @@ def test_family_config_builds_from_a_tiny_directory_of_its_family(name: str, tin
 def _assert_image_dataset_builds(cfg, tokenizer, fixture: Fixture, tmp_path: Path) -> None:
     """The config's image dataset, built as the recipe builds it, from a local parquet file with the columns and
     types of the Hub dataset it names (hiyouga/geometry3k: ``images``, a list of images; ``problem`` and
-    ``answer``, strings, the problem starting with a literal ``<image>``): each row's one image is in its prompt,
-    with the config's system prompt, and the gold answer is the row's."""
+    ``answer``, strings, the problem starting with a literal ``<image>``): each row's one image is in its prompt
+    where the marker stood (the marker gone from the text), with the config's system prompt, and the gold answer
+    is the row's."""
     import io
 
     from datasets import Dataset, Features, Image, Sequence, Value
@@ -176,7 +177,8 @@ def _assert_image_dataset_builds(cfg, tokenizer, fixture: Fixture, tmp_path: Pat
     for item, problem, answer in zip(data, rows["problem"], rows["answer"]):
         assert item["num_images"] == 1 and item["answer"] == answer
         assert item["prompt"].count(IMAGE_MARKER[fixture.family]) == 1
-        assert cfg.dataset.system_prompt in item["prompt"] and problem in item["prompt"]
+        assert cfg.dataset.system_prompt in item["prompt"] and problem.removeprefix("<image>") in item["prompt"]
+        assert "<image>" not in item["prompt"].replace(IMAGE_MARKER[fixture.family], "")
         assert "pixel_values" in item["image_inputs"] and len(item["tokens"]) <= cfg.max_prompt_length
 
 

@@ -92,3 +92,39 @@ def test_datasets_image_column(vision_dir, tmp_path):
                          answer_column="a")
     assert len(data) == 1 and data.bad_images == {"unreadable": 1}
     assert data[0]["image_inputs"]["pixel_values"].shape == (1, 3, 16, 16)
+
+
+def test_image_placeholders_place_the_images_in_the_question(vision_dir, tmp_path, caplog):
+    """``image_placeholder``: each marker becomes the row's next image, where it stood, and leaves the text; a row
+    whose markers and images differ in number is dropped and counted, or refused naming the row."""
+    from PIL import Image
+
+    from torchtune_grpo.data._image_processor import load_image_processor
+
+    rows = _good_rows()
+    rows["rows"] = [{"image": "img/c.png", "question": "<image>Which shape?", "answer": "circle"},
+                    {"image": ["img/s.png", "img/t.png"], "question": "Is <image> bigger than <image>?",
+                     "answer": "yes"},
+                    {"image": "img/c.png", "question": "No marker here.", "answer": "a"}]
+    path = _write_rows(tmp_path, rows)
+    directory = vision_dir("qwen3_5")
+    tok = SimpleNamespace(path=str(directory))
+    with caplog.at_level(logging.WARNING):
+        data = image_dataset(tok, "json", data_files=str(path), image_placeholder="<image>")
+    assert len(data) == 2 and data.bad_images == {"mismatched": 1} and "mismatched: 1" in caplog.text
+    processor = load_image_processor(str(directory))
+    contents = ([{"type": "image"}, {"type": "text", "text": "Which shape?"}],
+                [{"type": "text", "text": "Is"}, {"type": "image"}, {"type": "text", "text": "bigger than"},
+                 {"type": "image"}, {"type": "text", "text": "?"}])
+    for sample, content, names in zip(data, contents, (["c.png"], ["s.png", "t.png"])):
+        want = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        assert sample["prompt"] == want and "<image>" not in sample["prompt"]
+        images = [Image.open(tmp_path / "img" / n).convert("RGB") for n in names]
+        assert sample["tokens"] == processor_inputs("qwen3_5", directory, want, images)["input_ids"][0].tolist()
+    # The first image's tokens come after "Is" and before "bigger than": the image sits where its marker stood.
+    prompt = data[1]["prompt"]
+    assert prompt.index("Is") < prompt.index("<|vision_start|>") < prompt.index("bigger than")
+    with pytest.raises(ValueError, match=r"row 2 \(0-based\).*is mismatched \(the question has 0 '<image>' "
+                                         r"marker\(s\) for 1 image\(s\)\)"):
+        image_dataset(tok, "json", data_files=str(path), image_placeholder="<image>", on_invalid_row="error")

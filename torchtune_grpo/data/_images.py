@@ -36,11 +36,27 @@ PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
 
 
 class _BadImage(Exception):
-    """A row's image that cannot be used; ``reason`` is ``missing``, ``unreadable`` or ``refused``."""
+    """A row's image that cannot be used; ``reason`` is ``missing``, ``unreadable``, ``refused`` or ``mismatched``
+    (not as many as the question's image placeholders)."""
 
     def __init__(self, reason: str, image: str, detail: str) -> None:
         super().__init__(detail)
         self.reason, self.image, self.detail = reason, image, detail
+
+
+def _at_placeholders(question: str, marker: str, num_images: int, values: List[Any]) -> List[Dict[str, Any]]:
+    """The user turn's content: ``question``'s text with an image part where each ``marker`` stood."""
+    pieces = question.split(marker)
+    if len(pieces) - 1 != num_images:
+        raise _BadImage("mismatched", ", ".join(str(v.get("path") if isinstance(v, dict) else v)[:200] for v in values),
+                        f"the question has {len(pieces) - 1} {marker!r} marker(s) for {num_images} image(s)")
+    content: List[Dict[str, Any]] = []
+    for i, piece in enumerate(pieces):
+        if i:
+            content.append({"type": "image"})
+        if piece.strip():  # nothing for the empty text before a leading marker (or between two markers)
+            content.append({"type": "text", "text": piece.strip()})
+    return content
 
 
 def _open(value: Any, root: Optional[str]):
@@ -110,6 +126,10 @@ class ImagePromptDataset(Dataset):
         system_prompt (Optional[str]): a system message before the question. Default is None.
         max_prompt_length (Optional[int]): prompts with more tokens (image tokens included) are dropped.
         source_name (str): the dataset, for messages.
+        image_placeholder (Optional[str]): a marker in the question text where the row's images go, in order
+            (Geometry3K's ``<image>``): the marker is removed and each image placed where it stood; a row whose
+            markers do not match its images is invalid (``mismatched``). None: the images go ahead of the
+            question. Default is None.
         on_invalid_row (str): ``"drop"`` or ``"error"``.
 
     Raises:
@@ -120,7 +140,7 @@ class ImagePromptDataset(Dataset):
     def __init__(self, rows, processor: Any, *, question_column: str, answer_column: str, image_column: str,
                  image_root: Optional[str], system_prompt: Optional[str] = None,
                  max_prompt_length: Optional[int] = None, source_name: str = "dataset",
-                 on_invalid_row: str = "drop") -> None:
+                 on_invalid_row: str = "drop", image_placeholder: Optional[str] = None) -> None:
         check_on_invalid_row(on_invalid_row)
         invalid = InvalidRows(on_invalid_row, source_name)
         self.bad_images: Dict[str, int] = {}
@@ -131,7 +151,8 @@ class ImagePromptDataset(Dataset):
             if invalid.skip(row, index, [question_column, answer_column, image_column]):
                 continue
             try:
-                sample = self._process(row, processor, question_column, image_column, image_root, system_prompt)
+                sample = self._process(row, processor, question_column, image_column, image_root, system_prompt,
+                                       image_placeholder)
             except _BadImage as bad:
                 if on_invalid_row == "error":
                     raise ValueError(
@@ -162,11 +183,16 @@ class ImagePromptDataset(Dataset):
                 else f"{source_name} has no rows")
 
     @staticmethod
-    def _process(row, processor, question_column, image_column, image_root, system_prompt) -> Dict[str, Any]:
+    def _process(row, processor, question_column, image_column, image_root, system_prompt,
+                 image_placeholder: Optional[str] = None) -> Dict[str, Any]:
         value = row[image_column]
         values = list(value) if isinstance(value, (list, tuple)) else [value]
         images = [_open(v, image_root) for v in values]
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": str(row[question_column])}]
+        question = str(row[question_column])
+        if image_placeholder is None:
+            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+        else:
+            content = _at_placeholders(question, image_placeholder, len(images), values)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": content}]
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -204,6 +230,7 @@ def image_dataset(
     system_prompt: Optional[str] = None,
     max_prompt_length: Optional[int] = 1024,
     on_invalid_row: str = "drop",
+    image_placeholder: Optional[str] = None,
     **load_dataset_kwargs,
 ) -> ImagePromptDataset:
     """Prompt dataset of questions about images, built with the model directory's processor.
@@ -234,6 +261,9 @@ def image_dataset(
         on_invalid_row (str): a row with an empty question/answer/image, or an image that is missing, unreadable
             or refused by the processor, is dropped (``"drop"``, counted in one warning) or refused (``"error"``,
             naming the row and the image). Default is ``"drop"``.
+        image_placeholder (Optional[str]): a marker in the question where the images go, in order (e.g.
+            ``"<image>"``): removed from the text, each image placed where it stood; a row with as many markers as
+            images only (else invalid). Default is None: the images go ahead of the question.
         **load_dataset_kwargs: passed to ``datasets.load_dataset``.
 
     Returns:
@@ -255,4 +285,5 @@ def image_dataset(
         rows, load_image_processor(model_dir), question_column=question_column, answer_column=answer_column,
         image_column=image_column, image_root=_image_root(source, data_files, image_root),
         system_prompt=system_prompt, max_prompt_length=max_prompt_length,
-        source_name=describe_source(source, split, data_files), on_invalid_row=on_invalid_row)
+        source_name=describe_source(source, split, data_files), on_invalid_row=on_invalid_row,
+        image_placeholder=image_placeholder)
