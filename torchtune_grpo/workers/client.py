@@ -434,7 +434,9 @@ class WorkerRollouts:
         while True:
             closed = False  # the connection broke (a remote worker) rather than the wait timing out
             try:
-                message = self._replies.get(timeout=min(5.0, report.every, max(0.0, self.timeout - report.waited)))
+                # Short slices: a worker that died is noticed (and replaced) within half a second, not after a
+                # long blocking wait; the wait itself is still reported every ``report.every`` seconds.
+                message = self._replies.get(timeout=min(0.5, report.every, max(0.0, self.timeout - report.waited)))
             except queue.Empty:
                 message = None
             except (EOFError, OSError):  # the reply pipe broke: the worker was killed in the middle of a reply
