@@ -1,5 +1,6 @@
-# Sourced by scripts/demo.sh and scripts/demo_multi_turn.sh, after they set REPO, WORK, SEED, WARM_START
-# (shipped | sft), SFT_EPOCHS and GRPO_STEPS: what both demos do around their own data and GRPO stage.
+# Sourced by scripts/demo.sh, scripts/demo_multi_turn.sh and scripts/demo_process_rewards.sh, after they set
+# REPO, WORK, SEED, SFT_EPOCHS and GRPO_STEPS (and WARM_START, shipped | sft, for warm_start): what the demos do
+# around their own data and GRPO stage.
 
 # One thread per process: on 2 shared cores, 2 OpenMP threads per process were much slower (barriers
 # stall when another process holds a core), and results do not depend on the core count.

@@ -30,17 +30,9 @@ CARRY_DROP="${DEMO_CARRY_DROP:-0.65}"
 LUCKY="${DEMO_LUCKY:-0.5}"
 GRPO_STEPS="${DEMO_GRPO_STEPS:-20}"
 read -r -a GRPO_ARGS <<< "${DEMO_GRPO_ARGS:-}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # one thread per process (see scripts/demo.sh)
-export TOKENIZERS_PARALLELISM=false
-export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-
-START=$(date +%s)
-elapsed() { echo "$(( $(date +%s) - START ))s"; }
-step() { echo; echo "==== [$(elapsed)] $*"; }
-
-rm -rf "$WORK"
-mkdir -p "$WORK"
-cd "$WORK"
+SEED=0  # the SFT stage's seed; the GRPO runs take theirs from DEMO_SEEDS
+# The demos' shared steps: threads and offline settings, step(), a fresh $WORK, sft_stage.
+. "$REPO/scripts/_demo_steps.sh"
 
 step "data: worked additions from a careless, sometimes lucky teacher -> $WORK/addition_train.jsonl"
 python - "$WORK/addition_train.jsonl" "$SFT_PROBLEMS" "$CARRY_DROP" "$LUCKY" <<'EOF_PY'
@@ -63,13 +55,7 @@ print(f"{counts['problems']} problems, {counts['need_carry']} need a carry, the 
       f"{counts['carry_dropped']}: {counts['carry_dropped'] - lucky_rows} wrong answers, {lucky_rows} lucky ones")
 EOF_PY
 
-ASSET_DIR="$(python -c 'from torchtune_grpo.assets import asset_path; print(asset_path("tiny_qwen2"))')"
-step "1/3 SFT warm start: tune run full_finetune_single_device, $SFT_EPOCHS epochs"
-tune run full_finetune_single_device --config "$REPO/configs/tiny/demo_sft.yaml" \
-  asset_dir="$ASSET_DIR" dataset.data_files="$WORK/addition_train.jsonl" dataset.cache_dir="$WORK/hf_cache" \
-  output_dir="$WORK/sft" epochs="$SFT_EPOCHS" seed=0 > "$WORK/sft.log" 2>&1 \
-  || { tail -n 40 "$WORK/sft.log"; exit 1; }
-SFT_CKPT="$WORK/sft/epoch_$((SFT_EPOCHS - 1))"
+sft_stage "1/3" "$REPO/configs/tiny/demo_sft.yaml" "$WORK/addition_train.jsonl"  # sets WARM_DIR
 
 # The outcome arm: the same file with GroupRelativeAdvantage (the step checker stays, at weight 0, for its metric).
 python - "$REPO/configs/tiny/demo_process_grpo.yaml" "$WORK/outcome.yaml" <<'EOF_PY'
@@ -87,7 +73,7 @@ for SEED in $SEEDS; do
     [ "$ARM" = outcome ] && CONFIG="$WORK/outcome.yaml"
     step "2/3 GRPO, $ARM advantages, seed $SEED: $GRPO_STEPS steps"
     tune run grpo_full_finetune_distributed --config "$CONFIG" \
-      checkpointer.checkpoint_dir="$SFT_CKPT" output_dir="$WORK/${ARM}_$SEED" max_steps="$GRPO_STEPS" \
+      checkpointer.checkpoint_dir="$WARM_DIR" output_dir="$WORK/${ARM}_$SEED" max_steps="$GRPO_STEPS" \
       dataset.num_samples="$SFT_PROBLEMS" seed="$SEED" eval_every_n_steps=null validation=null \
       save_every_n_steps=null "${GRPO_ARGS[@]}" > "$WORK/${ARM}_$SEED.log" 2>&1 \
       || { tail -n 40 "$WORK/${ARM}_$SEED.log"; exit 1; }
