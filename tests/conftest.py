@@ -87,6 +87,24 @@ def tokenizer():
     )
 
 
+@pytest.fixture(scope="module")
+def family_policy():
+    """``family_policy(family)``: the family's tiny model of tests/hf_families.py or tests/hf_moe.py (seed 0, peaked
+    attention, decisive routers) as the recipe's :class:`~torchtune_grpo.models.TransformersDecoder`, built once per
+    module (imported here, not at the top: only the transformers tests need transformers)."""
+    from tests.hf_families import family_model
+    from torchtune_grpo.models import TransformersDecoder
+
+    built = {}
+
+    def get(family: str) -> TransformersDecoder:
+        if family not in built:
+            built[family] = TransformersDecoder(family_model(family), 256, {})
+        return built[family]
+
+    return get
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a server a test starts)."""
     with socket.socket() as s:

@@ -13,29 +13,16 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from tests.hf_families import FAMILIES, family_model
+from tests.hf_families import FAMILIES
 from tests.hf_moe import MOE_FAMILY_NAMES
 from tests.sampler_records import record_sampler
 from torchtune_grpo.generation import _hf_rollout, _hf_session, NativeGenerator
-from torchtune_grpo.models import TransformersDecoder
 
 ALL = [*FAMILIES, *MOE_FAMILY_NAMES]
 # Prompt lengths 9, 3 and 6: left padding, so every decode step has a mask (the case transformers copies for).
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [40, 41, 42, 43, 44, 45]]
 KW = dict(group_size=3, max_new_tokens=20, pad_id=0, stop_tokens=list(range(100, 130)))
 SESSION_FAMILIES = ["smollm3", "qwen3_moe"]  # full attention in every layer (tests/test_native_transformers_session)
-
-
-@pytest.fixture(scope="module")
-def policy():
-    built = {}
-
-    def get(family: str) -> TransformersDecoder:
-        if family not in built:
-            built[family] = TransformersDecoder(family_model(family), 256, {})
-        return built[family]
-
-    return get
 
 
 @pytest.fixture
@@ -68,8 +55,8 @@ def _equal_steps(first, second):
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_grouped_heads_change_no_bit_of_a_rollout(family, policy, monkeypatch, grouped_kernel_calls):
-    model = policy(family)
+def test_grouped_heads_change_no_bit_of_a_rollout(family, family_policy, monkeypatch, grouped_kernel_calls):
+    model = family_policy(family)
     hf = model.sampler()
     implementation = hf.config._attn_implementation
     runs = record_sampler(monkeypatch)
@@ -89,8 +76,8 @@ def test_grouped_heads_change_no_bit_of_a_rollout(family, policy, monkeypatch, g
 
 
 @pytest.mark.parametrize("family", SESSION_FAMILIES)
-def test_grouped_heads_change_no_bit_of_a_session(family, policy, monkeypatch):
-    model = policy(family)
+def test_grouped_heads_change_no_bit_of_a_session(family, family_policy, monkeypatch):
+    model = family_policy(family)
     engine = NativeGenerator(stop_check_interval=4)
     runs = record_sampler(monkeypatch)
 

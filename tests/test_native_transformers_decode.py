@@ -14,14 +14,13 @@ makes them; 6-token windows, shorter than the 9-token prompts plus up to 24 deco
 import pytest
 import torch
 
-from tests.hf_families import FAMILIES, family_model
+from tests.hf_families import FAMILIES
 from tests.hf_moe import MOE_FAMILY_NAMES
 from tests.sampler_records import flip_chance, record_sampler
 from tests.tolerances import ulps
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.generation._hf_rollout import HFRollout
 from torchtune_grpo.generation._transformers import sample_with_generate
-from torchtune_grpo.models import TransformersDecoder
 from torchtune_grpo.training.batch import batch_token_logprobs, TrainingBatch
 
 ALL = [*FAMILIES, *MOE_FAMILY_NAMES]
@@ -30,20 +29,6 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [40, 41, 42, 43, 44, 4
 # 40 of the 512 ids stop a row: rows stop at scattered lengths (1 to the 24-token budget), so the batch shrinks.
 STOPS = list(range(100, 140))
 KW = dict(group_size=3, max_new_tokens=24, pad_id=0, stop_tokens=STOPS)
-
-
-@pytest.fixture(scope="module")
-def policy():
-    """``policy(family)``: the family's tiny model (seed 0, peaked attention, decisive routers) as the recipe's
-    :class:`TransformersDecoder`, built once per module."""
-    built = {}
-
-    def get(family: str) -> TransformersDecoder:
-        if family not in built:
-            built[family] = TransformersDecoder(family_model(family), 256, {})
-        return built[family]
-
-    return get
 
 
 @pytest.fixture
@@ -75,8 +60,8 @@ def _run(policy, runs, seed, temperature=1.0, **engine):
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_shared_prefill_and_compaction_give_the_per_row_tokens(family, policy, sampled, kept):
-    model = policy(family)
+def test_shared_prefill_and_compaction_give_the_per_row_tokens(family, family_policy, sampled, kept):
+    model = family_policy(family)
     fast, fast_next = _run(model, sampled, seed=1)
     assert kept and min(kept) < 9  # the batch shrank as rows stopped
     kept.clear()
@@ -100,8 +85,8 @@ def test_shared_prefill_and_compaction_give_the_per_row_tokens(family, policy, s
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_greedy_equals_transformers_generate(family, policy, sampled):
-    model = policy(family)
+def test_greedy_equals_transformers_generate(family, family_policy, sampled):
+    model = family_policy(family)
     ours, _ = _run(model, sampled, seed=0, temperature=0.0)
     theirs = sample_with_generate(model.sampler(), PROMPTS, generator=None, temperature=0.0, top_k=None, top_p=1.0,
                                   **KW)
@@ -121,14 +106,14 @@ def test_greedy_equals_transformers_generate(family, policy, sampled):
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_left_padding_is_exact(family, policy):
+def test_left_padding_is_exact(family, family_policy):
     # Softmax layers mask the padded keys; Gated DeltaNet zeroes the padded positions' inputs, so the convolution
     # and the recurrent state see nothing of them. The padded rows' first logits equal each prompt's alone to
     # rounding: other batch shapes, and in Gated DeltaNet's chunked scan other chunk boundaries; 2-4 layers of
     # matmuls over 128-256 terms, peaked softmaxes amplifying the differences of their inputs: measured up to 13 ulp
     # of the largest logit (qwen3_5_moe, 1.2e-5 at |z| 7.7; both CPU kernels). Bound: 32 ulp. The padding unmasked
     # (no attention mask) moves the padded rows' logits by 1 to 7.5.
-    hf = policy(family).sampler()
+    hf = family_policy(family).sampler()
     with torch.inference_mode():
         together = HFRollout(hf, PROMPTS, 1, 0).prefill()  # [3, V]
         alone = torch.cat([HFRollout(hf, [p], 1, 0).prefill() for p in PROMPTS])
@@ -136,7 +121,7 @@ def test_left_padding_is_exact(family, policy):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "gemma3_text", "gpt_oss", "olmoe"])
-def test_trainer_logprobs_are_those_the_engine_sampled_from(family, policy, sampled):
+def test_trainer_logprobs_are_those_the_engine_sampled_from(family, family_policy, sampled):
     # fp32. The engine sampled each token from its decode logits (a cache filled by a left-padded prefill, then one
     # token per forward: Gated DeltaNet's recurrent step, windows of cached keys, MoE experts of 1-token batches);
     # the trainer recomputes each completion in one right-padded forward (chunked scan, full windows). The same
@@ -145,7 +130,7 @@ def test_trainer_logprobs_are_those_the_engine_sampled_from(family, policy, samp
     # ~130 tokens each): up to 3.4e-5 (gemma3_text, |logit| <= 9.2, ~30 ulp), 2.5e-5 qwen3_5_text, 2.2e-5 olmoe,
     # 7e-6 gpt_oss. Bound 1e-4. Not gemma4_text here: its attention is peaked to 0.98 (tests/hf_families.py), and
     # transformers' own generate() logits differ from its full forward by up to 3e-4 on it.
-    model = policy(family)
+    model = family_policy(family)
     out, _ = _run(model, sampled, seed=2)
     engine = []
     for i, response in enumerate(out.response_ids):
