@@ -44,12 +44,17 @@ class _BadImage(Exception):
         self.reason, self.image, self.detail = reason, image, detail
 
 
-def _at_placeholders(question: str, marker: str, num_images: int, values: List[Any]) -> List[Dict[str, Any]]:
+def _names(values: List[Any]) -> str:
+    """A row's image cells for a message: each path (a decoded-on-demand cell's ``path``), 200 characters at most."""
+    return ", ".join(str(v.get("path") if isinstance(v, dict) else v)[:200] for v in values)
+
+
+def _at_placeholders(question: str, marker: str, values: List[Any]) -> List[Dict[str, Any]]:
     """The user turn's content: ``question``'s text with an image part where each ``marker`` stood."""
     pieces = question.split(marker)
-    if len(pieces) - 1 != num_images:
-        raise _BadImage("mismatched", ", ".join(str(v.get("path") if isinstance(v, dict) else v)[:200] for v in values),
-                        f"the question has {len(pieces) - 1} {marker!r} marker(s) for {num_images} image(s)")
+    if len(pieces) - 1 != len(values):
+        raise _BadImage("mismatched", _names(values),
+                        f"the question has {len(pieces) - 1} {marker!r} marker(s) for {len(values)} image(s)")
     content: List[Dict[str, Any]] = []
     for i, piece in enumerate(pieces):
         if i:
@@ -192,15 +197,14 @@ class ImagePromptDataset(Dataset):
         if image_placeholder is None:
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
         else:
-            content = _at_placeholders(question, image_placeholder, len(images), values)
+            content = _at_placeholders(question, image_placeholder, values)
         messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
             {"role": "user", "content": content}]
         text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         try:
             out = processor(text=[text], images=[images], return_tensors="pt")
         except Exception as err:  # noqa: BLE001 - the processor's own refusal (size, mode, count), reported by row
-            raise _BadImage("refused", ", ".join(str(v.get("path") if isinstance(v, dict) else v)[:200]
-                                                 for v in values), f"{type(err).__name__}: {err}") from err
+            raise _BadImage("refused", _names(values), f"{type(err).__name__}: {err}") from err
         tokens = out["input_ids"][0].tolist()
         inputs = {k: (v[0] if k in PER_TOKEN_KEYS else v) for k, v in out.items()
                   if k not in ("input_ids", "attention_mask")}
