@@ -92,17 +92,22 @@ class GrowingLayer(DynamicLayer):
         raise NotImplementedError("GrowingLayer is the native engine's decode cache: it is never offloaded")
 
 
-def growing_cache(config) -> DynamicCache:
+def growing_cache(config, full_history: bool = False) -> DynamicCache:
     """transformers' ``DynamicCache`` for ``config``, its plain full-attention layers :class:`GrowingLayer`.
 
     Args:
         config: the causal LM's config (``model.config``).
+        full_history (bool): its sliding-window layers :class:`GrowingLayer` too, keeping every slot (the mask
+            applies the window), for a prefill whose keys and values go on to a fixed-shape cache
+            (``_hf_static.py``). Default is False.
 
     Returns:
         DynamicCache: the cache the model's first forward fills.
     """
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer or (
+        full_history and type(layer).__mro__[1] is DynamicLayer and layer.is_sliding) else layer
+        for layer in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # a config without layer types: layers made on first use
         cache.layer_class_to_replicate = GrowingLayer
     return cache

@@ -35,19 +35,24 @@ is) with the engine's own decode loops and sampler:
   ``get_rope_index`` (3-D on image tokens), passed as ``generate`` passes them (text positions first, then the
   three M-RoPE axes); a decode position is the text position plus the row's ``rope_delta`` on the three axes.
 
-Not done here: a static cache with a compiled decode step (``compile_decode`` applies to the torchtune backend;
-this path decodes eagerly with transformers' dynamic cache, its full-attention layers growing in place: _hf_cache.py). Multi-turn sessions that keep this cache between
-turns: :mod:`~torchtune_grpo.generation._hf_session` (full-attention families).
+- **compiled decode** (``compile_decode``; on CUDA by default): after the eager prefill the keys and values go
+  into a fixed-shape cache and each decode step is one compiled call (:mod:`~torchtune_grpo.generation._hf_static`);
+  rows then stay in the batch to the end. Otherwise decode steps run eagerly on transformers' dynamic cache, its
+  full-attention layers growing in place (``_hf_cache.py``).
+
+Multi-turn sessions that keep this cache between turns: :mod:`~torchtune_grpo.generation._hf_session`
+(full-attention families).
 """
 
 import inspect
 from contextlib import nullcontext
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from torchtune_grpo.generation._decode import to_rollout
+from torchtune_grpo.generation._hf_static import fill_fixed, static_decode_step, static_decode_unsupported, warn_eager_once
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.models import grouped_kv_attention
 from torchtune_grpo.models.moe_routing import router_hooks
@@ -91,8 +96,16 @@ def sample_with_hf_cache(
         Rollout: ``B x G`` rows (row ``i`` answers prompt ``i // G``); ``routed_experts`` for a mixture of experts.
     """
     hooks = router_hooks(hf)
+    device = next(hf.parameters()).device
+    fixed = None  # compiled decode on a fixed-shape cache (_hf_static.py), where the engine and the family allow
+    if engine.compiles_decode(device):
+        reason = static_decode_unsupported(hf, records_routes=hooks is not None)
+        if reason is None:
+            fixed = engine.static_hf_caches
+        else:
+            warn_eager_once(hf.config.model_type, reason)
     run = HFRollout(hf, prompts, group_size, pad_id, share_prefill=engine.share_prefill, image_model=image_model,
-                    images=images)
+                    images=images, full_history=fixed is not None)
     stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.device)
     # Inference mode, as the torchtune path: no autograd bookkeeping on the decode's many small ops. Grouped-query
     # heads attend without copying the cache per step (models/_grouped_attention.py).
@@ -100,14 +113,19 @@ def sample_with_hf_cache(
             hooks.recording() if hooks is not None else nullcontext() as recorded:
         try:
             logits = run.prefill()  # [B*G, V]
-            if engine.compact_decode:
+            if fixed is not None:
+                run.fix(fixed.take(hf, logits.size(0), run.slots + max_new_tokens, run.device),
+                        engine.compiled_step(device, static_decode_step))
+                out, done = engine.decode_loop(logits, run.decode, max_new_tokens, pad_id, stop, temperature,
+                                               generator)
+            elif engine.compact_decode:
                 out, done = engine.compacting_loop(
                     logits, run.decode, run.compact, max_new_tokens, pad_id, stop, temperature, generator)
             else:
                 out, done = engine.decode_loop(logits, run.decode, max_new_tokens, pad_id, stop, temperature,
                                                generator)
         finally:
-            run.cache = None  # the cache is the rollout's: free it now, not at the next rollout
+            run.cache = None  # the cache is the rollout's (a fixed one stays with the engine): drop it now
     rollout = to_rollout([p for p in run.prompts for _ in range(group_size)], out, done, stop)
     if recorded is not None:
         rollout = rollout._replace(routed_experts=run.routes(recorded, rollout.response_ids))
@@ -127,11 +145,14 @@ class HFRollout:
         image_model (Optional[nn.Module]): the image-text class's inner model sharing ``hf``'s language model
             (:func:`~torchtune_grpo.models.attach_images`); the prefill runs it when ``images`` are given.
         images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs, or None.
+        full_history (bool): every attention layer keeps all its slots (windowed ones too), for :meth:`fix`.
+            Default is False.
     """
 
     def __init__(self, hf: nn.Module, prompts: List[List[int]], group_size: int, pad_id: int, *,
                  share_prefill: bool = True, image_model: Optional[nn.Module] = None,
-                 images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None) -> None:
+                 images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
+                 full_history: bool = False) -> None:
         self.hf = hf
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
@@ -155,7 +176,10 @@ class HFRollout:
         # has none), and a run without a transformers policy saves its 1.5 s of start-up.
         from torchtune_grpo.generation._hf_cache import growing_cache
 
-        self.cache = growing_cache(hf.config)
+        self.cache = growing_cache(hf.config, full_history=full_history)
+        # A fixed-shape cache's decode (fix()): its [N, capacity] mask and the compiled step; None while eager.
+        self._fixed_mask: Optional[torch.Tensor] = None
+        self._step: Optional[Callable[..., torch.Tensor]] = None
         self.slots = 0  # the cache's sequence length: slots written so far (every row the same)
         # [n] the rollout rows (0 .. B*G-1) in the decode batch, in batch order: which row a decode forward's
         # i-th entry is, for the routes.
@@ -170,10 +194,14 @@ class HFRollout:
             raise ValueError("prompts with images need the policy's image side (attach_images)")
         self.rope_delta: Optional[torch.Tensor] = None  # [n, 1] Qwen3.5's M-RoPE offset of each row's text positions
 
+    def _rope(self, positions: torch.Tensor) -> torch.Tensor:
+        if self.rope_delta is None:
+            return positions
+        shifted = positions + self.rope_delta  # M-RoPE after images: text positions, then the three rotary axes
+        return torch.stack([positions, shifted, shifted, shifted])  # [4, n, M]
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.rope_delta is not None:  # M-RoPE after images: text positions, then the three rotary axes
-            shifted = positions + self.rope_delta
-            positions = torch.stack([positions, shifted, shifted, shifted])  # [4, n, M]
+        positions = self._rope(positions)
         out = self.hf(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
                       use_cache=True, **self._last_only)
         self.cache = out.past_key_values
@@ -257,9 +285,28 @@ class HFRollout:
         self.slots += ids.size(1)
         return TransformersHead(self.hf)(out.last_hidden_state[:, -1:])[:, -1].float()  # [n, V]
 
+    def fix(self, held: "tuple[Any, torch.Tensor]", step: Callable[..., torch.Tensor]) -> None:
+        """Move the prefilled keys and values into a fixed-shape cache; decode steps then call ``step`` on it.
+
+        Args:
+            held (tuple[Any, torch.Tensor]): a zeroed ``StaticCache`` of ``N`` rows and its ``[N, capacity]`` mask
+                (:meth:`~torchtune_grpo.generation._hf_static.StaticDecode.take`), ``capacity >= slots + budget``.
+            step (Callable[..., torch.Tensor]): :func:`~torchtune_grpo.generation._hf_static.static_decode_step`,
+                compiled or not.
+        """
+        cache, mask = held
+        fill_fixed(cache, self.cache)
+        mask[:, : self.slots] = 1 if self.mask is None else self.mask
+        self.cache, self._fixed_mask, self._step = cache, mask, step
+
     def decode(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """Feed ``token [n]`` (response token ``t`` of the rows in the batch); return the next logits ``[n, V]``."""
         self.positions = self.positions + 1
+        if self._step is not None:  # the fixed cache: this step's slot joins the mask, one compiled call
+            self._fixed_mask[:, self.slots] = 1
+            self.slots += 1
+            self._forwards.append(self.rows)
+            return self._step(self.hf, self.cache, token[:, None], self._rope(self.positions), self._fixed_mask)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.size(0), 1)], dim=-1)
         self._forwards.append(self.rows)

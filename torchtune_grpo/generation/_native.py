@@ -16,6 +16,7 @@ from torchtune_grpo.generation._decode import can_skip_module_hooks, to_rollout
 from torchtune_grpo.generation._sampling import check_sampling, sample_tokens
 from torchtune_grpo.generation._session import NativeSession, RowViews
 from torchtune_grpo.generation._hf_rollout import sample_with_hf_cache
+from torchtune_grpo.generation._hf_static import StaticDecode
 from torchtune_grpo.generation._hf_session import HFSession, hf_session_unsupported
 from torchtune_grpo.models import TransformersDecoder
 from torchtune_grpo.models.logprobs import replace_unembed
@@ -62,9 +63,11 @@ class NativeGenerator(GenerationEngine):
 
     A transformers policy (:class:`~torchtune_grpo.models.TransformersDecoder`) is decoded by the same loops and
     sampler on transformers' own cache (:mod:`~torchtune_grpo.generation._hf_rollout`): ``share_prefill``,
-    ``compact_decode`` and ``stop_check_interval`` apply; the static cache, the shared-prefix attention and
-    ``compile_decode`` are the torchtune backend's. Its multi-turn sessions keep transformers' cache between turns
-    for full-attention families only (:mod:`~torchtune_grpo.generation._hf_session`).
+    ``compact_decode``, ``stop_check_interval``, ``reuse_cache`` and ``compile_decode`` apply (a compiled decode
+    runs on a fixed-shape transformers cache, :mod:`~torchtune_grpo.generation._hf_static`, for families whose
+    layers all have a key/value cache); the shared-prefix attention is the torchtune backend's. Its multi-turn
+    sessions keep transformers' cache between turns for full-attention families only
+    (:mod:`~torchtune_grpo.generation._hf_session`).
 
     Args:
         temperature (float): sampling temperature; 0 is greedy. Default is 1.0.
@@ -125,6 +128,8 @@ class NativeGenerator(GenerationEngine):
         self.compile_backend = compile_backend
         self.compact_decode = bool(compact_decode)
         self.cache = KVCachePool(cache_len_multiple)
+        # A transformers policy's fixed-shape decode cache, kept between rollouts as the pool is (_hf_static.py).
+        self.static_hf_caches = StaticDecode(cache_len_multiple)
         self._unembeds: Dict[int, _LastPositionLogits] = {}
         self._compiled: Dict[str, Callable[..., torch.Tensor]] = {}
         self._write_slots: Dict[str, torch.Tensor] = {}
@@ -145,7 +150,8 @@ class NativeGenerator(GenerationEngine):
         """Whether decode steps on ``device`` run compiled (``compile_decode``; None: on CUDA only)."""
         return self.compile_decode if self.compile_decode is not None else torch.device(device).type == "cuda"
 
-    def _decode_fn(self, device: torch.device, step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def compiled_step(self, device: torch.device, step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``step`` compiled by this engine's settings for ``device`` (once per step function), or ``step`` itself."""
         if not self.compiles_decode(device):
             return step
         mode = self.compile_mode
@@ -168,6 +174,7 @@ class NativeGenerator(GenerationEngine):
         """Free the KV cache now (the next ``generate`` allocates a new one)."""
         self._check_no_open_session("release_cache")
         self.cache.release()
+        self.static_hf_caches.release()
 
     def new_rollout(
         self,
@@ -198,7 +205,7 @@ class NativeGenerator(GenerationEngine):
         resources = RolloutResources(
             cache=self.cache,
             write_slot=self._write_slot(device, 1),
-            compile_step=lambda step: self._decode_fn(device, step),
+            compile_step=lambda step: self.compiled_step(device, step),
             share_prefill=self.share_prefill,
             row_write_slot=self._write_slot(device, len(prompts) * group_size, 1),
         )
@@ -253,12 +260,16 @@ class NativeGenerator(GenerationEngine):
         if isinstance(model, TransformersDecoder):
             # transformers' own module and KV cache (sliding windows, linear-attention state) on the live weights,
             # decoded by this engine's loops and sampler (_hf_rollout.py).
-            return sample_with_hf_cache(
-                self, model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens, pad_id=pad_id,
-                stop_tokens=stop_tokens, generator=generator, temperature=float(temperature),
-                image_model=getattr(model, "image_model", None) if has_images else None,
-                images=images if has_images else None,
-            )
+            try:
+                return sample_with_hf_cache(
+                    self, model.sampler(), prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+                    pad_id=pad_id, stop_tokens=stop_tokens, generator=generator, temperature=float(temperature),
+                    image_model=getattr(model, "image_model", None) if has_images else None,
+                    images=images if has_images else None,
+                )
+            finally:
+                if not self.reuse_cache:
+                    self.static_hf_caches.release()
         # Inference mode, not just no_grad: no version counters or view tracking on the ~1,000 small ops
         # of each decode step (8-10% of a tiny model's rollout on CPU). Nothing it creates escapes: the
         # rollout is built after it, and a functional op there turns its tensors into normal ones.
