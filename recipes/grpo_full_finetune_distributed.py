@@ -304,8 +304,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             utils.log_rank_zero(log, attach_image_side(
                 self.model, None if reference is None else reference.model, self.optimizer,
                 engine=self.engine, train=c.train_vision, world_size=self.world_size,
-                multi_turn=multi_turn is not None, reference_source=checkpoint_source(cfg),
-                policy_source=image_source))
+                reference_source=checkpoint_source(cfg), policy_source=image_source))
         elif c.train_vision != "none":
             raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")
         self.prompts = PromptStream.over(

@@ -54,7 +54,7 @@ def test_a_worker_samples_image_prompts_as_the_trainer(vision_dir, tmp_path, one
     assert groups.rewards.tolist() == mine.rewards.tolist()
     # The images reached the worker's sampling: without them the same seed draws other tokens.
     blind = engine.generate(policy, batch.tokens, group_size=2, max_new_tokens=6, pad_id=0,
-                                       stop_tokens=worker.tokenizer.stop_tokens, generator=torch.Generator().manual_seed(0))
+                            stop_tokens=worker.tokenizer.stop_tokens, generator=torch.Generator().manual_seed(0))
     assert blind.response_ids != groups.response_ids
     # The behaviour logprobs are the trainer's forward with the images, to the bit (same layout, same weights).
     theirs = behaviour_logprobs(policy, groups.prompt_ids, groups.response_ids, pad_id=worker.tokenizer.pad_id,
@@ -62,10 +62,10 @@ def test_a_worker_samples_image_prompts_as_the_trainer(vision_dir, tmp_path, one
                                 images=row_images(groups))
     assert groups.engine_logprobs == theirs
     if trained:  # the worker's projector is the trainer's, from the sync
-        mine_p = dict(policy.image_model.named_parameters())
-        for name, p in worker.model.image_model.named_parameters():
-            if name.startswith("multi_modal_projector."):
-                assert torch.equal(p, mine_p[name])
+        ours = dict(policy.image_model.named_parameters())
+        projector = {n: p for n, p in worker.model.image_model.named_parameters()
+                     if n.startswith("multi_modal_projector.")}
+        assert projector and all(torch.equal(p, ours[n]) for n, p in projector.items())
 
 
 def test_two_grpo_steps_with_images_through_a_worker_equal_the_synchronous_run(vision_dir, tmp_path, clean_env,
