@@ -298,13 +298,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         self.optimizer = instantiate_component(cfg, "optimizer", self.model.parameters())
         # This rank's prompts across epochs (torchtune_grpo/rollouts/producer.py).
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        image_source = None  # the directory the policy's vision tower comes from, with images in the prompt
         if "image_inputs" in dataset[0]:  # images in the prompt (docs/multimodal.md)
+            image_source = str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)
             utils.log_rank_zero(log, attach_image_side(
                 self.model, None if reference is None else reference.model, self.optimizer,
                 engine=self.engine, train=c.train_vision, world_size=self.world_size,
-                workers=c.generation_workers.enabled, multi_turn=multi_turn is not None,
-                reference_source=checkpoint_source(cfg),
-                policy_source=str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)))
+                reference_source=checkpoint_source(cfg), policy_source=image_source))
         elif c.train_vision != "none":
             raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")
         self.prompts = PromptStream.over(
@@ -373,6 +373,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 device=self._device,
                 dtype=self._placement.precision.compute_dtype, probe_prompt=dataset[0]["tokens"],
                 vocab_size=self.model.tok_embeddings.num_embeddings, dynamic=dynamic, all_reduce_sum=self._dist.sum,
+                image_source=image_source,  # the worker's copy gets the same image side
             )
         self.step = GRPOStep(
             rollouts=rollouts,

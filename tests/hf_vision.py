@@ -97,7 +97,7 @@ def _image_processor(family: str):
     return Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2, max_soft_tokens=70)
 
 
-def make_vision_dir(family: str, directory, *, seed: int = 0, peaked: bool = True) -> Path:
+def make_vision_dir(family: str, directory, *, seed: int = 0, peaked: bool = True, **text_overrides) -> Path:
     """Write ``family``'s tiny multimodal checkpoint with its image prompt files (see the module docstring).
 
     Args:
@@ -105,13 +105,14 @@ def make_vision_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
         directory: where to write (created if needed).
         seed (int): the weights' seed. Default is 0.
         peaked (bool): sharpen the language model's attention (:func:`tests.hf_families.sharpen`). Default is True.
+        **text_overrides: fields of the ``text_config`` (e.g. ``layer_types``: Gemma 3 with full attention only).
 
     Returns:
         Path: ``directory``.
     """
     from transformers import AutoTokenizer
 
-    directory = make_multimodal_dir(family, directory, seed=seed, peaked=peaked)
+    directory = make_multimodal_dir(family, directory, seed=seed, peaked=peaked, **text_overrides)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["extra_special_tokens"] = _TOKEN_NAMES[family]

@@ -303,14 +303,11 @@ def check_image_split(folder) -> None:
 @pytest.mark.parametrize("setting, key", [
     ({"generation": {"_component_": "tests._engines.ToolScriptGenerator", "tokenizer_dir": "SRC"}},
      "generation._component_ is ToolScriptGenerator"),
-    ({"generation_workers.enabled": True}, "generation_workers.enabled: true is not supported with images"),
-    ({"environment": {"_component_": "tests.test_vllm_recipe.NudgeEnvironment"}},
-     r"environment \(multi-turn episodes\) is not supported with images"),
-], ids=["engine", "workers", "multi_turn"])
+], ids=["engine"])
 def test_what_does_not_take_images_is_refused_naming_the_key(vision_dir, tmp_path, clean_env, one_thread, setting,
                                                             key):
-    """An engine without images (vLLM, a custom one), generation workers and multi-turn episodes stop the run when
-    it starts, naming the key to change."""
+    """An engine without images (vLLM, a custom one; the same engine runs in generation workers and in multi-turn
+    episodes) stops the run when it starts, naming the key to change."""
     src = vision_dir("gemma3")
     data = _shapes_dataset(tmp_path / "data")
     setting = {k: ({**v, "tokenizer_dir": str(src)} if isinstance(v, dict) and "tokenizer_dir" in v else v)

@@ -134,7 +134,7 @@ def test_a_sampled_image_token_is_text(vision_dir, tmp_path, family):
     """A completion may contain the image token (a random model samples it): the engine fed it to the language
     model as a token, and the trainer's forward does the same (not an image slot without a feature)."""
     from torchtune_grpo.generation._hf_rollout import HFRollout
-    from torchtune_grpo.models import batch_image_inputs, image_inputs
+    from torchtune_grpo.models import batch_image_inputs, image_inputs, text_after
     from torchtune_grpo.models.logprobs import sequence_logprobs
 
     directory = vision_dir(family)
@@ -152,3 +152,10 @@ def test_a_sampled_image_token_is_text(vision_dir, tmp_path, family):
         trainer = sequence_logprobs(policy, torch.tensor([row]), start=len(sample["tokens"]) - 1).logprobs[0]
     # As the engine-vs-trainer check above: the same function computed in other orders, bound 1e-4.
     torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)
+    # A later turn of a multi-turn episode re-sends that history (sampled image tokens in it) and prefills it with
+    # the pixels: the logprobs of feeding the tokens one by one, same bound.
+    with torch.inference_mode():
+        again = HFRollout(policy.sampler(), [row[:-1]], 1, 0, image_model=policy.image_model,
+                          images=[text_after(sample["image_inputs"], len(response) - 1)]).prefill()
+    torch.testing.assert_close(torch.log_softmax(again[0].double(), -1), torch.log_softmax(logits[-1][0].double(), -1),
+                               atol=1e-4, rtol=0)

@@ -16,7 +16,7 @@ to close, no sessions); :func:`check_engine` says, naming the member, when an ob
 contract.
 """
 
-from typing import Iterable, List, Optional, Protocol, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -94,10 +94,12 @@ class GenerationEngine(Protocol):
         max_new_tokens: int,
         pad_id: int,
         stop_tokens: Sequence[int],
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Optional[GenerationSession]:
         """Optional: a multi-turn session over ``group_size`` rows per prompt, each with a budget of
-        ``max_new_tokens`` after its prompt over all turns. Default: None (no sessions; callers re-send
-        each row's history to :meth:`generate`)."""
+        ``max_new_tokens`` after its prompt over all turns (``images``: each prompt's image inputs, passed only
+        when a prompt has some, to an engine that :attr:`takes_images`). Default: None (no sessions; callers
+        re-send each row's history to :meth:`generate`)."""
         return None
 
     def check_available(self) -> None:

@@ -269,7 +269,7 @@ class HFRollout:
                              images: List[Optional[Mapping[str, torch.Tensor]]]) -> torch.Tensor:
         """The prefill of ``ids [n, W]`` with the rows' ``images``, by the image-text class's inner model."""
         from torchtune_grpo.models._transformers_policy import TransformersHead
-        from torchtune_grpo.models._vision import batch_image_inputs
+        from torchtune_grpo.models._vision import batch_image_inputs, text_ids
 
         inputs = batch_image_inputs(images, ids.size(1), self.device, left=True)
         inner = self.image_model
@@ -279,8 +279,10 @@ class HFRollout:
                 k: v for k, v in inputs.items() if k in ("mm_token_type_ids", "image_grid_thw")})
             positions = torch.cat([positions[None], rotary], dim=0)  # [4, n, W]
             self.rope_delta = delta.to(self.device).reshape(-1, 1)
-        out = inner(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
-                    use_cache=True, **inputs)
+        # An image token sampled in an earlier turn of a re-sent history is text (models/_vision.py, text_ids).
+        with text_ids(inner, ids, inputs) as fed:
+            out = inner(input_ids=fed, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
+                        use_cache=True, **inputs)
         self.cache = out.past_key_values
         self.slots += ids.size(1)
         return TransformersHead(self.hf)(out.last_hidden_state[:, -1:])[:, -1].float()  # [n, V]

@@ -27,9 +27,15 @@ set rows aside and put them back), so ``compact_decode`` does not apply within a
 runs only the rows it continues: the others are dropped from the cache for good (a multi-turn episode that
 ended never continues), and continuing a dropped row is an error. A mixture of experts' routes are not recorded
 in a session (multi-turn episodes carry none).
+
+Images in the prompt: the first turn's prefill runs the image-text class's inner model with the pixels
+(:class:`~torchtune_grpo.generation._hf_rollout.HFRollout`, as a one-shot rollout); later turns append text on the
+kept cache through the causal LM, Qwen3.5's M-RoPE offset of each row applied to the appended positions as to
+decode steps. (The image families as shipped have sliding windows or linear attention, so they get no session and
+re-send the history with the pixels every turn; this serves a full-attention image model.)
 """
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -78,15 +84,22 @@ class HFSession(SessionRows):
         max_new_tokens (int): each row's budget after its prompt over all turns.
         pad_id (int): padding id.
         stop_tokens (Sequence[int]): ids that end a turn.
+        image_model (Optional[nn.Module]): the policy's image side (:func:`~torchtune_grpo.models.attach_images`),
+            needed with ``images``. Default is None.
+        images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs, or None:
+            the first turn's prefill runs with the pixels (as a one-shot rollout's), later turns are text on the
+            kept cache (Qwen3.5's M-RoPE offset of each row kept with it). Default is None.
 
     Raises:
         ValueError: when ``max_new_tokens`` < 1 or a prompt is empty.
     """
 
     def __init__(self, engine: Any, hf: nn.Module, prompts: List[List[int]], group_size: int, max_new_tokens: int,
-                 pad_id: int, stop_tokens: Sequence[int]) -> None:
+                 pad_id: int, stop_tokens: Sequence[int], *, image_model: Optional[nn.Module] = None,
+                 images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None) -> None:
         super().__init__(engine, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         self.hf = hf
+        self.image_model, self.images = image_model, images
         # Per row, the cache slot of each history token that has keys and values there (a prefix of the history).
         self.slots: List[List[int]] = [[] for _ in range(self.n)]
         self.kept: List[int] = []  # the session rows in the cache, in its batch order
@@ -141,7 +154,8 @@ class HFSession(SessionRows):
 
     def _first_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
         run = self._run = HFRollout(self.hf, self.prompt_groups, self.group_size, self.pad_id,
-                                    share_prefill=self.engine.share_prefill)
+                                    share_prefill=self.engine.share_prefill, image_model=self.image_model,
+                                    images=self.images)
         logits = run.prefill()
         other = _other_layers(run.cache.layers)
         if other:  # the model built another cache than its config said: never guess

@@ -296,6 +296,7 @@ class NativeGenerator(GenerationEngine):
         max_new_tokens: int,
         pad_id: int,
         stop_tokens: Sequence[int],
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Optional[Union["NativeSession", HFSession]]:
         """A multi-turn session that keeps each row's KV cache between turns (:class:`NativeSession`).
 
@@ -310,6 +311,8 @@ class NativeGenerator(GenerationEngine):
                 sized from it once).
             pad_id (int): padding id.
             stop_tokens (Sequence[int]): ids that end a turn.
+            images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs, for a
+                transformers policy with its image side: the first turn prefills with them. Default is None.
 
         Returns:
             Optional[Union[NativeSession, HFSession]]: call its ``generate`` once per turn; close it (or use it as a
@@ -317,15 +320,22 @@ class NativeGenerator(GenerationEngine):
 
         Raises:
             RuntimeError: while another session of this engine is open (one KV cache per engine).
+            ValueError: images for a policy without an image side.
         """
         self._check_no_open_session("session")
+        has_images = images is not None and any(i is not None for i in images)
+        if has_images and getattr(model, "image_model", None) is None:
+            raise ValueError("prompts with images: the policy has no image side (a transformers policy of a "
+                             "multimodal directory, with attach_images)")
         if isinstance(model, TransformersDecoder):
             # transformers' cache kept between turns where its layers allow a history with holes (full attention
             # only); None otherwise: each turn re-sends the row's history to generate() (_hf_session.py).
             hf = model.sampler()
             if hf_session_unsupported(hf) is not None:
                 return None
-            return HFSession(self, hf, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
+            return HFSession(self, hf, prompts, group_size, max_new_tokens, pad_id, stop_tokens,
+                             image_model=model.image_model if has_images else None,
+                             images=images if has_images else None)
         self._session = NativeSession(self, model, prompts, group_size, max_new_tokens, pad_id, stop_tokens)
         return self._session
 

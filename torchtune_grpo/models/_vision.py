@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 __all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "image_state_dict",
-           "PER_TOKEN_KEYS", "TRAIN_CHOICES", "VISION_MODULES"]
+           "PER_TOKEN_KEYS", "text_after", "text_ids", "TRAIN_CHOICES", "VISION_MODULES"]
 
 #: Per-token image inputs (one value per prompt token; 0 = text); the others are per image.
 PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
@@ -228,20 +228,50 @@ def forward_with_images(policy: nn.Module, tokens: torch.Tensor, images: Mapping
     if input_pos is not None:
         # Qwen3.5's M-RoPE positions are 3-D and computed from the image grid; the Gemmas' are 0..L-1 for a row.
         raise ValueError("a forward with images takes no input_pos: the family computes its positions")
+    with text_ids(inner, tokens, images) as ids:
+        return inner(input_ids=ids, use_cache=False, **images).last_hidden_state
+
+
+@contextmanager
+def text_ids(inner: nn.Module, tokens: torch.Tensor, images: Mapping[str, Any]) -> Iterator[torch.Tensor]:
+    """The ids to give the image-text class's inner model for ``tokens [B, L]``: ``tokens`` themselves, unless a row
+    holds the image token outside its prompt's images (see below); the block runs that model's forward.
+
+    An image token the policy SAMPLED (in a response, or in an earlier turn's history: the per-token types say 0
+    there) is text: the engine fed it to the language model as a token. The image-text class would take it for an
+    image slot (and refuse the count): it gets a plain id here, and its input embeddings are put back to the
+    sampled token's for forwards inside the block.
+    """
     stray = _stray_image_tokens(inner, tokens, images)
     if stray is None:
-        return inner(input_ids=tokens, use_cache=False, **images).last_hidden_state
-    # An image token the policy SAMPLED (in a response; the processor's per-token types say 0 there) is text: the
-    # engine fed it to the language model as a token. The image-text class would take it for an image slot (and
-    # refuse the count): it gets a plain id here, and its input embeddings are put back to the sampled token's.
+        yield tokens
+        return
     sentinel = getattr(inner.config.get_text_config(), "pad_token_id", None) or 0
     handles = [module.register_forward_hook(_restore_ids(tokens, stray))
                for module in _token_embeddings(inner.language_model)]
     try:
-        return inner(input_ids=tokens.masked_fill(stray, sentinel), use_cache=False, **images).last_hidden_state
+        yield tokens.masked_fill(stray, sentinel)
     finally:
         for h in handles:
             h.remove()
+
+
+def text_after(inputs: Optional[Mapping[str, torch.Tensor]], extra: int) -> Optional[Dict[str, torch.Tensor]]:
+    """A prompt's image inputs for the prompt followed by ``extra`` text tokens (a multi-turn history re-sent after
+    it): the per-token keys get ``extra`` zeros (text) on the right; the per-image ones are unchanged.
+
+    Args:
+        inputs (Optional[Mapping[str, torch.Tensor]]): the prompt's image inputs (per-token keys ``[L_prompt]``), or
+            None (a prompt without images).
+        extra (int): tokens after the prompt.
+
+    Returns:
+        Optional[Dict[str, torch.Tensor]]: per-token keys ``[L_prompt + extra]``; None for None.
+    """
+    if inputs is None:
+        return None
+    return {k: (torch.cat([v.reshape(-1), v.new_zeros(extra)]) if k in PER_TOKEN_KEYS else v)
+            for k, v in inputs.items()}
 
 
 def _stray_image_tokens(inner: nn.Module, tokens: torch.Tensor, images: Mapping[str, Any]) -> Optional[torch.Tensor]:

@@ -16,6 +16,9 @@ An engine that offers a ``session`` (the native engine: :class:`~torchtune_grpo.
 keeps each episode's KV cache between turns: a later turn prefills only the model's last sampled token and
 the environment's reply, then decodes; the history is not recomputed. Other engines get each live
 episode's whole history again every turn (vLLM reuses it through prefix caching).
+
+Prompts with images (each prompt's ``image_inputs`` field, docs/multimodal.md) go to the session, whose first turn
+prefills with the pixels, or to every ``generate`` call: a re-sent history is text after its prompt's images.
 """
 
 import time
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from torchtune_grpo.generation import decode_responses
+from torchtune_grpo.models import text_after
 from torchtune_grpo.multiturn.environment import Environment, start_episodes, step_episodes
 from torchtune_grpo.multiturn.turns import episode_turns
 
@@ -133,15 +137,19 @@ def run_episodes(
     for ep, outcome in zip(episodes, started):
         ep.state, ep.error, ep.done = outcome.value, outcome.error, bool(outcome.error)
     kwargs = {} if temperature is None else {"temperature": temperature}
+    # Each prompt's image inputs (image_dataset's field), passed only when a prompt has some: engines that take no
+    # images have no such argument.
+    images = [f.get("image_inputs") for f in fields]
+    images = images if any(i is not None for i in images) else None
     open_session = getattr(engine, "session", None)  # optional (GenerationEngine.session)
     session = None if open_session is None else open_session(
         model, [list(p) for p in prompts], group_size=group_size, max_new_tokens=max_new_tokens,
-        pad_id=tokenizer.pad_id, stop_tokens=tokenizer.stop_tokens,
+        pad_id=tokenizer.pad_id, stop_tokens=tokenizer.stop_tokens, **({} if images is None else {"images": images}),
     )
     try:
         seconds, engine_logprobs = _run_turns(
             engine, session, model, prompts, episodes, env, turns, tokenizer, group_size, max_turns, env_timeout,
-            dict(generator=generator, **kwargs),
+            dict(generator=generator, **kwargs), images,
         )
     finally:
         if session is not None:
@@ -162,10 +170,14 @@ def run_episodes(
 
 
 def _run_turns(
-    engine, session, model, prompts, episodes, env, turns, tokenizer, group_size, max_turns, env_timeout, sampling
+    engine, session, model, prompts, episodes, env, turns, tokenizer, group_size, max_turns, env_timeout, sampling,
+    images=None,
 ) -> Tuple[float, bool]:
     """Sample, step the environment, append its replies, until no episode is live (``episodes`` grow in
-    place). Returns the seconds spent in the environment and whether the engine gave logprobs."""
+    place). Returns the seconds spent in the environment and whether the engine gave logprobs.
+
+    ``images``: each prompt's image inputs (or None). Without a session every turn re-sends them with the row's
+    history: the engine prefills prompt and history with the pixels (the history is text after the prompt)."""
     eot = getattr(tokenizer, "eot_id", None)
     stops = set(tokenizer.stop_tokens)
     first, env_seconds, engine_logprobs = True, 0.0, False
@@ -179,6 +191,10 @@ def _run_turns(
         if session is not None:
             rollout = session.generate(rows, [episodes[i].ids for i in rows], max_new_tokens=budget, **sampling)
         else:
+            extra = {}
+            if images is not None:
+                extra["images"] = images if first else [
+                    text_after(images[i // group_size], len(episodes[i].ids)) for i in live]
             rollout = engine.generate(
                 model,
                 [list(p) for p in prompts] if first else [episodes[i].prompt + episodes[i].ids for i in live],
@@ -187,6 +203,7 @@ def _run_turns(
                 pad_id=tokenizer.pad_id,
                 stop_tokens=tokenizer.stop_tokens,
                 **sampling,
+                **extra,
             )
         rows = [episodes[i] for i in rows]
         first, engine_logprobs = False, rollout.logprobs is not None

@@ -211,9 +211,7 @@ def sample_and_score(
     # Only an override is passed: an engine's generate need not take `temperature`.
     kwargs = {} if temperature is None else {"temperature": temperature}
     images = [f.get("image_inputs") for f in batch.fields]
-    if multi_turn is not None and any(i is not None for i in images):
-        raise ValueError("multi-turn episodes with images in the prompt are not supported (docs/multimodal.md)")
-    if multi_turn is not None:
+    if multi_turn is not None:  # the episodes take each prompt's images from its fields
         return _sample_and_score_episodes(
             model, tokenizer, engine, batch, rewards, multi_turn, group_size=group_size,
             max_new_tokens=max_new_tokens, generator=generator, temperature=temperature,

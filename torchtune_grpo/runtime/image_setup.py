@@ -18,8 +18,7 @@ _WHAT = {"none": "frozen", "projector": "projector trained", "tower": "tower and
 
 
 def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimizer: Any, *, engine: Any,
-                      train: str, world_size: int, policy_source: str, reference_source: str,
-                      workers: bool = False, multi_turn: bool = False) -> str:
+                      train: str, world_size: int, policy_source: str, reference_source: str) -> str:
     """Attach the directory's image side to ``policy`` (and ``reference``); returns the line the run logs.
 
     Args:
@@ -32,15 +31,13 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
         world_size (int): processes in the run.
         policy_source (str): the directory the policy's tower comes from (the step being resumed, else the source).
         reference_source (str): the directory the reference's tower comes from (the source: the initial policy).
-        workers (bool): ``generation_workers.enabled``. Default is False.
-        multi_turn (bool): the run has an ``environment`` (multi-turn episodes). Default is False.
 
     Returns:
         str: what the run uses, for the log.
 
     Raises:
-        ValueError: for the torchtune backend, an engine that does not take images, generation workers,
-            multi-turn episodes, and a trained tower or projector on more than one process.
+        ValueError: for the torchtune backend, an engine that does not take images (in the trainer or in generation
+            workers: they build the same engine), and a trained tower or projector on more than one process.
     """
     if not isinstance(policy, TransformersDecoder):
         raise ValueError(
@@ -51,12 +48,6 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
             f"a dataset with images needs an engine that samples with them; generation._component_ is "
             f"{type(engine).__name__}, which does not (vLLM refuses multimodal directories): use "
             "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
-    if workers:
-        raise ValueError("generation_workers.enabled: true is not supported with images in the prompt yet (the "
-                         "worker's policy has no image side); set it to false (docs/multimodal.md)")
-    if multi_turn:
-        raise ValueError("environment (multi-turn episodes) is not supported with images in the prompt yet; "
-                         "remove it, or use a dataset without images (docs/multimodal.md)")
     if train != "none" and world_size > 1:
         # The trained vision modules are added after FSDP2 wrapped the policy: their gradients would not be
         # averaged across processes, and the replicas would drift apart.

@@ -153,6 +153,7 @@ class WorkerRollouts:
         cls, config: Any, config_record: Dict[str, Any], prompts: PromptStream, *, rank: int, world_size: int, seed: int,
         device: torch.device, dtype: torch.dtype, probe_prompt: List[int], vocab_size: int,
         dynamic: Optional[DynamicSampling] = None, all_reduce_sum: Callable[[List[float]], List[float]] = one_process_sum,
+        image_source: Optional[str] = None,
     ) -> "WorkerRollouts":
         """The worker of one trainer rank as a recipe config (``generation_workers``, ``weight_sync``) asks.
 
@@ -165,6 +166,9 @@ class WorkerRollouts:
             dtype (torch.dtype): the compute dtype the worker's model holds.
             probe_prompt (List[int]), vocab_size (int): for the weight check's probe.
             dynamic (Optional[DynamicSampling]), all_reduce_sum: dynamic sampling and the sum over ranks.
+            image_source (Optional[str]): the prompts carry images: the directory the worker's policy copy takes its
+                vision tower and projector from (the trainer's policy's source); None for text prompts.
+                Default is None.
         """
         from torchtune import config as tt_config
 
@@ -178,6 +182,7 @@ class WorkerRollouts:
         spec = WorkerSpec(
             config=config_record, rank=rank, threads=workers.threads, seed=seed, device=workers.device,
             dtype=str(dtype).removeprefix("torch."), config_class=f"{type(config).__module__}.{type(config).__qualname__}",
+            image_source=image_source,
         )
         check = tt_config.instantiate(config.weight_sync) if config.weight_sync is not None else WeightSyncCheck()
         return cls(

@@ -21,6 +21,12 @@ running completions continued with the new weights), and the next ``generate`` w
 Every token then carries the training step of the weights that sampled it (``token_versions``) and each row
 reports its oldest (``weight_versions``), which is what the trainer's staleness bound counts.
 
+With images in the prompt (``WorkerSpec.image_source``; docs/multimodal.md) the worker's copy of the policy gets the
+directory's image side (:func:`~torchtune_grpo.models.attach_images`, with the run's ``train_vision``: a trained
+projector or tower is part of the policy's state dict, so every weights version carries it). Each prompt's image
+inputs travel in its batch's fields; the engine samples with them and the behaviour log-probabilities are computed
+with them, one row per sequence, as the trainer's.
+
 With an engine that holds its own weights (vLLM, ``VLLMGenerator``), the worker builds no model of its own:
 the weights go into the engine through its in-place reload (``load_weights``, the synchronous recipe's
 verified sync), the probe is scored by the engine (``prompt_logprobs``), and the behaviour log-probabilities
@@ -65,6 +71,9 @@ class WorkerSpec:
         config_class (str): the recipe's typed config class, by import path (the LoRA recipe's has its keys).
         device (str): where a native-engine worker's model computes (``cpu`` or ``cuda``: its first visible
             GPU); its sampling generator lives there too, as the synchronous recipe's does on its device.
+        image_source (Optional[str]): the prompts carry images (docs/multimodal.md): the multimodal directory the
+            worker's copy of the policy takes its vision tower and projector from, as the trainer's did (the
+            source, or the step a run resumes); None: text prompts.
     """
 
     config: Dict[str, Any]
@@ -75,6 +84,7 @@ class WorkerSpec:
     generator_state: Optional[torch.Tensor] = None
     config_class: str = "torchtune_grpo.config.schema.RecipeConfig"
     device: str = "cpu"
+    image_source: Optional[str] = None
 
 
 def behaviour_logprobs(
@@ -82,6 +92,7 @@ def behaviour_logprobs(
     micro_batch_size: int, temperature: float, chunk_size: int, share_prompt: bool,
     device: torch.device = torch.device("cpu"), max_tokens: Optional[int] = None,
     routed_experts: Optional[List[torch.Tensor]] = None, replay: bool = False,
+    images: Optional[List[Optional[Dict[str, torch.Tensor]]]] = None,
 ) -> List[List[float]]:
     """The log-probability of every response token under ``model`` (the weights that sampled it), per row.
 
@@ -89,7 +100,8 @@ def behaviour_logprobs(
     :func:`~torchtune_grpo.training.batch.batch_logprobs`; with ``max_tokens``, the token-budget plan of the whole
     batch), so with the same weights the values equal the trainer's (one process, one mini-batch: to the
     last bit). With ``replay`` (``moe.routing_replay: rollout``) the engine's ``routed_experts`` are forced, as the
-    trainer forces them.
+    trainer forces them. With ``images`` (each row's prompt image inputs) every forward sees its rows' images, one
+    row per sequence, as the trainer's forwards do.
 
     Returns:
         List[List[float]]: one list per row, ``len(response_ids[i])`` values.
@@ -98,7 +110,7 @@ def behaviour_logprobs(
     from torchtune_grpo.training.batch import batch_logprobs
 
     layout = TrainingBatch(prompt_ids, response_ids, pad_id, share_prompt=share_prompt, device=device,
-                           routed_experts=routed_experts, replay=replay)
+                           routed_experts=routed_experts, replay=replay, images=images)
     plan = None if max_tokens is None else layout.plan(max_tokens=max_tokens, max_rows=micro_batch_size)
     lp = batch_logprobs(model, layout, micro_batch_size=micro_batch_size, temperature=temperature, chunk_size=chunk_size,
                         plan=plan)
@@ -138,6 +150,9 @@ class _Worker:
             self.multi_turn.attach(self.tokenizer)
         self.engine = request_routes(tt_config.instantiate(cfg.generation), c.moe.routing_replay)
         self.model: Optional[torch.nn.Module] = None
+        if self.engine.holds_weights and spec.image_source is not None:  # the trainer refuses it first
+            raise ValueError(f"{type(self.engine).__name__} holds its own weights and samples no images: a worker for "
+                             "image prompts needs an engine that takes them (docs/multimodal.md)")
         if self.engine.holds_weights:  # vLLM: the engine holds the only copy; it computes as the trainer does
             follow = getattr(self.engine, "follow_trainer_dtype", None)
             if follow is not None:
@@ -146,6 +161,8 @@ class _Worker:
             with training.set_default_dtype(getattr(torch, spec.dtype)):
                 self.model = tt_config.instantiate(cfg.model).to(self.device)
             init_rope(self.model, self.device)
+            if spec.image_source is not None:
+                self._attach_images(spec.image_source, c.train_vision)
             self.model.eval().requires_grad_(False)
         self.rewards = build_reward_set(cfg.reward_functions, fallback=c.reward_fallback)
         self.generator = torch.Generator(device=self.device if self.model is not None else "cpu")
@@ -156,6 +173,16 @@ class _Worker:
         self.version: Optional[int] = None
         self.in_flight_updates = bool(c.generation_workers.in_flight_updates)
         self.steps_of_engine_versions: Dict[int, int] = {}  # the engine's weight versions -> training steps
+
+    def _attach_images(self, source: str, train: str) -> None:
+        """The policy copy's image side, as the trainer's (:func:`~torchtune_grpo.models.attach_images`).
+
+        With ``train_vision`` the trained modules are the policy's (``trained_vision.*`` in its state dict): the
+        same modules here, so every weights version brings their trained values with the language weights.
+        """
+        from torchtune_grpo.models import attach_images
+
+        attach_images(self.model, source, train=train)
 
     def load(self, version: int, state: Dict[str, torch.Tensor], *, in_flight: bool = False) -> None:
         if self.model is None:
@@ -190,6 +217,7 @@ class _Worker:
     def generate(self, batch: Any, version: int) -> Any:
         """Sample and score ``batch`` (weights ``version``, checked by the caller with :meth:`check_version`)."""
         from torchtune_grpo.rollouts.groups import sample_and_score
+        from torchtune_grpo.training.experience import row_images
 
         c = self.config
         groups = sample_and_score(
@@ -203,6 +231,7 @@ class _Worker:
                 chunk_size=c.logprob_chunk_size, share_prompt=c.share_prompt_in_training, device=self.device,
                 max_tokens=c.max_tokens_per_micro_batch, routed_experts=groups.routed_experts,
                 replay=c.moe.routing_replay == "rollout" and groups.routed_experts is not None,
+                images=row_images(groups),
             )
         if self.in_flight_updates:
             steps = [[self.steps_of_engine_versions[v] for v in row] for row in groups.token_versions]
