@@ -16,8 +16,9 @@ from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.generation._hf_session import HFSession
 from torchtune_grpo.models import TransformersDecoder
 
-WITH_SESSION = ["smollm3", "phi3", "ministral3", "llama", "qwen3", "qwen3_moe", "olmoe", "mixtral"]
-WITHOUT = ["qwen3_5_text", "gemma3_text", "gemma4_text", "olmo3", "mistral", "qwen2", "qwen3_5_moe", "gpt_oss"]
+WITH_SESSION = ["smollm3", "phi3", "ministral3", "llama", "qwen3", "qwen3_moe", "olmoe", "mixtral",
+                "gemma3_text", "gemma4_text", "olmo3", "mistral", "qwen2", "gpt_oss"]  # the last six: windows
+WITHOUT = ["qwen3_5_text", "qwen3_5_moe"]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22], [40, 41, 42, 43, 44, 45]]  # left padding 0, 6, 3
 STOPS = list(range(100, 140))
 G = 2

@@ -1,10 +1,11 @@
 """Multi-turn episodes on image prompts (torchtune_grpo/multiturn/): the first turn prefills with the pixels, and a
 later turn continues the history after them.
 
-The image families as shipped have sliding windows (Gemma 3/4) or linear attention (Qwen3.5), so the native engine
-keeps no session for them (generation/_hf_session.py): every turn re-sends prompt and history, prefilled with the
-pixels. A full-attention image model keeps a session: its first turn prefills with the pixels, later turns are
-text on the kept cache; tested on Gemma 3 with full attention in every layer.
+Qwen3.5 (linear attention) gets no session from the native engine (generation/_hf_session.py), nor does any
+engine without sessions: every turn re-sends prompt and history, prefilled with the pixels (tested on Qwen3.5, and
+on Gemma 3 with its session turned off). Gemma 3 keeps a session, with its sliding windows (later turns attend by
+position) or with full attention in every layer: its first turn prefills with the pixels, later turns are text on
+the kept cache.
 """
 
 from types import SimpleNamespace
@@ -91,8 +92,10 @@ def test_episodes_with_images_re_send_the_pixels_every_turn(vision_dir, tmp_path
     engine = _Recorded(sampled)
     prompts, fields = [s["tokens"] for s in data], [dict(s) for s in data]
     images = [s["image_inputs"] for s in data]
-    assert engine.session(policy, prompts, group_size=G, max_new_tokens=40, pad_id=0, stop_tokens=STOPS,
-                          images=images) is None  # sliding windows / linear attention: no kept cache
+    session = engine.session(policy, prompts, group_size=G, max_new_tokens=40, pad_id=0, stop_tokens=STOPS,
+                             images=images)
+    assert (session is None) == (family == "qwen3_5")  # linear attention: no kept cache; Gemma 3's windows: one
+    engine.session = None  # the re-send path, as an engine without sessions (or Qwen3.5) takes it
     episodes = run_episodes(engine, policy, prompts, fields, env=_Nudge(), turns=_Turns(), tokenizer=TOKENIZER,
                             group_size=G, max_new_tokens=40, max_turns=2, generator=torch.Generator().manual_seed(2),
                             temperature=1.0)
@@ -128,13 +131,16 @@ def test_episodes_with_images_re_send_the_pixels_every_turn(vision_dir, tmp_path
     torch.testing.assert_close(torch.stack(trainer_lp), torch.stack(engine_lp), atol=1e-4, rtol=0)
 
 
-def test_a_session_with_images_on_a_full_attention_model(tmp_path, monkeypatch):
-    """Gemma 3 with full attention in every layer keeps a session: its first turn's logits are the image-text class's
-    on the pixels, and each turn's tokens are those of re-sending prompt and history with the pixels (the one-shot
-    rollout) under the same seed."""
+@pytest.mark.parametrize("layers", ["windows", "full"])
+def test_a_session_with_images(vision_dir, tmp_path, monkeypatch, layers):
+    """Gemma 3 keeps a session, as shipped (6-token windows, shorter than a turn's history: later turns attend by
+    position) and with full attention in every layer: its first turn's logits are the image-text class's on the
+    pixels, and each turn's tokens are those of re-sending prompt and history with the pixels (the one-shot rollout)
+    under the same seed."""
     from transformers import AutoModelForImageTextToText
 
-    directory = make_vision_dir("gemma3", tmp_path / "gemma3_full", layer_types=["full_attention"] * 3)
+    directory = vision_dir("gemma3") if layers == "windows" else make_vision_dir(
+        "gemma3", tmp_path / "gemma3_full", layer_types=["full_attention"] * 3)
     data = image_rows(directory, tmp_path / "data")
     policy = vision_policy(directory, tmp_path / "scratch")
     sampled = record_sampler(monkeypatch)
@@ -176,7 +182,10 @@ def test_a_session_with_images_on_a_full_attention_model(tmp_path, monkeypatch):
 
 class TurnEndingGenerator(NativeGenerator):
     """The native engine with every turn cut to ``turn_tokens`` tokens, the last made ``eot`` (a random model
-    rarely samples its end-of-turn token): the recipe's episodes then take their later turns."""
+    rarely samples its end-of-turn token): the recipe's episodes then take their later turns. Turns are cut in
+    ``generate``, so it offers no session (every turn re-sends the history)."""
+
+    session = None
 
     def __init__(self, eot: int, turn_tokens: int = 3, **kw):
         super().__init__(**kw)
@@ -190,7 +199,8 @@ class TurnEndingGenerator(NativeGenerator):
 
 def test_a_grpo_step_of_two_turn_episodes_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
     """One step of the image example (tiny Gemma 3) with an environment: both turns of every episode prefill with
-    the pixels (the history re-sent after them), and the update's forwards run with the images."""
+    the pixels (the history re-sent after them: the engine cuts turns in generate, so it offers no session), and the
+    update's forwards run with the images."""
     from transformers import AutoTokenizer
 
     from tests.recipe_utils import read_jsonl, run_in_process

@@ -147,12 +147,15 @@ class HFRollout:
         images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs, or None.
         full_history (bool): every attention layer keeps all its slots (windowed ones too), for :meth:`fix`.
             Default is False.
+        by_position (bool): after the prefill, attend by position (explicit masks: causal and windows by position
+            id, holes masked) instead of by slot: a multi-turn session's rows with holes on a windowed family
+            (``_hf_session.py``). Implies ``full_history``. Default is False.
     """
 
     def __init__(self, hf: nn.Module, prompts: List[List[int]], group_size: int, pad_id: int, *,
                  share_prefill: bool = True, image_model: Optional[nn.Module] = None,
                  images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
-                 full_history: bool = False) -> None:
+                 full_history: bool = False, by_position: bool = False) -> None:
         self.hf = hf
         self.prompts = [list(p) for p in prompts]
         self.group_size = group_size
@@ -170,13 +173,16 @@ class HFRollout:
         self.positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # [B, W]
         # generate() drops an all-ones mask (no padding anywhere) once, before the prefill: the same here, so the
         # attention kernels see what they see under generate().
-        self.mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) else mask  # [n, slots] or None
+        self.mask: Optional[torch.Tensor] = None if bool((mask == 1).all()) and not by_position else mask
+        # by_position: each slot's position id [n, slots] (the masks of later forwards are built from it)
+        self.by_position = by_position
+        self.key_positions: Optional[torch.Tensor] = None
         # transformers' cache for the model, its full-attention layers growing in place (_hf_cache.py). Imported
         # here, not at the top: transformers is needed for transformers' modules only (`make demo`'s environment
         # has none), and a run without a transformers policy saves its 1.5 s of start-up.
         from torchtune_grpo.generation._hf_cache import growing_cache
 
-        self.cache = growing_cache(hf.config, full_history=full_history)
+        self.cache = growing_cache(hf.config, full_history=full_history or by_position)
         # A fixed-shape cache's decode (fix()): its [N, capacity] mask and the compiled step; None while eager.
         self._fixed_mask: Optional[torch.Tensor] = None
         self._step: Optional[Callable[..., torch.Tensor]] = None
@@ -201,12 +207,40 @@ class HFRollout:
         return torch.stack([positions, shifted, shifted, shifted])  # [4, n, M]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        attention = self.mask
+        if self.by_position and self.key_positions is not None:  # after the prefill: the new slots' masks by position
+            self.key_positions = torch.cat([self.key_positions, positions], dim=-1)
+            attention = self._position_masks(positions)
         positions = self._rope(positions)
-        out = self.hf(input_ids=ids, attention_mask=self.mask, position_ids=positions, past_key_values=self.cache,
+        out = self.hf(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=self.cache,
                       use_cache=True, **self._last_only)
         self.cache = out.past_key_values
         self.slots += ids.size(1)
         return out.logits[:, -1].float()  # [n, V]
+
+    def _position_masks(self, queries: torch.Tensor) -> Any:
+        """The attention masks of ``[n, M]`` query positions (the last ``M`` slots) over every slot, by position.
+
+        A query attends a slot the 2-D mask keeps (not a hole, not padding) whose position is not after its own
+        and, in a windowed layer, less than the window before it; every query attends its own slot, so no softmax
+        row is empty (a padded query's output is never read). The family's mask format and per-layer-type rule are
+        the training layouts' (``models/_transformers_layouts.py``).
+        """
+        from torchtune_grpo.models._transformers_layouts import masks_by_layer_type
+
+        visible, keys = self.mask.bool(), self.key_positions  # [n, S] each
+        m, s = queries.size(1), keys.size(1)
+        distance = queries[:, :, None] - keys[:, None, :]  # [n, M, S]
+        own = torch.zeros((m, s), dtype=torch.bool, device=self.device)
+        own[torch.arange(m), torch.arange(s - m, s)] = True
+
+        def allowed(window: Optional[int]) -> torch.Tensor:
+            ok = visible[:, None, :] & (distance >= 0)
+            if window is not None:
+                ok = ok & (distance < window)
+            return ok | own
+
+        return masks_by_layer_type(self.hf.config, self.hf.get_input_embeddings().weight.dtype, allowed)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
@@ -239,6 +273,8 @@ class HFRollout:
         """Keep (and repeat) batch entries ``index`` of the cache, the mask and the positions."""
         self.cache.reorder_cache(index)
         self.positions = self.positions.index_select(0, index)
+        if self.key_positions is not None:
+            self.key_positions = self.key_positions.index_select(0, index)
         if self.rope_delta is not None:
             self.rope_delta = self.rope_delta.index_select(0, index)
         if self.mask is not None:
@@ -259,6 +295,8 @@ class HFRollout:
             logits = self._prefill_with_images(ids, positions, [self.images[i] for i in rows])
         else:
             logits = self._forward(ids, positions)  # [B, V] or [B*G, V]
+        if self.by_position:
+            self.key_positions = positions
         if self.share_prefill:
             self._expand(per_group)
             logits = logits.index_select(0, per_group)

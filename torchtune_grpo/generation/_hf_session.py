@@ -10,12 +10,17 @@ decodes. Slots a row wrote past its stop token (padding fed while other rows dec
 turn. Softmax attention over a row's unmasked slots with explicit positions is then the same function as over
 its history re-sent in one piece.
 
-Which families: those whose cache is full attention in every layer (``DynamicLayer``: Llama, Qwen3, Phi-3,
-SmolLM3, Ministral 3, Qwen3-MoE, OLMoE, Mixtral without a window, ...). Not:
+Which families:
 
-- sliding windows (Gemma 3/4, OLMo 3, gpt-oss, Mistral with its window): transformers' sliding cache keeps the
-  last ``window - 1`` *slots* and its mask counts slots, so holes would push real tokens out of the window;
-- linear attention (Qwen3.5's Gated DeltaNet): its state is a running sum that cannot skip a hole (a hole's
+- full attention in every layer (``DynamicLayer``: Llama, Qwen3, Phi-3, SmolLM3, Ministral 3, Qwen3-MoE, OLMoE,
+  Mixtral without a window, ...): transformers' own masks (a 2-D mask with the holes);
+- sliding windows (Gemma 3/4, OLMo 3, gpt-oss, Mistral with its window, Qwen2.5's windowed layers): transformers'
+  sliding cache keeps the last ``window - 1`` *slots* and its masks count slots, so holes would push real tokens
+  out of the window. Here every windowed layer keeps all its slots instead, and after the first prefill each
+  forward gets explicit masks by *position* (causal and windowed by position id, holes masked; the training
+  layouts' per-family mask rule, ``models/_transformers_layouts.py``), so a window spans the last ``w`` positions
+  of the row's history whatever slots they sit in;
+- not linear attention (Qwen3.5's Gated DeltaNet): its state is a running sum that cannot skip a hole (a hole's
   zeroed input still decays the state).
 
 For those :func:`hf_session_unsupported` says why and the engine gives no session: each turn re-sends the
@@ -49,23 +54,45 @@ from torchtune_grpo.models import grouped_kv_attention
 __all__ = ["HFSession", "hf_session_unsupported"]
 
 
-def _other_layers(layers: List[Any]) -> List[str]:
-    """The class names of cache layers that are not plain full attention (``DynamicLayer``)."""
+def _other_layers(layers: List[Any], windows: bool = False) -> List[str]:
+    """The class names of cache layers that are not plain full attention (``DynamicLayer``; with ``windows``, nor
+    transformers' sliding-window layer)."""
     from transformers import DynamicLayer
 
     from torchtune_grpo.generation._hf_cache import GrowingLayer
 
-    return sorted({type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, GrowingLayer)})
+    return sorted({type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, GrowingLayer)
+                   and not (windows and _windowed(layer))})
+
+
+def _windowed(layer: Any) -> bool:
+    """transformers' sliding-window attention cache layer (a direct ``DynamicLayer`` subclass marked sliding)."""
+    from transformers import DynamicLayer
+
+    return type(layer).__mro__[1] is DynamicLayer and bool(getattr(layer, "is_sliding", False))
+
+
+def has_windows(hf: nn.Module) -> bool:
+    """Whether ``hf``'s own cache has sliding-window layers (its session then attends by position)."""
+    from transformers import DynamicCache
+
+    return any(_windowed(layer) for layer in DynamicCache(config=hf.config).layers)
 
 
 def hf_session_unsupported(hf: nn.Module) -> Optional[str]:
     """Why ``hf``'s cache cannot be kept between turns (see the module docstring), or None when it can."""
     from transformers import DynamicCache
 
-    kinds = _other_layers(DynamicCache(config=hf.config).layers)  # the layer kinds the model's own cache will have
+    from torchtune_grpo.models._transformers_layouts import config_unsupported
+
+    kinds = _other_layers(DynamicCache(config=hf.config).layers, windows=True)  # the kinds its own cache will have
     if kinds:
-        return (f"{type(hf).__name__}'s cache has {', '.join(kinds)} layers (sliding windows or linear attention "
-                "cannot keep a history with holes): each turn re-sends the history")
+        return (f"{type(hf).__name__}'s cache has {', '.join(kinds)} layers (linear attention cannot keep a history "
+                "with holes): each turn re-sends the history")
+    if has_windows(hf):
+        reason = config_unsupported(hf.config)
+        if reason is not None:
+            return f"its windowed layers need masks by position, and {reason}: each turn re-sends the history"
     return None
 
 
@@ -155,7 +182,7 @@ class HFSession(SessionRows):
     def _first_turn(self, rows, responses, max_new_tokens, generator, temperature) -> Rollout:
         run = self._run = HFRollout(self.hf, self.prompt_groups, self.group_size, self.pad_id,
                                     share_prefill=self.engine.share_prefill, image_model=self.image_model,
-                                    images=self.images)
+                                    images=self.images, by_position=has_windows(self.hf))
         logits = run.prefill()
         other = _other_layers(run.cache.layers)
         if other:  # the model built another cache than its config said: never guess

@@ -66,7 +66,7 @@ class NativeGenerator(GenerationEngine):
     ``compact_decode``, ``stop_check_interval``, ``reuse_cache`` and ``compile_decode`` apply (a compiled decode
     runs on a fixed-shape transformers cache, :mod:`~torchtune_grpo.generation._hf_static`, for families whose
     layers all have a key/value cache); the shared-prefix attention is the torchtune backend's. Its multi-turn
-    sessions keep transformers' cache between turns for full-attention families only
+    sessions keep transformers' cache between turns for every family but linear attention
     (:mod:`~torchtune_grpo.generation._hf_session`).
 
     Args:
@@ -301,7 +301,8 @@ class NativeGenerator(GenerationEngine):
         """A multi-turn session that keeps each row's KV cache between turns (:class:`NativeSession`).
 
         For a transformers policy: an :class:`~torchtune_grpo.generation._hf_session.HFSession` where every layer's
-        cache is full attention, None otherwise (sliding windows, linear attention: each turn re-sends the history).
+        cache can keep a history with holes (full attention, sliding windows by position), None otherwise (linear
+        attention: each turn re-sends the history).
 
         Args:
             model (nn.Module): the torchtune decoder (with FSDP2: unsharded for the session's whole length).
@@ -328,8 +329,8 @@ class NativeGenerator(GenerationEngine):
             raise ValueError("prompts with images: the policy has no image side (a transformers policy of a "
                              "multimodal directory, with attach_images)")
         if isinstance(model, TransformersDecoder):
-            # transformers' cache kept between turns where its layers allow a history with holes (full attention
-            # only); None otherwise: each turn re-sends the row's history to generate() (_hf_session.py).
+            # transformers' cache kept between turns where its layers allow a history with holes (all but linear
+            # attention); None otherwise: each turn re-sends the row's history to generate() (_hf_session.py).
             hf = model.sampler()
             if hf_session_unsupported(hf) is not None:
                 return None

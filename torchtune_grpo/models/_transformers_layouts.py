@@ -28,11 +28,11 @@ transformers' torch path ignores sequence boundaries), an attention implementati
 ``eager``, bidirectional attention, or a family not checked here.
 """
 
-from typing import Any, Dict, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ["SlotPairs", "layouts_unsupported", "layout_attention_mask"]
+__all__ = ["SlotPairs", "config_unsupported", "layouts_unsupported", "layout_attention_mask", "masks_by_layer_type"]
 
 # model_type -> how its base model takes masks: "per_type" (a dict keyed by layer type) or "one" (one 4-D mask).
 _MASK_STYLE = {
@@ -95,7 +95,11 @@ def layouts_unsupported(model: Any) -> Optional[str]:
         Optional[str]: a reason naming the layer type, attention implementation or family; None when the
         layouts' masks are this family's own.
     """
-    config = _config(model)
+    return config_unsupported(_config(model))
+
+
+def config_unsupported(config: Any) -> Optional[str]:
+    """:func:`layouts_unsupported` for a causal LM's ``config``: why explicit position masks cannot run on it."""
     model_type = getattr(config, "model_type", None)
     for kind in getattr(config, "layer_types", None) or ():
         if kind in _RECURRENT:
@@ -115,7 +119,7 @@ def layouts_unsupported(model: Any) -> Optional[str]:
 
 
 def _format(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """``[R, S, S]`` bool -> ``[R, 1, S, S]`` in the implementation's format."""
+    """``[R, Q, K]`` bool -> ``[R, 1, Q, K]`` in the implementation's format."""
     allowed = allowed[:, None]
     if implementation == "eager":  # the eager attention adds the mask to the scores
         zero = torch.zeros((), dtype=dtype, device=allowed.device)
@@ -139,16 +143,30 @@ def layout_attention_mask(model: Any, pairs: SlotPairs) -> Union[torch.Tensor, D
     reason = layouts_unsupported(model)
     if reason is not None:
         raise ValueError(f"the packed and shared-prompt training layouts cannot run on this model: {reason}")
-    config = _config(model)
+    return masks_by_layer_type(_config(model), model.tok_embeddings.weight.dtype, pairs.allowed)
+
+
+def masks_by_layer_type(config: Any, dtype: torch.dtype, allowed: Callable[[Optional[int]], torch.Tensor]
+                        ) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The ``attention_mask`` the family's base model takes: ``allowed(window)`` (``[R, Q, K]`` bool) formatted for
+    its attention implementation, one mask or one per layer type (the module docstring's rule).
+
+    Args:
+        config (Any): the causal LM's config (one :func:`config_unsupported` accepts).
+        dtype (torch.dtype): the dtype the attention computes in (an ``eager`` mask is additive in it).
+        allowed (Callable[[Optional[int]], torch.Tensor]): ``window`` (or None) -> ``[R, Q, K]`` bool.
+
+    Returns:
+        Union[torch.Tensor, Dict[str, torch.Tensor]]: ``[R, 1, Q, K]``, or one such per layer type.
+    """
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
-    dtype = model.tok_embeddings.weight.dtype
     window = getattr(config, "sliding_window", None)
     if _MASK_STYLE[config.model_type] == "one":
         if config.model_type in _NEVER_WINDOWED:
             window = None
-        return _format(pairs.allowed(window), implementation, dtype)
+        return _format(allowed(window), implementation, dtype)
     kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
     masks = {}
     for kind in kinds:  # each layer type's mask, built once for all its layers
-        masks[kind] = _format(pairs.allowed(window if kind == "sliding_attention" else None), implementation, dtype)
+        masks[kind] = _format(allowed(window if kind == "sliding_attention" else None), implementation, dtype)
     return masks
