@@ -1,9 +1,10 @@
 """A generation worker: a process of its own that samples and scores rollouts with its own copy of the policy.
 
 The trainer side is :class:`~torchtune_grpo.workers.client.WorkerRollouts`; this module is what runs in the
-worker process (``spawn``: nothing of the trainer's state is inherited). The worker builds the tokenizer,
-the model, the engine, the rewards and the multi-turn environment from the run's config, then serves its
-request queue in order (FIFO, which is what makes the schedule deterministic):
+worker process (a fresh process, spawned or forked from a fork server that only imported :data:`PRELOAD`:
+nothing of the trainer's state is inherited; the trainer's environment variables are set again at the start).
+The worker builds the tokenizer, the model, the engine, the rewards and the multi-turn environment from the
+run's config, then serves its request queue in order (FIFO, which is what makes the schedule deterministic):
 
 - ``("weights", version, state_dict, probe)``: load weights version ``version`` (training steps taken): the
   first one every weight, later ones every weight that training changes (with a frozen LoRA base: the
@@ -47,7 +48,16 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["WorkerSpec", "behaviour_logprobs", "main", "worker_main"]
+__all__ = ["PRELOAD", "WorkerSpec", "behaviour_logprobs", "local_worker_main", "main", "worker_main"]
+
+# What a worker imports to build its side: a fork server imports these once and forks each worker from it
+# (``torchtune_grpo.workers.client``), so that only the first worker of a trainer process pays for them.
+PRELOAD = (
+    "omegaconf", "torchtune.config", "torchtune.training", "torchtune_grpo.assets", "torchtune_grpo.config",
+    "torchtune_grpo.generation", "torchtune_grpo.rewards", "torchtune_grpo.rollouts.groups",
+    "torchtune_grpo.runtime.model_setup", "torchtune_grpo.training.batch", "torchtune_grpo.models.logprobs",
+    "torchtune_grpo.workers.process",
+)
 
 
 @dataclass(frozen=True)
@@ -305,6 +315,15 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
             background.wait()
         if worker is not None:
             worker.engine.close()  # vLLM's engine core shuts down with its process
+
+
+def local_worker_main(environ: Dict[str, str], spec: WorkerSpec, requests: Any, replies: Any) -> None:
+    """A worker started by a trainer on its own node: the trainer's environment variables as they are now
+    (``environ``), then :func:`worker_main`. A worker forked from a fork server would otherwise see the
+    environment of the moment that server started."""
+    os.environ.clear()
+    os.environ.update(environ)
+    worker_main(spec, requests, replies)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
