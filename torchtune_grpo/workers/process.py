@@ -44,11 +44,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["PRELOAD", "WorkerSpec", "behaviour_logprobs", "local_worker_main", "main", "worker_main"]
+__all__ = [
+    "PRELOAD", "TrainerStdio", "WorkerSpec", "adopt_trainer_context", "behaviour_logprobs", "local_worker_main", "main",
+    "worker_main",
+]
 
 # What a worker imports to build its side: a fork server imports these once and forks each worker from it
 # (``torchtune_grpo.workers.client``), so that only the first worker of a trainer process pays for them.
@@ -317,12 +321,36 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
             worker.engine.close()  # vLLM's engine core shuts down with its process
 
 
-def local_worker_main(environ: Dict[str, str], spec: WorkerSpec, requests: Any, replies: Any) -> None:
-    """A worker started by a trainer on its own node: the trainer's environment variables as they are now
-    (``environ``), then :func:`worker_main`. A worker forked from a fork server would otherwise see the
-    environment of the moment that server started."""
+class TrainerStdio:
+    """The trainer's stdout and stderr (file descriptors 1 and 2) as they are when a worker starts, sent along
+    with it: a worker forked from a fork server would otherwise write to the ones of the moment that server
+    started (they differ where something redirects them in between, as pytest does for each test)."""
+
+    def __reduce__(self):
+        # Pickled only while a process starts: multiprocessing then passes the descriptors to the child.
+        return _stdio_in_child, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _stdio_in_child(stdout: Any, stderr: Any) -> List[int]:
+    return [stdout.detach(), stderr.detach()]
+
+
+def adopt_trainer_context(environ: Dict[str, str], stdio: Optional[List[int]] = None) -> None:
+    """Take the trainer's environment variables (``environ``) and, when given, its stdout and stderr (``stdio``:
+    a :class:`TrainerStdio` as received) as they were when this worker started. A worker forked from a fork
+    server would otherwise have those of the moment that server started."""
     os.environ.clear()
     os.environ.update(environ)
+    for received, target in zip(stdio or [], (1, 2)):
+        if received != target:  # a spawned worker already has the trainer's
+            os.dup2(received, target)
+            os.close(received)
+
+
+def local_worker_main(environ: Dict[str, str], spec: WorkerSpec, requests: Any, replies: Any,
+                      stdio: Optional[List[int]] = None) -> None:
+    """A worker started by a trainer on its own node: :func:`adopt_trainer_context`, then :func:`worker_main`."""
+    adopt_trainer_context(environ, stdio)
     worker_main(spec, requests, replies)
 
 
