@@ -55,9 +55,10 @@ __all__ = [
 ]
 
 # What a worker imports to build its side: a fork server imports these once and forks each worker from it
-# (``torchtune_grpo.workers.client``), so that only the first worker of a trainer process pays for them.
+# (``torchtune_grpo.workers.client``), so that only the first worker of a trainer process pays for them. The
+# package first: it quiets torchao's import-time line before torchtune imports torchao (runtime/quiet.py).
 PRELOAD = (
-    "omegaconf", "torchtune.config", "torchtune.training", "torchtune_grpo.assets", "torchtune_grpo.config",
+    "torchtune_grpo", "omegaconf", "torchtune.config", "torchtune.training", "torchtune_grpo.assets", "torchtune_grpo.config",
     "torchtune_grpo.generation", "torchtune_grpo.rewards", "torchtune_grpo.rollouts.groups",
     "torchtune_grpo.runtime.model_setup", "torchtune_grpo.training.batch", "torchtune_grpo.models.logprobs",
     "torchtune_grpo.workers.process",
