@@ -21,7 +21,8 @@ from torchtune_grpo.config.schema import LoRARecipeConfig, RecipeConfig
 from torchtune_grpo.generation import WeightSyncError
 from torchtune_grpo.workers.client import check_generation_workers
 from torchtune_grpo.training.step import staleness_metrics, staleness_sums
-from torchtune_grpo.workers.client import WorkerError
+from torchtune_grpo.workers.client import start_context, WorkerError
+from torchtune_grpo.workers.process import adopt_trainer_context, TrainerStdio
 
 COMPARED = ("reward/mean", "loss", "grad_norm", "kl", "entropy")
 
@@ -339,3 +340,33 @@ def test_a_lora_worker_gets_the_base_once_then_only_the_adapters(tmp_path, clean
         assert all(sizes[i] * 10 < sizes[0] for i in range(len(sent)) if i not in with_base), sizes  # 8 % here
     (a, wa), (b, wb) = ends["uninterrupted"], ends["killed"]
     assert a == b and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _report_mark(environ: dict, stdio: list) -> None:
+    """A stand-in worker target (importable, so a fork server's child finds it): prints GRPO_TEST_MARK."""
+    adopt_trainer_context(environ, stdio)
+    print(f"GRPO_TEST_MARK={os.environ.get('GRPO_TEST_MARK')}", flush=True)
+
+
+def test_a_forked_worker_gets_the_trainers_environment_and_stdout_at_its_start(tmp_path, monkeypatch):
+    # On a machine without CUDA, CPU workers fork from a fork server started with the first one (cheap restarts);
+    # a later worker must still get the trainer's environment and stdout as they are when it starts, as a spawned
+    # one does, not the server's (both changed here after the server started). ~0.5 s once the server is up.
+    ctx = start_context("cpu")
+    assert ctx.get_start_method() == ("spawn" if torch.cuda.is_available() else "forkserver")
+    first = ctx.Process(target=_report_mark, args=(dict(os.environ), TrainerStdio()))
+    first.start()  # the fork server is up (if an earlier worker in this process has not started it already)
+    first.join(120)
+    monkeypatch.setenv("GRPO_TEST_MARK", "set after the server started")
+    out, saved = tmp_path / "stdout", os.dup(1)
+    with open(out, "w") as f:
+        os.dup2(f.fileno(), 1)
+        try:
+            later = ctx.Process(target=_report_mark, args=(dict(os.environ), TrainerStdio()))
+            later.start()
+            later.join(120)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+    assert first.exitcode == later.exitcode == 0
+    assert out.read_text() == "GRPO_TEST_MARK=set after the server started\n"

@@ -37,6 +37,7 @@ weights at the start of the step, the behaviour policy the worker's), and ``gene
 measures it.
 """
 
+import os
 import queue
 import time
 from multiprocessing import AuthenticationError
@@ -53,18 +54,38 @@ from torchtune_grpo.models.logprobs import sequence_logprobs
 from torchtune_grpo.metrics.sums import one_process_sum
 from torchtune_grpo.rollouts.producer import PromptStream
 from torchtune_grpo.rollouts.groups import RolloutGroups
-from torchtune_grpo.workers.process import worker_main, WorkerSpec
+from torchtune_grpo.workers.process import local_worker_main, PRELOAD, TrainerStdio, WorkerSpec
 from torchtune_grpo.config.schema import LoRARecipeConfig
 from torchtune_grpo.runtime.waits import WaitReport
 from torchtune_grpo.workers.channel import AUTHKEY_ENV, authkey, connect, ConnectionQueue, parse_address
 
-__all__ = ["check_generation_workers", "WorkerError", "WorkerRollouts"]
+__all__ = ["check_generation_workers", "start_context", "WorkerError", "WorkerRollouts"]
 
 log = utils.get_logger("INFO")
 
 
 class WorkerError(RuntimeError):
     """A generation worker died, failed or did not answer in time (the message names it)."""
+
+
+def start_context(device: str) -> Any:
+    """How a local worker process starts: ``forkserver`` for a CPU worker on a machine without a visible CUDA
+    device, else ``spawn``.
+
+    Either way the worker is a fresh process that inherits nothing of the trainer's state; its environment
+    variables, stdout and stderr are the trainer's at the worker's start
+    (:func:`~torchtune_grpo.workers.process.adopt_trainer_context`). The fork server is a clean process started
+    with the first worker of this trainer process, which imports torch, torchtune and this package once
+    (:data:`~torchtune_grpo.workers.process.PRELOAD`). Every later worker is forked from it, so a restarted
+    worker, or the next run's worker in the same process, skips those imports (about 5 s on 2 cores). Where
+    CUDA may be used, the worker is spawned instead: a process forked from one that may have touched the CUDA
+    driver while importing cannot use CUDA.
+    """
+    if device == "cpu" and not torch.cuda.is_available():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))
+        return ctx
+    return mp.get_context("spawn")
 
 
 class WorkerRollouts:
@@ -248,10 +269,12 @@ class WorkerRollouts:
             self._requests = self._replies = self._connection
             self._connection.put(("spec", spec))
         else:
-            ctx = mp.get_context("spawn")
+            ctx = start_context(spec.device)
             self._requests, self._replies = ctx.Queue(), ctx.Queue()
-            self._process = ctx.Process(target=worker_main, args=(spec, self._requests, self._replies), daemon=True,
-                                        name=f"grpo-generation-worker-{spec.rank}")
+            self._process = ctx.Process(
+                target=local_worker_main, daemon=True, name=f"grpo-generation-worker-{spec.rank}",
+                args=(dict(os.environ), spec, self._requests, self._replies, TrainerStdio()),
+            )
             self._process.start()
         message = self._get(replace=False)
         if message[0] != "ready":

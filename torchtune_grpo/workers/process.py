@@ -1,9 +1,10 @@
 """A generation worker: a process of its own that samples and scores rollouts with its own copy of the policy.
 
 The trainer side is :class:`~torchtune_grpo.workers.client.WorkerRollouts`; this module is what runs in the
-worker process (``spawn``: nothing of the trainer's state is inherited). The worker builds the tokenizer,
-the model, the engine, the rewards and the multi-turn environment from the run's config, then serves its
-request queue in order (FIFO, which is what makes the schedule deterministic):
+worker process (a fresh process, spawned or forked from a fork server that only imported :data:`PRELOAD`:
+nothing of the trainer's state is inherited; the trainer's environment variables are set again at the start).
+The worker builds the tokenizer, the model, the engine, the rewards and the multi-turn environment from the
+run's config, then serves its request queue in order (FIFO, which is what makes the schedule deterministic):
 
 - ``("weights", version, state_dict, probe)``: load weights version ``version`` (training steps taken): the
   first one every weight, later ones every weight that training changes (with a frozen LoRA base: the
@@ -49,11 +50,25 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import reduction
 from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["WorkerSpec", "behaviour_logprobs", "main", "worker_main"]
+__all__ = [
+    "PRELOAD", "TrainerStdio", "WorkerSpec", "adopt_trainer_context", "behaviour_logprobs", "local_worker_main", "main",
+    "worker_main",
+]
+
+# What a worker imports to build its side: a fork server imports these once and forks each worker from it
+# (``torchtune_grpo.workers.client``), so that only the first worker of a trainer process pays for them. The
+# package first: it quiets torchao's import-time line before torchtune imports torchao (runtime/quiet.py).
+PRELOAD = (
+    "torchtune_grpo", "omegaconf", "torchtune.config", "torchtune.training", "torchtune_grpo.assets", "torchtune_grpo.config",
+    "torchtune_grpo.generation", "torchtune_grpo.rewards", "torchtune_grpo.rollouts.groups",
+    "torchtune_grpo.runtime.model_setup", "torchtune_grpo.training.batch", "torchtune_grpo.models.logprobs",
+    "torchtune_grpo.workers.process",
+)
 
 
 @dataclass(frozen=True)
@@ -334,6 +349,39 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
             background.wait()
         if worker is not None:
             worker.engine.close()  # vLLM's engine core shuts down with its process
+
+
+class TrainerStdio:
+    """The trainer's stdout and stderr (file descriptors 1 and 2) as they are when a worker starts, sent along
+    with it: a worker forked from a fork server would otherwise write to the ones of the moment that server
+    started (they differ where something redirects them in between, as pytest does for each test)."""
+
+    def __reduce__(self):
+        # Pickled only while a process starts: multiprocessing then passes the descriptors to the child.
+        return _stdio_in_child, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _stdio_in_child(stdout: Any, stderr: Any) -> List[int]:
+    return [stdout.detach(), stderr.detach()]
+
+
+def adopt_trainer_context(environ: Dict[str, str], stdio: Optional[List[int]] = None) -> None:
+    """Take the trainer's environment variables (``environ``) and, when given, its stdout and stderr (``stdio``:
+    a :class:`TrainerStdio` as received) as they were when this worker started. A worker forked from a fork
+    server would otherwise have those of the moment that server started."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for received, target in zip(stdio or [], (1, 2)):
+        if received != target:  # a spawned worker already has the trainer's
+            os.dup2(received, target)
+            os.close(received)
+
+
+def local_worker_main(environ: Dict[str, str], spec: WorkerSpec, requests: Any, replies: Any,
+                      stdio: Optional[List[int]] = None) -> None:
+    """A worker started by a trainer on its own node: :func:`adopt_trainer_context`, then :func:`worker_main`."""
+    adopt_trainer_context(environ, stdio)
+    worker_main(spec, requests, replies)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
