@@ -25,6 +25,7 @@ from torchtune_grpo.models._vision import (
     image_inputs,
     image_parameters,
     image_state_dict,
+    trained_image_modules,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "image_inputs",
     "image_parameters",
     "image_state_dict",
+    "trained_image_modules",
     "BACKENDS",
     "Backend",
     "TransformersDecoder",
