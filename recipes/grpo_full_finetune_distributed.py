@@ -37,6 +37,7 @@ import shutil
 import socket
 import sys
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any, ContextManager, Dict, NamedTuple, Optional
 
@@ -303,7 +304,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
             image_source = str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)
             utils.log_rank_zero(log, attach_image_side(
                 self.model, None if reference is None else reference.model, self.optimizer,
-                engine=self.engine, train=c.train_vision, world_size=self.world_size,
+                engine=self.engine, train=c.train_vision, device=self._device,
+                shard=partial(self._placement.shard_added, self.model),
                 reference_source=checkpoint_source(cfg), policy_source=image_source))
         elif c.train_vision != "none":
             raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")

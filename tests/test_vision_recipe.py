@@ -19,6 +19,8 @@ from tests.tolerances import ulps
 SHAPES = ("circle", "square", "triangle")
 # The on-disk names of the vision tower and projector (tests/hf_multimodal.py).
 TOWER = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",)}
+# What TRAINED_SPLIT trains, on disk.
+TRAINED_PREFIXES = {"gemma3": ("multi_modal_projector.",), "qwen3_5": ("model.visual.",)}
 EXAMPLE = REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml"
 COLORS = {"red": (220, 40, 40), "blue": (40, 40, 220)}
 
@@ -145,19 +147,40 @@ def test_train_vision_projector_is_trained_and_saved(vision_dir, tmp_path, clean
 
 def test_train_vision_tower_on_qwen3_5(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
     """``train_vision: tower`` on Qwen3.5: every tensor of the tower (``model.visual.*``, its merger included)
-    moves and is saved under its name; the language model moves; ``mtp.*`` is carried unchanged."""
+    moves and is saved under its name; the language model moves; ``mtp.*`` is carried unchanged. Under ``dtype:
+    bf16`` (FSDP2 on one process: the tower is wrapped as its own units) and with ``TransformersGenerator``, whose
+    copy of the tower samples with the trainer's current (gathered) tower weights at every rollout."""
+    from torchtune_grpo.generation import TransformersGenerator
+
+    towers = []
+    with_images = TransformersGenerator._with_images
+
+    def recorded(self, *args):
+        out = with_images(self, *args)
+        towers.append({f"model.visual.{k}": v.clone() for k, v in out.model.visual.state_dict().items()})
+        return out
+
+    monkeypatch.setattr(TransformersGenerator, "_with_images", recorded)
     src = vision_dir("qwen3_5")
     data = _shapes_dataset(tmp_path / "data")
     monkeypatch.chdir(REPO)
-    config = _example_config(tmp_path, src, data, max_steps=2, save_every_n_steps=2, kl_coef=0.0,
-                             train_vision="tower", **{"optimizer.lr": 1e-2})
-    run_in_process(config)
+    log = []
+    config = _example_config(tmp_path, src, data, max_steps=2, save_every_n_steps=1, kl_coef=0.0, dtype="bf16",
+                             train_vision="tower", **{"optimizer.lr": 1e-2},
+                             generation={"_component_": "torchtune_grpo.generation.TransformersGenerator",
+                                         "model": str(src)})
+    run_in_process(config, log=log)
+    assert "tower and projector trained, 45,248 parameters, sharded in 2 FSDP2 units" in "\n".join(log)
     start, end = weights(src), weights(tmp_path / "out" / "step_2")
     assert start.keys() == end.keys()
     tower = [k for k in start if k.startswith("model.visual.")]
     moved = [k for k in tower if not torch.equal(start[k], end[k])]
     assert len(moved) == len(tower), sorted(set(tower) - set(moved))[:5]
     assert all(torch.equal(start[k], end[k]) for k in start if k.startswith("mtp."))
+    # The engine sampled step 1 with the source's tower and step 2 with step 1's (fp32 masters, exact).
+    first = weights(tmp_path / "out" / "step_1")
+    assert len(towers) == 2 and all(towers[0][k].shape == start[k].shape for k in tower)
+    assert all(torch.equal(towers[0][k], start[k]) and torch.equal(towers[1][k], first[k]) for k in tower)
 
 
 def test_resume_with_a_trained_projector_equals_the_uninterrupted_run(vision_dir, tmp_path, clean_env, one_thread,
@@ -246,10 +269,28 @@ def test_the_example_reward():
 # completions are the tiny tokenizer's letters (ids 64-89), so the vowel reward varies within a group.
 IMAGE_SPLIT_FAMILIES = ("gemma3", "qwen3_5")
 SPLIT_COLORS = {**COLORS, "green": (40, 160, 40), "black": (0, 0, 0)}
+# train_vision on one process and on two (FSDP2 units of their own): Gemma 3's projector (its on-disk names differ
+# from the in-memory ones; the tower stays frozen and replicated), Qwen3.5's whole tower. SGD with momentum 0.9, so
+# the optimizer holds state for the vision parameters: Gemma 3's two-process run is then resumed from its step 2 for
+# a third step, which must equal the third step of one process straight (the momentum restored from the checkpoint).
+TRAINED_SPLIT = {"gemma3": "projector", "qwen3_5": "tower"}
+TRAINED_SGD = {"_component_": "torch.optim.SGD", "lr": 0.005, "momentum": 0.9}
+
+
+def _split_config(folder, src, data, batch_size, **overrides):
+    folder.mkdir(parents=True)
+    settings = dict(
+        max_steps=2, save_every_n_steps=2, shuffle=False, batch_size=batch_size, micro_batch_size=4,
+        generation={"_component_": "tests._engines.ScriptedGenerator", "low": 64, "high": 90}, clip_grad_norm=None,
+        optimizer={"_component_": "torch.optim.SGD", "lr": 0.005},
+        # the example's reward file, named from the repository (the spawned processes' directory may differ)
+        **{"reward_functions.0.function": f"{EXAMPLE.parent / 'shape_reward.py'}:names_the_shape"})
+    return str(_example_config(folder, src, data, **{**settings, **overrides}))
 
 
 def image_split_runs(folder) -> list:
-    """The one- and two-process runs of both families (:class:`tests._spawn_runs.Run`), written under ``folder``."""
+    """The one- and two-process runs of both families (:class:`tests._spawn_runs.Run`), written under ``folder``:
+    the tower frozen, then trained (:data:`TRAINED_SPLIT`)."""
     # Numbered questions: every prompt's ids differ (an image's tokens are the same for every picture of one size),
     # so the scripted completions differ from group to group.
     data = _shapes_dataset(folder / "data", colors=SPLIT_COLORS, numbered=True)
@@ -258,17 +299,17 @@ def image_split_runs(folder) -> list:
         # Plain random attention, as the text families' split runs (peaked attention amplifies the regrouping's
         # rounding near softmax transitions past the bound derived below).
         src = make_vision_dir(family, folder / family / "model", peaked=False)
-        configs = {}
-        for name, size in (("one", 4), ("two", 2)):
-            (folder / family / name).mkdir(parents=True)
-            configs[name] = _example_config(
-                folder / family / name, src, data, max_steps=2, save_every_n_steps=2, shuffle=False, batch_size=size,
-                micro_batch_size=4, generation={"_component_": "tests._engines.ScriptedGenerator", "low": 64, "high": 90},
-                clip_grad_norm=None, optimizer={"_component_": "torch.optim.SGD", "lr": 0.005},
-                # the example's reward file, named from the repository (the spawned processes' directory may differ)
-                **{"reward_functions.0.function": f"{EXAMPLE.parent / 'shape_reward.py'}:names_the_shape"})
-        one, two = configs["one"], configs["two"]
-        runs.append(Run(two_processes=str(two), one_process=str(one)))
+        one, two = (_split_config(folder / family / name, src, data, size) for name, size in (("one", 4), ("two", 2)))
+        runs.append(Run(two_processes=two, one_process=one))
+    for family, train in TRAINED_SPLIT.items():
+        src, base = folder / family / "model", folder / f"{family}_{train}"
+        trained = dict(train_vision=train, optimizer=TRAINED_SGD)
+        # One process: 3 steps for Gemma 3 (12 prompts: three steps' worth), saving step 2 on the way.
+        one = _split_config(base / "one", src, data, 4, **trained, max_steps=3 if family == "gemma3" else 2)
+        runs.append(Run(two_processes=_split_config(base / "two", src, data, 2, **trained), one_process=one))
+        if family == "gemma3":  # two processes: resumed from step 2 for the third, in the same output directory
+            runs.append(Run(two_processes=_split_config(base / "two" / "resume", src, data, 2, **trained, max_steps=3,
+                                                        resume_from_checkpoint=True, output_dir=str(base / "two" / "out"))))
     return runs
 
 
@@ -284,20 +325,52 @@ def check_image_split(folder) -> None:
         assert tower and all(torch.equal(start[k], got[k]) and torch.equal(start[k], expected[k]) for k in tower)
         language = [k for k in start if k.startswith(LANGUAGE_PREFIX[family])]
         assert max((expected[k] - start[k]).abs().max().item() for k in language) > 1e-3, family
-        # As tests/test_models_architectures.py derives it for the text families: each step's gradient is the same sum
-        # of per-token terms grouped by micro-batch and rank (~sqrt(n) ulp of each sum, ~1e-7 relative); SGD at lr
-        # 0.005 moves a weight by lr x that per step (updates of ~0.03 here), plus one rounding of each weight
-        # (ulp 7.5e-9 at 0.1), over 2 steps: bound 1e-5 (> 100x that).
-        for key in language:
-            torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=0, msg=lambda m: f"{family} {key}: {m}")
-        rows = [[r for r in read_jsonl(run / "out" / "metrics.jsonl") if "loss" in r] for run in (one, two)]
-        assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [1, 2], family
-        for m1, m2 in zip(*rows):
-            # Rewards and lengths are exact (the same completions); loss and kl are the same regrouped fp32 sums: 1e-5
-            # at O(1), or 64 ulp of the value where the KL's e^d amplifies d's rounding (as the text families there).
-            for key in ("loss", "kl", "reward/mean", "response_length/mean"):
-                bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
-                assert m2[key] == pytest.approx(m1[key], abs=bound), (family, m1["step"], key, m1[key], m2[key])
+        _check_equal_split(family, language, expected, got, one, two)
+    for family, train in TRAINED_SPLIT.items():
+        src, base = folder / family / "model", folder / f"{family}_{train}"
+        one, two = base / "one", base / "two"
+        said = {"projector": "(projector trained", "tower": "(tower and projector trained"}[train]
+        assert said in log_of(one / "config.yaml") and "FSDP2 unit" in log_of(two / "config.yaml"), family
+        start, expected, got = weights(src), weights(one / "out" / "step_2"), weights(two / "out" / "step_2")
+        assert got.keys() == expected.keys() == start.keys(), family  # the checkpoint's own names, nothing added
+        vision = [k for k in start if k.startswith(TRAINED_PREFIXES[family])]
+        frozen = [k for k in start if k.startswith(TOWER[family]) and k not in vision]  # Gemma 3's tower
+        assert vision and all(torch.equal(start[k], got[k]) and torch.equal(start[k], expected[k]) for k in frozen)
+        # Every trained vision tensor moved on both (each process's shard of it was updated, and rank 0 saved all).
+        assert all(not torch.equal(start[k], run[k]) for k in vision for run in (expected, got)), family
+        language = [k for k in start if k.startswith(LANGUAGE_PREFIX[family])]
+        assert max((expected[k] - start[k]).abs().max().item() for k in language) > 1e-3, family
+        # The vision gradients are sums over the images' feature rows regrouped by micro-batch and rank, as the
+        # language model's are over tokens: the bound of _check_equal_split holds for them too (momentum 0.9 sums
+        # at most 1.9 such updates per step here).
+        _check_equal_split(f"{family} train_vision: {train}", language + vision, expected, got, one, two)
+    # Two processes, 2 steps then resumed to the third = 3 steps straight on one process, to the bound above (a third
+    # step's regrouped sums): the trained projector from step 2's files and its momentum from the optimizer state.
+    # Zeroing the projector's momentum at the resume moved the third step's projector by 9.5e-4, 95x the bound.
+    base = folder / "gemma3_projector"
+    assert f"Resuming from {base / 'two' / 'out' / 'step_2'}" in log_of(base / "two" / "resume" / "config.yaml")
+    expected, resumed = weights(base / "one" / "out" / "step_3"), weights(base / "two" / "out" / "step_3")
+    assert resumed.keys() == expected.keys()
+    for key, value in expected.items():
+        torch.testing.assert_close(resumed[key], value, atol=1e-5, rtol=0, msg=lambda m: f"step 3 {key}: {m}")
+
+
+def _check_equal_split(what, keys, expected, got, one, two) -> None:
+    """The weights ``keys`` and the logged metrics of runs ``one`` and ``two`` agree to the regrouping's bound."""
+    # As tests/test_models_architectures.py derives it for the text families: each step's gradient is the same sum of
+    # per-token terms grouped by micro-batch and rank (~sqrt(n) ulp of each sum, ~1e-7 relative); SGD at lr 0.005
+    # moves a weight by lr x that per step (updates of ~0.03 here), plus one rounding of each weight (ulp 7.5e-9 at
+    # 0.1), over 2 steps: bound 1e-5 (> 100x that).
+    for key in keys:
+        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=0, msg=lambda m: f"{what} {key}: {m}")
+    rows = [[r for r in read_jsonl(run / "out" / "metrics.jsonl") if "loss" in r] for run in (one, two)]
+    assert [r["step"] for r in rows[0]][:2] == [r["step"] for r in rows[1]][:2] == [1, 2], what
+    for m1, m2 in zip(*rows):
+        # Rewards and lengths are exact (the same completions); loss and kl are the same regrouped fp32 sums: 1e-5
+        # at O(1), or 64 ulp of the value where the KL's e^d amplifies d's rounding (as the text families there).
+        for key in ("loss", "kl", "reward/mean", "response_length/mean"):
+            bound = max(1e-5, ulps(torch.tensor(m1[key]), 64))
+            assert m2[key] == pytest.approx(m1[key], abs=bound), (what, m1["step"], key, m1[key], m2[key])
 
 
 @pytest.mark.parametrize("setting, key", [

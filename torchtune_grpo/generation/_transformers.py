@@ -25,9 +25,8 @@ the group's ``G`` rows), and ``generate`` runs the family's own image prefill (f
 bidirectional image attention, Qwen3.5's M-RoPE positions), then decodes text.
 """
 
-import copy
-
 from contextlib import nullcontext
+from itertools import chain
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
@@ -87,11 +86,18 @@ class TransformersGenerator(GenerationEngine):
         return self._hf
 
     @torch.no_grad()
-    def _load(self, policy: nn.Module, device: torch.device) -> nn.Module:
-        """The Hugging Face model holding the policy's current weights (every rank gathers: a collective)."""
+    def _load(self, policy: nn.Module, device: torch.device) -> "tuple[nn.Module, Dict[str, torch.Tensor]]":
+        """The Hugging Face model holding the policy's current weights (every rank gathers: a collective), and the
+        policy's trained vision tensors (``train_vision``: its ``trained_vision.*`` state, gathered; else empty)."""
+        from torchtune_grpo.models._vision import TRAINED_PREFIX
+
         hf = None
         loaded: Dict[str, torch.Tensor] = {}
+        trained: Dict[str, torch.Tensor] = {}
         for name, tensor in full_weights(policy, device):
+            if name.startswith(TRAINED_PREFIX + "."):  # not the language model's: for _with_images
+                trained[name] = tensor
+                continue
             if hf is None:
                 hf = self._hf_model(tensor.dtype if tensor.is_floating_point() else torch.float32, device)
             hf_name, value = self._names(name, tensor)
@@ -101,35 +107,57 @@ class TransformersGenerator(GenerationEngine):
         if set(missing) - tied or unexpected:
             raise ValueError(f"TransformersGenerator: weights do not fit {self.model_dir}: missing "
                              f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        return hf
+        return hf, trained
 
     @torch.no_grad()
-    def _with_images(self, hf: nn.Module, image_model: nn.Module) -> nn.Module:
+    def _with_images(self, hf: nn.Module, image_model: nn.Module, trained: Mapping[str, torch.Tensor]) -> nn.Module:
         """The directory's image-text class around ``hf`` (its language model and head, the same modules) with
-        copies of ``image_model``'s (the policy's) vision modules, their weights refreshed from the policy."""
+        copies of ``image_model``'s (the policy's) vision modules, their weights refreshed from the policy.
+
+        ``trained``: the policy's trained vision tensors, gathered (``trained_vision.<module>.<name>``, the
+        module's dots as ``__``); FSDP2 shards those modules, so the copies take them from here. The frozen rest
+        is whole on every process, and FSDP2 leaves buffers whole: those are read off ``image_model``.
+        """
+        from torch.distributed.tensor import DTensor
+
+        from torchtune_grpo.models._vision import TRAINED_PREFIX
+
         param = next(hf.parameters())
         if self._image_text is None:
             from transformers import AutoConfig, AutoModelForImageTextToText
 
-            # Built on the meta device: every part is replaced below (no second language model in memory).
+            # Built on the meta device: the language model and head are hf's, the vision modules are allocated
+            # here and filled below (not copied: an FSDP2-wrapped module cannot be deep-copied).
             with torch.device("meta"):
                 full = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(self.model_dir),
                                                                dtype=param.dtype)
             full.lm_head = hf.lm_head
-            for name, child in image_model.named_children():
+            for name, _ in image_model.named_children():
                 if name == "language_model":
                     setattr(full.model, name, hf.model)
-                else:  # buffers included (a tower's rotary frequencies are not in its state dict)
-                    setattr(full.model, name,
-                            copy.deepcopy(child).to(device=param.device, dtype=param.dtype).requires_grad_(False))
-            left = [n for n, t in (*full.named_parameters(), *full.named_buffers()) if t.is_meta]
-            if left:
-                raise ValueError(f"TransformersGenerator: the image-text class of {self.model_dir} has parts the "
-                                 f"policy's image side does not give: {left[:5]}")
+                else:
+                    full.model.get_submodule(name).to_empty(device=param.device).requires_grad_(False)
             self._image_text = full.eval()
+        # Module path -> its tensors, from the gathered trained_vision.<module>.<name>.
+        whole = {}
+        for key, value in trained.items():
+            module, _, leaf = key[len(TRAINED_PREFIX) + 1:].partition(".")
+            whole[f"{module.replace('__', '.')}.{leaf}"] = value
         for name, child in image_model.named_children():
-            if name != "language_model":  # the trainer's current vision weights (train_vision moves them)
-                self._image_text.model.get_submodule(name).load_state_dict(child.state_dict())
+            if name == "language_model":
+                continue
+            target = self._image_text.model.get_submodule(name)
+            own = dict(chain(target.named_parameters(), target.named_buffers()))
+            given = dict(chain(child.named_parameters(), child.named_buffers()))
+            if own.keys() != given.keys():
+                raise ValueError(f"TransformersGenerator: the image-text class of {self.model_dir} has {name} "
+                                 f"tensors the policy's image side does not give, or the reverse: "
+                                 f"{sorted(own.keys() ^ given.keys())[:5]}")
+            for key, tensor in given.items():
+                value = whole.get(f"{name}.{key}", tensor)  # the trainer's current vision weights
+                if isinstance(value, DTensor):
+                    raise ValueError(f"TransformersGenerator: {name}.{key} is sharded and was not gathered")
+                own[key].copy_(value)
         return self._image_text
 
     @torch.no_grad()
@@ -176,12 +204,12 @@ class TransformersGenerator(GenerationEngine):
         if has_images and getattr(model, "image_model", None) is None:
             raise ValueError("prompts with images: the policy has no image side (a transformers policy of a "
                              "multimodal directory, with attach_images)")
-        hf = self._load(model, device)
+        hf, trained = self._load(model, device)
         inputs = None
         if has_images:
             from torchtune_grpo.models import batch_image_inputs
 
-            hf = self._with_images(hf, model.image_model)
+            hf = self._with_images(hf, model.image_model, trained)
             dtype = next(hf.parameters()).dtype
             # Row i answers prompt i // G: each row its prompt's images, per-token types aligned to the left padding.
             inputs = batch_image_inputs([images[i // group_size] for i in range(len(prompts) * group_size)],

@@ -26,6 +26,7 @@ from torchtune_grpo.models._vision import (
     image_parameters,
     image_state_dict,
     text_after,
+    trained_image_modules,
 )
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "image_parameters",
     "image_state_dict",
     "text_after",
+    "trained_image_modules",
     "BACKENDS",
     "Backend",
     "TransformersDecoder",

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 __all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "image_state_dict",
-           "PER_TOKEN_KEYS", "text_after", "text_ids", "TRAIN_CHOICES", "VISION_MODULES"]
+           "PER_TOKEN_KEYS", "text_after", "text_ids", "TRAIN_CHOICES", "trained_image_modules", "VISION_MODULES"]
 
 #: Per-token image inputs (one value per prompt token; 0 = text); the others are per image.
 PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
@@ -50,7 +50,8 @@ TRAIN_CHOICES = ("none", "projector", "tower")
 TRAINED_PREFIX = "trained_vision"
 
 
-def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> nn.Module:
+def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none",
+                  device: Optional[torch.device] = None) -> nn.Module:
     """Give ``policy`` the image side of ``model_dir`` (see the module docstring).
 
     Args:
@@ -59,6 +60,8 @@ def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> 
         model_dir (str): the multimodal directory.
         train (str): ``"none"`` (the tower and projector frozen), ``"projector"`` or ``"tower"`` (the projector
             included). Default is ``"none"``.
+        device (Optional[torch.device]): where the tower and projector go. Default is None: the device of the
+            policy's input embedding (give the training device when FSDP2 offloads the policy's shards to the CPU).
 
     Returns:
         nn.Module: the image-text class's inner model, whose ``language_model`` is the policy's base model.
@@ -89,7 +92,7 @@ def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none") -> 
         if name != "language_model":
             # Eval mode for good: the policy's train()/eval() do not reach these modules (not its children), and
             # the old, reference and new logprobs of a row must see the same image features (no dropout).
-            child.to(weight.device).eval().requires_grad_(False)
+            child.to(device if device is not None else weight.device).eval().requires_grad_(False)
     if train == "tower":
         for name in vision:
             inner.get_submodule(name).requires_grad_(True)
@@ -156,6 +159,13 @@ def image_state_dict(policy: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[
     """
     names = getattr(policy, "_image_disk_names", None) or {}
     return {(names[k] if k.startswith(TRAINED_PREFIX + ".") else k): v for k, v in state.items()}
+
+
+def trained_image_modules(policy: nn.Module) -> List[nn.Module]:
+    """The trained vision modules :func:`attach_images` made the policy's (under :data:`TRAINED_PREFIX`), in
+    order; empty when the tower is frozen. FSDP2 wraps them after the policy (docs/multimodal.md)."""
+    trained = policy._modules.get(TRAINED_PREFIX)
+    return list(trained.values()) if trained is not None else []
 
 
 def image_parameters(policy: nn.Module) -> List[nn.Parameter]:

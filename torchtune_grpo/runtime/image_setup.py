@@ -3,14 +3,19 @@ policy, and the reference, the multimodal directory's vision tower and projector
 
 The tower and projector are frozen unless ``train_vision`` says ``projector`` or ``tower``; then their parameters
 join the optimizer as a group of their own and are saved with every step under the checkpoint's names
-(:func:`~torchtune_grpo.models.image_state_dict`).
+(:func:`~torchtune_grpo.models.image_state_dict`). When FSDP2 wraps the policy, the trained modules become FSDP2
+units of their own under it (the tower's blocks one by one, then the rest): their gradients are reduced across the
+processes like the language model's, and their parameters and optimizer state sharded. A frozen tower or projector
+stays a whole copy on every process (no gradient: the copies stay equal).
 """
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
-from torchtune_grpo.models import attach_images, image_parameters, TransformersDecoder
+from torchtune_grpo.models import attach_images, image_parameters, trained_image_modules, TransformersDecoder
 
 __all__ = ["attach_image_side"]
 
@@ -18,7 +23,9 @@ _WHAT = {"none": "frozen", "projector": "projector trained", "tower": "tower and
 
 
 def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimizer: Any, *, engine: Any,
-                      train: str, world_size: int, policy_source: str, reference_source: str) -> str:
+                      train: str, policy_source: str, reference_source: str,
+                      device: Optional[torch.device] = None,
+                      shard: Optional[Callable[[Sequence[nn.Module]], int]] = None) -> str:
     """Attach the directory's image side to ``policy`` (and ``reference``); returns the line the run logs.
 
     Args:
@@ -28,16 +35,21 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
         engine (Any): the run's generation engine; it must take images
             (:attr:`~torchtune_grpo.generation.GenerationEngine.takes_images`).
         train (str): ``train_vision``: ``none``, ``projector`` or ``tower``.
-        world_size (int): processes in the run.
         policy_source (str): the directory the policy's tower comes from (the step being resumed, else the source).
         reference_source (str): the directory the reference's tower comes from (the source: the initial policy).
+        device (Optional[torch.device]): the training device, where the towers go. Default is None: the policy's
+            input embedding's device.
+        shard (Optional[Callable[[Sequence[nn.Module]], int]]): FSDP2-wraps the trained modules when FSDP2 wraps
+            the policy (:meth:`~torchtune_grpo.runtime.model_setup.Placement.shard_added` on it); None: the policy
+            is a plain module. Default is None.
 
     Returns:
         str: what the run uses, for the log.
 
     Raises:
         ValueError: for the torchtune backend, an engine that does not take images (in the trainer or in generation
-            workers: they build the same engine), and a trained tower or projector on more than one process.
+            workers: they build the same engine), and a trained tower or projector of an FSDP2-wrapped policy
+            without ``shard``.
     """
     if not isinstance(policy, TransformersDecoder):
         raise ValueError(
@@ -48,18 +60,22 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
             f"a dataset with images needs an engine that samples with them; generation._component_ is "
             f"{type(engine).__name__}, which does not (vLLM refuses multimodal directories): use "
             "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
-    if train != "none" and world_size > 1:
-        # The trained vision modules are added after FSDP2 wrapped the policy: their gradients would not be
-        # averaged across processes, and the replicas would drift apart.
-        raise ValueError(f"train_vision: {train} runs on one process for now (world size {world_size}); "
-                         "train_vision: none trains the language model on any number")
-    attach_images(policy, policy_source, train=train)
+    if train != "none" and isinstance(policy, FSDPModule) and shard is None:
+        # Modules added after FSDP2 wrapped the policy and left unwrapped would get no gradient reduction.
+        raise ValueError(f"train_vision: {train}: the policy is FSDP2-wrapped, and nothing was given to wrap the "
+                         "trained vision modules with it")
+    attach_images(policy, policy_source, train=train, device=device)
+    units = 0
+    if isinstance(policy, FSDPModule) and trained_image_modules(policy):
+        units = shard(trained_image_modules(policy))
     if reference is not None and reference is not policy:
-        attach_images(reference, reference_source)
+        attach_images(reference, reference_source, device=device)
     trained = image_parameters(policy)
     if trained:
         optimizer.add_param_group({"params": trained})
+    # A DTensor's numel is the whole tensor's (not the shard's).
     counted = f", {sum(p.numel() for p in trained):,} parameters" if trained else ""
+    counted += f", sharded in {units} FSDP2 unit{'s' if units > 1 else ''}" if units else ""
     return (f"Images in the prompt: the directory's vision tower and projector ({_WHAT[train]}{counted}) feed the "
             f"policy{' and the reference' if reference is not None else ''}; training forwards run one row per "
             "sequence (no shared prompts or packing with images)")

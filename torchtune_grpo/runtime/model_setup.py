@@ -10,7 +10,7 @@ state dict (each rank keeps its shards).
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from typing import Any, Dict, FrozenSet, Iterable, Optional, Set, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from torchtune_grpo.runtime.compute import (
     training_memory_estimate,
 )
 from torchtune_grpo.runtime.precision import Precision
-from torchtune_grpo.runtime.sharding import shard_model
+from torchtune_grpo.runtime.sharding import shard_added_modules, shard_model
 
 __all__ = [
     "build_model", "check_device", "check_max_seq_len", "check_state_dict_shapes", "init_rope", "Placement",
@@ -122,6 +122,12 @@ class Placement:
             precision=self.precision if mixed else None,
             ignored_params=ignored_params,
         )
+
+    def shard_added(self, model: nn.Module, modules: Sequence[nn.Module]) -> int:
+        """FSDP2 on ``modules`` that joined the sharded ``model`` afterwards (a trained vision tower or projector:
+        :func:`~torchtune_grpo.runtime.sharding.shard_added_modules`); returns the units made."""
+        return shard_added_modules(model, modules, cpu_offload=self.cpu_offload,
+                                   reshard_after_forward=self.reshard_after_forward)
 
     def one_process_note(self, mixed: bool) -> Optional[str]:
         """What a one-process run trains (the plain module or FSDP2, and why); None on several processes."""

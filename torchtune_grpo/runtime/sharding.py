@@ -3,19 +3,21 @@
 :func:`shard_model` is torchtune's ``training.shard_model`` with a mixed-precision policy (the casts of
 ``dtype: bf16``, torchtune_grpo/runtime/precision.py). :func:`unsharded` gathers every FSDP2 module's parameters once
 for a whole rollout: decoding calls the model once per token, and resharding after each call would gather
-the weights again every token.
+the weights again every token. :func:`shard_added_modules` wraps modules that joined a sharded model afterwards
+(a trained vision tower or projector, docs/multimodal.md).
 """
 
 from contextlib import contextmanager
-from typing import Callable, FrozenSet, Iterator, List, Optional
+from typing import Callable, FrozenSet, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard, MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from torchtune_grpo.runtime.precision import Precision
 
-__all__ = ["shard_model", "unsharded"]
+__all__ = ["shard_added_modules", "shard_model", "unsharded"]
 
 
 def _fp32_final_norm(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
@@ -71,6 +73,49 @@ def shard_model(
     if sharded == 0:
         raise ValueError("No module was sharded: check the shard conditions.")
     fully_shard(model, **root_kwargs)
+
+
+def shard_added_modules(
+    root: nn.Module, modules: Sequence[nn.Module], *, cpu_offload: bool, reshard_after_forward: bool = True,
+) -> int:
+    """FSDP2 on ``modules``, children that joined ``root`` after :func:`shard_model` wrapped it: each element of
+    every ``nn.ModuleList`` inside them (a tower's blocks), then each module (what is left: embeddings, norms, a
+    projector), on the root's device mesh.
+
+    Each becomes an FSDP2 unit of its own under the root: its parameters are sharded (and so is their optimizer
+    state), its gradients reduce-scattered across the processes, and the root's state dict holds them under
+    their names, gathered by ``full_tensor``. No mixed precision: they compute in their parameters' dtype, as
+    the same modules unwrapped on one process and the frozen rest of the image side do. Call it before the
+    root's first forward (FSDP2 decides then which states are nested under the root).
+
+    Args:
+        root (nn.Module): the FSDP2-wrapped model, ``modules`` among its submodules.
+        modules (Sequence[nn.Module]): the modules to wrap, on the training device.
+        cpu_offload (bool): offload their parameters, gradients and optimizer state to the CPU, as the root's.
+        reshard_after_forward (bool): free their unsharded parameters after each forward. Default is True.
+
+    Returns:
+        int: the number of FSDP2 units made.
+
+    Raises:
+        ValueError: if ``root`` is not FSDP2-wrapped.
+    """
+    if not isinstance(root, FSDPModule):
+        raise ValueError(f"shard_added_modules: the root {type(root).__name__} is not FSDP2-wrapped")
+    mesh = next(p.device_mesh for p in root.parameters() if isinstance(p, DTensor))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    units = 0
+    for module in modules:
+        for child in reversed(list(module.modules())):
+            if isinstance(child, nn.ModuleList):
+                for block in child:
+                    fully_shard(block, **kwargs)
+                    units += 1
+        fully_shard(module, **kwargs)
+        units += 1
+    return units
 
 
 @contextmanager
