@@ -29,6 +29,9 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # python, tune and tune-grpo from the active environment, else from .venv (or stop, saying how to set it up)
 . "$REPO/scripts/_python_env.sh"
+python -c "import transformers" 2>/dev/null || {
+  echo "the image demo needs transformers (its tiny Gemma 3 is transformers' own model): pip install" \
+    "transformers==5.19.0, or run \`make demo-images\`, which adds it to .venv" >&2; exit 1; }
 WORK="${DEMO_DIR:-/tmp/torchtune_grpo/demo_images}"
 SEED="${DEMO_SEED:-0}"
 WARM_START="${DEMO_WARM_START:-shipped}"
