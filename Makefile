@@ -6,6 +6,8 @@
 #   make demo-multi-turn   # the same for tool use: GRPO teaches the calculator (scripts/demo_multi_turn.sh)
 #   make demo-process-rewards   # outcome vs process-supervised advantages, 3 seeds each (scripts/demo_process_rewards.sh)
 #   make demo-routing-replay    # MoE routing replay off vs on, bf16 engine, 3 seeds each (scripts/demo_routing_replay.sh)
+#   make demo-images   # GRPO with pictures in the prompt: a tiny vision-language model learns to count shapes
+#                      # (scripts/demo_images.sh; adds transformers to the demo stage)
 #   make test   # set up .venv (both stages) if needed, then the whole test suite
 #   make gpu-wheels; make gpu-check   # the GPU check: wheels downloaded here, the check run there (docs/gpu.md)
 #
@@ -17,7 +19,7 @@ VENV ?= .venv
 PYTHON ?= python3
 RUN := PATH="$(abspath $(VENV))/bin:$$PATH" VIRTUAL_ENV="$(abspath $(VENV))"
 
-.PHONY: setup setup-demo demo demo-multi-turn demo-process-rewards demo-routing-replay test test-numerics test-oldest-torch gpu-wheels gpu-check
+.PHONY: setup setup-demo demo demo-multi-turn demo-process-rewards demo-routing-replay demo-images test test-numerics test-oldest-torch gpu-wheels gpu-check
 
 SETUP := VENV="$(abspath $(VENV))" PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" bash scripts/setup_env.sh
 
@@ -40,6 +42,13 @@ demo-process-rewards: setup-demo
 
 demo-routing-replay: setup-demo
 	$(RUN) bash scripts/demo_routing_replay.sh
+
+# The image demo's model is transformers' own (a tiny Gemma 3), which the demo stage does not install: the
+# version the tests run, added once.
+demo-images: setup-demo
+	$(RUN) python -c "import transformers" 2>/dev/null || \
+	  $(RUN) python -m pip install -c "$(abspath $(VENV))/torch-constraint.txt" "transformers==5.19.0"
+	$(RUN) bash scripts/demo_images.sh
 
 # -n auto: one pytest worker per core; --dist loadfile keeps each test file on one worker, so module-scoped
 # fixtures (a vLLM engine, a converted model) are built once; --no-loadscope-reorder hands files out in the order

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = ("demo.sh", "demo_multi_turn.sh", "demo_process_rewards.sh")
+SCRIPTS = ("demo.sh", "demo_multi_turn.sh", "demo_process_rewards.sh", "demo_images.sh")
 
 
 def _clone(tmp_path: Path) -> Path:

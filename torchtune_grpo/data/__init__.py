@@ -8,11 +8,13 @@ from torchtune_grpo.data._arithmetic import (
 )
 from torchtune_grpo.data._code import CODE_SYSTEM_PROMPT, code_dataset
 from torchtune_grpo.data._files import DataFileError
+from torchtune_grpo.data._image_sft import image_sft, tiny_gemma3_dir
 from torchtune_grpo.data._images import image_dataset, ImagePromptDataset
 from torchtune_grpo.data._gsm8k import extract_gsm8k_answer, gsm8k_dataset
 from torchtune_grpo.data._math import extract_boxed_answer, math_dataset
 from torchtune_grpo.data._prompt import collate_prompts, PromptBatch, PromptDataset
 from torchtune_grpo.data._rows import ON_INVALID_ROW
+from torchtune_grpo.data._shapes import draw_shapes, SHAPE_COUNT_QUESTION, shape_count_rows, write_shape_count_data
 from torchtune_grpo.data._sft import ANSWER_FORMATS, R1_RESPONSE_TEMPLATE, sft_dataset, WarmStartDataset
 from torchtune_grpo.data._templates import (
     ChatPrompt,
@@ -40,10 +42,12 @@ __all__ = [
     "collate_prompts",
     "DataFileError",
     "decode_prompt",
+    "draw_shapes",
     "extract_boxed_answer",
     "extract_gsm8k_answer",
     "gsm8k_dataset",
     "image_dataset",
+    "image_sft",
     "ImagePromptDataset",
     "load_rows",
     "make_prompt_formatter",
@@ -57,10 +61,14 @@ __all__ = [
     "R1_TEMPLATE",
     "R1Prompt",
     "require_columns",
+    "SHAPE_COUNT_QUESTION",
+    "shape_count_rows",
     "sft_dataset",
+    "tiny_gemma3_dir",
     "tokenize_chat_prompt",
     "tool_sft_dataset",
     "ToolTraceDataset",
     "verifiable_dataset",
+    "write_shape_count_data",
     "WarmStartDataset",
 ]
