@@ -314,15 +314,17 @@ def test_multi_turn_tool_episodes_train_a_transformers_policy(family_dir, tmp_pa
 
 
 def test_native_engine_samples_a_transformers_policy_turn_by_turn(family_dir, tmp_path):
-    # A family with sliding windows keeps no cache between turns (session() is None: each turn re-sends the history
-    # to generate(); full-attention families keep theirs: tests/test_native_transformers_session.py); generate()
-    # gives every row its prompt, a response cut after its first stop token, and the same samples for the same seed.
+    # A family with sliding windows keeps its cache between turns too (a session attending by position; the turns
+    # equal re-sending the history: tests/test_native_transformers_session.py); generate() gives every row its
+    # prompt, a response cut after its first stop token, and the same samples for the same seed.
     from torchtune_grpo.generation import NativeGenerator
+    from torchtune_grpo.generation._hf_session import HFSession
 
     policy = _policy(family_dir("olmo3"), tmp_path)
     engine = NativeGenerator(temperature=1.0)
     prompts = [[5, 6, 7, 8], [9, 10]]
-    assert engine.session(policy, prompts, group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[3]) is None
+    with engine.session(policy, prompts, group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[3]) as session:
+        assert isinstance(session, HFSession) and session.hf is policy.sampler()
     runs = [engine.generate(policy, prompts, group_size=2, max_new_tokens=8, pad_id=0, stop_tokens=[3],
                             generator=torch.Generator().manual_seed(1)) for _ in range(2)]
     assert runs[0].prompt_ids == [[5, 6, 7, 8]] * 2 + [[9, 10]] * 2
