@@ -15,7 +15,7 @@ from typing import Tuple
 import torch
 from transformers import DynamicCache, DynamicLayer
 
-__all__ = ["GrowingLayer", "growing_cache"]
+__all__ = ["GrowingLayer", "growing_cache", "is_window_layer"]
 
 # The first buffer's room beyond the prefill (slots): a short completion never reallocates.
 _MIN_ROOM = 64
@@ -92,6 +92,12 @@ class GrowingLayer(DynamicLayer):
         raise NotImplementedError("GrowingLayer is the native engine's decode cache: it is never offloaded")
 
 
+def is_window_layer(layer) -> bool:
+    """transformers' sliding-window attention cache layer: a direct ``DynamicLayer`` subclass marked sliding (not the
+    hybrid linear-attention layers that also derive from it)."""
+    return type(layer).__mro__[1] is DynamicLayer and bool(getattr(layer, "is_sliding", False))
+
+
 def growing_cache(config, full_history: bool = False) -> DynamicCache:
     """transformers' ``DynamicCache`` for ``config``, its plain full-attention layers :class:`GrowingLayer`.
 
@@ -105,9 +111,8 @@ def growing_cache(config, full_history: bool = False) -> DynamicCache:
         DynamicCache: the cache the model's first forward fills.
     """
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer or (
-        full_history and type(layer).__mro__[1] is DynamicLayer and layer.is_sliding) else layer
-        for layer in cache.layers]
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer or (full_history and is_window_layer(layer))
+                    else layer for layer in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # a config without layer types: layers made on first use
         cache.layer_class_to_replicate = GrowingLayer
     return cache

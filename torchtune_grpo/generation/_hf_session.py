@@ -59,37 +59,37 @@ def _other_layers(layers: List[Any], windows: bool = False) -> List[str]:
     transformers' sliding-window layer)."""
     from transformers import DynamicLayer
 
-    from torchtune_grpo.generation._hf_cache import GrowingLayer
+    from torchtune_grpo.generation._hf_cache import GrowingLayer, is_window_layer
 
     return sorted({type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, GrowingLayer)
-                   and not (windows and _windowed(layer))})
+                   and not (windows and is_window_layer(layer))})
 
 
-def _windowed(layer: Any) -> bool:
-    """transformers' sliding-window attention cache layer (a direct ``DynamicLayer`` subclass marked sliding)."""
-    from transformers import DynamicLayer
+def _own_cache_layers(hf: nn.Module) -> List[Any]:
+    """The cache layers ``hf``'s own forward would build (transformers' ``DynamicCache`` for its config)."""
+    from transformers import DynamicCache
 
-    return type(layer).__mro__[1] is DynamicLayer and bool(getattr(layer, "is_sliding", False))
+    return DynamicCache(config=hf.config).layers
 
 
 def has_windows(hf: nn.Module) -> bool:
     """Whether ``hf``'s own cache has sliding-window layers (its session then attends by position)."""
-    from transformers import DynamicCache
+    from torchtune_grpo.generation._hf_cache import is_window_layer
 
-    return any(_windowed(layer) for layer in DynamicCache(config=hf.config).layers)
+    return any(is_window_layer(layer) for layer in _own_cache_layers(hf))
 
 
 def hf_session_unsupported(hf: nn.Module) -> Optional[str]:
     """Why ``hf``'s cache cannot be kept between turns (see the module docstring), or None when it can."""
-    from transformers import DynamicCache
-
+    from torchtune_grpo.generation._hf_cache import is_window_layer
     from torchtune_grpo.models._transformers_layouts import config_unsupported
 
-    kinds = _other_layers(DynamicCache(config=hf.config).layers, windows=True)  # the kinds its own cache will have
+    layers = _own_cache_layers(hf)
+    kinds = _other_layers(layers, windows=True)
     if kinds:
         return (f"{type(hf).__name__}'s cache has {', '.join(kinds)} layers (linear attention cannot keep a history "
                 "with holes): each turn re-sends the history")
-    if has_windows(hf):
+    if any(is_window_layer(layer) for layer in layers):
         reason = config_unsupported(hf.config)
         if reason is not None:
             return f"its windowed layers need masks by position, and {reason}: each turn re-sends the history"
