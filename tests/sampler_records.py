@@ -52,3 +52,22 @@ def flip_chance(first: List[Step], second: List[Step]) -> float:
         cdf_a, cdf_b = (torch.softmax(x[both].double(), -1).cumsum(-1) for x in (a, b))
         total += float((cdf_a - cdf_b).abs().sum())
     return total
+
+
+def sampled_logprobs(responses: List[List[int]], steps: List[Step]) -> torch.Tensor:
+    """The log-probability of every sampled token under the logits it was drawn from, row by row (float64).
+
+    Args:
+        responses (List[List[int]]): the rollout's response tokens, one list per row.
+        steps (List[Step]): one ``generate``'s recorded sampler steps (:func:`record_sampler`).
+
+    Returns:
+        torch.Tensor: ``[total response tokens]``, row 0's tokens first. Asserts each token is the one drawn.
+    """
+    out = []
+    for i, response in enumerate(responses):
+        for j, token in enumerate(response):
+            logits, drawn = steps[j]
+            assert int(drawn[i]) == token
+            out.append(torch.log_softmax(logits[i].double(), -1)[token])
+    return torch.stack(out)

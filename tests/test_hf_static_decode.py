@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.hf_families import FAMILIES
-from tests.sampler_records import record_sampler
+from tests.sampler_records import record_sampler, sampled_logprobs
 from tests.tolerances import ulps
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.training.batch import batch_token_logprobs, TrainingBatch
@@ -115,15 +115,10 @@ def test_trainer_logprobs_are_those_the_compiled_step_sampled_from(family, famil
     # only reorder sums again).
     policy = family_policy(family)
     out, _ = _sample(compiled_engine(family), policy, sampled, seed=2)
-    engine = []
-    for i, response in enumerate(out.response_ids):
-        for j, token in enumerate(response):
-            logits, drawn = sampled[0][j]
-            assert int(drawn[i]) == token
-            engine.append(torch.log_softmax(logits[i].double(), -1)[token])
+    engine = sampled_logprobs(out.response_ids, sampled[0])
     batch = TrainingBatch(out.prompt_ids, out.response_ids, 0, share_prompt=False)
     trainer = batch_token_logprobs(policy, batch, micro_batch_size=len(batch)).logprobs[batch.response_mask]
-    torch.testing.assert_close(trainer.double(), torch.stack(engine), atol=1e-4, rtol=0)
+    torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])

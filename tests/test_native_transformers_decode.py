@@ -16,7 +16,7 @@ import torch
 
 from tests.hf_families import FAMILIES
 from tests.hf_moe import MOE_FAMILY_NAMES
-from tests.sampler_records import flip_chance, record_sampler
+from tests.sampler_records import flip_chance, record_sampler, sampled_logprobs
 from tests.tolerances import ulps
 from torchtune_grpo.generation import NativeGenerator
 from torchtune_grpo.generation._hf_rollout import HFRollout
@@ -132,12 +132,7 @@ def test_trainer_logprobs_are_those_the_engine_sampled_from(family, family_polic
     # transformers' own generate() logits differ from its full forward by up to 3e-4 on it.
     model = family_policy(family)
     out, _ = _run(model, sampled, seed=2)
-    engine = []
-    for i, response in enumerate(out.response_ids):
-        for j, token in enumerate(response):
-            logits, drawn = sampled[0][j]
-            assert int(drawn[i]) == token
-            engine.append(torch.log_softmax(logits[i].double(), -1)[token])
+    engine = sampled_logprobs(out.response_ids, sampled[0])
     batch = TrainingBatch(out.prompt_ids, out.response_ids, 0, share_prompt=False)
     trainer = batch_token_logprobs(model, batch, micro_batch_size=len(batch)).logprobs[batch.response_mask]
-    torch.testing.assert_close(trainer.double(), torch.stack(engine), atol=1e-4, rtol=0)
+    torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.hf_vision import VISION_FAMILIES
-from tests.sampler_records import flip_chance, record_sampler
+from tests.sampler_records import flip_chance, record_sampler, sampled_logprobs
 from tests.test_vision_policy import image_rows, vision_policy
 from torchtune_grpo.generation import NativeGenerator, TransformersGenerator
 from torchtune_grpo.training.batch import TrainingBatch
@@ -60,14 +60,9 @@ def test_image_rollouts(vision_dir, tmp_path, family, sampled):
     # The trainer's logprobs (one right-padded forward per row with the prompt's images) are those of the logits
     # the engine sampled from. Same bound as the text engine's test (tests/test_native_transformers_decode.py):
     # 1e-4, a logit minus a logsumexp through 2-4 layers of peaked softmaxes computed in other orders.
-    engine = []
-    for i, response in enumerate(fast.response_ids):
-        for j, token in enumerate(response):
-            logits, drawn = sampled[0][j]
-            assert int(drawn[i]) == token
-            engine.append(torch.log_softmax(logits[i].double(), -1)[token])
+    engine = sampled_logprobs(fast.response_ids, sampled[0])
     trainer = _trainer_logprobs(policy, data, fast)
-    torch.testing.assert_close(trainer.double(), torch.stack(engine), atol=1e-4, rtol=0)
+    torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)
 
 
 def _trainer_logprobs(policy, data, rollout):
