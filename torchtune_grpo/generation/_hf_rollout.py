@@ -342,14 +342,13 @@ class HFRollout:
     def decode(self, token: torch.Tensor, t: int) -> torch.Tensor:
         """Feed ``token [n]`` (response token ``t`` of the rows in the batch); return the next logits ``[n, V]``."""
         self.positions = self.positions + 1
+        self._forwards.append(self.rows)
         if self._step is not None:  # the fixed cache: this step's slot joins the mask, one compiled call
             self._fixed_mask[:, self.slots] = 1
             self.slots += 1
-            self._forwards.append(self.rows)
             return self._step(self.hf, self.cache, token[:, None], self._rope(self.positions), self._fixed_mask)
         if self.mask is not None:
             self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.size(0), 1)], dim=-1)
-        self._forwards.append(self.rows)
         return self._forward(token[:, None], self.positions)
 
     def compact(self, keep: torch.Tensor) -> None:
