@@ -11,12 +11,12 @@ implementation when flash-linear-attention is not installed, and gated full atte
    shape, bf16 weights N(0, 0.02), norms 1; ``tiny_qwen3_5`` with ``--tiny``);
 3. runs the real recipe on it (benchmarks/gpu_grpo.py ``run_recipe``: the shipped Qwen3-0.6B config with
    only ``checkpointer.checkpoint_dir`` changed, synthetic id prompts, the even-id reward, no checkpoint
-   save): the native engine samples on transformers' own cache (each prompt prefilled once per group,
-   finished rows compacted out; eager, no compiled decode for this backend), and the update trains one row
-   per sequence (the Gated DeltaNet layers carry state along a row, so the packed and shared-prompt layouts
-   fall back);
-4. runs the same recipe on a family that takes the layouts (``gemma3_1b``, Gemma 3 1B's text model with its
-   sliding windows; ``tiny_gemma3`` with ``--tiny``): shared-prompt rows on transformers' own modules;
+   save): the native engine samples on transformers' own cache (each prompt prefilled once per group; on
+   CUDA each decode step one compiled call on a fixed-shape cache, elsewhere eager with finished rows
+   compacted out), and the update trains in shared-prompt rows (the Gated DeltaNet layers take each row's
+   sequences apart, the other layers keep the rows);
+4. runs the same recipe on a sliding-window family (``gemma3_1b``, Gemma 3 1B's text model with its
+   windows; ``tiny_gemma3`` with ``--tiny``): shared-prompt rows with windows by position;
 5. runs TRL's GRPOTrainer on the Qwen3.5 directory and batch (benchmarks/gpu_trl.py ``run``), if the time
    budget (``--time-budget``, seconds since start) is not spent;
 6. writes ``--json``: the results, the backend each recipe run used and why, what each run really did

@@ -16,7 +16,7 @@
 # 4. grpo_0_6b: benchmarks/gpu_grpo.py on the Qwen3-0.6B shape: ceilings, decode, one GRPO step, the recipe;
 # 5. trl: benchmarks/gpu_trl.py, TRL's GRPOTrainer on the same model and batch (the step-time ratio);
 # 6. qwen3_5: benchmarks/gpu_qwen3_5.py, the transformers backend (Qwen3.5 is not a torchtune architecture)
-#    on a Qwen3.5-0.8B-shaped random model (its update falls back to one row per sequence: Gated DeltaNet),
+#    on a Qwen3.5-0.8B-shaped random model (shared-prompt rows, its Gated DeltaNet layers split by sequence),
 #    then on Gemma 3 1B's shape (shared-prompt rows on transformers' modules), and TRL on the Qwen3.5 model and
 #    batch (the step-time ratio); the report says which training layout and engine path each run used;
 #    skipped, with the reason in the report, where the installed transformers has no qwen3_5;

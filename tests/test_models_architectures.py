@@ -102,7 +102,7 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     # transformers' own modules (model.backend: auto on these families): FSDP2 per decoder layer on two processes
     # equals one process, and so does a two-process run whose micro-batches come from a token budget. Gemma 3 trains
     # in the default shared-prompt layout (explicit masks: one row per group of 4 on one process, of 2 on each of
-    # two); Qwen3.5's Gated DeltaNet layers fall back to one row per sequence (tests/test_transformers_layouts.py).
+    # two); so does Qwen3.5, its Gated DeltaNet layers taking each row's sequences apart (tests/test_transformers_layouts.py).
     for family in TRANSFORMERS_FAMILIES:
         # Plain random weights: the runs compare the model with itself summed in another grouping; peaked attention
         # (the equality tests' fixtures) would amplify rounding near softmax transitions past the bound below.

@@ -28,14 +28,16 @@ from tests.hf_models import randomize
 from tests.hf_moe import MOE_FAMILIES, ROUTER_GAIN
 from tests.tolerances import ulps
 from torchtune_grpo.models import TransformersDecoder
+from torchtune_grpo.models._transformers_layouts import config_unsupported, SlotPairs
+from torchtune_grpo.models._transformers_recurrent import SequenceRows
 from torchtune_grpo.models.moe_routing import moe_shape, router_hooks
 from torchtune_grpo.training.batch import shared_prompt_unsupported, training_layout, TrainingBatch
 
 # Tiny ops: one intra-op thread (tests/conftest.py), else a busy 2-core machine makes them 10-100x slower.
 pytestmark = pytest.mark.usefixtures("one_thread")
 TEMPERATURE = 0.7
-LINEAR_ATTENTION = {"qwen3_5_text", "qwen3_5_moe_text"}  # Gated DeltaNet: the layouts fall back
-SOFTMAX_FAMILIES = [f for f in [*FAMILIES, *MOE_FAMILIES, *LAYOUT_FAMILIES] if f not in LINEAR_ATTENTION]
+LINEAR_ATTENTION = ["qwen3_5_text", "qwen3_5_moe_text"]  # Gated DeltaNet: split by sequence in those layers
+EVERY_FAMILY = [*FAMILIES, *MOE_FAMILIES, *LAYOUT_FAMILIES]
 MEASURED: Dict[str, Dict[str, float]] = {}  # family -> quantity -> measured / bound (printed with -s)
 
 
@@ -172,7 +174,7 @@ def _batches(prompts, responses, **kw) -> Dict[str, TrainingBatch]:
 
 
 @pytest.mark.parametrize("family,attention",
-                         [(f, None) for f in SOFTMAX_FAMILIES]
+                         [(f, None) for f in EVERY_FAMILY]
                          + [(f, "eager") for f in ("mistral", "gemma3_text", "gemma2")])
 def test_layouts_equal_one_row_per_sequence(family, attention, model_of):
     model = model_of(family, attention)
@@ -222,21 +224,48 @@ def test_layouts_equal_one_row_per_sequence_with_routing_replay(family, model_of
     _check_layouts(f"{family}+replay", model, batches, reference)
 
 
-@pytest.mark.parametrize("family", sorted(LINEAR_ATTENTION))
-def test_linear_attention_falls_back_to_one_row_per_sequence(family, model_of):
+@pytest.mark.parametrize("family", LINEAR_ATTENTION)
+def test_linear_attention_layers_take_the_rows_apart_by_sequence(family, model_of, monkeypatch):
+    """Gated DeltaNet layers under a layout run each sequence on a row of its own (the layouts' equality with one
+    row per sequence is in ``test_layouts_equal_one_row_per_sequence``); without that split the packed row's
+    state flows from one sequence into the next, and the logprobs of every later sequence of a row move."""
     model = model_of(family)
-    reason = shared_prompt_unsupported(model)
-    assert reason is not None and "linear_attention layers (Gated DeltaNet) carry recurrent state" in reason
-    prompts, responses = _groups()
-    for kw in (dict(share_prompt=True), dict(share_prompt=False, pack=True)):
-        assert TrainingBatch(prompts, responses, 0, **kw).layout_for(model, MICRO_BATCHES[0]) is None
     common = dict(max_prompt_length=13, max_response_length=40, group_size=3, micro_batch_size=6)
-    shared, note = training_layout(model, share_prompt=True, explicit=False, **common)
-    assert not shared and "Gated DeltaNet" in note and "one row per sequence" in note
-    shared, note = training_layout(model, share_prompt=False, explicit=False, pack=True, **common)
-    assert not shared and "pack_sequences_in_training: not used" in note and "Gated DeltaNet" in note
-    with pytest.raises(ValueError, match="share_prompt_in_training: true.*Gated DeltaNet"):
-        training_layout(model, share_prompt=True, explicit=True, **common)
+    assert shared_prompt_unsupported(model) is None
+    assert training_layout(model, share_prompt=True, explicit=True, **common) == (True, None)
+    # A multi-turn session's masks by position still refuse them: a running state cannot skip a hole.
+    assert "Gated DeltaNet" in config_unsupported(model.causal_lm.config)
+    prompts, responses = _groups()
+    batches = _batches(prompts, responses)
+    # The shared rows' plan: one row per completion (the prompt is not a row of its own); packed: per sequence.
+    for layout, batch in batches.items():
+        lay = batch.layout(MICRO_BATCHES[0])
+        plan = SequenceRows(lay.mask.pairs(lay.input_pos))
+        assert plan.gather.size(0) == MICRO_BATCHES[0].stop - MICRO_BATCHES[0].start, layout
+    unshared = _fp32(model, TrainingBatch(prompts, responses, 0, share_prompt=False))[0]
+    whole_rows = lambda self, forward, hidden, **kw: forward(hidden, cache_params=None, attention_mask=None, **kw)
+    monkeypatch.setattr(SequenceRows, "run", whole_rows)
+    leaked = _fp32(model, batches["packed"])[0]
+    # The layouts' bound for these logprobs is ~1e-5 (MEASURED); the leaked state moves them by orders more.
+    assert (leaked - unshared).abs().max() > 1e-2
+
+
+def test_sequence_rows_by_hand():
+    """A shared prompt of 2 tokens (one padding slot after it) and two completions of 2 slots: two rows, each the
+    prompt then one completion; the prompt's outputs from the first; padding reads the zero after the outputs."""
+    segment = torch.tensor([[0, 0, -1, 1, 1, 2, 2]])
+    shared = torch.tensor([[True, True, False, False, False, False, False]])
+    plan = SequenceRows(SlotPairs(segment, shared, torch.tensor([[0, 1, 0, 2, 3, 2, 3]])))
+    assert plan.gather.tolist() == [[0, 1, 3, 4], [0, 1, 5, 6]]
+    assert plan.source.tolist() == [0, 1, 8, 2, 3, 6, 7]
+    packed = SequenceRows(SlotPairs(torch.tensor([[0, 0, 0, 1, -1], [0, 1, 1, 2, 2]]), torch.zeros(2, 5, dtype=torch.bool),
+                                    torch.zeros(2, 5, dtype=torch.long)))
+    assert packed.gather.tolist() == [[0, 1, 2], [3, 10, 10], [5, 10, 10], [6, 7, 10], [8, 9, 10]]
+    assert packed.source.tolist() == [0, 1, 2, 3, 15, 6, 9, 10, 12, 13]
+    # Each row's outputs come back to its slots: a layer that adds its row's running sum shows the state per row.
+    hidden = torch.arange(1.0, 11.0).view(2, 5, 1)
+    out = packed.run(lambda x, **kw: x.cumsum(1), hidden)
+    assert out[..., 0].tolist() == [[1.0, 3.0, 6.0, 4.0, 0.0], [6.0, 7.0, 15.0, 9.0, 19.0]]
 
 
 def test_supported_family_takes_the_layouts_silently(model_of):

@@ -22,15 +22,23 @@ Which mask each layer gets is the family's own rule, checked in transformers 5.1
   (``config.sliding_window is not None`` for mistral, ministral3, phi3, qwen3_moe, mixtral; never for llama,
   olmoe, olmo2 and granite).
 
+Linear-attention layers (Qwen3.5's ``linear_attention``, Gated DeltaNet, whose state runs along the row and whose
+torch path takes no sequence boundaries) get no mask: they take the row's sequences apart
+(:mod:`._transformers_recurrent`). Explicit masks by position elsewhere (a multi-turn session's history with
+holes) refuse them, as a running state cannot skip a hole.
+
 Anything else is refused by name (:func:`layouts_unsupported`), and the training layouts then fall back to one
-row per sequence: a layer type whose state runs along the row (Qwen3.5's ``linear_attention``, Gated DeltaNet:
-transformers' torch path ignores sequence boundaries), an attention implementation other than ``sdpa`` or
-``eager``, bidirectional attention, or a family not checked here.
+row per sequence: an attention implementation other than ``sdpa`` or ``eager``, bidirectional attention, or a
+family not checked here.
 """
 
 from typing import Any, Callable, Dict, NamedTuple, Optional, Union
 
 import torch
+
+from torchtune_grpo.models._transformers_recurrent import (
+    LINEAR_ATTENTION, recurrent_layers, SequenceRows, split_sequences,
+)
 
 __all__ = ["SlotPairs", "config_unsupported", "layouts_unsupported", "layout_attention_mask", "masks_by_layer_type"]
 
@@ -45,7 +53,7 @@ _MASK_STYLE = {
 _NEVER_WINDOWED = {"llama", "olmoe", "olmo2", "granite"}
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # Layer types that are not softmax attention over the row, and why a row of several sequences breaks them.
-_RECURRENT = {"linear_attention": "Gated DeltaNet"}
+_RECURRENT = {LINEAR_ATTENTION: "Gated DeltaNet"}
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
@@ -95,13 +103,26 @@ def layouts_unsupported(model: Any) -> Optional[str]:
         Optional[str]: a reason naming the layer type, attention implementation or family; None when the
         layouts' masks are this family's own.
     """
-    return config_unsupported(_config(model))
+    config = _config(model)
+    recurrent = sum(kind in _RECURRENT for kind in getattr(config, "layer_types", None) or ())
+    if recurrent and len(recurrent_layers(model.causal_lm)) != recurrent:
+        return (f"its {recurrent} linear_attention layers are not the {_RECURRENT[LINEAR_ATTENTION]} mixers "
+                "the layouts take apart by sequence")
+    return config_unsupported(config, recurrent_ok=True)
 
 
-def config_unsupported(config: Any) -> Optional[str]:
-    """:func:`layouts_unsupported` for a causal LM's ``config``: why explicit position masks cannot run on it."""
+def config_unsupported(config: Any, recurrent_ok: bool = False) -> Optional[str]:
+    """:func:`layouts_unsupported` for a causal LM's ``config``: why explicit position masks cannot run on it.
+
+    Args:
+        config (Any): the causal LM's config.
+        recurrent_ok (bool): whether linear-attention layers are taken care of (the training layouts split their
+            rows by sequence); a session's masks by position cannot (a running state cannot skip a hole).
+    """
     model_type = getattr(config, "model_type", None)
     for kind in getattr(config, "layer_types", None) or ():
+        if kind in _RECURRENT and recurrent_ok:
+            continue
         if kind in _RECURRENT:
             return (f"its {kind} layers ({_RECURRENT[kind]}) carry recurrent state along a row, across the sequences "
                     "a layout puts in it")
@@ -143,7 +164,11 @@ def layout_attention_mask(model: Any, pairs: SlotPairs) -> Union[torch.Tensor, D
     reason = layouts_unsupported(model)
     if reason is not None:
         raise ValueError(f"the packed and shared-prompt training layouts cannot run on this model: {reason}")
-    return masks_by_layer_type(_config(model), model.tok_embeddings.weight.dtype, pairs.allowed)
+    masks = masks_by_layer_type(_config(model), model.tok_embeddings.weight.dtype, pairs.allowed)
+    if LINEAR_ATTENTION in (getattr(_config(model), "layer_types", None) or ()):
+        split_sequences(model.causal_lm)
+        masks[LINEAR_ATTENTION] = SequenceRows(pairs)
+    return masks
 
 
 def masks_by_layer_type(config: Any, dtype: torch.dtype, allowed: Callable[[Optional[int]], torch.Tensor]
@@ -167,6 +192,6 @@ def masks_by_layer_type(config: Any, dtype: torch.dtype, allowed: Callable[[Opti
         return _format(allowed(window), implementation, dtype)
     kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
     masks = {}
-    for kind in kinds:  # each layer type's mask, built once for all its layers
+    for kind in kinds - set(_RECURRENT):  # each layer type's mask, built once for all its layers
         masks[kind] = _format(allowed(window if kind == "sliding_attention" else None), implementation, dtype)
     return masks

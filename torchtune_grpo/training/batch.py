@@ -13,8 +13,8 @@ mask (an :class:`~torchtune_grpo.models.attention.AttentionLayout`) as ``mask``:
 :mod:`torchtune_grpo.models.attention`'s forward, which recognises it and otherwise runs torchtune's own forward
 unchanged. On transformers' own modules (:class:`~torchtune_grpo.models.TransformersDecoder`) the forward turns
 the layout's slot pairs into explicit attention masks instead (:mod:`torchtune_grpo.models._transformers_layouts`;
-families whose layers carry state along a row, Qwen3.5's Gated DeltaNet, train one row per sequence:
-:mod:`~torchtune_grpo.training.layout_choice`). The layout travels as the ``mask`` argument (not as global
+Qwen3.5's Gated DeltaNet layers, whose state runs along a row, take the row's sequences apart:
+:mod:`torchtune_grpo.models._transformers_recurrent`). The layout travels as the ``mask`` argument (not as global
 state), so activation checkpointing's recomputation in backward sees it.
 
 Results always come back in the unshared layout: column ``j`` of an ``[N, T]`` result is the prediction of

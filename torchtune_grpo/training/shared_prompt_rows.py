@@ -41,15 +41,19 @@ class SharedPromptMask(AttentionLayout):
         completion_slots (int): ``C``, the region of each completion (right-padded to it).
         num_completions (int): ``M``, completion regions per row.
         prompt_lengths (torch.Tensor): ``[R]`` long, the real prompt length of each row.
+        completions (Optional[torch.Tensor]): ``[R]`` long, how many of the row's ``M`` regions hold a completion
+            (the others are empty: a row's group can have fewer sequences in this micro-batch); None: all ``M``.
     """
 
     def __init__(
-        self, prompt_slots: int, completion_slots: int, num_completions: int, prompt_lengths: torch.Tensor
+        self, prompt_slots: int, completion_slots: int, num_completions: int, prompt_lengths: torch.Tensor,
+        completions: Optional[torch.Tensor] = None,
     ) -> None:
         self.prompt_slots = prompt_slots
         self.completion_slots = completion_slots
         self.num_completions = num_completions
         self.prompt_lengths = prompt_lengths
+        self.completions = completions
         p, c, m = prompt_slots, completion_slots, num_completions
         device = prompt_lengths.device
         # [R*M, 1, C, P+C]: a completion token sees its row's real prompt tokens and its own earlier tokens.
@@ -63,7 +67,8 @@ class SharedPromptMask(AttentionLayout):
         """The allowed pairs (:class:`~torchtune_grpo.models._transformers_layouts.SlotPairs`) of these rows.
 
         The prompt's real tokens are segment 0 and shared (every completion of the row sees them), its padding
-        is padding (-1); completion region ``j`` is segment ``j + 1``. With ``input_pos [R, S]`` (each completion
+        is padding (-1); completion region ``j`` is segment ``j + 1``, or padding when it is empty (no result
+        is read from it: a linear-attention layer then computes no row for it). With ``input_pos [R, S]`` (each completion
         continuing its prompt's positions) causality and windows are by position, as in the unshared rows. The
         attention :meth:`attention` computes is these pairs (split into blocks so that no completion is
         computed against another); the transformers backend builds its masks from them.
@@ -71,10 +76,10 @@ class SharedPromptMask(AttentionLayout):
         p, c, m = self.prompt_slots, self.completion_slots, self.num_completions
         r, device = self.prompt_lengths.size(0), self.prompt_lengths.device
         prompt_real = torch.arange(p, device=device)[None, :] < self.prompt_lengths[:, None]  # [R, P]
-        segment = torch.cat([
-            torch.where(prompt_real, 0, -1),
-            torch.arange(1, m + 1, device=device).repeat_interleave(c)[None].expand(r, m * c),
-        ], dim=1)  # [R, P + M*C]
+        region = torch.arange(1, m + 1, device=device).repeat_interleave(c)[None].expand(r, m * c)  # [R, M*C]
+        if self.completions is not None:
+            region = torch.where(region <= self.completions[:, None], region, -1)
+        segment = torch.cat([torch.where(prompt_real, 0, -1), region], dim=1)  # [R, P + M*C]
         shared = torch.cat([prompt_real, torch.zeros(r, m * c, dtype=torch.bool, device=device)], dim=1)
         return SlotPairs(segment, shared, input_pos)
 
@@ -214,7 +219,8 @@ def shared_prompt_layout(
     return SharedPromptLayout(
         tokens=tokens.to(device),
         input_pos=input_pos.to(device),
-        mask=SharedPromptMask(p_slots, c_slots, m, prompt_lengths.to(device)),
+        mask=SharedPromptMask(p_slots, c_slots, m, prompt_lengths.to(device),
+                              torch.tensor([len(run) for run in runs], device=device)),
         src=src_t.to(device),
         targets=targets_t.to(device),
         dst=dst_t.to(device),
