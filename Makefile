@@ -77,7 +77,7 @@ NUMERIC_TESTS ?= tests/test_lora_sync.py tests/test_multiturn_continuation.py te
   tests/test_reference_model.py tests/test_moe_routing.py tests/test_moe_families.py tests/test_moe_policy.py \
   tests/test_moe_lora.py tests/test_transformers_layouts.py tests/test_native_transformers_decode.py \
   tests/test_native_transformers_session.py tests/test_vision_policy.py tests/test_vision_rollout.py tests/test_hf_cache.py \
-  tests/test_grouped_attention.py tests/test_hf_static_decode.py \
+  tests/test_grouped_attention.py tests/test_hf_static_decode.py tests/test_vision_layouts.py \
   tests/test_backends_benchmark.py
 OTHER_CAPABILITY := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo "avx2 AVX2" || echo "default SSE41")
 test-numerics: setup

@@ -60,9 +60,9 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
         calls["prefill"] += 1
         return prefill(self, *args, **kwargs)
 
-    def counted_forward(policy, tokens, images, input_pos):
-        calls["forward"].append((torch.is_grad_enabled(), tokens.size(0)))
-        return forward(policy, tokens, images, input_pos)
+    def counted_forward(policy, tokens, images, input_pos, layout=None):
+        calls["forward"].append((torch.is_grad_enabled(), tokens.size(0), layout is not None))
+        return forward(policy, tokens, images, input_pos, layout)
 
     monkeypatch.setattr(HFRollout, "_prefill_with_images", counted_prefill)
     monkeypatch.setattr(_vision, "forward_with_images", counted_forward)
@@ -79,11 +79,13 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
         eval_every_n_steps=2, eval_max_prompts=2)
     run_in_process(config, log=log)
     text = "\n".join(log)
-    assert "Images in the prompt" in text and "one row per sequence" in text
+    assert "Images in the prompt" in text and "training forwards carry the images" in text
+    assert "one row per sequence" not in text  # the default shared-prompt rows, with the images
     # Prefills with the pixels: one rollout per step, and one greedy pass per held-out evaluation (steps 0 and 2).
     # The reference's logprobs (no grad) and the update's forward (with grad) run with the images.
     assert calls["prefill"] == 4, calls["prefill"]
-    assert any(g for g, _ in calls["forward"]) and any(not g for g, _ in calls["forward"])
+    assert any(g for g, *_ in calls["forward"]) and any(not g for g, *_ in calls["forward"])
+    assert all(laid_out for *_, laid_out in calls["forward"])  # shared-prompt rows, the images in their slots
     step = tmp_path / "out" / "step_2"
     start, end = weights(src), weights(step)
     assert start.keys() == end.keys()

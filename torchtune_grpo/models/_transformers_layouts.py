@@ -134,7 +134,8 @@ def config_unsupported(config: Any, recurrent_ok: bool = False) -> Optional[str]
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         return (f"its attention implementation {implementation!r} takes no explicit mask here (the layouts run "
                 f"with {' or '.join(SUPPORTED_IMPLEMENTATIONS)}: set model.attn_implementation)")
-    if getattr(config, "use_bidirectional_attention", None):
+    if getattr(config, "use_bidirectional_attention", None) not in (None, False, "vision"):
+        # "vision" (Gemma 4) makes only image tokens attend to their image both ways: text is causal.
         return "its attention is bidirectional (use_bidirectional_attention)"
     return None
 
@@ -148,12 +149,16 @@ def _format(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> t
     return allowed
 
 
-def layout_attention_mask(model: Any, pairs: SlotPairs) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+def layout_attention_mask(model: Any, pairs: SlotPairs,
+                          allowed: Optional[Callable[[Optional[int]], torch.Tensor]] = None
+                          ) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
     """The ``attention_mask`` for ``model``'s base model that makes it attend exactly as ``pairs`` says.
 
     Args:
         model (Any): a ``TransformersDecoder`` that :func:`layouts_unsupported` accepts.
         pairs (SlotPairs): the layout's description, ``[R, S]`` per field.
+        allowed (Optional[Callable[[Optional[int]], torch.Tensor]]): the pairs by window (``[R, S, S]``), where
+            they are more than ``pairs.allowed`` (an image attending to itself: :mod:`._vision_layouts`).
 
     Returns:
         Union[torch.Tensor, Dict[str, torch.Tensor]]: one ``[R, 1, S, S]`` mask, or one per layer type.
@@ -164,7 +169,7 @@ def layout_attention_mask(model: Any, pairs: SlotPairs) -> Union[torch.Tensor, D
     reason = layouts_unsupported(model)
     if reason is not None:
         raise ValueError(f"the packed and shared-prompt training layouts cannot run on this model: {reason}")
-    masks = masks_by_layer_type(_config(model), model.tok_embeddings.weight.dtype, pairs.allowed)
+    masks = masks_by_layer_type(_config(model), model.tok_embeddings.weight.dtype, allowed or pairs.allowed)
     if LINEAR_ATTENTION in (getattr(_config(model), "layer_types", None) or ()):
         split_sequences(model.causal_lm)
         masks[LINEAR_ATTENTION] = SequenceRows(pairs)

@@ -212,7 +212,8 @@ class TransformersDecoder(nn.Module):
                 (:func:`~torchtune_grpo.models._vision.batch_image_inputs`; or set for a block by
                 :func:`~torchtune_grpo.models._vision.image_inputs`), after
                 :func:`~torchtune_grpo.models._vision.attach_images`: the image-text class's own forward on the
-                policy's language model. Right-padded plain rows only (no layout, no ``input_pos``).
+                policy's language model: right-padded plain rows (no ``input_pos``), or a layout's rows with the images laid
+                out in its slots (:func:`~torchtune_grpo.models._vision_layouts.layout_image_inputs`).
 
         Returns:
             torch.Tensor: ``unembed(h)``, by default ``[B, L, V]`` logits.
@@ -224,10 +225,10 @@ class TransformersDecoder(nn.Module):
         if images is not None:
             from torchtune_grpo.models._vision import forward_with_images
 
-            if mask is not None:
-                raise ValueError("a forward with images takes plain right-padded rows (one per sequence), not a "
-                                 "training layout")
-            return self.unembed(forward_with_images(self, tokens, images, input_pos))
+            if mask is not None and not hasattr(mask, "pairs"):
+                raise ValueError("a forward with images takes plain right-padded rows or a training layout (packed "
+                                 "or shared-prompt rows), not a tensor mask")
+            return self.unembed(forward_with_images(self, tokens, images, input_pos, mask))
         attention_mask = None
         if mask is not None:
             from torchtune_grpo.models._transformers_layouts import layout_attention_mask

@@ -230,16 +230,43 @@ def batch_image_inputs(per_row: Sequence[Optional[Mapping[str, torch.Tensor]]], 
 
 
 def forward_with_images(policy: nn.Module, tokens: torch.Tensor, images: Mapping[str, Any],
-                        input_pos: Optional[torch.Tensor]) -> torch.Tensor:
-    """The last hidden states ``[B, L, D]`` of ``tokens`` with ``images``, by the image-text class's inner model."""
+                        input_pos: Optional[torch.Tensor], layout: Optional[Any] = None) -> torch.Tensor:
+    """The last hidden states ``[B, L, D]`` of ``tokens`` with ``images``, by the image-text class's inner model.
+
+    With a training ``layout`` (packed or shared-prompt rows, ``input_pos`` their positions), ``images`` are laid
+    out in its slots (:func:`~torchtune_grpo.models._vision_layouts.layout_image_inputs`), and the layout's masks
+    (with each image attending to itself where the family does) and positions replace the ones the class builds.
+    """
     inner = getattr(policy, "image_model", None)
     if inner is None:
         raise ValueError("image inputs given to a policy without an image side: call attach_images(policy, model_dir)")
+    if layout is not None:
+        return _layout_forward(policy, inner, tokens, images, input_pos, layout)
     if input_pos is not None:
         # Qwen3.5's M-RoPE positions are 3-D and computed from the image grid; the Gemmas' are 0..L-1 for a row.
         raise ValueError("a forward with images takes no input_pos: the family computes its positions")
     with text_ids(inner, tokens, images) as ids:
         return inner(input_ids=ids, use_cache=False, **images).last_hidden_state
+
+
+def _layout_forward(policy: nn.Module, inner: nn.Module, tokens: torch.Tensor, images: Mapping[str, Any],
+                    input_pos: torch.Tensor, layout: Any) -> torch.Tensor:
+    """:func:`forward_with_images` on a layout's rows ``tokens [R, S]``."""
+    from torchtune_grpo.models._transformers_layouts import layout_attention_mask
+    from torchtune_grpo.models._vision_layouts import bidirectional_layers, image_blocks, POSITIONS_KEY, with_blocks
+
+    pairs = layout.pairs(input_pos)
+    images = dict(images)
+    positions = images.pop(POSITIONS_KEY, input_pos)
+    layers = bidirectional_layers(inner.config)
+    allowed = None
+    if any(layers):
+        types = next(images[k] for k in PER_TOKEN_KEYS if k in images)
+        allowed = with_blocks(pairs, image_blocks(types, pairs.segment), layers)
+    masks = layout_attention_mask(policy, pairs, allowed)
+    with text_ids(inner, tokens, images) as ids:
+        return inner(input_ids=ids, attention_mask=masks, position_ids=positions, use_cache=False,
+                     **images).last_hidden_state
 
 
 @contextmanager

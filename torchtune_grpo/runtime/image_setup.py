@@ -77,5 +77,5 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
     counted = f", {sum(p.numel() for p in trained):,} parameters" if trained else ""
     counted += f", sharded in {units} FSDP2 unit{'s' if units > 1 else ''}" if units else ""
     return (f"Images in the prompt: the directory's vision tower and projector ({_WHAT[train]}{counted}) feed the "
-            f"policy{' and the reference' if reference is not None else ''}; training forwards run one row per "
-            "sequence (no shared prompts or packing with images)")
+            f"policy{' and the reference' if reference is not None else ''}; training forwards carry the images "
+            "in the run's training layout (shared-prompt and packed rows hold the image tokens with their prompt)")

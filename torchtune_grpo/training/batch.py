@@ -26,7 +26,7 @@ aggregation therefore do not depend on the layout.
 
 import copy
 from contextlib import nullcontext
-from typing import Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -160,10 +160,8 @@ class TrainingBatch:
         images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> None:
         tokens, response_mask = pack_sequences(prompt_ids, response_ids, pad_id)
-        # Rows whose prompts have images: one row per sequence, each forward with its rows' image inputs.
+        # Rows whose prompts have images: each forward with its rows' image inputs (laid out in a layout's slots).
         self.images = None if images is None or all(i is None for i in images) else list(images)
-        if self.images is not None:
-            share_prompt, pack = False, False
         self.routes = None if routed_experts is None else layout_routes(
             prompt_ids, response_ids, routed_experts, tokens.size(1))
         if replay and self.routes is None:
@@ -281,13 +279,20 @@ class TrainingBatch:
             return nullcontext()
         return hooks.forcing(self.routes_for(rows, model, allow_layout))
 
-    def _images(self, model: nn.Module, rows: slice, tokens: torch.Tensor) -> ContextManager:
-        """The forwards over ``rows`` (``tokens [n, L]``) with their prompts' images (none: a no-op)."""
+    def _images(self, model: nn.Module, rows: slice, tokens: torch.Tensor, lay: Any = None) -> ContextManager:
+        """The forwards over ``rows`` (``tokens [n, L]``) with their prompts' images (none: a no-op); with a layout
+        ``lay``, laid out in its slots."""
         if self.images is None:
             return nullcontext()
         from torchtune_grpo.models._vision import batch_image_inputs, image_inputs
 
-        return image_inputs(model, batch_image_inputs(self.images[rows], tokens.size(1), tokens.device))
+        inputs = batch_image_inputs(self.images[rows], tokens.size(1), tokens.device)
+        if lay is not None:
+            from torchtune_grpo.models._vision_layouts import layout_image_inputs
+
+            inputs = layout_image_inputs(model.image_model, self.images[rows], inputs, tokens, self.lengths[rows],
+                                         lay.source)
+        return image_inputs(model, inputs)
 
     def layout_for(self, model: nn.Module, rows: slice, allow_layout: bool = True
                    ) -> "Optional[SharedPromptLayout | PackedLayout]":
@@ -428,7 +433,8 @@ class TrainingBatch:
                 return out.logprobs[0].clone()  # [K]; a fresh tensor, not a view (FSDP2)
             return torch.stack([out.logprobs[0], out.entropy[0]], dim=-1)  # [K, 2]
 
-        with replace_unembed(model, unembed), compiled_layers(model), self.routing(model, rows, allow_layout):
+        with replace_unembed(model, unembed), compiled_layers(model), self.routing(model, rows, allow_layout), \
+                self._images(model, rows, self.tokens[rows], lay):
             out = model(lay.tokens, mask=lay.mask, input_pos=lay.input_pos)
 
         def scatter(values: torch.Tensor) -> torch.Tensor:
