@@ -24,6 +24,7 @@ from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
+from torchtune_grpo.generation._vllm_images import vllm_image_refusal
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
 from torchtune_grpo.generation._vllm_moe import check_vllm_sync, moe_layers_in, reprocess_cpu_moe_experts
 from torchtune_grpo.generation._vllm_routes import check_routes_supported, moe_layer_indices, rollout_routes
@@ -77,6 +78,15 @@ class HFDirectoryEngine(GenerationEngine):
         if self._to_hf_names is None:
             self._to_hf_names = TuneToHFNames(self.hf_config)
         return self._to_hf_names.tensors(name, tensor)
+
+    @property
+    def image_refusal(self) -> str:
+        """Why this engine samples no image prompts of its directory: the family, the vLLM build, what it lacks."""
+        try:
+            config = self.hf_config
+        except FileNotFoundError:
+            config = {}
+        return vllm_image_refusal(config.get("model_type") if isinstance(config.get("text_config"), dict) else None)
 
     def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
         """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).

