@@ -6,8 +6,8 @@
   global batch on one process; in the same launch, two transformers-backend families (one and two processes, and
   micro-batches from a token budget) and every mixture-of-experts family (FSDP2 shards each decoder layer, its
   fused expert parameters along the expert dimension, as one unit), and attention LoRA on Qwen3-MoE; and image
-  prompts on tiny Gemma 3 and Qwen3.5 image directories, the tower frozen, then trained (Gemma 3's projector, with
-  a resume on two processes; Qwen3.5's tower) (tests/test_vision_recipe.py).
+  prompts on tiny Gemma 3, Qwen3.5 and Gemma 4 image directories, the tower frozen, then trained (Gemma 3's
+  projector, with a resume on two processes; Qwen3.5's tower) (tests/test_vision_recipe.py).
 """
 
 import math
@@ -155,9 +155,9 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
         "lora_attn_modules": ["q_proj", "k_proj", "v_proj", "output_proj"], "lora_rank": 4, "lora_alpha": 8,
     }, base=LORA_CONFIG, **REPLAY)
     runs.append(Run(two_processes=str(moe_lora), lora=True))
-    # Image prompts (tests/test_vision_recipe.py): tiny Gemma 3 and Qwen3.5 (M-RoPE) image directories, one process
-    # and two, the tower frozen; then train_vision (Gemma 3's projector, Qwen3.5's tower: FSDP2 units of their own),
-    # and Gemma 3's resumed on two processes.
+    # Image prompts (tests/test_vision_recipe.py): tiny Gemma 3, Qwen3.5 (M-RoPE) and Gemma 4 (per-layer inputs, its
+    # layer_scalar buffers) image directories, one process and two, the tower frozen; then train_vision (Gemma 3's
+    # projector, Qwen3.5's tower: FSDP2 units of their own), and Gemma 3's resumed on two processes.
     runs.extend(image_split_runs(tmp_path / "images"))
     # One launch (tests/_spawn_runs.py): the spawned processes are judged by their exit codes (0 only after the last
     # run; a rank that failed raises here with its traceback and stops the other).

@@ -199,6 +199,35 @@ def test_qlora_on_a_transformers_policy(family_dir, tmp_path, clean_env, one_thr
     assert all(v.abs().max() > 0 for k, v in adapter.items() if k.endswith("lora_b.weight"))
 
 
+def test_fsdp2_load_keeps_the_checkpoints_persistent_buffers_buffers(family_dir, tmp_path, clean_env):
+    # Gemma 4's per-layer `layer_scalar` is a persistent buffer: a constant of the checkpoint, never trained. An
+    # FSDP2-wrapped model (several processes, dtype: bf16, LoRA) must load it as a buffer: loaded as a parameter
+    # outside FSDP2, the optimizer trained it from each process's own gradient (two processes then differed from one
+    # by 8e-4 on it after two SGD steps). Distinct values, so the buffers are seen to come from the checkpoint.
+    import dataclasses
+
+    from tests.recipe_utils import init_one_process_group
+    from torchtune_grpo.runtime.lora_setup import build_lora_model
+
+    init_one_process_group()
+    src = family_dir("gemma4_text")
+    state = HFCheckpointer(str(src), str(tmp_path / "scratch")).load_checkpoint()["model"]
+    scalars = {k: torch.tensor([0.5 + i]) for i, k in enumerate(k for k in state if k.endswith(".layer_scalar"))}
+    assert len(scalars) == 4
+    state.update(scalars)
+    sharded = dataclasses.replace(FP32, single_process_fsdp=True)
+    cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.hf_model", "path": str(src)})
+    lora_cfg = OmegaConf.create({"_component_": "torchtune_grpo.models.lora_hf_model", "path": str(src),
+                                 "lora_attn_modules": ["q_proj"], "lora_rank": 4, "lora_alpha": 8})
+    full = build_model(cfg, dict(state), sharded, trainable=True, source=str(src), max_len=64)
+    lora, _ = build_lora_model(lora_cfg, dict(state), None, sharded, source=str(src), max_len=64)
+    for model in (full, lora):
+        buffers = dict(model.named_buffers())
+        assert all(type(buffers[k]) is torch.Tensor and torch.equal(buffers[k], v) for k, v in scalars.items())
+        assert not [n for n, _ in model.named_parameters() if n.endswith(".layer_scalar")]
+        assert model.state_dict().keys() >= scalars.keys()  # still saved with the checkpoint's other tensors
+
+
 def test_lora_target_the_family_lacks_is_named(family_dir):
     with pytest.raises(ValueError, match=r"LoRA target 'x_proj'.*its linear layers are \[.*'qkv_proj'"):
         with torch.device("meta"):

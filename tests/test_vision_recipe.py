@@ -1,8 +1,8 @@
 """Two GRPO steps of the image example (docs/examples/gemma3_4B_image_grpo.yaml) on a tiny multimodal Gemma 3
 (and Qwen3.5: M-RoPE) directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
-logprobs and the update all see each prompt's image. The same two steps on two processes (FSDP2) equal one process:
-:func:`image_split_runs` and :func:`check_image_split`, run in tests/test_models_architectures.py's two-process
-launch."""
+logprobs and the update all see each prompt's image. The same two steps on two processes (FSDP2) equal one process,
+also on Gemma 4: :func:`image_split_runs` and :func:`check_image_split`, run in tests/test_models_architectures.py's
+two-process launch."""
 
 import json
 
@@ -18,7 +18,9 @@ from tests.tolerances import ulps
 
 SHAPES = ("circle", "square", "triangle")
 # The on-disk names of the vision tower and projector (tests/hf_multimodal.py).
-TOWER = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",)}
+TOWER = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",),
+         # Gemma 4: and its audio tower, which image prompts leave as it is
+         "gemma4": ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")}
 # What TRAINED_SPLIT trains, on disk.
 TRAINED_PREFIXES = {"gemma3": ("multi_modal_projector.",), "qwen3_5": ("model.visual.",)}
 EXAMPLE = REPO / "docs" / "examples" / "gemma3_4B_image_grpo.yaml"
@@ -269,7 +271,9 @@ def test_the_example_reward():
 # for the MoE families there: these gradients' norm is ~30, and lr 0.05 moved weights by 0.3); micro-batches
 # of 4 rows: two on one process, one on each of two. 8 prompts (of 12: the two steps' worth). The scripted
 # completions are the tiny tokenizer's letters (ids 64-89), so the vowel reward varies within a group.
-IMAGE_SPLIT_FAMILIES = ("gemma3", "qwen3_5")
+IMAGE_SPLIT_FAMILIES = ("gemma3", "qwen3_5", "gemma4")
+# Gemma 4's prompts here are 113 or 114 tokens: its image processor gives each picture ~70 soft tokens.
+SPLIT_PROMPT_LENGTH = {"gemma4": 120}
 SPLIT_COLORS = {**COLORS, "green": (40, 160, 40), "black": (0, 0, 0)}
 # train_vision on one process and on two (FSDP2 units of their own): Gemma 3's projector (its on-disk names differ
 # from the in-memory ones; the tower stays frozen and replicated), Qwen3.5's whole tower. SGD with momentum 0.9, so
@@ -301,7 +305,9 @@ def image_split_runs(folder) -> list:
         # Plain random attention, as the text families' split runs (peaked attention amplifies the regrouping's
         # rounding near softmax transitions past the bound derived below).
         src = make_vision_dir(family, folder / family / "model", peaked=False)
-        one, two = (_split_config(folder / family / name, src, data, size) for name, size in (("one", 4), ("two", 2)))
+        length = {"max_prompt_length": SPLIT_PROMPT_LENGTH[family]} if family in SPLIT_PROMPT_LENGTH else {}
+        one, two = (_split_config(folder / family / name, src, data, size, **length)
+                    for name, size in (("one", 4), ("two", 2)))
         runs.append(Run(two_processes=two, one_process=one))
     for family, train in TRAINED_SPLIT.items():
         src, base = folder / family / "model", folder / f"{family}_{train}"
@@ -327,6 +333,11 @@ def check_image_split(folder) -> None:
         assert tower and all(torch.equal(start[k], got[k]) and torch.equal(start[k], expected[k]) for k in tower)
         language = [k for k in start if k.startswith(LANGUAGE_PREFIX[family])]
         assert max((expected[k] - start[k]).abs().max().item() for k in language) > 1e-3, family
+        # Gemma 4's per-layer layer_scalar is a buffer, a constant of the checkpoint: byte for byte on both (loaded
+        # as a parameter, it was trained on two processes from each one's own gradient: 8e-4 from one process).
+        scalars = [k for k in language if k.endswith(".layer_scalar")]
+        assert bool(scalars) == (family == "gemma4")
+        assert all(torch.equal(start[k], got[k]) and torch.equal(start[k], expected[k]) for k in scalars), family
         _check_equal_split(family, language, expected, got, one, two)
     for family, train in TRAINED_SPLIT.items():
         src, base = folder / family / "model", folder / f"{family}_{train}"
@@ -362,7 +373,9 @@ def _check_equal_split(what, keys, expected, got, one, two) -> None:
     # As tests/test_models_architectures.py derives it for the text families: each step's gradient is the same sum of
     # per-token terms grouped by micro-batch and rank (~sqrt(n) ulp of each sum, ~1e-7 relative); SGD at lr 0.005
     # moves a weight by lr x that per step (updates of ~0.03 here), plus one rounding of each weight (ulp 7.5e-9 at
-    # 0.1), over 2 steps: bound 1e-5 (> 100x that).
+    # 0.1; 1.2e-7 at 1, where Gemma 4 keeps its norm weights), over 2 steps, the second step's gradient taken at
+    # weights that differ by the first's rounding: a few 1e-7 at most (measured 6e-8 to 2.6e-7, Gemma 4's embedding
+    # table the largest; its first step: 1.5e-8); bound 1e-5 (> 30x that).
     for key in keys:
         torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=0, msg=lambda m: f"{what} {key}: {m}")
     rows = [[r for r in read_jsonl(run / "out" / "metrics.jsonl") if "loss" in r] for run in (one, two)]

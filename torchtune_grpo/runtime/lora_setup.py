@@ -18,7 +18,7 @@ from torchtune_grpo.models.logprobs import set_head_precision
 from torchtune_grpo.models.lora import LoRAHyperparams, load_nf4_base_weights, lora_hyperparams, nf4_parameters
 from torchtune_grpo.runtime.compute import apply_activation_checkpointing
 from torchtune_grpo.runtime.model_setup import (
-    check_max_seq_len, check_state_dict_shapes, decoder_layer_classes, init_rope, Placement,
+    check_max_seq_len, check_state_dict_shapes, decoder_layer_classes, init_rope, load_full_state_dict, Placement,
 )
 
 __all__ = ["build_lora_model"]
@@ -67,7 +67,7 @@ def build_lora_model(
     base_state = dict(base_state)
     nf4_keys = set(load_nf4_base_weights(model, base_state, device, dtype))
     if adapter_state is not None:
-        loaded = training.load_from_full_model_state_dict(model, dict(adapter_state), device, cpu_offload=cpu_offload)
+        loaded = load_full_state_dict(model, dict(adapter_state), device, cpu_offload=cpu_offload)
         if loaded.unexpected_keys or adapter_names - set(adapter_state):
             raise ValueError(
                 f"The saved adapter does not match the model: unexpected {loaded.unexpected_keys}, "
@@ -80,7 +80,7 @@ def build_lora_model(
                     m.to_empty(device="cpu" if cpu_offload else device)
                     m.initialize_parameters()
     init_rope(model, device)
-    loaded = training.load_from_full_model_state_dict(model, base_state, device, cpu_offload=cpu_offload)
+    loaded = load_full_state_dict(model, base_state, device, cpu_offload=cpu_offload)
     missing = set(loaded.missing_keys) - adapter_names - nf4_keys
     if missing or loaded.unexpected_keys:
         raise ValueError(

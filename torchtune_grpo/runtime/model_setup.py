@@ -26,7 +26,8 @@ from torchtune_grpo.runtime.precision import Precision
 from torchtune_grpo.runtime.sharding import shard_added_modules, shard_model
 
 __all__ = [
-    "build_model", "check_device", "check_max_seq_len", "check_state_dict_shapes", "init_rope", "Placement",
+    "build_model", "check_device", "check_max_seq_len", "check_state_dict_shapes", "init_rope",
+    "load_full_state_dict", "Placement",
 ]
 
 log = utils.get_logger("INFO")
@@ -161,6 +162,38 @@ def init_rope(model: nn.Module, device: torch.device) -> None:
                 m.rope_init()
 
 
+def load_full_state_dict(
+    model: nn.Module, state_dict: Dict[str, torch.Tensor], device: torch.device, *, strict: bool = False,
+    cpu_offload: bool = False,
+) -> Any:
+    """Load full weights into an FSDP2-sharded model (each rank keeps its shards of the parameters), keeping the
+    model's persistent buffers buffers.
+
+    torchtune's ``load_from_full_model_state_dict`` assigns every entry of the state dict as an ``nn.Parameter``,
+    which turns a persistent buffer (Gemma 4's per-layer ``layer_scalar``, a constant of the checkpoint) into a
+    trainable parameter outside FSDP2: the optimizer then updated it, on each process from that process's own
+    gradient, never averaged. Such entries are put back as plain buffers on ``device`` (also with
+    ``cpu_offload``: the forward reads them on the device, and only parameters are offloaded).
+
+    Args:
+        model (nn.Module): the sharded model, still on the meta device.
+        state_dict (Dict[str, torch.Tensor]): full tensors under the model's state-dict names.
+        device (torch.device): the rank's device.
+        strict (bool): fail on missing or unexpected names (torchtune's check). Default is False.
+        cpu_offload (bool): the parameters' shards go to the CPU (FSDP2's CPU offload). Default is False.
+
+    Returns:
+        Any: torchtune's ``missing_keys`` / ``unexpected_keys`` result.
+    """
+    persistent = [(m, leaf) for m in model.modules() for leaf in m._buffers
+                  if leaf not in m._non_persistent_buffers_set]
+    loaded = training.load_from_full_model_state_dict(model, state_dict, device, strict=strict, cpu_offload=cpu_offload)
+    for module, leaf in persistent:
+        if leaf in module._parameters:  # loaded as a parameter above
+            module._buffers[leaf] = module._parameters.pop(leaf).detach().to(device)
+    return loaded
+
+
 def decoder_layer_classes(model: nn.Module) -> set:
     """The classes of ``model``'s decoder layers, which activation checkpointing wraps one by one."""
     return set(getattr(model, "layer_classes", None) or {modules.TransformerSelfAttentionLayer})
@@ -210,9 +243,7 @@ def build_model(
         model.to_empty(device=placement.device)
     init_rope(model, placement.device)
     if shard:
-        training.load_from_full_model_state_dict(
-            model, state_dict, placement.device, strict=True, cpu_offload=placement.cpu_offload
-        )
+        load_full_state_dict(model, state_dict, placement.device, strict=True, cpu_offload=placement.cpu_offload)
     else:
         model.load_state_dict(state_dict, strict=True)
     training.validate_no_params_on_meta_device(model)
