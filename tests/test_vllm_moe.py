@@ -8,7 +8,10 @@ directories of :mod:`tests.hf_moe`), with the trainer being transformers' own mo
 
 import importlib.util
 import json
+import re
 import textwrap
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -243,11 +246,13 @@ def test_the_recipe_with_replay_and_vllm_on_cpu_stops_at_start_naming_the_key(tm
 # --------------------------------------------------------------------- the server, through a generation worker
 
 
-def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path, monkeypatch):
+def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path, monkeypatch, capfd):
     # transformers' Qwen3-MoE module trained with its own vLLM server inside a generation worker, no staleness:
     # every batch after the first is sampled by a version sent through vLLM's weight-transfer API (per-expert
-    # tensors in shared memory, the server's CPU experts prepacked again), and the worker checks each version's
-    # probe against the trainer's with the tolerance below: the run only finishes if every check passed.
+    # tensors in shared memory, the server's CPU experts prepacked again, every weight under transformers' own
+    # names), and the worker checks each version's probe against the trainer's with the tolerance below: the
+    # run only finishes if every check passed. The worker started the server, logging to the run's vllm/
+    # folder, and stopped it at the end. (A worker one step off, on a listed server: tests/test_vllm_server.py.)
     from transformers import AutoModelForCausalLM
 
     from tests.hf_models import hf_components
@@ -277,8 +282,13 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
         monkeypatch.setenv(key, value)
     log = []
     run_in_process(config, log=log)
-    output = "\n".join(log)
+    output = "\n".join(log) + "\n" + "".join(capfd.readouterr())  # the worker logs to the stderr it inherits
     assert "Generation worker started (max_staleness 0)" in output
+    started = re.search(r"Rank 0: vLLM server started at (http://\S+)", output)
+    assert started, output[-3000:]
+    assert (tmp_path / "out" / "vllm" / "vllm_server_rank0.log").is_file()
+    with pytest.raises(urllib.error.URLError):  # the worker stopped the server it started
+        urllib.request.urlopen(started.group(1) + "/health", timeout=5)
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     # Sampled (temperature 1) by exactly the trainer's weights at every step, the synced ones included.
