@@ -1,6 +1,6 @@
 """LoRA/QLoRA weight sync to an engine holding its own weights (torchtune_grpo/generation/_lora_sync.py and the
 publisher's LoRA path), with an in-test engine: no vLLM needed. (The real vLLM engine with adapters:
-tests/test_vllm_lora.py.)
+tests/test_vllm_engine.py.)
 
 - ``merge``: the merged weights give the LoRA (and QLoRA) policy's logits exactly (fp32);
 - ``adapter``: the base goes once, then only the adapter (bytes counted), every version is checked, and an

@@ -1,154 +1,87 @@
-"""The vLLM engine against the trainer's own model: sampling, logprobs, stop tokens, weight sync.
+"""The in-process vLLM engine (``VLLMGenerator``) against the trainer's own models: a real ``vllm.LLM``
+(``vllm-cpu``, in CI), not a mock.
 
-A real ``vllm.LLM`` (``vllm-cpu``, in CI), not a mock. One engine serves every test of this module: a
-subprocess builds it once, runs every scenario and prints the measurements as JSON, and the tests below
-assert on them. A subprocess because vLLM changes process-wide state when it starts (it joins or creates
-the default process group, pins OpenMP threads and disables ``torch.set_num_threads``), which must not
-leak into the other tests of the pytest process.
+One process of its own (tests/_vllm_engine_runs.py: vLLM changes process-wide state when it starts, which must
+not leak into the pytest process) builds every engine of this module one after another, measures each and
+prints the measurements as JSON; the tests below assert on them:
 
-The model is the shipped SFT-trained ``tiny_qwen2_arith`` (its distributions are peaked, so greedy decoding
-has no near-ties that two correct implementations could break differently) on arithmetic prompts.
+- the engine on the shipped SFT-trained ``tiny_qwen2_arith`` (its distributions are peaked, so greedy decoding
+  has no near-ties that two correct implementations could break differently) on arithmetic prompts:
+  sampling, logprobs, stop tokens, weight sync;
+- LoRA and QLoRA policies synced into a LoRA engine on the shipped tiny Qwen2 (fp32): adapter versions
+  (base once, then the adapter alone), adapter-only against merged weights in the same engine, a stale
+  adapter, the dequantised NF4 base;
+- mixture-of-experts policies (qwen3_moe, olmoe, mixtral; tiny decisive-router directories of
+  :mod:`tests.hf_moe`), the trainer being transformers' own module: the sync check from the files, stale,
+  synced (and the CPU experts' prepacking it needs).
+
+One process instead of three: vLLM's import and first use, most of an engine's time on CPU, are paid once.
 """
 
 import importlib.util
-import textwrap
 
 import pytest
 
 from tests.conftest import REPO
-from tests.recipe_utils import run_results_script
+from tests.hf_families import make_family_dir
+from tests.hf_models import hf_components
+from tests.recipe_utils import run_results_script, weights, write_config
 
-SCRIPT = textwrap.dedent(
-    r"""
-    import json, os, socket, sys
-    import torch
-    import torch.distributed as dist
-    from omegaconf import OmegaConf
-    from torchtune import config as tt_config, training
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo")  # as the recipe does, even on one process
-
-    from torchtune_grpo.assets import asset_path, register_resolvers
-    from torchtune_grpo.data import arithmetic_dataset
-    from torchtune_grpo.generation import NativeGenerator, VLLMGenerator, WeightSyncCheck
-    from torchtune_grpo.training.batch import pack_sequences
-    from torchtune_grpo.models.logprobs import sequence_logprobs
-
-    register_resolvers()  # ${grpo_asset:...} in the config
-    asset = str(asset_path("tiny_qwen2_arith"))
-    cfg = OmegaConf.load(sys.argv[1])
-    model = tt_config.instantiate(cfg.model)
-    ckpt = training.FullModelHFCheckpointer(
-        checkpoint_dir=asset, checkpoint_files=["model.safetensors"], model_type="QWEN2",
-        output_dir=sys.argv[2],
-    )
-    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
-    model.eval()
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
-    data = arithmetic_dataset(tokenizer, num_samples=8, max_value=20, seed=1)
-    prompts = [data[i]["tokens"] for i in range(4)]
-    stop = list(tokenizer.stop_tokens)
-    out = {"stop_tokens": stop}
-
-    engine = VLLMGenerator(model=asset, dtype="fp32", max_model_len=256, kv_cache_memory_gib=0.25)
-    check = WeightSyncCheck(probe_length=64)
-    probe = check.probe(engine.vocab_size)
-
-    def trainer_probe():
-        with torch.no_grad():
-            return sequence_logprobs(model, torch.tensor([probe])).logprobs[0]
-
-    # 1. Greedy: vLLM and the native engine (the trainer's model) pick the same tokens.
-    kw = dict(group_size=2, max_new_tokens=24, pad_id=tokenizer.pad_id, stop_tokens=stop)
-    out["greedy_vllm"] = engine.generate(None, prompts, temperature=0.0, **kw).response_ids
-    out["greedy_native"] = NativeGenerator(temperature=0.0).generate(model, prompts, **kw).response_ids
-
-    # 2. Sampling at temperature 0.7: the engine's logprobs are the trainer's temperature-scaled ones. The
-    # budget is the median greedy length, so some completions stop and some are cut.
-    lengths = sorted(len(x) for x in out["greedy_vllm"])
-    out["budget"] = budget = lengths[len(lengths) // 2]
-    kw = dict(group_size=4, max_new_tokens=budget, pad_id=tokenizer.pad_id, stop_tokens=stop, temperature=0.7)
-    r = engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
-    again = engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
-    other = engine.generate(None, prompts, generator=torch.Generator().manual_seed(1), **kw)
-    tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
-    with torch.no_grad():
-        lp = sequence_logprobs(model, tokens, temperature=0.7).logprobs  # [N, L-1]
-    engine_lp = torch.zeros_like(lp)
-    for i, (p, row) in enumerate(zip(r.prompt_ids, r.logprobs)):
-        engine_lp[i, len(p) - 1 : len(p) - 1 + len(row)] = torch.tensor(row)
-    m = mask[:, 1:]
-    out["sampled"] = {
-        "prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "truncated": r.truncated.tolist(),
-        "logprob_lengths": [len(x) for x in r.logprobs],
-        "max_logprob_diff": (lp - engine_lp)[m].abs().max().item(),
-        "mean_logprob": engine_lp[m].mean().item(),
-        "same_seed_same_samples": again.response_ids == r.response_ids,
-        "other_seed_same_samples": other.response_ids == r.response_ids,
-    }
-
-    # A batch too big for one engine step's token budget (128 seeded requests x ~75 prompt tokens): vLLM's
-    # CPU runner must not split a seeded prefill over steps (it would rewind a CPU RNG and crash).
-    big = engine.generate(None, [data[i % 8]["tokens"] for i in range(16)], generator=torch.Generator().manual_seed(2),
-                          **{**kw, "group_size": 8, "max_new_tokens": 4})
-    out["big_batch_rows"] = len(big.response_ids)
-
-    # 3. Weight sync: the engine starts from the files; move the trainer's weights (embedding included:
-    # it is tied to the output layer) and watch the probe before and after a sync.
-    out["diff_from_files"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-    out["diff_stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    try:
-        check.verify(out["diff_stale"], step=7)
-        out["stale_error"] = None
-    except Exception as e:  # noqa: BLE001
-        out["stale_error"] = f"{type(e).__name__}: {e}"
-    out["loaded"] = engine.load_weights(model.state_dict().items())
-    out["diff_synced"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    # The sampled logprobs follow the new weights too (the prefix cache was reset).
-    r = engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
-    tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
-    with torch.no_grad():
-        lp = sequence_logprobs(model, tokens, temperature=0.7).logprobs
-    engine_lp = torch.zeros_like(lp)
-    for i, (p, row) in enumerate(zip(r.prompt_ids, r.logprobs)):
-        engine_lp[i, len(p) - 1 : len(p) - 1 + len(row)] = torch.tensor(row)
-    out["synced_sampled_max_logprob_diff"] = (lp - engine_lp)[mask[:, 1:]].abs().max().item()
-    out["num_parameters"] = len(model.state_dict())
-
-    engine.close()
-    out["process_group_after_close"] = dist.is_initialized()
-    print("RESULTS " + json.dumps(out))
-    """
-)
+SYNCED = ("qwen3_moe", "olmoe", "mixtral")
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def runs(tmp_path_factory):
     if importlib.util.find_spec("vllm") is None:
         pytest.fail(
             "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
             "scripts/install_vllm_cpu.py (README, Install)."
         )
-    tmp = tmp_path_factory.mktemp("vllm_engine")
-    return run_results_script(SCRIPT, [str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp / "ck")], tmp)
+    tmp = tmp_path_factory.mktemp("vllm_engines")
+    configs = REPO / "configs" / "tiny"
+    gemma = make_family_dir("gemma3_text", tmp / "gemma3")
+    (tmp / "recipe").mkdir()
+    recipe = write_config(tmp / "recipe", base=configs / "vllm_grpo_cpu.yaml", **hf_components(gemma), max_steps=3,
+                          save_every_n_steps=3, lr_scheduler=None)  # no warm-up: step 1 moves the weights
+    args = [str(configs / "vllm_grpo_cpu.yaml"), str(configs / "lora_grpo_cpu.yaml"), str(tmp / "out"), str(recipe)]
+    for family in SYNCED:
+        args += [family, str(make_family_dir(family, tmp / family))]
+    results = run_results_script((REPO / "tests" / "_vllm_engine_runs.py").read_text(), args, tmp)
+    results["recipe"].update(source=gemma, output=tmp / "recipe" / "out")
+    return results
 
 
-def test_greedy_matches_the_native_engine(results):
+@pytest.fixture
+def engine_results(runs):
+    return runs["engine"]
+
+
+@pytest.fixture
+def lora_results(runs):
+    return runs["lora"]
+
+
+@pytest.fixture
+def moe_results(runs):
+    return runs["moe"]
+
+
+@pytest.fixture
+def recipe_results(runs):
+    return runs["recipe"]
+
+
+# ------------------------------------------------------------------------- the engine on the trainer's model
+
+
+def test_greedy_matches_the_native_engine(engine_results):
     # Same weights, same prompts, greedy: token for token what the trainer's own model generates.
-    assert results["greedy_vllm"] == results["greedy_native"]
-    assert any(len(r) > 1 for r in results["greedy_vllm"])
+    assert engine_results["greedy_vllm"] == engine_results["greedy_native"]
+    assert any(len(r) > 1 for r in engine_results["greedy_vllm"])
 
 
-def test_sampled_logprobs_are_the_trainers_temperature_scaled_logprobs(results):
-    s = results["sampled"]
+def test_sampled_logprobs_are_the_trainers_temperature_scaled_logprobs(engine_results):
+    s = engine_results["sampled"]
     # One logprob per response token; the trainer recomputes them at temperature 0.7 from the same weights
     # in fp32: they agree to float32 rounding.
     assert s["logprob_lengths"] == [len(r) for r in s["response_ids"]]
@@ -156,26 +89,26 @@ def test_sampled_logprobs_are_the_trainers_temperature_scaled_logprobs(results):
     assert s["mean_logprob"] < 0
 
 
-def test_groups_stop_tokens_and_truncation(results):
-    s, stop = results["sampled"], set(results["stop_tokens"])
+def test_groups_stop_tokens_and_truncation(engine_results):
+    s, stop = engine_results["sampled"], set(engine_results["stop_tokens"])
     prompts = s["prompt_ids"]
     assert len(prompts) == 16 and all(prompts[i] == prompts[i - i % 4] for i in range(16))  # 4 prompts x G 4
     for ids, truncated in zip(s["response_ids"], s["truncated"]):
         # A completion ends at its first stop token (kept) or at the budget without one.
         assert not any(t in stop for t in ids[:-1])
         if truncated:
-            assert len(ids) == results["budget"] and ids[-1] not in stop
+            assert len(ids) == engine_results["budget"] and ids[-1] not in stop
         else:
             assert ids[-1] in stop
     assert not all(s["truncated"]) and any(s["truncated"])
 
 
-def test_a_batch_bigger_than_one_engine_step(results):
-    assert results["big_batch_rows"] == 16 * 8
+def test_a_batch_bigger_than_one_engine_step(engine_results):
+    assert engine_results["big_batch_rows"] == 16 * 8
 
 
-def test_sampling_is_reproducible_from_the_recipe_generator(results):
-    s = results["sampled"]
+def test_sampling_is_reproducible_from_the_recipe_generator(engine_results):
+    s = engine_results["sampled"]
     assert s["same_seed_same_samples"] is True
     assert s["other_seed_same_samples"] is False
     # Each prompt gets its own seed: the G samples of a group are not all alike.
@@ -183,21 +116,96 @@ def test_sampling_is_reproducible_from_the_recipe_generator(results):
     assert any(len({tuple(r) for r in group}) > 1 for group in groups)
 
 
-def test_weight_sync_reaches_the_engine_and_the_check_sees_stale_weights(results):
+def test_weight_sync_reaches_the_engine_and_the_check_sees_stale_weights(engine_results):
     # Started from the same files: equal up to kernel rounding.
-    assert results["diff_from_files"] < 1e-5
+    assert engine_results["diff_from_files"] < 1e-5
     # The trainer moved (all weights, 1e-3 noise) and the engine did not: far outside the tolerance, and
     # verify() names the problem.
-    assert results["diff_stale"] > 1e-2
-    assert results["stale_error"].startswith("WeightSyncError: Weight sync check failed after step 7")
-    assert "stale" in results["stale_error"]
+    assert engine_results["diff_stale"] > 1e-2
+    assert engine_results["stale_error"].startswith("WeightSyncError: Weight sync check failed after step 7")
+    assert "stale" in engine_results["stale_error"]
     # After load_weights (every tensor, streamed, HF-renamed), the engine scores like the trainer again,
     # also through the tied output layer (vLLM's CPU reload would otherwise keep the old packed copy).
-    assert results["loaded"] == results["num_parameters"]
-    assert results["diff_synced"] < 1e-5
-    assert results["synced_sampled_max_logprob_diff"] < 1e-4
+    assert engine_results["loaded"] == engine_results["num_parameters"]
+    assert engine_results["diff_synced"] < 1e-5
+    assert engine_results["synced_sampled_max_logprob_diff"] < 1e-4
 
 
-def test_close_tears_down_the_process_group_it_joined(results):
+def test_close_tears_down_the_process_group_it_joined(engine_results):
     # The recipe relies on this order: engine.close() first, then destroy the group only if it is left.
-    assert results["process_group_after_close"] is False
+    assert engine_results["process_group_after_close"] is False
+
+
+# ------------------------------------------------------------------------------------------ LoRA and QLoRA
+
+
+def test_every_adapter_version_reaches_vllm_alone_and_checks_out(lora_results):
+    out = lora_results
+    assert out["dtype"] == "torch.float32"  # followed the trainer's (vLLM's "auto" is bf16 on CPU)
+    v0, v1, v2 = out["versions"]
+    for v in (v0, v1, v2):
+        assert v["generation/sync_logprob_diff"] < 1e-4, v  # fp32: rounding only, with non-zero adapters
+        assert v["staged"] == []  # each version's files are gone once vLLM has read them
+    # The base goes once; then only the adapter: 8 x (128 + out) x ... a small fraction of the model.
+    adapter_bytes = v1["generation/sync_bytes"]
+    assert v0["generation/sync_bytes"] == out["full_bytes"] + adapter_bytes
+    assert v2["generation/sync_bytes"] == adapter_bytes < out["full_bytes"] / 4
+    # One adapter held at a time: each version a new vLLM adapter id, the previous one removed.
+    assert [v["loras"] for v in out["versions"]] == [[1], [2], [3]]
+
+
+def test_adapter_only_sync_equals_merged_sync_in_logprobs(lora_results):
+    out = lora_results
+    assert out["adapter_vs_trainer"] < 1e-4 and out["merged_vs_trainer"] < 1e-4
+    assert out["adapter_vs_merged"] < 1e-4
+    # The adapter matters (so the equalities above are not trivially about the base model).
+    assert out["base_vs_trainer"] > 1e-2
+    # vLLM's in-place weight reload unloads every adapter: the engine then serves none (not a stale id).
+    assert out["adapters_after_base_load"] == [[], True]
+
+
+def test_a_stale_adapter_and_qlora_through_vllm(lora_results):
+    out = lora_results
+    assert out["stale_diff"] > 1e-2  # far above the fp32 tolerance (1e-3): the check fails such a sync
+    assert out["nf4_weights"] > 0  # the QLoRA policy really holds NF4 base weights
+    assert out["qlora_diff"] < 1e-4  # engine (dequantised base + adapter) = the trainer's NF4 model
+    assert out["staging_left"] is False  # close() removes the staging root
+
+
+# ---------------------------------------------------------------------------------------- mixture of experts
+
+
+@pytest.mark.parametrize("family", SYNCED)
+def test_weight_sync_of_a_mixture_of_experts_in_process(moe_results, family):
+    r = moe_results[family]
+    # The bound: logprobs are differences of logits and a logsumexp, so their rounding is counted in ulp of the
+    # largest logit. Each of the 2 decoder layers sums products over at most 256 terms (the olmoe/mixtral MLP
+    # width; hidden 128, the MoE width 64), and the head over 128: two fp32 summation orders (oneDNN and vLLM's
+    # CPU MoE kernel against torch's) differ by at most one ulp per term, 2 x 256 + 128 = 640 ulp. Routing cannot
+    # flip: the fixtures' routers are decisive (top-k margins >= 3e-3, tests/hf_moe.py), far above 640 ulp.
+    assert r["from_files"] < r["bound"], r
+    assert r["stale"] > 100 * r["bound"], r  # the perturbation is visible to the check
+    assert r["loaded"] == r["parameters"]  # every trainer parameter went through the sync
+    assert r["synced"] < r["bound"], r
+    if family == "qwen3_moe":
+        assert r["synced_unrepaired"] > 100 * r["bound"], r  # the CPU experts' prepacking is what made it pass
+
+
+# ------------------------------------------------------------------------------------------- a recipe run
+
+
+def test_transformers_policy_with_vllm_every_sync_checks_out(recipe_results):
+    # Gemma 3 (sliding and global layers, soft-capped-capable head, tied) trained as transformers' own module
+    # with the recipe on one process, its vLLM engine in the run's process: its parameters already carry the
+    # names vLLM loads, and each sync passes the check at fp32 rounding. (The whole run in the engines' process,
+    # not through `tune run`: the claim is the numbers; `tune run` with a vLLM engine on one process:
+    # tests/test_vllm_lora_recipe.py, on two: tests/test_vllm_recipe.py.)
+    output = "\n".join(recipe_results["log"])
+    assert "Generation engine started, weights synced and checked" in output
+    assert "transformers Gemma3ForCausalLM" in output
+    rows = recipe_results["rows"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:  # as tests/test_vllm_recipe.py::test_two_processes_one_engine_per_rank_running_multi_turn_episodes
+        assert r["generation/sync_logprob_diff"] < 1e-4 and r["generation/logprob_mismatch"] < 1e-4, r
+    start, end = weights(recipe_results["source"]), weights(recipe_results["output"] / "step_3")
+    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3

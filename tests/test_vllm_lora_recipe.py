@@ -12,7 +12,7 @@
   copy and drops adapter versions after the first: no vLLM engine starts for a run meant to stop).
 
 Engine-level checks (adapter-only = merged logprobs, bytes, QLoRA, stale adapter in vLLM itself):
-tests/test_vllm_lora.py.
+tests/test_vllm_engine.py.
 """
 
 import copy

