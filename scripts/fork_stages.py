@@ -30,12 +30,12 @@ import signal
 import socket
 import sys
 import time
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 _MAX_MESSAGE = 1 << 20  # the request: argv, cwd and the environment as JSON
 
 
-def _serve(path: str, modules: List[str]) -> Optional[Tuple[socket.socket, dict]]:
+def _serve(path: str, modules: List[str]) -> Tuple[socket.socket, dict]:
     """Import ``modules``, then accept commands; returns ``(connection, request)`` in each forked child."""
     import importlib
 
