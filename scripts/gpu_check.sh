@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [--wheels DIR | --no-wheels] [--out DIR] [--budget SECONDS]   # on a GPU
 #   bash scripts/gpu_check.sh --device cpu --tiny --wheels DIR --out DIR           # its CPU rehearsal
+#   bash scripts/gpu_check.sh --device cpu --tiny --fork-stages ...               # the same, imports shared
 #   bash scripts/gpu_check.sh --stages install,env,ablation                      # only these stages
 #
 # 1. installs the carried wheels (DIR, default .whl/: scripts/gpu_wheels.py downloads them) with
@@ -31,6 +32,8 @@
 # Each stage runs under `timeout` within the budget (default 540 s: 9 minutes, inside the 10 minutes a
 # command may take on the lent machines; the shares are calibrated on the first real run, one H200 on
 # 2026-11-26, docs/gpu.md); a stage past its share is stopped and reported, and the next one runs. --tiny: tiny shapes for the CPU rehearsal (tests/test_gpu_check.py runs it in the CPU suite).
+# --fork-stages: the Python stages are forked from one process that imported torch, torchtune, transformers and
+# TRL once (scripts/fork_stages.py), instead of each importing them (~7 s a stage on a CPU); the rehearsal uses it.
 # Exit status 0 only when every stage exited 0, every GPU test passed and no benchmark part raised.
 set -uo pipefail
 
@@ -41,6 +44,7 @@ DEVICE=cuda
 TINY=()
 BUDGET=540
 STAGES=all
+FORK_STAGES=false
 PYTHON="${PYTHON:-python3}"
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -51,6 +55,7 @@ while [[ $# -gt 0 ]]; do
     --tiny) TINY=(--tiny); shift ;;
     --budget) BUDGET="$2"; shift 2 ;;
     --stages) STAGES="$2"; shift 2 ;;
+    --fork-stages) FORK_STAGES=true; shift ;;
     *) echo "unknown argument: $1 (see the header of $0)" >&2; exit 2 ;;
   esac
 done
@@ -100,12 +105,22 @@ fi
 export PYTHONPATH="$REPO:$REPO/recipes:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 MODELS="$WORK/models"
+# The interpreter of the stages (what `python` is in them): $PYTHON, or a child of the fork server.
+PY=("$PYTHON")
+if [[ "$FORK_STAGES" == true ]]; then
+  # vLLM hidden as on the GPU machine, which has none (TRL imports the CPU build this environment has: ~7 s).
+  "$PYTHON" scripts/fork_stages.py serve "$WORK/stages.sock" --hide vllm torch torchtune torchtune_grpo \
+    transformers trl peft datasets omegaconf grpo_full_finetune_distributed &
+  FORK_SERVER=$!
+  trap 'kill "$FORK_SERVER" 2>/dev/null; wait "$FORK_SERVER" 2>/dev/null; rm -rf "$WORK"' EXIT
+  PY=("$PYTHON" scripts/fork_stages.py run "$WORK/stages.sock")
+fi
 
 # 2-7
-stage env 60 "$PYTHON" scripts/gpu_report.py env "$OUT_DIR"
+stage env 60 "${PY[@]}" scripts/gpu_report.py env "$OUT_DIR"
 # 8 tests took 81 s on the H200; 3 more since (a generation worker on the device, session compaction,
 # FlexAttention's compile): 180 s, taken from the 1.7B stage's remainder.
-stage tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider -n 0 -m gpu --device "$DEVICE" \
+stage tests 180 "${PY[@]}" -m pytest -q -p no:cacheprovider -n 0 -m gpu --device "$DEVICE" \
   --junitxml "$OUT_DIR/gpu_tests.xml" tests/test_gpu.py
 # The ablation (docs/gpu.md, "The update switches") decides the CUDA defaults, so it runs before the
 # benchmarks already measured once: 240 s of the default plan (its own budget stops starting variants 50 s
@@ -113,29 +128,29 @@ stage tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider -n 0 -m gpu --device 
 ABLATION_SHARE=240
 [[ "$STAGES" != all ]] && ABLATION_SHARE=$(( BUDGET - (SECONDS - START) ))
 if (( ${#TINY[@]} )); then  # the CPU rehearsal: the tiny shape, the baseline, the bf16 head and all switches
-  stage ablation 120 "$PYTHON" benchmarks/gpu_ablation.py --device "$DEVICE" --tiny --model-dir "$MODELS" \
+  stage ablation 120 "${PY[@]}" benchmarks/gpu_ablation.py --device "$DEVICE" --tiny --model-dir "$MODELS" \
     --variants baseline bf16_head all --json "$OUT_DIR/ablation.json"
 else
-  stage ablation "$ABLATION_SHARE" "$PYTHON" benchmarks/gpu_ablation.py --device "$DEVICE" --model-dir "$MODELS" \
+  stage ablation "$ABLATION_SHARE" "${PY[@]}" benchmarks/gpu_ablation.py --device "$DEVICE" --model-dir "$MODELS" \
     --models qwen3_0_6b qwen3_1_7b --variants baseline all bf16_head no_ac compiled tf32 selective_ac auto_ac \
     --steps 1 --json "$OUT_DIR/ablation.json" --time-budget $(( ABLATION_SHARE - 50 ))
 fi
-GRPO=("$PYTHON" benchmarks/gpu_grpo.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS")
+GRPO=("${PY[@]}" benchmarks/gpu_grpo.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS")
 # Measured on an H200: the recipe's 3 steps 72 s (the first, compiling the decode step, 50 s); each
 # compiled decode shape 43 s (40 s of it compiling); TRL 53 s of training for 2 steps (+15 s loading).
 # The recipe and TRL come first: they are the step-time ratio; decode and the component step follow.
 stage grpo_0_6b 180 "${GRPO[@]}" --models qwen3_0_6b --parts ceilings recipe decode grpo --recipe-steps 3 \
   --decode-compile on --repeats 2 --json "$OUT_DIR/grpo_0_6b.json" --time-budget 125
-stage trl 100 "$PYTHON" benchmarks/gpu_trl.py --device "$DEVICE" "${TINY[@]}" --model qwen3_0_6b \
+stage trl 100 "${PY[@]}" benchmarks/gpu_trl.py --device "$DEVICE" "${TINY[@]}" --model qwen3_0_6b \
   --model-dir "$MODELS" --steps 1 --json "$OUT_DIR/trl.json"
 # Not yet run on a GPU: 16 prompts x 8 (half the Qwen3 stages' batch, the same on both sides), our recipe's
 # 2 steps (one measured) then TRL's 2 (one measured) if 120 s have not gone on ours.
-stage qwen3_5 200 "$PYTHON" benchmarks/gpu_qwen3_5.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
+stage qwen3_5 200 "${PY[@]}" benchmarks/gpu_qwen3_5.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
   --prompts 16 --json "$OUT_DIR/qwen3_5.json" --time-budget 120
 # Not yet run on a GPU: the same batch on the 1.87B mixture of experts (an estimated 60-120 s for our 2 steps,
 # as long again for TRL's, which is skipped if 130 s have gone on ours). Like qwen3_5, likely skipped for time in
 # the default plan: `--stages install,env,moe` runs it alone.
-stage moe 240 "$PYTHON" benchmarks/gpu_moe.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
+stage moe 240 "${PY[@]}" benchmarks/gpu_moe.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
   --json "$OUT_DIR/moe.json" --time-budget 130
 if (( ${#TINY[@]} )); then  # the second shape is the same tiny model: rehearse the stage, not the parts again
   stage grpo_1_7b 120 "${GRPO[@]}" --models qwen3_1_7b --parts reference recipe --json "$OUT_DIR/grpo_1_7b.json"

@@ -9,15 +9,20 @@
 
 The kill points are spread over the process counts to keep this file to a few tiny runs: one process
 (cheap launches) is killed mid-rollout, between saves and mid-update; two processes get a SIGTERM on one rank,
-then, resumed, a SIGKILL mid-save. Runs whose only claim is their numbers (the one-process reference, the
-one-process final resume) go in this process (``run_in_process``), without a ``tune run`` start-up; every
-kill, and every two-process run, is a real launch.
+then, resumed, a SIGKILL mid-save. One-process runs that are not killed (the reference, the final resume, the
+resume of the two-rank checkpoint) go in this process (``run_in_process``, their log messages collected), without
+a ``tune run`` start-up; every kill, and every two-process run, is a real launch. The two-node reference goes
+through ``tune run``'s launcher; the one-node two-process runs through torchrun itself, which is what ``tune run
+--nproc_per_node 2`` runs for a recipe that is not built in (``torchrun --standalone -m RECIPE``), without
+``tune``'s own start-up (importing torchtune before torchrun starts the ranks: 13 s a launch instead of 8).
 """
 
 import math
 import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,13 +30,20 @@ import torch
 from torchtune_grpo.runtime.crash_points import CRASH_ENV
 from tests.conftest import free_port
 from tests.recipe_utils import (
-    read_jsonl, run_in_process, run_tune, tune_command, tune_env, weights, with_overrides, write_config,
+    read_jsonl, run_in_process, tune_command, tune_env, weights, with_overrides, write_config,
 )
 
 STEPS = 4
 # Saves at steps 2 and 4; keep_last_n_checkpoints=1 removes step_2 once step_4 is complete.
 OVERRIDES = dict(max_steps=STEPS, save_every_n_steps=2, keep_last_n_checkpoints=1)
 NOT_COMPARED = ("time/", "tokens_per_second")  # wall-clock measurements
+
+
+def torchrun_command(cfg, *overrides: str, nproc: int) -> list:
+    """What ``tune run --nproc_per_node NPROC grpo_full_finetune_distributed --config CFG OVERRIDES`` runs
+    (torchtune's ``tune run`` for a recipe that is not built in: torchrun, standalone, ``-m RECIPE``)."""
+    return [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m",
+            "grpo_full_finetune_distributed", "--config", str(cfg), *overrides]
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +81,11 @@ def two_process_reference(tmp_path_factory):
 
 
 def run_killed(cfg, crash_at: str, *overrides: str, nproc: int, cwd) -> str:
-    """A `tune run` that SIGKILLs rank 0 at ``crash_at`` (``point:step``); asserts it died there."""
+    """A launch (`tune run` on one process, torchrun on more) that SIGKILLs rank 0 at ``crash_at``
+    (``point:step``); asserts it died there."""
+    command = tune_command(cfg, *overrides) if nproc == 1 else torchrun_command(cfg, *overrides, nproc=nproc)
     proc = subprocess.run(
-        tune_command(cfg, *overrides, nproc=nproc), cwd=cwd, env=tune_env(**{CRASH_ENV: crash_at}),
+        command, cwd=cwd, env=tune_env(**{CRASH_ENV: crash_at}),
         capture_output=True, text=True, timeout=600,
     )
     output = proc.stdout + proc.stderr
@@ -152,7 +166,7 @@ def test_sigterm_to_one_rank_then_killed_mid_save_resumes_exactly(tmp_path, two_
     # A preemption notice that reaches rank 0 only, mid-rollout of step 3 (between the saves at 2 and 4):
     # both ranks finish step 3, agree to stop, save step_3 and exit with 143 (torchtune_grpo/runtime/preemption.py).
     proc = subprocess.run(
-        tune_command(cfg, nproc=2), cwd=tmp_path, env=tune_env(**{CRASH_ENV: "rollout:3:0:TERM"}),
+        torchrun_command(cfg, nproc=2), cwd=tmp_path, env=tune_env(**{CRASH_ENV: "rollout:3:0:TERM"}),
         capture_output=True, text=True, timeout=600,
     )
     log = proc.stdout + proc.stderr
@@ -169,7 +183,10 @@ def test_sigterm_to_one_rank_then_killed_mid_save_resumes_exactly(tmp_path, two_
     assert (out / ".step_4.staging").is_dir() and not (out / "step_4").exists()
     assert [m["step"] for m in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4]
     # Resumed from step_3: the incomplete save is removed, step 4 cut from the logs and trained again.
-    log = run_tune(cfg, "resume_from_checkpoint=True", nproc=2, cwd=tmp_path)
+    proc = subprocess.run(torchrun_command(cfg, "resume_from_checkpoint=True", nproc=2), cwd=tmp_path, env=tune_env(),
+                          capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
     assert "removed the incomplete interrupted save .step_4.staging" in log
     assert "Resuming at step 3: removed 1 later record(s) from metrics.jsonl" in log
     assert_same_run(out, reference)
@@ -184,7 +201,9 @@ def test_resume_on_another_number_of_processes(tmp_path, two_process_reference):
     reference, _ = two_process_reference
     shutil.copytree(reference, tmp_path / "out")
     cfg = write_config(tmp_path, **{**OVERRIDES, "max_steps": STEPS + 2})
-    log = run_tune(cfg, "resume_from_checkpoint=True", cwd=tmp_path)
+    messages = []  # the run's log messages: what `tune run` would print
+    run_in_process(with_overrides(cfg, resume_from_checkpoint=True), log=messages)
+    log = "\n".join(messages)
     assert f"Resuming from {tmp_path / 'out' / f'step_{STEPS}'}" in log
     assert "World size changed since the checkpoint: RNG streams restart." in log
     # What changed is said (output_dir too: the run was copied here), and each start's config is kept (the

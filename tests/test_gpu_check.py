@@ -3,6 +3,11 @@ run: the whole script end to end with ``--device cpu --tiny`` (the carried wheel
 directory as on the GPU machine, the GPU test set, every benchmark part, TRL, the report), the wheel
 bundle against the 64 MiB that can travel, and the report's reading of test and stage outcomes.
 
+The rehearsal runs with ``--fork-stages``: its Python stages are forked from one process that imported the
+packages once (scripts/fork_stages.py; each stage's own import took ~7 s, 60 s of the whole), with vLLM hidden
+as on the GPU machine, which has none (TRL imports the CPU build this environment has, ~7 s in each of its three
+stages). Every stage still runs its own script in its own process.
+
 The wheels come from scripts/setup_env.sh (``$VENV/gpu-wheels/{device,rehearsal}``, downloaded by
 scripts/gpu_wheels.py); ``GPU_CHECK_WHEELS`` names another folder with those two subfolders.
 """
@@ -11,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -73,7 +79,7 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)  # the script sets it: the checkout, then the wheels' site directory
     proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--wheels",
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--device", "cpu", "--tiny", "--fork-stages", "--wheels",
          str(_wheels("rehearsal")), "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
     )
@@ -295,3 +301,53 @@ def test_report_of_the_moe_stage_shows_the_estimate_beside_the_peak_and_counts_i
     (tmp_path / "moe.json").write_text(json.dumps(moe))
     report = gpu_report.build_report(tmp_path)
     assert report["problems"] == ["gpu_moe recipe qwen3_30b_a3b_2l: OutOfMemoryError"] and not report["ok"]
+
+
+FORKED = """import os, subprocess, sys, time
+print(sys.argv[1:], os.getcwd(), os.environ.get("FORK_TEST"), sys.path[0], __name__, flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(3)
+if sys.argv[1] == "raise":
+    raise ValueError("boom")
+if sys.argv[1] == "hidden":
+    import importlib.util
+    print(importlib.util.find_spec("csv"), flush=True)
+    import csv
+if sys.argv[1] == "sleep":
+    print(subprocess.Popen(["sleep", "60"]).pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_forked_stages_run_as_their_own_interpreter_would(tmp_path):
+    # scripts/fork_stages.py, as the rehearsal uses it: each command gets the caller's directory, environment,
+    # arguments and streams, sys.path[0] of `python SCRIPT`, its exit status (an uncaught exception: 1), hidden
+    # packages are not installed for it, and a SIGTERM to `run` (timeout's) ends the command and what it started.
+    script, sock = tmp_path / "stage.py", str(tmp_path / "s.sock")
+    script.write_text(FORKED)
+    fork = [sys.executable, str(REPO / "scripts" / "fork_stages.py")]
+    server = subprocess.Popen(fork + ["serve", sock, "--hide", "csv,wave", "json"])
+    try:
+        def run(*args, timeout=None):
+            cmd = (["timeout", str(timeout)] if timeout else []) + fork + ["run", sock, str(script), *args]
+            return subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "FORK_TEST": "yes"}, capture_output=True,
+                                  text=True, timeout=60)
+
+        p = run("exit")
+        assert p.returncode == 3 and p.stdout.startswith(f"['exit'] {tmp_path} yes {tmp_path} __main__"), p
+        p = run("raise")
+        assert p.returncode == 1 and "ValueError: boom" in p.stderr, p
+        p = run("hidden")
+        assert p.returncode == 1 and "None\n" in p.stdout and "ModuleNotFoundError" in p.stderr, p
+        p = run("sleep", timeout=1)  # a forked command starts in milliseconds: it has started its sleep by then
+        assert p.returncode == 124, p
+        stat = Path(f"/proc/{int(p.stdout.splitlines()[1])}/stat")
+        for _ in range(50):  # the killed sleep gone (or a zombie awaiting its reaper)
+            if not stat.exists() or stat.read_text().split()[2] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the command's own child outlived the SIGTERM to `run`")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)

@@ -1,0 +1,173 @@
+"""Python commands forked from one process that imported the heavy packages once.
+
+The GPU check's CPU rehearsal (``scripts/gpu_check.sh --fork-stages``, tests/test_gpu_check.py) runs eight Python
+stages on tiny models; importing torch, torchtune, torchao, transformers and TRL took each of them ~7 s of its
+~10-40 s. Here a server imports them once, and each stage is a child forked from it: a fresh copy of a process
+that has imported modules and done nothing else (no model built, no thread pool started, nothing compiled).
+
+    python scripts/fork_stages.py serve SOCKET [--hide NAME,...] [MODULE ...]   # import the MODULEs, then fork
+    python scripts/fork_stages.py run SOCKET ARGS...          # what `python ARGS...` does, in a forked child
+
+``run`` stands in for the interpreter: ARGS is ``SCRIPT [ARG ...]`` or ``-m MODULE [ARG ...]``. The child gets
+the caller's standard streams, working directory, environment and arguments, runs the script or module as
+``__main__`` (``sys.path[0]`` as the interpreter sets it) and exits as the interpreter does (``SystemExit``,
+an uncaught exception: 1, atexit handlers). ``run`` exits with the child's status, or dies of the child's
+signal; a signal it receives (``timeout``'s SIGTERM) goes to the child's process group, and the server kills
+that group if ``run`` goes away. The modules imported before the fork stay imported: an environment variable
+that a module reads at import time has the server's value (the same environment, where the GPU check
+starts the server).
+
+``--hide``: packages the stages must not see, as on the GPU machine, which does not have them (the rehearsal hides
+the CPU build of vLLM that this environment has for its tests: TRL imports it whenever it is installed, ~7 s a
+stage, though the check never runs it). For them ``import`` raises ImportError and ``importlib.util.find_spec``
+returns None, as for a package that is not installed.
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from typing import List, Tuple
+
+_MAX_MESSAGE = 1 << 20  # the request: argv, cwd and the environment as JSON
+
+
+def _serve(path: str, modules: List[str]) -> Tuple[socket.socket, dict]:
+    """Import ``modules``, then accept commands; returns ``(connection, request)`` in each forked child."""
+    import importlib
+
+    if modules[:1] == ["--hide"]:
+        for name in modules[1].split(","):
+            sys.modules[name] = None  # what the import system reads as "not installed"
+        modules = modules[2:]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - the command that needs it imports it again and reports it
+            print(f"fork_stages.py serve: importing {name} failed ({type(e).__name__}: {e})", file=sys.stderr)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path + ".tmp")
+    os.rename(path + ".tmp", path)  # the path appears once the server listens: `run` waits for it
+    server.listen(8)
+    server.settimeout(1.0)
+    while True:
+        while True:  # reap the children that have finished
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            continue
+        if os.fork() == 0:  # the child: one command
+            server.close()
+            conn.settimeout(None)
+            data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)
+            return conn, {**json.loads(data.decode()), "fds": fds}
+        conn.close()
+
+
+def _supervise(conn: socket.socket, request: dict) -> dict:
+    """In the forked child: fork the command's process, relay its pid and exit status over ``conn``, kill its
+    process group if the caller goes away; returns the request in the command's process."""
+    pid = os.fork()
+    if pid == 0:
+        os.setpgid(0, 0)  # its own group: a signal to the command reaches what it started, as under a shell
+        conn.close()
+        return request
+    conn.sendall(f"pid {pid}\n".encode())
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)  # negative: killed by that signal
+            try:
+                conn.sendall(f"exit {code}\n".encode())
+            except OSError:
+                pass
+            os._exit(0)
+        readable, _, _ = select.select([conn], [], [], 0.2)
+        if readable and not conn.recv(64):  # the caller is gone (killed): so is the command
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _run_command(request: dict) -> None:
+    """Become ``python ARGS...`` with the caller's streams, directory and environment (never returns)."""
+    import runpy
+
+    for target, fd in enumerate(request["fds"]):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    args = request["argv"]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if args[0] == "-m":
+        sys.argv, sys.path[0] = [args[1]] + args[2:], os.getcwd()
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(args[0])
+        sys.argv, sys.path[0] = args, os.path.dirname(os.path.realpath(script))
+        runpy.run_path(script, run_name="__main__")
+    sys.exit(0)
+
+
+def _client(path: str, args: List[str]) -> int:
+    """Send ``args`` with this process's streams, directory and environment; return the command's status."""
+    if not args or args[0] in ("-c", "-") or (args[0] == "-m" and len(args) < 2):
+        print(f"fork_stages.py run: expected SCRIPT ... or -m MODULE ..., got {args}", file=sys.stderr)
+        return 2
+    deadline = time.monotonic() + 600  # the server imports first
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            print(f"fork_stages.py run: no server at {path} after 600 s", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    request = json.dumps({"argv": args, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+    socket.send_fds(conn, [request], [0, 1, 2])
+    reader = conn.makefile("r")
+    pid = int(reader.readline().split()[1])
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, forward)
+    line = reader.readline()
+    if not line:
+        print("fork_stages.py run: the server went away", file=sys.stderr)
+        return 1
+    code = int(line.split()[1])
+    if code < 0:  # die of the same signal, as the command did
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code
+
+
+def main() -> None:
+    if len(sys.argv) < 3 or sys.argv[1] not in ("serve", "run"):
+        sys.exit(__doc__)
+    if sys.argv[1] == "run":
+        sys.exit(_client(sys.argv[2], sys.argv[3:]))
+    child = _serve(sys.argv[2], sys.argv[3:])
+    request = _supervise(*child)
+    _run_command(request)
+
+
+if __name__ == "__main__":
+    main()
