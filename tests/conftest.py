@@ -171,8 +171,9 @@ def clean_env():
 # whole files in collection order): the longest files (docs/test_durations.md), longest first, so that none
 # starts late and runs alone on one core at the end. After them, the files with multi-process (`slow`) tests.
 LONGEST_FIRST = (
-    "test_vllm_server.py", "test_gpu_check.py", "test_vllm_lora_recipe.py", "test_generation_workers.py",
-    "test_vllm_moe.py", "test_distributed_runs.py", "test_vllm_recipe.py", "test_algorithms_recipe.py",
+    "test_vllm_server.py", "test_gpu_check.py", "test_vllm_lora_recipe.py", "test_models_architectures.py",
+    "test_generation_workers.py", "test_envs_openenv.py", "test_learning.py", "test_distributed_runs.py",
+    "test_vllm_recipe.py", "test_algorithms_recipe.py", "test_vllm_engine.py", "test_vllm_moe.py",
 )
 
 
