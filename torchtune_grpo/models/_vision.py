@@ -33,11 +33,11 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from torchtune_grpo.models._vision_layouts import PER_TOKEN_KEYS
+
 __all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "image_state_dict",
            "PER_TOKEN_KEYS", "text_after", "text_ids", "TRAIN_CHOICES", "trained_image_modules", "VISION_MODULES"]
 
-#: Per-token image inputs (one value per prompt token; 0 = text); the others are per image.
-PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
 #: model_type -> (the projector's module, the whole vision side's modules) in the image-text class's inner model.
 VISION_MODULES = {
     "qwen3_5": ("visual.merger", ("visual",)),

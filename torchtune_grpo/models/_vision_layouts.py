@@ -23,11 +23,16 @@ import torch
 
 from torchtune_grpo.models._transformers_layouts import SlotPairs
 
-__all__ = ["bidirectional_layers", "image_blocks", "layout_image_inputs", "POSITIONS_KEY", "with_blocks"]
+__all__ = ["bidirectional_layers", "image_blocks", "layout_image_inputs", "PER_TOKEN_KEYS", "POSITIONS_KEY",
+           "ROW_KEYS", "with_blocks"]
 
+#: Per-token image inputs (one value per prompt token; 0 = text); the others are per image.
+PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
+#: The image inputs :func:`layout_image_inputs` reads on one row per sequence: the per-token types and the grids
+#: M-RoPE positions are computed from (not the pixels, which it takes per sequence).
+ROW_KEYS = PER_TOKEN_KEYS + ("image_grid_thw", "video_grid_thw")
 #: The key of :func:`layout_image_inputs`'s result holding the family's own position ids for the slots.
 POSITIONS_KEY = "position_ids"
-_PER_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
 _MROPE = {"qwen3_5", "qwen3_5_moe"}
 
 
@@ -79,8 +84,8 @@ def layout_image_inputs(inner: Any, per_sequence: Sequence[Optional[Mapping[str,
         inner (Any): the image-text class's inner model (``policy.image_model``).
         per_sequence (Sequence[Optional[Mapping[str, torch.Tensor]]]): each of the ``n`` sequences' prompt image
             inputs (per-token keys ``[L_prompt]``), or None.
-        unshared (Optional[Mapping[str, torch.Tensor]]): the same as one right-padded row per sequence
-            (:func:`~torchtune_grpo.models._vision.batch_image_inputs` of ``per_sequence``, width ``W``).
+        unshared (Optional[Mapping[str, torch.Tensor]]): their :data:`ROW_KEYS` as one right-padded row per
+            sequence (:func:`~torchtune_grpo.models._vision.batch_image_inputs`, width ``W``).
         tokens (torch.Tensor): ``[n, W]`` the sequences as one right-padded row each.
         lengths (Sequence[int]): each sequence's real length.
         source (torch.Tensor): ``[R, S, 2]`` long: each slot's ``(sequence, position)``, ``(-1, -1)`` on padding.
@@ -95,14 +100,14 @@ def layout_image_inputs(inner: Any, per_sequence: Sequence[Optional[Mapping[str,
     real = seq >= 0
     s_idx, p_idx = seq.clamp(min=0), pos.clamp(min=0)
     out: Dict[str, torch.Tensor] = {}
-    type_key = next(k for k in _PER_TOKEN_KEYS if k in unshared)
-    for key in _PER_TOKEN_KEYS:
+    type_key = next(k for k in PER_TOKEN_KEYS if k in unshared)
+    for key in PER_TOKEN_KEYS:
         if key in unshared:
             out[key] = torch.where(real, unshared[key][s_idx, p_idx], 0)
     # The sequences whose image tokens the rows hold, in the order those tokens come (row-major).
     held = seq[real & (out[type_key] != 0)]
     order: List[int] = list(dict.fromkeys(held.tolist()))
-    per_image = [k for k in unshared if k not in _PER_TOKEN_KEYS]
+    per_image = sorted({k for i in order if per_sequence[i] is not None for k in per_sequence[i]} - set(PER_TOKEN_KEYS))
     for key in per_image:
         out[key] = torch.cat([per_sequence[i][key].to(tokens.device) for i in order if per_sequence[i] is not None
                               and key in per_sequence[i]], dim=0)

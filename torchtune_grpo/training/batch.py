@@ -286,13 +286,16 @@ class TrainingBatch:
             return nullcontext()
         from torchtune_grpo.models._vision import batch_image_inputs, image_inputs
 
-        inputs = batch_image_inputs(self.images[rows], tokens.size(1), tokens.device)
-        if lay is not None:
-            from torchtune_grpo.models._vision_layouts import layout_image_inputs
+        per_row = self.images[rows]
+        if lay is None:
+            return image_inputs(model, batch_image_inputs(per_row, tokens.size(1), tokens.device))
+        from torchtune_grpo.models._vision_layouts import layout_image_inputs, ROW_KEYS
 
-            inputs = layout_image_inputs(model.image_model, self.images[rows], inputs, tokens, self.lengths[rows],
-                                         lay.source)
-        return image_inputs(model, inputs)
+        # One row per sequence only for the types and grids: a group's pixels once, taken per sequence there.
+        small = [None if r is None else {k: v for k, v in r.items() if k in ROW_KEYS} for r in per_row]
+        unshared = batch_image_inputs(small, tokens.size(1), tokens.device)
+        return image_inputs(model, layout_image_inputs(model.image_model, per_row, unshared, tokens,
+                                                       self.lengths[rows], lay.source))
 
     def layout_for(self, model: nn.Module, rows: slice, allow_layout: bool = True
                    ) -> "Optional[SharedPromptLayout | PackedLayout]":
