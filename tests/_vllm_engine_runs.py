@@ -52,30 +52,15 @@ def engine_run(config: Path, out_dir: Path) -> Dict[str, Any]:
         Dict[str, Any]: greedy tokens of both engines, the sampled rows and their logprob differences, probe
         differences before and after a sync, the stale check's error, the process group's state after close.
     """
-    from omegaconf import OmegaConf
-    from torchtune import config as tt_config, training
-
-    from torchtune_grpo.assets import asset_path, register_resolvers
-    from torchtune_grpo.data import arithmetic_dataset
+    from tests._vllm_arith import arith_trainer, max_sampled_logprob_diff, nudge_weights
     from torchtune_grpo.generation import NativeGenerator, VLLMGenerator, WeightSyncCheck
     from torchtune_grpo.models.logprobs import sequence_logprobs
     from torchtune_grpo.training.batch import pack_sequences
 
     _init_one_process_group()
-    register_resolvers()  # ${grpo_asset:...} in the config
-    asset = str(asset_path("tiny_qwen2_arith"))
-    cfg = OmegaConf.load(config)
-    model = tt_config.instantiate(cfg.model)
-    ckpt = training.FullModelHFCheckpointer(
-        checkpoint_dir=asset, checkpoint_files=["model.safetensors"], model_type="QWEN2",
-        output_dir=str(out_dir),
-    )
-    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
-    model.eval()
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
-    data = arithmetic_dataset(tokenizer, num_samples=8, max_value=20, seed=1)
-    prompts = [data[i]["tokens"] for i in range(4)]
-    stop = list(tokenizer.stop_tokens)
+    trainer = arith_trainer(config, out_dir)
+    asset, model, tokenizer, data = trainer.asset, trainer.model, trainer.tokenizer, trainer.data
+    prompts, stop = trainer.prompts, trainer.stop
     out = {"stop_tokens": stop}
 
     engine = VLLMGenerator(model=asset, dtype="fp32", max_model_len=256, kv_cache_memory_gib=0.25)
@@ -124,10 +109,7 @@ def engine_run(config: Path, out_dir: Path) -> Dict[str, Any]:
     # 3. Weight sync: the engine starts from the files; move the trainer's weights (embedding included:
     # it is tied to the output layer) and watch the probe before and after a sync.
     out["diff_from_files"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+    nudge_weights(model)
     out["diff_stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
     try:
         check.verify(out["diff_stale"], step=7)
@@ -138,13 +120,7 @@ def engine_run(config: Path, out_dir: Path) -> Dict[str, Any]:
     out["diff_synced"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
     # The sampled logprobs follow the new weights too (the prefix cache was reset).
     r = engine.generate(None, prompts, generator=torch.Generator().manual_seed(0), **kw)
-    tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
-    with torch.no_grad():
-        lp = sequence_logprobs(model, tokens, temperature=0.7).logprobs
-    engine_lp = torch.zeros_like(lp)
-    for i, (p, row) in enumerate(zip(r.prompt_ids, r.logprobs)):
-        engine_lp[i, len(p) - 1 : len(p) - 1 + len(row)] = torch.tensor(row)
-    out["synced_sampled_max_logprob_diff"] = (lp - engine_lp)[mask[:, 1:]].abs().max().item()
+    out["synced_sampled_max_logprob_diff"] = max_sampled_logprob_diff(model, r, tokenizer.pad_id)
     out["num_parameters"] = len(model.state_dict())
 
     engine.close()

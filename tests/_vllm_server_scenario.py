@@ -16,12 +16,9 @@ from pathlib import Path
 from typing import Any, Dict
 
 import torch
-from omegaconf import OmegaConf
-from torchtune import config as tt_config, training
 
+from tests._vllm_arith import arith_trainer, max_sampled_logprob_diff, nudge_weights
 from tests.conftest import REPO
-from torchtune_grpo.assets import asset_path, register_resolvers
-from torchtune_grpo.data import arithmetic_dataset
 from torchtune_grpo.generation import NativeGenerator, VLLMServerError, VLLMServerGenerator, WeightSyncCheck
 from torchtune_grpo.models.logprobs import sequence_logprobs
 from torchtune_grpo.training.batch import pack_sequences
@@ -38,18 +35,9 @@ def measure(tmp: Path) -> Dict[str, Any]:
         sync, the in-flight update's per-version logprob differences, the foreign-version error, and the
         server's exit code after ``close``.
     """
-    register_resolvers()
-    asset = str(asset_path("tiny_qwen2_arith"))  # SFT-trained: peaked distributions, no greedy near-ties
-    cfg = OmegaConf.load(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml")
-    model = tt_config.instantiate(cfg.model)
-    ckpt = training.FullModelHFCheckpointer(checkpoint_dir=asset, checkpoint_files=["model.safetensors"],
-                                            model_type="QWEN2", output_dir=str(tmp))
-    model.load_state_dict(ckpt.load_checkpoint()[training.MODEL_KEY])
-    model.eval()
-    tokenizer = tt_config.instantiate(cfg.tokenizer)
-    data = arithmetic_dataset(tokenizer, num_samples=8, max_value=20, seed=1)
-    prompts = [data[i]["tokens"] for i in range(4)]
-    stop = list(tokenizer.stop_tokens)
+    trainer = arith_trainer(REPO / "configs" / "tiny" / "vllm_grpo_cpu.yaml", tmp)
+    asset, model, tokenizer, data = trainer.asset, trainer.model, trainer.tokenizer, trainer.data
+    prompts, stop = trainer.prompts, trainer.stop
     out = {}
 
     engine = VLLMServerGenerator(model=asset, dtype="fp32", max_model_len=256, kv_cache_memory_gib=0.25,
@@ -63,13 +51,7 @@ def measure(tmp: Path) -> Dict[str, Any]:
                 return sequence_logprobs(model, torch.tensor([probe])).logprobs[0]
 
         def max_sampled_diff(r):
-            tokens, mask = pack_sequences(r.prompt_ids, r.response_ids, tokenizer.pad_id)
-            with torch.no_grad():
-                lp = sequence_logprobs(model, tokens, temperature=0.7).logprobs  # [N, L-1]
-            engine_lp = torch.zeros_like(lp)
-            for i, (p, row) in enumerate(zip(r.prompt_ids, r.logprobs)):
-                engine_lp[i, len(p) - 1 : len(p) - 1 + len(row)] = torch.tensor(row)
-            return (lp - engine_lp)[mask[:, 1:]].abs().max().item()
+            return max_sampled_logprob_diff(model, r, tokenizer.pad_id)
 
         kw = dict(group_size=2, max_new_tokens=24, pad_id=tokenizer.pad_id, stop_tokens=stop)
         out["greedy_server"] = engine.generate(None, prompts, temperature=0.0, **kw).response_ids
@@ -93,10 +75,7 @@ def measure(tmp: Path) -> Dict[str, Any]:
 
         # Weight sync: move every trainer weight (the tied embedding too), then sync through vLLM's API.
         out["diff_from_files"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
-        with torch.no_grad():
-            gen = torch.Generator().manual_seed(0)
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+        gen = nudge_weights(model)
         out["diff_stale"] = check.measure(trainer_probe(), engine.prompt_logprobs(probe))
         engine.chunk_bytes = 200_000  # several update_weights calls per version
         out["loaded"] = engine.load_weights(model.state_dict().items())
@@ -118,10 +97,9 @@ def measure(tmp: Path) -> Dict[str, Any]:
         # is sent sooner or later after the requests go out until some completion is caught in the middle.
         trace = []
         for attempt, delay in enumerate([0.5, 1.0, 0.2, 2.0, 0.05, 3.0]):
-            with torch.no_grad():  # a new version, one perturbation away from the one the server holds
-                old_model.load_state_dict(model.state_dict())
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen) * 1e-3)
+            # A new version, one perturbation away from the one the server holds.
+            old_model.load_state_dict(model.state_dict())
+            nudge_weights(model, gen)
             result = {}
             thread = threading.Thread(target=lambda: result.update(r=engine.generate(
                 None, many, generator=torch.Generator().manual_seed(attempt), **long_kw)))
