@@ -31,6 +31,7 @@ __all__ = ["SequenceRows", "recurrent_layers", "split_sequences"]
 LINEAR_ATTENTION = "linear_attention"
 _MODULE_NAME = "linear_attn"  # the mixer's attribute in transformers' Qwen3.5 decoder layers (dense and MoE)
 _INSTALLED = "_grpo_sequence_rows"
+_FOUND = "_grpo_recurrent_layers"
 
 
 class SequenceRows:
@@ -101,8 +102,13 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache_params: A
 
 
 def recurrent_layers(causal_lm: torch.nn.Module) -> List[torch.nn.Module]:
-    """The linear-attention mixers of transformers' ``causal_lm`` (``linear_attn`` of each such decoder layer)."""
-    return [m for name, m in causal_lm.named_modules() if name.rpartition(".")[2] == _MODULE_NAME]
+    """The linear-attention mixers of transformers' ``causal_lm`` (``linear_attn`` of each such decoder layer),
+    found once per model: every layout forward asks (wrappers added later wrap these same modules)."""
+    found = causal_lm.__dict__.get(_FOUND)
+    if found is None:
+        found = [m for name, m in causal_lm.named_modules() if name.rpartition(".")[2] == _MODULE_NAME]
+        causal_lm.__dict__[_FOUND] = found
+    return found
 
 
 def split_sequences(causal_lm: torch.nn.Module) -> None:
