@@ -44,6 +44,7 @@ VISION_FAMILIES = ("qwen3_5", "gemma3", "gemma4")
 # The text the chat template writes for one image (the processor expands it to the image's tokens).
 IMAGE_MARKER = {"qwen3_5": "<|vision_start|><|image_pad|><|vision_end|>", "gemma3": "<start_of_image>",
                 "gemma4": "<|image|>"}
+IMAGE_MARKER["qwen3_5_moe"] = IMAGE_MARKER["qwen3_5"]
 # tokenizer_config.json's names for the image tokens (the processors read them off the tokenizer).
 _TOKEN_NAMES = {
     "qwen3_5": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
@@ -52,6 +53,7 @@ _TOKEN_NAMES = {
     "gemma4": {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
                "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"},
 }
+_TOKEN_NAMES["qwen3_5_moe"] = _TOKEN_NAMES["qwen3_5"]  # the mixture of experts ships Qwen3.5's image files
 
 # A message's content, string or list of items, as one string in ``ns.text`` (``marker``: an image's text).
 _CONTENT = """{%- set ns = namespace(text='') %}
@@ -72,7 +74,7 @@ def _template(family: str) -> str:
     """The text family's chat template with ``message['content']`` / ``message.content`` read through
     :data:`_CONTENT` (same output for string contents)."""
     content = _CONTENT.replace("MARKER", IMAGE_MARKER[family])
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         return T.QWEN3_5.replace("{%- for message in messages %}", "{%- for message in messages %}\n    " + content
                                  ).replace("message.content", "ns.text")
     source = T.GEMMA3 if family == "gemma3" else T.GEMMA4
@@ -81,7 +83,7 @@ def _template(family: str) -> str:
 
 
 def _image_processor(family: str):
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         from transformers import Qwen2VLImageProcessorPil
 
         # 4-pixel patches (the tower's patch_size), 2x2 merged, two frames per image (temporal_patch_size);
@@ -101,7 +103,7 @@ def make_vision_dir(family: str, directory, *, seed: int = 0, peaked: bool = Tru
     """Write ``family``'s tiny multimodal checkpoint with its image prompt files (see the module docstring).
 
     Args:
-        family (str): ``qwen3_5``, ``gemma3`` or ``gemma4``.
+        family (str): ``qwen3_5``, ``qwen3_5_moe`` (Qwen3.5's image files), ``gemma3`` or ``gemma4``.
         directory: where to write (created if needed).
         seed (int): the weights' seed. Default is 0.
         peaked (bool): sharpen the language model's attention (:func:`tests.hf_families.sharpen`). Default is True.
@@ -168,7 +170,7 @@ def processor_inputs(family: str, directory, text: str, images: Sequence[Any]) -
         raise ValueError(f"{len(pieces) - 1} image markers for {len(images)} images")
     out_text = pieces[0]
     for i, piece in enumerate(pieces[1:]):
-        if family == "qwen3_5":
+        if family in ("qwen3_5", "qwen3_5_moe"):
             n = int(processed["image_grid_thw"][i].prod()) // 4  # merge_size ** 2
             out_text += names["image_token"] * n + piece
         else:
@@ -177,7 +179,7 @@ def processor_inputs(family: str, directory, text: str, images: Sequence[Any]) -
     ids = torch.tensor([tok(out_text, add_special_tokens=False)["input_ids"]])
     image_id = tok.convert_tokens_to_ids(names["image_token"])
     out = {"input_ids": ids, "mm_token_type_ids": (ids == image_id).long(), "pixel_values": processed["pixel_values"]}
-    if family == "qwen3_5":
+    if family in ("qwen3_5", "qwen3_5_moe"):
         out["image_grid_thw"] = processed["image_grid_thw"]
     else:
         out["image_position_ids"] = processed["image_position_ids"]

@@ -41,7 +41,7 @@ def image_rows(directory: Path, folder: Path):
     return image_dataset(SimpleNamespace(path=str(directory)), "json", data_files=str(folder / "rows.jsonl"))
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("family", [*VISION_FAMILIES, "qwen3_5_moe"])
 def test_logprobs_with_images_equal_the_image_text_class(vision_dir, tmp_path, family):
     from transformers import AutoModelForImageTextToText
 

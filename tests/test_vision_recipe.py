@@ -1,5 +1,5 @@
 """Two GRPO steps of the image example (docs/examples/gemma3_4B_image_grpo.yaml) on a tiny multimodal Gemma 3
-(and Qwen3.5: M-RoPE) directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
+(and Qwen3.5: M-RoPE; Qwen3.5-MoE: routing replay) directory with an image dataset written here (PIL-drawn shapes): the rollouts, the reference's and the policy's
 logprobs and the update all see each prompt's image. The same two steps on two processes (FSDP2) equal one process,
 also on Gemma 4: :func:`image_split_runs` and :func:`check_image_split`, run in tests/test_models_architectures.py's
 two-process launch."""
@@ -19,6 +19,7 @@ from tests.tolerances import ulps
 SHAPES = ("circle", "square", "triangle")
 # The on-disk names of the vision tower and projector (tests/hf_multimodal.py).
 TOWER = {"gemma3": ("vision_tower.", "multi_modal_projector."), "qwen3_5": ("model.visual.",),
+         "qwen3_5_moe": ("model.visual.",),
          # Gemma 4: and its audio tower, which image prompts leave as it is
          "gemma4": ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")}
 # What TRAINED_SPLIT trains, on disk.
@@ -50,7 +51,7 @@ def _example_config(folder, src, data, **overrides):
                         **{**settings, **overrides})
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "qwen3_5_moe"])
 def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch, family):
     from torchtune_grpo.generation._hf_rollout import HFRollout
     from torchtune_grpo.models import _vision
@@ -78,10 +79,19 @@ def test_two_grpo_steps_with_images(vision_dir, tmp_path, clean_env, one_thread,
         tmp_path, src, data, max_steps=2, save_every_n_steps=2, **{"optimizer.lr": 1e-3},
         # held-out evaluation on image prompts too (at step 0 and step 2), through the same engine
         validation={"_component_": "torchtune_grpo.data.image_dataset", "source": "json", "data_files": str(data)},
-        eval_every_n_steps=2, eval_max_prompts=2)
+        eval_every_n_steps=2, eval_max_prompts=2,
+        # the mixture of experts: the engine's routes (recorded in the image prefill and the decode) replayed in
+        # the reference's and the update's forwards with the images
+        **({"moe.routing_replay": "rollout"} if family == "qwen3_5_moe" else {}))
     run_in_process(config, log=log)
     text = "\n".join(log)
     assert "Images in the prompt" in text and "training forwards carry the images" in text
+    if family == "qwen3_5_moe":
+        # Replay refuses rollouts without routes, so the engine recorded them with the images. The trainer's own
+        # top-k on the same inputs (fp32 engine and trainer, the fixture's decisive routers) agrees on every token;
+        # an engine prefill with zeroed pixels routed 11-13 % of the tokens otherwise (measured once by hand).
+        rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+        assert [r["moe/router_agreement"] for r in rows] == [1.0, 1.0], rows
     assert "one row per sequence" not in text  # the default shared-prompt rows, with the images
     # Prefills with the pixels: one rollout per step, and one greedy pass per held-out evaluation (steps 0 and 2).
     # The reference's logprobs (no grad) and the update's forward (with grad) run with the images.

@@ -29,7 +29,7 @@ def _run(policy, data, runs, seed, **engine):
         images=[s["image_inputs"] for s in data], **KW)
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("family", [*VISION_FAMILIES, "qwen3_5_moe"])
 def test_image_rollouts(vision_dir, tmp_path, family, sampled):
     from transformers import AutoModelForImageTextToText
 
@@ -79,7 +79,7 @@ def _trainer_logprobs(policy, data, rollout):
         return sequence_logprobs(policy, batch.tokens, start=batch.start).logprobs[batch.response_mask]
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("family", [*VISION_FAMILIES, "qwen3_5_moe"])
 def test_transformers_engine_with_images(vision_dir, tmp_path, family, sampled, monkeypatch):
     """TransformersGenerator samples image prompts with the image-text class's ``generate``: greedy, the native
     engine's tokens; sampled, its logprobs are the trainer's (with the images) of the tokens it drew."""
@@ -124,7 +124,7 @@ def test_transformers_engine_with_images(vision_dir, tmp_path, family, sampled, 
     torch.testing.assert_close(_trainer_logprobs(policy, data, drawn[0]).double(), engine_logprobs, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("family", [*VISION_FAMILIES, "qwen3_5_moe"])
 def test_a_sampled_image_token_is_text(vision_dir, tmp_path, family):
     """A completion may contain the image token (a random model samples it): the engine fed it to the language
     model as a token, and the trainer's forward does the same (not an image slot without a feature)."""
