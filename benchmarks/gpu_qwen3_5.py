@@ -12,9 +12,10 @@ implementation when flash-linear-attention is not installed, and gated full atte
 3. runs the real recipe on it (benchmarks/gpu_grpo.py ``run_recipe``: the shipped Qwen3-0.6B config with
    only ``checkpointer.checkpoint_dir`` changed, synthetic id prompts, the even-id reward, no checkpoint
    save): the native engine samples on transformers' own cache (each prompt prefilled once per group; on
-   CUDA each decode step one compiled call on a fixed-shape cache, elsewhere eager with finished rows
+   CUDA each decode step one compiled call on a fixed-shape cache (``--compile-decode``; if that run raises,
+   the error is reported and the run repeated with eager decoding), elsewhere eager with finished rows
    compacted out), and the update trains in shared-prompt rows (the Gated DeltaNet layers take each row's
-   sequences apart, the other layers keep the rows);
+   sequences apart, the other layers keep the rows); ``paths`` says which decode ran;
 4. runs the same recipe on a sliding-window family (``gemma3_1b``, Gemma 3 1B's text model with its
    windows; ``tiny_gemma3`` with ``--tiny``): shared-prompt rows with windows by position;
 5. runs TRL's GRPOTrainer on the Qwen3.5 directory and batch (benchmarks/gpu_trl.py ``run``), if the time
@@ -82,6 +83,7 @@ class ObservedPaths:
         self.fallbacks: Counter = Counter()  # why a forward ran one row per sequence -> forwards
         self.engine: Counter = Counter()  # sampling calls per path
         self.compactions = 0
+        self.fixed_caches = 0  # decodes moved to a fixed-shape cache for the compiled step
 
     def summary(self) -> Dict[str, Any]:
         """``training_layout``: the layouts of the update's forwards (``one row per sequence`` with its reasons);
@@ -121,6 +123,7 @@ def observed_paths() -> Iterator[ObservedPaths]:
     seen = ObservedPaths()
     logprobs, hf_cache = TrainingBatch.logprobs, _native.sample_with_hf_cache
     compact, generate = _hf_rollout.HFRollout.compact, _transformers.sample_with_generate
+    fix = _hf_rollout.HFRollout.fix
 
     def spy_logprobs(self, model, rows, **kw):
         if torch.is_grad_enabled():
@@ -133,14 +136,23 @@ def observed_paths() -> Iterator[ObservedPaths]:
         return logprobs(self, model, rows, **kw)
 
     def spy_hf_cache(engine, *a, **kw):
+        fixed = seen.fixed_caches
+        out = hf_cache(engine, *a, **kw)
         prefill = "prefill once per group" if engine.share_prefill else "prefill every row"
-        decode = "compaction" if engine.compact_decode else "no compaction"
+        if seen.fixed_caches > fixed:  # the decode moved to a fixed-shape cache (HFRollout.fix): one compiled call
+            decode = "compiled decode on a fixed-shape cache"
+        else:
+            decode = "compaction" if engine.compact_decode else "no compaction"
         seen.engine[f"native engine on transformers' cache: {prefill} + {decode}"] += 1
-        return hf_cache(engine, *a, **kw)
+        return out
 
     def spy_compact(self, *a, **kw):
         seen.compactions += 1
         return compact(self, *a, **kw)
+
+    def spy_fix(self, *a, **kw):
+        seen.fixed_caches += 1
+        return fix(self, *a, **kw)
 
     def spy_generate(*a, **kw):
         seen.engine["transformers' generate"] += 1
@@ -148,11 +160,13 @@ def observed_paths() -> Iterator[ObservedPaths]:
 
     TrainingBatch.logprobs, _native.sample_with_hf_cache = spy_logprobs, spy_hf_cache
     _hf_rollout.HFRollout.compact, _transformers.sample_with_generate = spy_compact, spy_generate
+    _hf_rollout.HFRollout.fix = spy_fix
     try:
         yield seen
     finally:
         TrainingBatch.logprobs, _native.sample_with_hf_cache = logprobs, hf_cache
         _hf_rollout.HFRollout.compact, _transformers.sample_with_generate = compact, generate
+        _hf_rollout.HFRollout.fix = fix
 
 
 def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: str = RECIPE_CONFIG,
@@ -191,6 +205,13 @@ def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: st
         out_dir = tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{name}_")
         with observed_paths() as seen:
             out = attempt(f"recipe {name}", lambda: gpu_grpo.run_recipe(name, device, args, out_dir))
+        if out is None and args.compile_decode is not False and device.type == "cuda":
+            # The compiled decode failed on this family (the error is kept): the same run decoding eagerly, so
+            # the stage still times the layouts and the step.
+            eager = argparse.Namespace(**{**vars(args), "compile_decode": False})
+            with observed_paths() as seen:
+                out = attempt(f"recipe {name} (eager decode)", lambda: gpu_grpo.run_recipe(
+                    name, device, eager, tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{name}_eager_")))
         result["paths"][name] = seen.summary()
         print(json.dumps({name: result["paths"][name]}), flush=True)
         return out
@@ -226,6 +247,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe-steps", type=int, default=2, help="our recipe's steps (the first is warm-up)")
     parser.add_argument("--trl-steps", type=int, default=1, help="TRL's measured steps (after its warm-up)")
     parser.add_argument("--chunk-size", type=int, default=512)
+    parser.add_argument("--compile-decode", default="auto", choices=["auto", "on", "off"],
+                        help="the native engine's compile_decode: auto compiles each decode step on CUDA only (one "
+                             "call on a fixed-shape transformers cache); a compiled run that raises is rerun eagerly")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "gpu_grpo_models"))
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds: TRL is skipped (and listed as such) when our recipe has used them up")
@@ -239,7 +263,9 @@ def finish_args(args: argparse.Namespace) -> None:
         args.chunk_size, args.recipe_steps, args.trl_steps = 64, 2, 1
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
-    args.compile_decode = False  # the native engine decodes transformers modules eagerly: nothing to compile
+    # auto (None): the engine's default, compiled on CUDA where the family's cache allows it (Qwen3.5's Gated
+    # DeltaNet and Gemma 3's windows do; a mixture of experts recording routes decodes eagerly, and says why)
+    args.compile_decode = {"auto": None, "on": True, "off": False}[args.compile_decode]
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
 
