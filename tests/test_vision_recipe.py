@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests._spawn_runs import log_of, Run
 from tests.conftest import REPO
@@ -258,7 +259,6 @@ def test_lora_trains_the_projector_against_the_source_reference_and_resumes(visi
     - 3 steps straight = 2 steps, then a resumed run to step 3 (adapter, projector and their AdamW state), exactly;
     - resuming with a ``train_vision`` that does not train what the file holds is refused, naming the key.
     """
-    from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     from torchtune_grpo.training.experience import ExperienceBuilder
@@ -376,6 +376,13 @@ SPLIT_COLORS = {**COLORS, "green": (40, 160, 40), "black": (0, 0, 0)}
 # a third step, which must equal the third step of one process straight (the momentum restored from the checkpoint).
 TRAINED_SPLIT = {"gemma3": "projector", "qwen3_5": "tower"}
 TRAINED_SGD = {"_component_": "torch.optim.SGD", "lr": 0.005, "momentum": 0.9}
+# The LoRA recipe with train_vision on one process and on two: Qwen3.5's whole tower (2 FSDP2 units of its own beside
+# the adapters' decoder layers), the same settings and SGD with momentum; 2 steps, then resumed on two processes for a
+# third (the tower from step 2's image_side file, loaded before it is sharded, and its momentum by name) against 3
+# steps straight on one process. LoRA's A matrices start random, drawn differently on a sharded model, so the adapters
+# are scaled by lora_alpha 0 here: they add nothing and get no gradient (the adapters' own two-process runs are in
+# tests/test_models_architectures.py), the language model stays the base and the tower is what trains.
+LORA_SPLIT = ("qwen3_5", "tower")
 
 
 def _split_config(folder, src, data, batch_size, **overrides):
@@ -413,7 +420,25 @@ def image_split_runs(folder) -> list:
         if family == "gemma3":  # two processes: resumed from step 2 for the third, in the same output directory
             runs.append(Run(two_processes=_split_config(base / "two" / "resume", src, data, 2, **trained, max_steps=3,
                                                         resume_from_checkpoint=True, output_dir=str(base / "two" / "out"))))
+    family, train = LORA_SPLIT
+    src, base = folder / family / "model", folder / f"lora_{family}_{train}"
+    straight = _lora_split_config(base / "one", src, data, 4, train_vision=train, max_steps=3, save_every_n_steps=1)
+    two = _lora_split_config(base / "two", src, data, 2, train_vision=train)
+    resumed = _lora_split_config(base / "two" / "resume", src, data, 2, train_vision=train, max_steps=3,
+                                 resume_from_checkpoint=True, output_dir=str(base / "two" / "out"))
+    runs += [Run(one_process=straight, two_processes=two, lora=True), Run(two_processes=resumed, lora=True)]
     return runs
+
+
+def _lora_split_config(folder, src, data, batch_size, **overrides):
+    """:func:`_split_config`'s settings in the LoRA config (:func:`_lora_image_config`; its rewards: the scripted
+    letters' vowel fraction varies within a group), SGD with momentum, adapters scaled by 0 (:data:`LORA_SPLIT`)."""
+    folder.mkdir(parents=True)
+    settings = dict(
+        max_steps=2, save_every_n_steps=2, shuffle=False, batch_size=batch_size, micro_batch_size=4,
+        generation={"_component_": "tests._engines.ScriptedGenerator", "low": 64, "high": 90}, clip_grad_norm=None,
+        optimizer=TRAINED_SGD, **{"model.lora_alpha": 0})
+    return str(_lora_image_config(folder, src, data, **{**settings, **overrides}))
 
 
 def check_image_split(folder) -> None:
@@ -452,6 +477,7 @@ def check_image_split(folder) -> None:
         # language model's are over tokens: the bound of _check_equal_split holds for them too (momentum 0.9 sums
         # at most 1.9 such updates per step here).
         _check_equal_split(f"{family} train_vision: {train}", language + vision, expected, got, one, two)
+    _check_lora_split(folder)
     # Two processes, 2 steps then resumed to the third = 3 steps straight on one process, to the bound above (a third
     # step's regrouped sums): the trained projector from step 2's files and its momentum from the optimizer state.
     # Zeroing the projector's momentum at the resume moved the third step's projector by 9.5e-4, 95x the bound.
@@ -462,6 +488,31 @@ def check_image_split(folder) -> None:
     for key, value in expected.items():
         torch.testing.assert_close(resumed[key], value, atol=1e-5, rtol=0, msg=lambda m: f"step 3 {key}: {m}")
 
+
+def _check_lora_split(folder) -> None:
+    """LoRA with the trained tower (:data:`LORA_SPLIT`): two processes = one process at step 2, and resumed on two
+    processes = straight on one at step 3, to :func:`_check_equal_split`'s bound (the same sums regrouped): the merged
+    model (the tower under its names; the language model the base's, byte for byte), ``image_side.safetensors`` and
+    the metrics, whose KL (from step 2 on: the policy's tower moved, the reference's copy did not) is the same."""
+    family, train = LORA_SPLIT
+    base = folder / f"lora_{family}_{train}"
+    one, two = base / "one", base / "two"
+    assert "(tower and projector trained" in log_of(one / "config.yaml")
+    assert "FSDP2 unit" in log_of(two / "config.yaml") and "Resuming from" in log_of(two / "resume" / "config.yaml")
+    start = weights(folder / family / "model")
+    vision = [k for k in start if k.startswith(TRAINED_PREFIXES[family])]
+    for step in ("step_2", "step_3"):
+        expected, got = weights(one / "out" / step / "merged"), weights(two / "out" / step / "merged")
+        assert got.keys() == expected.keys() == start.keys()
+        assert vision and all(not torch.equal(start[k], run[k]) for k in vision for run in (expected, got))
+        assert all(torch.equal(start[k], run[k]) for k in start if k not in vision for run in (expected, got))
+        _check_equal_split(f"LoRA {family} train_vision: {train} {step}", vision, expected, got, one, two)
+        sides = [load_file(run / "out" / step / "image_side.safetensors") for run in (one, two)]
+        assert sides[0].keys() == sides[1].keys() and len(sides[0]) == len(vision)
+        for key, value in sides[0].items():  # as the merged weights above
+            torch.testing.assert_close(sides[1][key], value, atol=1e-5, rtol=0, msg=lambda m: f"{step} {key}: {m}")
+    rows = [[r for r in read_jsonl(run / "out" / "metrics.jsonl") if "loss" in r] for run in (one, two)]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3] and rows[0][0]["kl"] == 0 < rows[0][1]["kl"]
 
 def _check_equal_split(what, keys, expected, got, one, two) -> None:
     """The weights ``keys`` and the logged metrics of runs ``one`` and ``two`` agree to the regrouping's bound."""
