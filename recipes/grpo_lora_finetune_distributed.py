@@ -101,10 +101,11 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         # The reference is the base model: the policy with its adapters switched off (no second copy), seeing the
         # source's vision modules where train_vision trains them.
         reference = Reference(model, context=partial(_base_model, model))
-        return Models(
-            model, reference, base_checkpointer, "the base model: the policy with its adapters disabled (no second copy)",
-            image_source=checkpoint_source(cfg), image_file=image_file,
-        )
+        what = "the base model: the policy with its adapters disabled (no second copy)"
+        if self.config.train_vision != "none":
+            trained = "projector" if self.config.train_vision == "projector" else "tower and projector"
+            what += f", seeing a frozen copy of the source's {trained} (train_vision)"
+        return Models(model, reference, base_checkpointer, what, image_source=checkpoint_source(cfg), image_file=image_file)
 
     def gather_model_state(self) -> Dict[str, Any]:
         """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``);

@@ -20,7 +20,10 @@ so the optimizer state is named with the policy's): :func:`image_parameters` lis
 to write in place of the source's. Those names are found once, at attach time, by matching each trained parameter's values to the one
 tensor of the directory's files that holds them (the image-text class renames some on load, e.g. Gemma 3's
 ``vision_tower.vision_model.*`` is ``vision_tower.*`` in memory, and the names a checkpoint uses depend on where it
-came from: they are read off the files, not derived).
+came from: they are read off the files, not derived). :func:`image_class_names` gives the same tensors'
+names in the image-text class's own state dict (what its ``load_state_dict`` takes), :func:`trained_image_paths`
+the trained modules by their path in the inner model, and :func:`image_modules_replaced` runs forwards with other
+modules at those paths (the LoRA recipe's reference: a frozen copy of the source's).
 
 Image inputs of a batch (:func:`batch_image_inputs`): the per-image tensors of the rows, concatenated in row order
 (the image-text class scatters the features over the image tokens in row-major order), and the per-token ones
