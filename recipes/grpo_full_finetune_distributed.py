@@ -34,7 +34,6 @@ LoRA recipe) overrides only the hooks: :meth:`check_engine`, :meth:`build_models
 import dataclasses
 import os
 import shutil
-import socket
 import sys
 from contextlib import nullcontext
 from functools import partial
@@ -58,7 +57,7 @@ from torchtune_grpo.checkpoints.manager import (
 )
 from torchtune_grpo.checkpoints.checkpointer_facts import epoch_output_dir, instantiate_checkpointer
 from torchtune_grpo.checkpoints.storage import checkpoint_retention, model_files
-from torchtune_grpo.runtime.collectives import Collectives
+from torchtune_grpo.runtime.collectives import Collectives, init_process_group
 from torchtune_grpo.config import build_multi_turn, instantiate_component, RecipeConfig
 from torchtune_grpo.runtime.crash_points import crash_point
 from torchtune_grpo.training.diagnostics import StepDiagnostics
@@ -97,19 +96,6 @@ register_resolvers()  # ${grpo_asset:...} in shipped configs
 _PROFILER_OFF = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False}
 
 
-def _init_distributed(device_type: str) -> None:
-    # `tune run` without --nproc_per_node runs us in-process: make a one-process group so the collectives
-    # and state-dict gathering are the same on 1 process as on 64 (FSDP2 there only with fsdp_single_process).
-    if not training.is_distributed():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(training.get_distributed_backend(device_type))
-
-
 class Models(NamedTuple):
     """What :meth:`GRPOFullFinetuneRecipeDistributed.build_models` returns.
 
@@ -118,12 +104,17 @@ class Models(NamedTuple):
         reference (Optional[Reference]): what the KL term is measured against; None without a KL term.
         checkpointer (Any): the torchtune checkpointer that writes the run's model files.
         reference_description (str): what the reference is, for the algorithm card and the log.
+        image_source (Optional[str]): with images in the prompt, the directory the policy's vision tower comes
+            from; None: the step being resumed, else the source (the LoRA recipe's: always the source).
+        image_file (Optional[Path]): trained vision tensors to load over it (a resumed LoRA run's). Default is None.
     """
 
     policy: torch.nn.Module
     reference: Optional[Reference]
     checkpointer: Any
     reference_description: str = "loaded (frozen copy of the initial policy)"
+    image_source: Optional[str] = None
+    image_file: Optional[Path] = None
 
 
 class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
@@ -157,7 +148,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         check_generation_workers(c, self.engine)
         check_device(c.device)  # torchtune's get_device falls back to the CPU without a word
         device = utils.get_device(device=c.device)
-        _init_distributed(device.type)
+        init_process_group(device.type)  # a one-process group for a `tune run` without --nproc_per_node
         self.world_size, self.rank = utils.get_world_size_and_rank()
         # dtype: fp32 | bf16 (fp32 master weights, bf16 compute) | bf16_pure (torchtune_grpo/runtime/precision.py)
         self._placement = Placement.from_config(c, device, self.world_size, self.precision(c))
@@ -301,10 +292,10 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
         image_source = None  # the directory the policy's vision tower comes from, with images in the prompt
         if "image_inputs" in dataset[0]:  # images in the prompt (docs/multimodal.md)
-            image_source = str(resume_dir) if resume_dir is not None else checkpoint_source(cfg)
+            image_source = models.image_source or (str(resume_dir) if resume_dir else checkpoint_source(cfg))
             utils.log_rank_zero(log, attach_image_side(
                 self.model, None if reference is None else reference.model, self.optimizer,
-                engine=self.engine, train=c.train_vision, device=self._device,
+                engine=self.engine, train=c.train_vision, device=self._device, trained_file=models.image_file,
                 shard=partial(self._placement.shard_added, self.model),
                 reference_source=checkpoint_source(cfg), policy_source=image_source))
         elif c.train_vision != "none":

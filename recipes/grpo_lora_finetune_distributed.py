@@ -21,6 +21,10 @@ training loop are the full recipe's, inherited):
   (torchtune keys), plus ``recipe_state.pt``; ``step_N/merged/`` holds a Hugging Face model with the adapter
   merged into the base weights (skip it with ``save_adapter_weights_only: True``). A resumed run reads the
   base weights from ``checkpointer.checkpoint_dir`` again and the adapter + optimizer from ``step_N``.
+- Image prompts with ``train_vision: projector`` or ``tower``: those modules train fully (no adapters on them).
+  The reference sees a frozen copy of them as the source has them (``initial_image_side``). ``step_N/merged``
+  holds them under the checkpoint's names, ``step_N/image_side.safetensors`` under the image-text class's, and
+  a resumed run loads them from there (docs/multimodal.md).
 
 FSDP2 is set up as in torchtune's ``lora_finetune_distributed`` (meta-device init, per-layer
 ``fully_shard``, adapters initialised after sharding), except that QLoRA's NF4 base weights are kept out of
@@ -30,6 +34,7 @@ NF4's all-gather extension, and sharding NF4 needs every weight's block count to
 
 import os
 import sys
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -41,12 +46,15 @@ import torch
 from omegaconf import DictConfig
 from torchtune import config, training
 from torchtune.modules.peft import disable_adapter, get_adapter_state_dict, get_merged_lora_ckpt
+from safetensors.torch import save_file
 
 from grpo_full_finetune_distributed import checkpoint_source, GRPOFullFinetuneRecipeDistributed, Models, run_recipe
 from torchtune_grpo.checkpoints.checkpointer_facts import epoch_output_dir, hf_config, model_type_name
 from torchtune_grpo.config import LoRARecipeConfig
 from torchtune_grpo.training.experience import Reference
+from torchtune_grpo.models import image_class_names, image_state_dict
 from torchtune_grpo.models.lora import ADAPTER_TORCHTUNE_FILE, save_adapter
+from torchtune_grpo.runtime.image_setup import IMAGE_SIDE_FILE, image_side_state, initial_image_side
 from torchtune_grpo.runtime.lora_setup import build_lora_model
 from torchtune_grpo.runtime.precision import Precision
 
@@ -79,37 +87,41 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
                 "full recipe only: the LoRA recipe's reference is the policy with its adapters off (no second copy; "
                 "QLoRA's base is NF4 already). Remove the reference: section."
             )
-        if self.config.train_vision != "none":  # a trained tower or projector is in neither adapter nor merged model
-            raise ValueError(f"train_vision: {self.config.train_vision} is not supported by the LoRA recipe (the "
-                             "adapter and merged model hold the language model only); use train_vision: none")
-        # Base weights always come from the original checkpoint; a resumed run adds its saved adapter.
-        # Saves go through the same checkpointer, whose config.json and tokenizer files are the base's.
+        # Base weights always come from the original checkpoint; a resumed run adds its saved adapter (and trained
+        # vision tensors). Saves go through the same checkpointer, whose config.json and tokenizer files are the base's.
         base_state = base_checkpointer.load_checkpoint()[training.MODEL_KEY]
-        adapter_state = None
+        adapter_state, image_file = None, None
         if resume_dir is not None:
             adapter_state = torch.load(Path(resume_dir) / ADAPTER_TORCHTUNE_FILE, map_location="cpu", weights_only=True)
+            image_file = Path(resume_dir) / IMAGE_SIDE_FILE if (Path(resume_dir) / IMAGE_SIDE_FILE).is_file() else None
         max_len = (self.config.max_prompt_length or 0) + self.config.max_response_length
         model, self._lora = build_lora_model(
             cfg.model, base_state, adapter_state, self._placement, source=checkpoint_source(cfg), max_len=max_len
         )
-        # The reference is the base model: the policy with its adapters switched off (no second copy).
-        reference = Reference(model, context=partial(disable_adapter, model))
-        return Models(
-            model, reference, base_checkpointer, "the base model: the policy with its adapters disabled (no second copy)"
-        )
+        # The reference is the base model: the policy with its adapters switched off (no second copy), seeing the
+        # source's vision modules where train_vision trains them.
+        reference = Reference(model, context=partial(_base_model, model))
+        what = "the base model: the policy with its adapters disabled (no second copy)"
+        if self.config.train_vision != "none":
+            trained = "projector" if self.config.train_vision == "projector" else "tower and projector"
+            what += f", seeing a frozen copy of the source's {trained} (train_vision)"
+        return Models(model, reference, base_checkpointer, what, image_source=checkpoint_source(cfg), image_file=image_file)
 
     def gather_model_state(self) -> Dict[str, Any]:
-        """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``)."""
-        return training.gather_cpu_state_dict(
-            self.model, self._is_rank_zero, device=self._device,
-            adapter_weights_only=self.config.save_adapter_weights_only,
-        )
+        """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``);
+        with the trained vision tensors (``train_vision``) in both."""
+        state = training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device)
+        if not self.config.save_adapter_weights_only:
+            return state
+        trained_vision = {key: state[key] for key in image_class_names(self.model) if key in state}
+        return {**get_adapter_state_dict(state, device=None), **trained_vision}
 
     def write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
-        """The adapter (PEFT + torchtune) in ``staging`` and, unless adapters only, the merged model in
-        ``staging/merged`` (the base class publishes and prunes; torchtune_grpo/checkpoints/manager.py)."""
+        """The adapter (PEFT + torchtune) and the trained vision tensors (:data:`IMAGE_SIDE_FILE`) in ``staging``
+        and, unless adapters only, the merged model in ``staging/merged`` (the base class publishes and prunes;
+        torchtune_grpo/checkpoints/manager.py)."""
         with_merged = not self.config.save_adapter_weights_only
-        adapter = get_adapter_state_dict(model_state) if with_merged else model_state
+        adapter, image_side = get_adapter_state_dict(model_state), image_side_state(self.model, model_state)
         staging.mkdir(parents=True)
         if with_merged:
             for key in adapter:
@@ -118,8 +130,11 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
                     base_key = key[: -len(".lora_a.weight")] + ".weight"
                     model_state[base_key] = model_state[base_key].clone()
             merged = get_merged_lora_ckpt(model_state, rank=self._lora.rank, alpha=self._lora.alpha)
+            merged = image_state_dict(self.model, merged)  # trained vision tensors under the checkpoint's names
             self._checkpointer.save_checkpoint({training.MODEL_KEY: merged}, epoch=step, intermediate_checkpoint=False)
             os.replace(epoch_output_dir(self._checkpointer, step), staging / MERGED_DIR)
+        if image_side:  # for adapter users: AutoModelForImageTextToText's load_state_dict(..., strict=False)
+            save_file({k: v.contiguous() for k, v in image_side.items()}, str(staging / IMAGE_SIDE_FILE))
         save_adapter(
             staging,
             adapter,
@@ -128,6 +143,13 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
             hf_config=hf_config(self._checkpointer),
             base_model_name_or_path=getattr(self._checkpointer, "repo_id", None),
         )
+
+
+@contextmanager
+def _base_model(model: torch.nn.Module):
+    """The reference's forwards: the adapters off, and the source's vision modules in place of trained ones."""
+    with disable_adapter(model), initial_image_side(model):
+        yield
 
 
 @config.parse

@@ -25,6 +25,7 @@ from tests.recipe_utils import read_jsonl, run_in_process, weights, write_config
 from tests.tolerances import ulps
 from tests.test_models_recipe import TWO_STEPS, check_trained_directory
 from tests.test_vision_recipe import check_image_split, image_split_runs
+from tests.test_vision_lora import check_lora_image_split, lora_image_split_runs
 
 
 def _config(tmp_path: Path, arch: str) -> Path:
@@ -159,6 +160,8 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     # layer_scalar buffers) image directories, one process and two, the tower frozen; then train_vision (Gemma 3's
     # projector, Qwen3.5's tower: FSDP2 units of their own), and Gemma 3's resumed on two processes.
     runs.extend(image_split_runs(tmp_path / "images"))
+    # The LoRA recipe with Qwen3.5's tower trained (tests/test_vision_lora.py), on image_split_runs' files.
+    runs.extend(lora_image_split_runs(tmp_path / "images"))
     # One launch (tests/_spawn_runs.py): the spawned processes are judged by their exit codes (0 only after the last
     # run; a rank that failed raises here with its traceback and stops the other).
     launch(runs)
@@ -258,6 +261,7 @@ def test_every_architecture_two_processes_equal_one_process(tmp_path, one_thread
     assert all(r["moe/router_agreement"] < 0.9 and r["moe/load_balance_loss"] > 0 for r in lora_rows)  # replayed
 
     check_image_split(tmp_path / "images")
+    check_lora_image_split(tmp_path / "images")
 
     step = tmp_path / "qlora" / "two" / "out" / "step_2"
     assert [r["step"] for r in read_jsonl(step.parent / "metrics.jsonl")] == [1, 2]

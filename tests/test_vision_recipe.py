@@ -219,49 +219,6 @@ def test_resume_with_a_trained_projector_equals_the_uninterrupted_run(vision_dir
     assert not all(torch.equal(a[k], weights(tmp_path / "b" / "out" / "step_2")[k]) for k in projector)
 
 
-def test_lora_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
-    """The LoRA recipe on image prompts: the adapters sit in the language model the image-text forward runs, the
-    reference is the policy with its adapters off (same images), the tower is carried into the merged model."""
-    from tests.hf_models import hf_components
-    from torchtune_grpo.generation._hf_rollout import HFRollout
-
-    prefills = []
-    prefill = HFRollout._prefill_with_images
-    monkeypatch.setattr(HFRollout, "_prefill_with_images", lambda self, *a: prefills.append(1) or prefill(self, *a))
-    src = vision_dir("gemma3")
-    data = _shapes_dataset(tmp_path / "data")
-    components = {k: v for k, v in hf_components(src).items() if not k.startswith("dataset.")}
-    components["model"] = {"_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
-                           "lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4, "lora_alpha": 8}
-    log = []
-    config = write_config(
-        tmp_path, REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", **components, max_steps=2, save_every_n_steps=2,
-        lr_scheduler=None, batch_size=2, group_size=2, micro_batch_size=2, max_response_length=6,
-        max_prompt_length=64, dataset={"_component_": "torchtune_grpo.data.image_dataset", "source": "json",
-                                       "data_files": str(data)})
-    run_in_process(config, lora=True, log=log)
-    assert "Images in the prompt" in "\n".join(log) and len(prefills) == 2
-    start, merged = weights(src), weights(tmp_path / "out" / "step_2" / "merged")
-    assert start.keys() == merged.keys()
-    assert all(torch.equal(start[k], merged[k]) for k in start if k.startswith(TOWER["gemma3"]))
-    assert any(not torch.equal(start[k], merged[k]) for k in start if k.startswith(LANGUAGE_PREFIX["gemma3"]))
-
-
-def test_lora_recipe_refuses_a_trained_vision_side(vision_dir, tmp_path, clean_env, one_thread):
-    """``train_vision`` other than ``none`` in the LoRA recipe stops the run naming the key: neither the adapter nor
-    the merged model would hold a trained tower or projector."""
-    from tests.hf_models import hf_components
-
-    src = vision_dir("gemma3")
-    components = {k: v for k, v in hf_components(src).items() if not k.startswith("dataset.")}
-    components["model"] = {"_component_": "torchtune_grpo.models.lora_hf_model", "path": "${checkpointer.checkpoint_dir}",
-                           "lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4, "lora_alpha": 8}
-    config = write_config(tmp_path, REPO / "configs" / "tiny" / "lora_grpo_cpu.yaml", **components, max_steps=1,
-                          train_vision="projector")
-    with pytest.raises(ValueError, match="train_vision: projector is not supported by the LoRA recipe"):
-        run_in_process(config, lora=True)
-
-
 def test_the_example_reward():
     import importlib.util
 

@@ -272,7 +272,8 @@ class RecipeConfig(ConfigSchema):
     train_vision: str = setting(
         "none", choices=("none", "projector", "tower"),
         doc="with a dataset of image prompts ([multimodal.md](multimodal.md)): `none` keeps the vision tower and "
-            "projector frozen; `projector` or `tower` (tower and projector) trains them with the language model")
+            "projector frozen; `projector` or `tower` (tower and projector) trains them with the language model, "
+            "fully also in the LoRA recipe (no adapters on them; its reference keeps a frozen copy of them)")
     drop_pad_embedding_grad: bool = setting(False, doc="no gradient to the pad token's input embedding "
                                             "(transformers' `padding_idx`, TRL's behaviour)")
     weight_sync: Any = component("for engines holding their own weights (vLLM): `WeightSyncCheck` interval and "

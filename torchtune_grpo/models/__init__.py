@@ -22,21 +22,27 @@ from torchtune_grpo.models._transformers_policy import TransformersDecoder, Tran
 from torchtune_grpo.models._vision import (
     attach_images,
     batch_image_inputs,
+    image_class_names,
     image_inputs,
+    image_modules_replaced,
     image_parameters,
     image_state_dict,
     text_after,
     trained_image_modules,
+    trained_image_paths,
 )
 
 __all__ = [
     "attach_images",
     "batch_image_inputs",
+    "image_class_names",
     "image_inputs",
+    "image_modules_replaced",
     "image_parameters",
     "image_state_dict",
     "text_after",
     "trained_image_modules",
+    "trained_image_paths",
     "BACKENDS",
     "Backend",
     "TransformersDecoder",

@@ -20,7 +20,10 @@ so the optimizer state is named with the policy's): :func:`image_parameters` lis
 to write in place of the source's. Those names are found once, at attach time, by matching each trained parameter's values to the one
 tensor of the directory's files that holds them (the image-text class renames some on load, e.g. Gemma 3's
 ``vision_tower.vision_model.*`` is ``vision_tower.*`` in memory, and the names a checkpoint uses depend on where it
-came from: they are read off the files, not derived).
+came from: they are read off the files, not derived). :func:`image_class_names` gives the same tensors'
+names in the image-text class's own state dict (what its ``load_state_dict`` takes), :func:`trained_image_paths`
+the trained modules by their path in the inner model, and :func:`image_modules_replaced` runs forwards with other
+modules at those paths (the LoRA recipe's reference: a frozen copy of the source's).
 
 Image inputs of a batch (:func:`batch_image_inputs`): the per-image tensors of the rows, concatenated in row order
 (the image-text class scatters the features over the image tokens in row-major order), and the per-token ones
@@ -35,8 +38,9 @@ from torch import nn
 
 from torchtune_grpo.models._vision_layouts import PER_TOKEN_KEYS
 
-__all__ = ["attach_images", "batch_image_inputs", "image_inputs", "image_parameters", "image_state_dict",
-           "PER_TOKEN_KEYS", "text_after", "text_ids", "TRAIN_CHOICES", "trained_image_modules", "VISION_MODULES"]
+__all__ = ["attach_images", "batch_image_inputs", "image_class_names", "image_inputs", "image_modules_replaced",
+           "image_parameters", "image_state_dict", "PER_TOKEN_KEYS", "text_after", "text_ids", "TRAIN_CHOICES",
+           "trained_image_modules", "trained_image_paths", "VISION_MODULES"]
 
 #: model_type -> (the projector's module, the whole vision side's modules) in the image-text class's inner model.
 VISION_MODULES = {
@@ -107,9 +111,13 @@ def attach_images(policy: nn.Module, model_dir: str, *, train: str = "none",
             {name.replace(".", "__"): inner.get_submodule(name) for name in trained}))
         params = {f"{name}.{k}": p for name in trained for k, p in inner.get_submodule(name).named_parameters()}
         disk = _disk_names(model_dir, params)
-        object.__setattr__(policy, "_image_disk_names", {
-            f"{TRAINED_PREFIX}.{name.replace('.', '__')}.{k}": disk[f"{name}.{k}"]
-            for name in trained for k, _ in inner.get_submodule(name).named_parameters()})
+        keys = {f"{TRAINED_PREFIX}.{name.replace('.', '__')}.{k}": f"{name}.{k}"
+                for name in trained for k, _ in inner.get_submodule(name).named_parameters()}
+        object.__setattr__(policy, "_image_disk_names", {key: disk[path] for key, path in keys.items()})
+        # The same tensors under the image-text class's own (in-memory) names, e.g. model.multi_modal_projector.*
+        outer = next(name for name, child in full.named_children() if child is inner)
+        object.__setattr__(policy, "_image_class_names", {key: f"{outer}.{path}" for key, path in keys.items()})
+        object.__setattr__(policy, "_image_trained_paths", trained)
     return inner
 
 
@@ -159,6 +167,43 @@ def image_state_dict(policy: nn.Module, state: Dict[str, torch.Tensor]) -> Dict[
     """
     names = getattr(policy, "_image_disk_names", None) or {}
     return {(names[k] if k.startswith(TRAINED_PREFIX + ".") else k): v for k, v in state.items()}
+
+
+def image_class_names(policy: nn.Module) -> Dict[str, str]:
+    """The policy's state-dict key of each trained vision tensor (``TRAINED_PREFIX.*``) -> its name in the state
+    dict of ``AutoModelForImageTextToText`` (in memory, e.g. ``model.multi_modal_projector.*``: what
+    ``load_state_dict`` on that class takes); empty when the tower is frozen."""
+    return dict(getattr(policy, "_image_class_names", None) or {})
+
+
+@contextmanager
+def image_modules_replaced(policy: nn.Module, modules: Mapping[str, nn.Module]) -> Iterator[None]:
+    """Forwards of ``policy`` inside the block run ``modules`` (path in the image-text class's inner model, e.g.
+    ``visual.merger`` -> a module) in place of the policy's own vision modules at those paths.
+
+    Raises:
+        ValueError: for a policy without an image side (:func:`attach_images`).
+    """
+    inner = getattr(policy, "image_model", None)
+    if inner is None:
+        raise ValueError("image_modules_replaced: the policy has no image side (attach_images)")
+    owners = {path: (inner.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2]) for path in modules}
+    previous = {path: owner._modules[name] for path, (owner, name) in owners.items()}
+    try:
+        for path, (owner, name) in owners.items():
+            owner._modules[name] = modules[path]
+        yield
+    finally:
+        for path, (owner, name) in owners.items():
+            owner._modules[name] = previous[path]
+
+
+def trained_image_paths(policy: nn.Module) -> Dict[str, nn.Module]:
+    """Path in the image-text class's inner model (``multi_modal_projector``, ``visual``, ...) -> the trained
+    vision module there, in order; empty when the tower is frozen."""
+    inner = getattr(policy, "image_model", None)
+    paths = getattr(policy, "_image_trained_paths", None) or ()
+    return {path: inner.get_submodule(path) for path in paths}
 
 
 def trained_image_modules(policy: nn.Module) -> List[nn.Module]:
