@@ -25,7 +25,7 @@ _WHAT = {"none": "frozen", "projector": "projector trained", "tower": "tower and
 def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimizer: Any, *, engine: Any,
                       train: str, policy_source: str, reference_source: str,
                       device: Optional[torch.device] = None,
-                      shard: Optional[Callable[[Sequence[nn.Module]], int]] = None) -> str:
+                      shard: Optional[Callable[[Sequence[nn.Module]], int]] = None, workers: bool = False) -> str:
     """Attach the directory's image side to ``policy`` (and ``reference``); returns the line the run logs.
 
     Args:
@@ -42,13 +42,14 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
         shard (Optional[Callable[[Sequence[nn.Module]], int]]): FSDP2-wraps the trained modules when FSDP2 wraps
             the policy (:meth:`~torchtune_grpo.runtime.model_setup.Placement.shard_added` on it); None: the policy
             is a plain module. Default is None.
+        workers (bool): generation workers sample (``generation_workers.enabled``). Default is False.
 
     Returns:
         str: what the run uses, for the log.
 
     Raises:
         ValueError: for the torchtune backend, an engine that does not take images (in the trainer or in generation
-            workers: they build the same engine), and a trained tower or projector of an FSDP2-wrapped policy
+            workers: they build the same engine), a vLLM engine in generation workers, and a trained tower or projector of an FSDP2-wrapped policy
             without ``shard``.
     """
     if not isinstance(policy, TransformersDecoder):
@@ -61,6 +62,12 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
             f"a dataset with images needs an engine that samples with them; generation._component_ is "
             f"{type(engine).__name__}, which does not{f' ({why})' if why else ''}: use "
             "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
+    if workers and getattr(engine, "holds_weights", False):
+        # A worker's vLLM engine would get the weights under the policy's names (trained_vision.*): not done.
+        raise ValueError(f"a dataset with images in generation workers needs an engine that samples with the "
+                         f"trainer's model; {type(engine).__name__} in a worker takes no image prompts yet: use "
+                         "torchtune_grpo.generation.NativeGenerator or TransformersGenerator there, or the vLLM engine "
+                         "without workers (docs/multimodal.md)")
     if train != "none" and isinstance(policy, FSDPModule) and shard is None:
         # Modules added after FSDP2 wrapped the policy and left unwrapped would get no gradient reduction.
         raise ValueError(f"train_vision: {train}: the policy is FSDP2-wrapped, and nothing was given to wrap the "
