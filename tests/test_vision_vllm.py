@@ -231,8 +231,8 @@ def test_the_sync_sends_the_image_text_class_names(vision_dir, tmp_path):
     # Every name is the checkpoint's (the tied head, not stored, is skipped by vLLM as for the text class).
     assert set(names) - {"lm_head.weight"} <= on_disk and "language_model.model.layers.0.mlp.down_proj.weight" in names
     assert len(names) == len(sent)
-    text = generation.VLLMServerGenerator(model=str(vision_dir("qwen3_5")))
-    assert [n for n, _ in text._to_hf("model.norm.weight", torch.zeros(1))] == ["model.language_model.norm.weight"]
+    qwen = generation.VLLMServerGenerator(model=str(vision_dir("qwen3_5")))
+    assert [n for n, _ in qwen._to_hf("model.norm.weight", torch.zeros(1))] == ["model.language_model.norm.weight"]
 
 
 def test_image_prompts_in_generation_workers_with_a_vllm_engine_are_refused(vision_dir, tmp_path, monkeypatch):
