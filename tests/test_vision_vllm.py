@@ -235,7 +235,9 @@ def test_the_sync_sends_the_image_text_class_names(vision_dir, tmp_path):
     assert [n for n, _ in qwen._to_hf("model.norm.weight", torch.zeros(1))] == ["model.language_model.norm.weight"]
 
 
-def test_image_prompts_in_generation_workers_with_a_vllm_engine_are_refused(vision_dir, tmp_path, monkeypatch):
+def test_what_the_vllm_engines_refuse_with_an_image_text_directory_on_any_build(vision_dir, tmp_path, monkeypatch):
+    """Not done with images: a vLLM engine in generation workers, and the LoRA adapter sync."""
+    from torchtune_grpo.models.lora import LoRAHyperparams
     from torchtune_grpo.runtime.image_setup import attach_image_side
 
     src = vision_dir("gemma3")
@@ -244,3 +246,5 @@ def test_image_prompts_in_generation_workers_with_a_vllm_engine_are_refused(visi
     with pytest.raises(ValueError, match="VLLMGenerator in a worker takes no image prompts yet"):
         attach_image_side(_policy(src, tmp_path), None, None, engine=engine, train="none", policy_source=str(src),
                           reference_source=str(src), workers=True)
+    with pytest.raises(ValueError, match=r"lora_sync: adapter with .*an image-text directory.*use lora_sync: merge"):
+        engine.enable_lora(LoRAHyperparams(rank=4, alpha=8.0, target_modules=["q_proj"]))

@@ -50,8 +50,9 @@ class VLLMGenerator(HFDirectoryEngine):
     Prompts go in and completions come out as token ids (vLLM's tokenizer is not loaded, but for an image-text
     directory, whose processor encodes each image marker's expansion), so there is no second tokenizer to disagree
     with the trainer's. Image prompts (``generate(..., images=...)``) go in with one image marker per picture and
-    the pictures, and vLLM's expansion must be the trainer's tokens (docs/multimodal.md, "Rollouts"). Sampling: ``n = group_size`` per prompt, temperature,
-    top-k, top-p, nothing else (no repetition penalty, no model ``generation_config.json`` defaults), and
+    the pictures, and vLLM's expansion must be the trainer's tokens (docs/multimodal.md, "Rollouts").
+
+    Sampling: ``n = group_size`` per prompt, temperature, top-k, top-p, nothing else (no repetition penalty, no model ``generation_config.json`` defaults), and
     stop only on the tokenizer's ``stop_tokens`` (kept as the completion's last token), like the native
     engine. Each prompt gets a seed drawn from the recipe's RNG, so rollouts are reproducible and resumable.
 
