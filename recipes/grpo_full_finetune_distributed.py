@@ -297,7 +297,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
                 self.model, None if reference is None else reference.model, self.optimizer,
                 engine=self.engine, train=c.train_vision, device=self._device, trained_file=models.image_file,
                 shard=partial(self._placement.shard_added, self.model),
-                reference_source=checkpoint_source(cfg), policy_source=image_source))
+                reference_source=checkpoint_source(cfg), policy_source=image_source,
+                workers=c.generation_workers.enabled))
         elif c.train_vision != "none":
             raise ValueError(f"train_vision: {c.train_vision}, but the dataset has no images (docs/multimodal.md)")
         self.prompts = PromptStream.over(

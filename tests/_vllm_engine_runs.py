@@ -16,9 +16,11 @@ recipe run whose engine is in this process too:
 
 4. :func:`recipe_run`: the full recipe on one process, its engine in this process, training transformers' own
    Gemma 3 module (the run ``tune run`` would make, without the launcher's start-up).
+5. :func:`tests._vllm_image_run.image_run`: image prompts through the engine on a tiny Gemma 3 image-text
+   directory (vLLM's Transformers backend), a weight sync of its language model and projector.
 
-Usage: ``python _vllm_engine_runs.py ENGINE_CONFIG LORA_CONFIG OUT_DIR RECIPE_CONFIG [FAMILY DIRECTORY]...``;
-prints ``RESULTS {"engine": ..., "lora": ..., "moe": ..., "recipe": ...}``.
+Usage: ``python _vllm_engine_runs.py ENGINE_CONFIG LORA_CONFIG OUT_DIR RECIPE_CONFIG IMAGE_DIRECTORY
+[FAMILY DIRECTORY]...``; prints ``RESULTS {"engine": ..., "lora": ..., "moe": ..., "recipe": ..., "images": ...}``.
 """
 
 import json
@@ -258,7 +260,7 @@ def moe_run(families: List[Tuple[str, str]]) -> Dict[str, Any]:
     """
     from transformers import AutoModelForCausalLM
 
-    import torchtune_grpo.generation._vllm as vllm_engine
+    import torchtune_grpo.generation._vllm_directory as vllm_engine  # finish_reload's module
     from tests.tolerances import ulps
     from torchtune_grpo.generation import VLLMGenerator, WeightSyncCheck
 
@@ -335,8 +337,12 @@ if __name__ == "__main__":
     _leave_group()
     results["lora"] = lora_run(lora_config, out / "lora")
     _leave_group()
-    results["moe"] = moe_run(list(zip(sys.argv[5::2], sys.argv[6::2])))
+    results["moe"] = moe_run(list(zip(sys.argv[6::2], sys.argv[7::2])))
     _leave_group()
     results["recipe"] = recipe_run(recipe_config)
+    _leave_group()
+    from tests._vllm_image_run import image_run
+
+    results["images"] = image_run(sys.argv[5])
     print("RESULTS " + json.dumps(results), flush=True)
     os._exit(0)  # no interpreter teardown after the engines' (a gloo group may abort at exit: DESIGN.md)

@@ -37,7 +37,7 @@ import torch
 from tests import family_templates as T
 from tests.hf_multimodal import make_multimodal_dir, TEXT_FAMILY
 
-__all__ = ["IMAGE_MARKER", "VISION_FAMILIES", "make_vision_dir", "processor_inputs", "shape_image"]
+__all__ = ["IMAGE_MARKER", "VISION_FAMILIES", "make_vision_dir", "processor_inputs", "shape_image", "with_image_tokens"]
 
 VISION_FAMILIES = ("qwen3_5", "gemma3", "gemma4")
 
@@ -184,3 +184,14 @@ def processor_inputs(family: str, directory, text: str, images: Sequence[Any]) -
     else:
         out["image_position_ids"] = processed["image_position_ids"]
     return out
+
+
+def with_image_tokens(directory, tokens: int) -> Path:
+    """Gemma 3's ``directory`` with ``tokens`` image tokens per picture (``mm_tokens_per_image`` and the processor's
+    ``image_seq_length``; the tower's pooling follows the config, the weights do not depend on it)."""
+    directory = Path(directory)
+    for name, key in (("config.json", "mm_tokens_per_image"), ("processor_config.json", "image_seq_length")):
+        data = json.loads((directory / name).read_text())
+        data[key] = tokens
+        (directory / name).write_text(json.dumps(data))
+    return directory

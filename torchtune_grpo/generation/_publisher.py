@@ -28,9 +28,10 @@ from torchtune_grpo.generation._lora_sync import (
     merged_weights,
 )
 from torchtune_grpo.generation._weight_sync import WeightSyncCheck
+from torchtune_grpo.models import image_state_dict
 from torchtune_grpo.models.logprobs import sequence_logprobs
 
-__all__ = ["WeightPublisher", "full_weights"]
+__all__ = ["WeightPublisher", "full_weights", "on_disk_vision_names"]
 
 
 def full_weights(
@@ -50,6 +51,15 @@ def full_weights(
         if hasattr(param, "full_tensor"):  # a DTensor shard
             param = param.full_tensor()
         yield name, param.detach()
+
+
+def on_disk_vision_names(model: nn.Module, weights: Iterable[Tuple[str, torch.Tensor]]
+                         ) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``weights`` with trained vision tensors (``train_vision``: ``trained_vision.*``) under their checkpoint names,
+    as :func:`~torchtune_grpo.models.image_state_dict` saves them: an engine that loads the image-text directory
+    (vLLM) knows them by those names. Everything else passes unchanged."""
+    for name, tensor in weights:
+        yield next(iter(image_state_dict(model, {name: tensor}).items()))
 
 
 class WeightPublisher:
@@ -180,7 +190,7 @@ class WeightPublisher:
         """Load this version into the engine; the bytes sent (what crossed from trainer to engine)."""
         dtype = self.trainer_dtype or torch.float32
         if self._lora_mode is None:
-            return self._load(full_weights(model, self.device))
+            return self._load(on_disk_vision_names(model, full_weights(model, self.device)))
         if self._lora_mode == "merge":
             return self._load(merged_weights(model, self.device, dtype, self._lora_scale))
         sent = self._load(base_weights(model, self.device, dtype)) if first else 0  # the frozen base: once

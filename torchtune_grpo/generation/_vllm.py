@@ -15,24 +15,22 @@ import functools
 import importlib.util
 import os
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from torchtune_grpo.generation._engine import GenerationEngine
 from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
 from torchtune_grpo.generation._lora_sync import LORA_SYNC_MODES
-from torchtune_grpo.generation._vllm_images import vllm_image_refusal
+from torchtune_grpo.generation._vllm_directory import finish_reload, HFDirectoryEngine, reprocess_tied_lm_head
 from torchtune_grpo.generation._vllm_lora import AdapterVersions, check_adapter_targets, vllm_lora_rank
-from torchtune_grpo.generation._vllm_moe import check_vllm_sync, moe_layers_in, reprocess_cpu_moe_experts
+from torchtune_grpo.generation._vllm_moe import check_vllm_sync, moe_layers_in
 from torchtune_grpo.generation._vllm_routes import check_routes_supported, moe_layer_indices, rollout_routes
-from torchtune_grpo.generation._weight_sync import check_text_checkpoint, TuneToHFNames
+from torchtune_grpo.generation._weight_sync import check_text_checkpoint
 from torchtune_grpo.models.lora import LoRAHyperparams
-from torchtune_grpo.models import read_hf_config
 
-__all__ = ["VLLMGenerator"]
+__all__ = ["HFDirectoryEngine", "VLLMGenerator", "finish_reload", "reprocess_tied_lm_head"]
 
 # bf16 (fp32 master weights) and bf16_pure both sample in bf16.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "bf16_pure": "bfloat16", "fp16": "float16"}
@@ -45,66 +43,16 @@ def _vllm_device() -> str:
     return "cpu" if current_platform.is_cpu() else "cuda"
 
 
-class HFDirectoryEngine(GenerationEngine):
-    """What an engine that starts from a Hugging Face directory and holds its own weights needs of it.
-
-    The vLLM engines (in process and as a server) read the directory's ``config.json`` for the vocabulary
-    (probe token ids) and the weight names (``TuneToHFNames``), and compute in ``dtype`` (vLLM's name; None
-    until the recipe says the trainer's). Subclasses set ``model_path`` and ``dtype``.
-    """
-
-    model_path: str
-    dtype: Optional[str]
-    _hf_config: Optional[Dict[str, Any]] = None  # read on first use
-    _to_hf_names: Optional[TuneToHFNames] = None
-
-    @property
-    def hf_config(self) -> Dict[str, Any]:
-        """The model's Hugging Face ``config.json``, read on first use."""
-        if self._hf_config is None:
-            try:
-                self._hf_config = read_hf_config(self.model_path)
-            except FileNotFoundError as e:
-                raise FileNotFoundError(f"{type(self).__name__}: no Hugging Face config.json: {e}") from None
-        return self._hf_config
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the model's embedding table (what probe token ids are drawn from)."""
-        return int(self.hf_config["vocab_size"])
-
-    def _to_hf(self, name: str, tensor: torch.Tensor) -> Iterator[Tuple[str, torch.Tensor]]:
-        """The checkpoint tensors vLLM loads for one trainer parameter (several for fused MoE experts)."""
-        if self._to_hf_names is None:
-            self._to_hf_names = TuneToHFNames(self.hf_config)
-        return self._to_hf_names.tensors(name, tensor)
-
-    @property
-    def image_refusal(self) -> str:
-        """Why this engine samples no image prompts of its directory: the family, the vLLM build, what it lacks."""
-        try:
-            config = self.hf_config
-        except FileNotFoundError:
-            config = {}
-        return vllm_image_refusal(config.get("model_type") if isinstance(config.get("text_config"), dict) else None)
-
-    def follow_trainer_dtype(self, dtype: torch.dtype) -> None:
-        """Compute in the trainer's ``dtype`` unless the config set one (called before the engine starts).
-
-        vLLM's ``auto`` is the checkpoint's dtype, or bf16 for fp32 checkpoints on CPU: an fp32 run would
-        then sample from (and be checked against) a bf16 copy of its weights.
-        """
-        if self.dtype is None:
-            self.dtype = str(dtype).removeprefix("torch.")
-
-
 class VLLMGenerator(HFDirectoryEngine):
     """Sample ``group_size`` completions per prompt with vLLM, with the same sampling settings as
     :class:`~torchtune_grpo.generation.NativeGenerator`, and the sampled tokens' log-probabilities.
 
-    Prompts go in and completions come out as token ids (vLLM's tokenizer is never loaded), so there is no
-    second tokenizer to disagree with the trainer's. Sampling: ``n = group_size`` per prompt, temperature,
-    top-k, top-p, nothing else (no repetition penalty, no model ``generation_config.json`` defaults), and
+    Prompts go in and completions come out as token ids (vLLM's tokenizer is not loaded, but for an image-text
+    directory, whose processor encodes each image marker's expansion), so there is no second tokenizer to disagree
+    with the trainer's. Image prompts (``generate(..., images=...)``) go in with one image marker per picture and
+    the pictures, and vLLM's expansion must be the trainer's tokens (docs/multimodal.md, "Rollouts").
+
+    Sampling: ``n = group_size`` per prompt, temperature, top-k, top-p, nothing else (no repetition penalty, no model ``generation_config.json`` defaults), and
     stop only on the tokenizer's ``stop_tokens`` (kept as the completion's last token), like the native
     engine. Each prompt gets a seed drawn from the recipe's RNG, so rollouts are reproducible and resumable.
 
@@ -249,7 +197,9 @@ class VLLMGenerator(HFDirectoryEngine):
             check_routes_supported("VLLMGenerator", on_cpu)
         kwargs: Dict[str, Any] = dict(
             model=self.model_path,
-            skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer is the only one
+            # Token ids in and out: the trainer's tokenizer is the only one. An image-text directory's processor
+            # needs its tokenizer (it encodes each image marker's expansion).
+            skip_tokenizer_init=not self.image_text,
             dtype=self.dtype or "auto",
             seed=self.seed,
             logprobs_mode="processed_logprobs",  # the sampled distribution (after temperature/top-k/p)
@@ -356,6 +306,9 @@ class VLLMGenerator(HFDirectoryEngine):
         )
         llm.apply_model(functools.partial(finish_reload, moe_layers=moe_layers))
         llm.reset_prefix_cache()
+        if self.image_text:  # pictures' features computed with the old weights must not be reused either
+            llm.reset_mm_cache()
+            llm.llm_engine.reset_encoder_cache()
         if self._adapters is not None:
             # The in-place reload unloads every LoRA adapter (vLLM 0.32, measured: list_loras() is empty
             # afterwards). Forget the current version rather than point rollouts at one vLLM no longer
@@ -377,6 +330,10 @@ class VLLMGenerator(HFDirectoryEngine):
         if self._llm is not None:
             raise RuntimeError("VLLMGenerator.enable_lora: the engine has already started without LoRA support "
                                f"for rank {hparams.rank}")
+        if self.image_text:
+            raise ValueError(f"generation.lora_sync: adapter with {self.model_path}, an image-text directory, is not "
+                             "supported (vLLM's adapters are not named for its image-text class here): use "
+                             "lora_sync: merge")
         check_adapter_targets(hparams)
         self._lora = hparams
         self._adapters = AdapterVersions(self.hf_config)
@@ -447,6 +404,7 @@ class VLLMGenerator(HFDirectoryEngine):
         stop_tokens: Sequence[int],
         generator: Optional[torch.Generator] = None,
         temperature: Optional[float] = None,
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Rollout:
         """Generate completions (the same contract as :meth:`NativeGenerator.generate`).
 
@@ -460,9 +418,17 @@ class VLLMGenerator(HFDirectoryEngine):
             generator (Optional[torch.Generator]): RNG for the per-prompt seeds. Default is None.
             temperature (Optional[float]): override this engine's temperature (0 for greedy
                 evaluation). Default is None.
+            images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs
+                (``image_dataset``'s ``image_inputs``) or None, for an engine that :attr:`takes_images`: vLLM gets
+                the prompt with one image marker per picture and the pictures, and must expand it into exactly
+                ``prompts[i]``. Default is None.
 
         Returns:
             Rollout: ``B x G`` rows, row ``i`` belongs to prompt ``i // G``, with ``logprobs``.
+
+        Raises:
+            ValueError: images this engine cannot pass (:attr:`image_refusal`), or a prompt vLLM expanded into
+                other tokens than the trainer's.
         """
         from vllm import SamplingParams
 
@@ -489,11 +455,13 @@ class VLLMGenerator(HFDirectoryEngine):
             )
             for seed in request_seeds(len(prompts), generator)
         ]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False,
-            lora_request=self.lora_request,
-        )
+        requests = [{"prompt_token_ids": ids, **({"multi_modal_data": {"image": pictures}} if pictures else {})}
+                    for ids, pictures in self.image_requests(prompts, images)]
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora_request)
         self.sleep()
+        for i, (request, out) in enumerate(zip(requests, outputs)):
+            if "multi_modal_data" in request:
+                self.check_expanded(out.prompt_token_ids, prompts[i], i)
         ordered = [sorted(out.outputs, key=lambda c: c.index) for out in outputs]  # a request's n samples, in order
         completions = [[(list(c.token_ids), _sampled_logprobs(c)) for c in cs] for cs in ordered]
         rollout = rollout_from_requests(prompts, completions, group_size, set(stop), source="vLLM")
@@ -512,33 +480,6 @@ def request_seeds(n: int, generator: Optional[torch.Generator]) -> List[Optional
     if generator is None:
         return [None] * n
     return torch.randint(0, 2**62, (n,), generator=generator, device=generator.device).tolist()
-
-
-def finish_reload(model: nn.Module, moe_layers: Set[int]) -> None:
-    """What vLLM's in-place reload leaves undone (CPU): the tied output layer, and MoE experts' prepacking."""
-    reprocess_tied_lm_head(model)
-    reprocess_cpu_moe_experts(model, moe_layers)
-
-
-def reprocess_tied_lm_head(model: nn.Module) -> None:
-    """Redo the output layer's weight processing when it shares its weight with the input embedding.
-
-    vLLM's in-place reload processes a tied weight for one of its two modules only (a limitation its
-    ``model_loader/reload`` documents). On CPU, processing packs a private copy of the weight for the
-    output GEMM, so without this the logits would keep using the pre-sync embedding: the weight-sync check
-    caught exactly that (probe logprobs off by ~0.03 after a 1e-3 perturbation, docs/vllm.md). Elsewhere
-    the unquantized embedding's processing is a no-op and the shared parameter is already updated.
-    """
-    head = getattr(model, "lm_head", None)
-    inner = getattr(model, "model", None)
-    embed = getattr(inner, "embed_tokens", None)
-    if head is None or embed is None or head is embed:
-        return
-    if getattr(head, "weight", None) is not getattr(embed, "weight", None):
-        return  # untied: the head's own weights were loaded and processed
-    method = getattr(head, "quant_method", None)
-    if method is not None:
-        method.process_weights_after_loading(head)
 
 
 def _sampled_logprobs(completion) -> List[float]:

@@ -26,7 +26,7 @@ import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -34,7 +34,9 @@ from torchtune import utils
 
 from torchtune_grpo.generation._output import Rollout, rollout_from_requests
 from torchtune_grpo.generation._sampling import check_sampling
-from torchtune_grpo.generation._vllm import DTYPES, HFDirectoryEngine, request_seeds
+from torchtune_grpo.generation._vllm import DTYPES, request_seeds
+from torchtune_grpo.generation._vllm_directory import HFDirectoryEngine
+from torchtune_grpo.generation._vllm_image_prompts import png_data_url
 from torchtune_grpo.generation._vllm_server_process import VLLMServer, VLLMServerError
 from torchtune_grpo.generation.vllm_plugin import TRANSFERS
 from torchtune_grpo.generation._vllm_moe import check_vllm_sync
@@ -240,7 +242,6 @@ class VLLMServerGenerator(HFDirectoryEngine):
         on_cpu = current_platform.is_cpu()
         args = [
             "--model", self.model_path,
-            "--skip-tokenizer-init",  # token ids in and out: the trainer's tokenizer is the only one
             "--dtype", self.dtype or "auto",
             "--seed", str(self.seed),
             "--logprobs-mode", "processed_logprobs",  # the distribution really sampled from
@@ -249,6 +250,8 @@ class VLLMServerGenerator(HFDirectoryEngine):
             "--weight-transfer-config", json.dumps({"backend": TRANSFERS[self.weight_transfer]}),
             "--gpu-memory-utilization", str(self.gpu_memory_utilization),
         ]
+        if not self.image_text:  # token ids in and out: the trainer's tokenizer is the only one (an image-text
+            args.append("--skip-tokenizer-init")  # directory's processor needs its own: it encodes the expansions)
         if on_cpu if self.enforce_eager is None else self.enforce_eager:
             args.append("--enforce-eager")
         if self.return_routed_experts:
@@ -348,6 +351,9 @@ class VLLMServerGenerator(HFDirectoryEngine):
             if isinstance(reset, dict) and reset.get("success") is False:
                 raise VLLMServerError(f"the vLLM server {server.url} could not drop its prefix cache after weight "
                                       f"version {version} (requests still running?)")
+            if self.image_text:  # pictures' features computed with the old weights must not be reused either
+                server.post("/reset_mm_cache")
+                server.post("/reset_encoder_cache")
             self._version = version
         finally:
             if in_flight:
@@ -381,6 +387,7 @@ class VLLMServerGenerator(HFDirectoryEngine):
         stop_tokens: Sequence[int],
         generator: Optional[torch.Generator] = None,
         temperature: Optional[float] = None,
+        images: Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]] = None,
     ) -> Rollout:
         """Generate completions (the contract of :meth:`NativeGenerator.generate`).
 
@@ -393,6 +400,10 @@ class VLLMServerGenerator(HFDirectoryEngine):
             stop_tokens (Sequence[int]): ids that end a response (kept as its last token).
             generator (Optional[torch.Generator]): RNG for the per-prompt seeds. Default is None.
             temperature (Optional[float]): override the engine's temperature (0: greedy). Default is None.
+            images (Optional[Sequence[Optional[Mapping[str, torch.Tensor]]]]): each prompt's image inputs or None,
+                for an engine that :attr:`takes_images`: the request carries the prompt with one image marker per
+                picture and the pictures (PNG data URLs, ``content_parts``), and the server's expansion of it must
+                be exactly ``prompts[i]``. Default is None.
 
         Returns:
             Rollout: ``B x G`` rows, row ``i`` answers prompt ``i // G``, with ``logprobs``.
@@ -400,6 +411,8 @@ class VLLMServerGenerator(HFDirectoryEngine):
         Raises:
             VLLMServerError: the server refused a request, or sampled from weights other than the last version
                 sent.
+            ValueError: images this engine cannot pass (:attr:`image_refusal`), or a prompt the server expanded
+                into other tokens than the trainer's.
         """
         del model, pad_id
         temperature = self.temperature if temperature is None else float(temperature)
@@ -409,19 +422,27 @@ class VLLMServerGenerator(HFDirectoryEngine):
         server = self.server
         first = self._version  # an in-flight load_weights (another thread) may add versions until we return
 
+        requests = self.image_requests(prompts, images)
+
         def request(prompt_and_seed):
-            prompt, seed = prompt_and_seed
+            (prompt, pictures), seed = prompt_and_seed
             params = {
                 "n": n, "temperature": temperature, "top_k": 0 if self.top_k is None else int(self.top_k),
                 "top_p": self.top_p, "max_tokens": max_new_tokens, "stop_token_ids": stop,
                 "ignore_eos": True,  # stop on stop_tokens only, as the native engine
                 "logprobs": 0, "detokenize": False, "seed": seed,
             }
-            return server.post("/inference/v1/generate", {"token_ids": list(prompt), "sampling_params": params},
-                               timeout=self.request_timeout)
+            body = {"token_ids": list(prompt), "sampling_params": params}
+            if pictures:  # the prompt's pictures, and its tokens as the server expands them (checked below)
+                body.update(content_parts=[{"type": "image_url", "url": png_data_url(p)} for p in pictures],
+                            return_token_ids=True)
+            return server.post("/inference/v1/generate", body, timeout=self.request_timeout)
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(prompts), 64))) as pool:
-            outputs = list(pool.map(request, zip(prompts, seeds)))
+            outputs = list(pool.map(request, zip(requests, seeds)))
+        for i, ((_, pictures), out) in enumerate(zip(requests, outputs)):
+            if pictures:
+                self.check_expanded(out.get("prompt_token_ids") or [], prompts[i], i)
         sent = range(first, self._version + 1)
         rollout = rollout_from_requests(prompts, [self._completions(out, sent) for out in outputs], group_size,
                                         set(stop), source=f"the vLLM server {server.url}")

