@@ -4,18 +4,22 @@ The GPU check's CPU rehearsal (``scripts/gpu_check.sh --fork-stages``, tests/tes
 stages on tiny models; importing torch, torchtune, torchao, transformers and TRL took each of them ~7 s of its
 ~10-40 s. Here a server imports them once, and each stage is a child forked from it: a fresh copy of a process
 that has imported modules and done nothing else (no model built, no thread pool started, nothing compiled).
+The tests' ``tune run`` and its ranks start the same way (tests/_tune_server.py).
 
     python scripts/fork_stages.py serve SOCKET [--hide NAME,...] [MODULE ...]   # import the MODULEs, then fork
     python scripts/fork_stages.py run SOCKET ARGS...          # what `python ARGS...` does, in a forked child
 
-``run`` stands in for the interpreter: ARGS is ``SCRIPT [ARG ...]`` or ``-m MODULE [ARG ...]``. The child gets
-the caller's standard streams, working directory, environment and arguments, runs the script or module as
+``run`` stands in for the interpreter: ARGS is ``[-u] SCRIPT [ARG ...]`` or ``[-u] -m MODULE [ARG ...]``. The
+child gets the caller's standard streams, working directory, environment and arguments, runs the script or module as
 ``__main__`` (``sys.path[0]`` as the interpreter sets it) and exits as the interpreter does (``SystemExit``,
 an uncaught exception: 1, atexit handlers). ``run`` exits with the child's status, or dies of the child's
 signal; a signal it receives (``timeout``'s SIGTERM) goes to the child's process group, and the server kills
 that group if ``run`` goes away. The modules imported before the fork stay imported: an environment variable
 that a module reads at import time has the server's value (the same environment, where the GPU check
-starts the server).
+starts the server). Of what the interpreter reads from the environment at start-up, the child honours
+``PYTHONPATH`` (for what it imports afterwards), ``PYTHONUNBUFFERED`` (as ``-u``) and ``PYTHONFAULTHANDLER``; its
+standard streams are buffered as a fresh interpreter's would be on the caller's (line-buffered on a
+terminal). The server ends when the process that started it has gone.
 
 ``--hide``: packages the stages must not see, as on the GPU machine, which does not have them (the rehearsal hides
 the CPU build of vLLM that this environment has for its tests: TRL imports it whenever it is installed, ~7 s a
@@ -23,6 +27,8 @@ stage, though the check never runs it). For them ``import`` raises ImportError a
 returns None, as for a package that is not installed.
 """
 
+import faulthandler
+import io
 import json
 import os
 import select
@@ -48,12 +54,19 @@ def _serve(path: str, modules: List[str]) -> Tuple[socket.socket, dict]:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - the command that needs it imports it again and reports it
             print(f"fork_stages.py serve: importing {name} failed ({type(e).__name__}: {e})", file=sys.stderr)
+    sys.stdout.flush()  # nothing the imports printed may sit in a buffer every child would inherit
+    sys.stderr.flush()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the path appears once the server listens: `run` waits for it
     server.listen(8)
     server.settimeout(1.0)
+    parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # whoever started the server is gone (killed): no one will stop it
+            server.close()
+            os.unlink(path)
+            sys.exit(0)
         while True:  # reap the children that have finished
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -99,6 +112,19 @@ def _supervise(conn: socket.socket, request: dict) -> dict:
                 pass
 
 
+def _use_pythonpath(server: str, caller: str) -> None:
+    """sys.path as the caller's PYTHONPATH makes it: the server's entries out, the caller's in their place (a
+    folder the caller added, an optional package's, is found; a module the server imported stays imported)."""
+    if server == caller:
+        return
+    import importlib
+
+    drop = {os.path.abspath(p) for p in server.split(os.pathsep) if p}
+    kept = [p for p in sys.path[1:] if not p or os.path.abspath(p) not in drop]
+    sys.path[1:] = [os.path.abspath(p) for p in caller.split(os.pathsep) if p] + kept
+    importlib.invalidate_caches()
+
+
 def _run_command(request: dict) -> None:
     """Become ``python ARGS...`` with the caller's streams, directory and environment (never returns)."""
     import runpy
@@ -107,9 +133,24 @@ def _run_command(request: dict) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
+    _use_pythonpath(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
     os.environ.clear()
     os.environ.update(request["env"])
     args = request["argv"]
+    unbuffered = args[0] == "-u" or bool(os.environ.get("PYTHONUNBUFFERED"))
+    args = args[1:] if args[0] == "-u" else args
+    # The streams the interpreter would have made for the caller's descriptors (the server's were made for its
+    # own): a terminal line-buffered, a pipe or file block-buffered (stderr always by line), -u: neither.
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        line = fd == 2 or raw.isatty()
+        stream = io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding=old.encoding,
+                                  errors=old.errors, line_buffering=line and not unbuffered, write_through=unbuffered)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()  # onto the caller's stderr (fd 2 by now)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if args[0] == "-m":
@@ -124,8 +165,9 @@ def _run_command(request: dict) -> None:
 
 def _client(path: str, args: List[str]) -> int:
     """Send ``args`` with this process's streams, directory and environment; return the command's status."""
-    if not args or args[0] in ("-c", "-") or (args[0] == "-m" and len(args) < 2):
-        print(f"fork_stages.py run: expected SCRIPT ... or -m MODULE ..., got {args}", file=sys.stderr)
+    command = args[1:] if args[:1] == ["-u"] else args
+    if not command or command == ["-m"] or command[0].startswith("-") and command[0] != "-m":
+        print(f"fork_stages.py run: expected [-u] SCRIPT ... or [-u] -m MODULE ..., got {args}", file=sys.stderr)
         return 2
     deadline = time.monotonic() + 600  # the server imports first
     while not os.path.exists(path):

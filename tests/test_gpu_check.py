@@ -309,6 +309,9 @@ if sys.argv[1] == "exit":
     sys.exit(3)
 if sys.argv[1] == "raise":
     raise ValueError("boom")
+if sys.argv[1] == "path":
+    import forkextra
+    print(forkextra.VALUE, sys.stdout.write_through, flush=True)
 if sys.argv[1] == "hidden":
     import importlib.util
     print(importlib.util.find_spec("csv"), flush=True)
@@ -322,7 +325,9 @@ if sys.argv[1] == "sleep":
 def test_forked_stages_run_as_their_own_interpreter_would(tmp_path):
     # scripts/fork_stages.py, as the rehearsal uses it: each command gets the caller's directory, environment,
     # arguments and streams, sys.path[0] of `python SCRIPT`, its exit status (an uncaught exception: 1), hidden
-    # packages are not installed for it, and a SIGTERM to `run` (timeout's) ends the command and what it started.
+    # packages are not installed for it, its own PYTHONPATH and -u (unbuffered streams) hold as in a fresh
+    # interpreter (tests/_tune_server.py's tune runs), and a SIGTERM to `run` (timeout's) ends the command and
+    # what it started.
     script, sock = tmp_path / "stage.py", str(tmp_path / "s.sock")
     script.write_text(FORKED)
     fork = [sys.executable, str(REPO / "scripts" / "fork_stages.py")]
@@ -339,6 +344,11 @@ def test_forked_stages_run_as_their_own_interpreter_would(tmp_path):
         assert p.returncode == 1 and "ValueError: boom" in p.stderr, p
         p = run("hidden")
         assert p.returncode == 1 and "None\n" in p.stdout and "ModuleNotFoundError" in p.stderr, p
+        (tmp_path / "extra").mkdir()
+        (tmp_path / "extra" / "forkextra.py").write_text("VALUE = 'found'\n")
+        p = subprocess.run(fork + ["run", sock, "-u", str(script), "path"], cwd=tmp_path, capture_output=True,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path / "extra")}, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.splitlines()[1] == "found True", p
         p = run("sleep", timeout=1)  # a forked command starts in milliseconds: it has started its sleep by then
         assert p.returncode == 124, p
         stat = Path(f"/proc/{int(p.stdout.splitlines()[1])}/stat")

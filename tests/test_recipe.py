@@ -3,8 +3,9 @@
 Each launcher test writes a copy of the shipped tiny config (tests/_rewards.py explains the extra reward), runs
 `tune` in a subprocess from a directory outside the repository (the recipe is an installed module), and
 checks what a user gets: metrics, completions, a Hugging Face checkpoint, resumption. One run on 1 process
-and one on 2 go through the launcher; what needs no launcher (a resumed run, a setup error, a short run's
-log) runs in process (tests.recipe_utils.run_in_process).
+and one on 2 go through the launcher in fresh interpreters (the other files' ``tune run`` fork theirs from a
+process that imported torch once, tests/_tune_server.py); what needs no launcher (a resumed run, a setup
+error, a short run's log) runs in process (tests.recipe_utils.run_in_process).
 """
 
 import json
@@ -32,7 +33,7 @@ from torchtune_grpo.assets import asset_path
 def test_single_process_run_and_resume(tmp_path, caplog, clean_env, one_thread):
     # seed: null draws a random seed; the resumed run must take the checkpoint's (it fixes data order).
     cfg = write_config(tmp_path, max_steps=4, save_every_n_steps=2, seed=None)
-    run_tune(cfg, cwd=tmp_path)
+    run_tune(cfg, cwd=tmp_path, forked=False)  # a fresh interpreter, as a user's (the other files' runs fork)
     out = tmp_path / "out"
 
     metrics = read_jsonl(out / "metrics.jsonl")
@@ -108,7 +109,7 @@ def test_two_processes(tmp_path):
     # The recipe leaves with os._exit(0) once everything is flushed when launched by torchrun, which
     # sidesteps gloo's occasional abort at teardown (shared/DESIGN.md); the exit code is judged as is.
     cfg = write_config(tmp_path, max_steps=2, batch_size=2)
-    log = run_tune(cfg, nproc=2, cwd=tmp_path)
+    log = run_tune(cfg, nproc=2, cwd=tmp_path, forked=False)  # fresh interpreters, as a user's
     assert "2 rank(s)" in log
     out = tmp_path / "out"
     metrics = read_jsonl(out / "metrics.jsonl")

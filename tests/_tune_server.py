@@ -1,0 +1,67 @@
+"""``tune run`` from a process that has already imported torch, torchtune and the recipes.
+
+Each ``tune run`` of a test pays interpreter start-ups before its first step: the ``tune`` command's and, on N
+processes, each rank's (importing torch, torchtune, torchao and the recipe: ~6 s each on 2 cores, shared
+with the suite's other worker). Here one server per pytest process (scripts/fork_stages.py) imports them once,
+and the ``tune`` command is a child forked from it; so are its ranks: torchrun starts them with ``PYTHON_EXEC``
+(its documented override of the interpreter), which is a shim that asks the same server. Everything after the
+start-up is the real thing: the ``tune`` CLI, torchrun's launcher and elastic agent, the recipe run as
+``__main__``, exit codes and signals (scripts/fork_stages.py). A few tests keep fresh interpreters end to end
+(tests/test_recipe.py, tests/test_distributed_runs.py: ``run_tune(..., forked=False)`` or ``tune_command``).
+"""
+
+import atexit
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from tests.conftest import REPO
+
+FORK_STAGES = REPO / "scripts" / "fork_stages.py"
+# What every launched process imports before its first step (measured with `python -X importtime`): the CLI,
+# the launcher, both recipes (with torch, torchtune, torchao and the package's training modules), the tests'
+# reward components. Not transformers or vLLM: the runs that need them import them as before. None of them
+# imports a package of the optional extras' folders (tests/extras.py), which a run puts first on its PYTHONPATH
+# (a forked command keeps what the server imported, and finds the rest on its own PYTHONPATH).
+MODULES = [
+    "torch", "torchtune", "torchtune._cli.tune", "torch.distributed.run", "grpo_full_finetune_distributed",
+    "grpo_lora_finetune_distributed", "tests._rewards",
+]
+
+_server: Optional[subprocess.Popen] = None
+_dir: Optional[Path] = None
+
+
+def _stop() -> None:
+    if _server is not None and _server.poll() is None:
+        _server.terminate()
+        _server.wait(timeout=30)
+    if _dir is not None:
+        shutil.rmtree(_dir, ignore_errors=True)
+
+
+def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str]) -> List[str]:
+    """``command`` (``[TUNE, "run", ...]``) as a child of this process's fork server, and ``env`` (the
+    command's) updated in place so that torchrun's ranks are forked children too. The server starts at the
+    first call, in ``server_env`` (the tests' plain ``tune run`` environment, tests/recipe_utils.py
+    ``tune_env()``: what the imports see; each command then runs in its own ``env``)."""
+    global _server, _dir
+    if _server is None or _server.poll() is not None:
+        if _server is None:
+            atexit.register(_stop)
+        else:  # it died (it should not): a new one, in a new directory
+            _stop()
+        _dir = Path(tempfile.mkdtemp(prefix="tune-fork-"))
+        sock = _dir / "s.sock"
+        # Started from the repository root (sys.path of a script run from elsewhere is the same: PYTHONPATH).
+        _server = subprocess.Popen([sys.executable, str(FORK_STAGES), "serve", str(sock), *MODULES], cwd=REPO,
+                                   env=server_env, stdin=subprocess.DEVNULL)
+        shim = _dir / "python"
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FORK_STAGES}" run "{sock}" "$@"\n')
+        shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
+    env["PYTHON_EXEC"] = str(_dir / "python")
+    return [sys.executable, str(FORK_STAGES), "run", str(_dir / "s.sock"), *command]
