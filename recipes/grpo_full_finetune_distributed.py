@@ -397,13 +397,13 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         if recipe_state is not None:
             self.global_step, self.prompts.epoch = recipe_state["step"], recipe_state["epoch"]
             in_flight = restored_rollouts(recipe_state, self.rank, self.world_size)
-            restored_rng = restore_training_state(
+            restarted = restore_training_state(
                 recipe_state, model=self.model, optimizer=self.optimizer, lr_scheduler=lr_scheduler,
                 dataloader=self.prompts.dataloader, generator=self._generator, device=self._device, rank=self.rank,
                 world_size=self.world_size,
             )
-            if not restored_rng:
-                utils.log_rank_zero(log, "World size changed since the checkpoint: RNG streams restart.")
+            if restarted:  # another number of processes: the data position converted, the RNG streams restarted
+                utils.log_rank_zero(log, restarted)
         self._profiler, _ = config.instantiate(c.profiler or OmegaConf.create(_PROFILER_OFF))
         spec = AlgorithmSpec.from_run(  # what the run optimises, for its algorithm card
             c, loss=loss_fn, advantage=advantage, rewards=rewards, optimizer=self.optimizer,

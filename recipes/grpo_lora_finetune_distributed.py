@@ -110,8 +110,13 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     def gather_model_state(self) -> Dict[str, Any]:
         """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``);
         with the trained vision tensors (``train_vision``) in both."""
+        adapters_only = self.config.save_adapter_weights_only
+        if adapters_only and self.config.train_vision == "none":  # the base weights are not gathered at all
+            return training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device,
+                                                  adapter_weights_only=True)
+        # (With train_vision the trained vision tensors are picked out of the full gather: its cost then.)
         state = training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device)
-        if not self.config.save_adapter_weights_only:
+        if not adapters_only:
             return state
         trained_vision = {key: state[key] for key in image_class_names(self.model) if key in state}
         return {**get_adapter_state_dict(state, device=None), **trained_vision}

@@ -18,6 +18,7 @@ through ``tune run``'s launcher; the one-node two-process runs through torchrun 
 """
 
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -205,7 +206,11 @@ def test_resume_on_another_number_of_processes(tmp_path, two_process_reference):
     run_in_process(with_overrides(cfg, resume_from_checkpoint=True), log=messages)
     log = "\n".join(messages)
     assert f"Resuming from {tmp_path / 'out' / f'step_{STEPS}'}" in log
-    assert "World size changed since the checkpoint: RNG streams restart." in log
+    # The two ranks' data position continues on one: the epoch's used prefix is every rank's share, and one process
+    # taking the same per-process batch continues right after it (nothing skipped, nothing used again).
+    restart = re.search(r"World size changed since the checkpoint: RNG streams restart; this epoch's first (\d+) "
+                        r"prompts were used on 2 process\(es\); it continues on 1 from prompt (\d+)\.", log)
+    assert restart and restart[1] == restart[2] and int(restart[1]) > 0, log
     # What changed is said (output_dir too: the run was copied here), and each start's config is kept (the
     # reference's start, then this resume).
     changed = log.split("Settings changed since step_4 was saved (the run continues with the new ones): ")[1]

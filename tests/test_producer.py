@@ -60,3 +60,43 @@ def test_a_dataset_smaller_than_one_global_batch_is_refused():
     with pytest.raises(ValueError, match=r"The dataset has 3 prompts: fewer than batch_size x world_size = 4"):
         PromptStream.over(rows, batch_size=2, world_size=2, rank=0, shuffle=False, seed=0)
     assert len(PromptStream.over(rows, batch_size=1, world_size=2, rank=1, shuffle=False, seed=0)) == 1
+
+
+def test_a_resume_on_another_number_of_processes_continues_the_epoch_where_it_stopped():
+    from torchtune_grpo.checkpoints.manager import data_position_for
+
+    rows = [{"tokens": [1 + i], "prompt": f"p{i}", "answer": str(i)} for i in range(40)]
+    # DistributedSampler's epoch-0 order (seed 0): every process takes every world_size-th prompt of it.
+    order = [f"p{i}" for i in torch.randperm(40, generator=torch.Generator().manual_seed(0)).tolist()]
+
+    def streams(world_size, batch):
+        return [PromptStream.over(rows, batch_size=batch, world_size=world_size, rank=r, shuffle=True, seed=0)
+                for r in range(world_size)]
+
+    def resumed(saved, world_size, batch):
+        new = streams(world_size, batch)
+        for s in new:
+            position, where = data_position_for(saved.dataloader.state_dict(), len(old), world_size, batch)
+            s.dataloader.load_state_dict(position)
+        return new, where
+
+    # 2 processes x 2 prompts for 3 steps (the order's first 12), resumed on 1 process: the epoch goes on from
+    # prompt 12 to its end, every prompt used once (restored as saved, it would go on from prompt 6).
+    old = streams(2, 2)
+    used = [p for _ in range(3) for s in old for p in s.next().prompts]
+    assert sorted(used) == sorted(order[:12])
+    (one,), where = resumed(old[0], 1, 2)
+    assert where == "this epoch's first 12 prompts were used on 2 process(es); it continues on 1 from prompt 12"
+    rest = [p for _ in range(14) for p in one.next().prompts]
+    assert rest == order[12:] and one.epoch == 0
+    # 1 process x 2 prompts for 5 steps (the first 10), resumed on 2 processes x 3: a step takes 6, so the epoch goes
+    # on from prompt 6, the last 4 of the 10 used again, none skipped (restored as saved: from prompt 20).
+    old = streams(1, 2)
+    used = [p for _ in range(5) for p in old[0].next().prompts]
+    two, where = resumed(old[0], 2, 3)
+    assert where == ("this epoch's first 10 prompts were used on 1 process(es); it continues on 2 from prompt 6 "
+                     "(4 used again)")
+    assert sorted(p for s in two for p in s.next().prompts) == sorted(order[6:12])
+    # Saved before the epoch's first batch: nothing to convert.
+    fresh = streams(2, 2)[0].dataloader.state_dict()
+    assert data_position_for(fresh, 2, 1, 2) == (fresh, "this epoch starts from its first prompt")

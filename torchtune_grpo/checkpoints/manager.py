@@ -16,7 +16,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torchtune import training
@@ -33,7 +33,8 @@ from torchtune_grpo.metrics.run_logs import rewind_jsonl
 from torchtune_grpo.checkpoints.resume import load_resume_point, ResumePoint
 
 __all__ = [
-    "CheckpointManager", "SavedCheckpoint", "capture_training_state", "restore_training_state", "restored_rollouts",
+    "CheckpointManager", "SavedCheckpoint", "capture_training_state", "data_position_for", "restore_training_state",
+    "restored_rollouts",
 ]
 
 # The logs a resumed run cuts back to its checkpoint's step, so that each step appears once.
@@ -191,6 +192,47 @@ def capture_training_state(
     }
 
 
+def data_position_for(loader_state: Dict[str, Any], saved_world_size: int, world_size: int,
+                      batch_size: int) -> Tuple[Dict[str, Any], str]:
+    """A prompt loader's position saved on ``saved_world_size`` processes, for a run on ``world_size``.
+
+    Every process's ``DistributedSampler`` takes every ``world_size``-th prompt of the same epoch order, so after
+    ``k`` samples on each of ``P`` processes the epoch's first ``k * P`` prompts are used, whatever ``P`` is. The
+    saved position (a ``StatefulDataLoader``'s ``state_dict``: ``samples_yielded`` of this process's share, and the
+    batches yielded) counts one process's share; restored as it is on another number of processes it would skip
+    prompts (more processes) or use them again (fewer). The converted position continues at the first global batch
+    boundary of the new run at or before the used prefix, so no prompt is skipped; the few between that boundary
+    and the prefix's end are used again.
+
+    Args:
+        loader_state (Dict[str, Any]): the saved ``StatefulDataLoader.state_dict()`` (one process's; every process
+            saves the same position).
+        saved_world_size (int): processes of the run that saved it.
+        world_size (int): processes of this run.
+        batch_size (int): prompts per process per step in this run.
+
+    Returns:
+        Tuple[Dict[str, Any], str]: the position to load, and a sentence saying where the epoch continues.
+
+    Raises:
+        ValueError: when ``loader_state`` is not a single-process ``StatefulDataLoader``'s position.
+    """
+    sampler = loader_state.get("_sampler_iter_state")
+    try:
+        used = 0 if sampler is None else int(sampler["samples_yielded"]) * saved_world_size  # the epoch's first
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"the checkpoint's data position ({sorted(loader_state)}) is not a StatefulDataLoader's "
+                         "with one loading process; it cannot be moved to another number of processes") from e
+    if used == 0:  # saved before the epoch's first batch
+        return loader_state, "this epoch starts from its first prompt"
+    batches = used // (batch_size * world_size)
+    state = {**loader_state, "_sampler_iter_state": {**sampler, "samples_yielded": batches * batch_size},
+             "_sampler_iter_yielded": batches, "_num_yielded": batches}
+    again = used - batches * batch_size * world_size
+    return state, (f"this epoch's first {used} prompts were used on {saved_world_size} process(es); it continues on "
+                   f"{world_size} from prompt {used - again}" + (f" ({again} used again)" if again else ""))
+
+
 def restore_training_state(
     state: Dict[str, Any],
     *,
@@ -202,29 +244,34 @@ def restore_training_state(
     device: torch.device,
     rank: int,
     world_size: int,
-) -> bool:
+) -> Optional[str]:
     """Load :func:`capture_training_state`'s output into a freshly built run (every rank).
 
     The learning rate is set to what the *current* schedule gives at the restored step
-    (:func:`~torchtune_grpo.checkpoints.storage.restart_lr_schedule`: the run may have been lengthened).
+    (:func:`~torchtune_grpo.checkpoints.storage.restart_lr_schedule`: the run may have been lengthened). On another
+    number of processes the data position is converted (:func:`data_position_for`) and the RNG streams restart.
 
     Returns:
-        bool: whether the RNG streams were restored (False when the world size changed: they restart).
+        Optional[str]: None when the world size is the checkpoint's (everything restored), else what restarted and
+        where the data continues, for the log.
     """
     training.load_from_full_optimizer_state_dict(model, optimizer, state["optimizer"], device)
     if lr_scheduler is not None and state["lr_scheduler"] is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         restart_lr_schedule(lr_scheduler)
-    dataloader.load_state_dict(state["dataloader"])
     if state["world_size"] != world_size:
-        return False
+        position, where = data_position_for(state["dataloader"], state["world_size"], world_size,
+                                            dataloader.batch_size)
+        dataloader.load_state_dict(position)
+        return f"World size changed since the checkpoint: RNG streams restart; {where}."
+    dataloader.load_state_dict(state["dataloader"])
     rng = state["rng"][rank]
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     generator.set_state(rng["generator"])
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state(rng["cuda"])
-    return True
+    return None
 
 
 def restored_rollouts(state: Dict[str, Any], rank: int, world_size: int) -> Optional[Any]:
