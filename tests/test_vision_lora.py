@@ -29,7 +29,8 @@ def _lora_image_config(folder, src, data, **overrides):
                         **{**settings, **overrides})
 
 
-def test_lora_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch):
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "gemma4"])
+def test_lora_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypatch, family):
     """The LoRA recipe on image prompts: the adapters sit in the language model the image-text forward runs, the
     reference is the policy with its adapters off (same images), the tower is carried into the merged model."""
     from torchtune_grpo.generation._hf_rollout import HFRollout
@@ -37,7 +38,7 @@ def test_lora_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypat
     prefills = []
     prefill = HFRollout._prefill_with_images
     monkeypatch.setattr(HFRollout, "_prefill_with_images", lambda self, *a: prefills.append(1) or prefill(self, *a))
-    src = vision_dir("gemma3")
+    src = vision_dir(family)
     data = _shapes_dataset(tmp_path / "data")
     log = []
     config = _lora_image_config(tmp_path, src, data, max_steps=2, save_every_n_steps=2)
@@ -45,8 +46,8 @@ def test_lora_with_images(vision_dir, tmp_path, clean_env, one_thread, monkeypat
     assert "Images in the prompt" in "\n".join(log) and len(prefills) == 2
     start, merged = weights(src), weights(tmp_path / "out" / "step_2" / "merged")
     assert start.keys() == merged.keys()
-    assert all(torch.equal(start[k], merged[k]) for k in start if k.startswith(TOWER["gemma3"]))
-    assert any(not torch.equal(start[k], merged[k]) for k in start if k.startswith(LANGUAGE_PREFIX["gemma3"]))
+    assert all(torch.equal(start[k], merged[k]) for k in start if k.startswith(TOWER[family]))
+    assert any(not torch.equal(start[k], merged[k]) for k in start if k.startswith(LANGUAGE_PREFIX[family]))
     assert not (tmp_path / "out" / "step_2" / "image_side.safetensors").exists()  # nothing trained there
 
 

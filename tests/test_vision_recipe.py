@@ -197,26 +197,33 @@ def test_train_vision_tower_on_qwen3_5(vision_dir, tmp_path, clean_env, one_thre
     assert all(torch.equal(towers[0][k], start[k]) and torch.equal(towers[1][k], first[k]) for k in tower)
 
 
+# Each family's projector on disk (models/_vision.py VISION_MODULES, under the checkpoint's names).
+PROJECTOR = {"gemma3": "multi_modal_projector.", "qwen3_5": "model.visual.merger.", "gemma4": "model.embed_vision."}
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5", "gemma4"])
 def test_resume_with_a_trained_projector_equals_the_uninterrupted_run(vision_dir, tmp_path, clean_env, one_thread,
-                                                                        monkeypatch):
+                                                                        monkeypatch, family):
     """3 steps straight against 2 steps then a resumed run to step 3, ``train_vision: projector``: the resumed run
     takes the trained projector from step 2 and its optimizer state by name. Exact: the same operations on the
     same numbers."""
-    src = vision_dir("gemma3")
+    src = vision_dir(family)
     data = _shapes_dataset(tmp_path / "data")
     monkeypatch.chdir(REPO)
 
     def config(folder, **overrides):
         folder.mkdir(exist_ok=True)
-        return _example_config(folder, src, data, train_vision="projector", **{"optimizer.lr": 1e-2}, **overrides)
+        length = {"max_prompt_length": SPLIT_PROMPT_LENGTH[family]} if family in SPLIT_PROMPT_LENGTH else {}
+        return _example_config(folder, src, data, train_vision="projector", **{"optimizer.lr": 1e-2}, **length,
+                               **overrides)
 
     run_in_process(config(tmp_path / "a", max_steps=3, save_every_n_steps=3))
     run_in_process(config(tmp_path / "b", max_steps=2, save_every_n_steps=2))
     run_in_process(config(tmp_path / "b", max_steps=3, save_every_n_steps=3, resume_from_checkpoint=True))
     a, b = weights(tmp_path / "a" / "out" / "step_3"), weights(tmp_path / "b" / "out" / "step_3")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    projector = [k for k in a if k.startswith("multi_modal_projector.")]
-    assert not all(torch.equal(a[k], weights(tmp_path / "b" / "out" / "step_2")[k]) for k in projector)
+    projector = [k for k in a if k.startswith(PROJECTOR[family])]
+    assert projector and not all(torch.equal(a[k], weights(tmp_path / "b" / "out" / "step_2")[k]) for k in projector)
 
 
 def test_the_example_reward():
