@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from torchtune_grpo.models import language_tensor_name
+
 __all__ = ["IMAGE_FAMILIES", "ImageTextNames", "VLLMImagePrompts", "png_data_url"]
 
 #: The families whose image prompts the vLLM engines pass to vLLM.
@@ -65,10 +67,8 @@ class ImageTextNames:
             with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
                 keys = list(f.keys())
         self.on_disk = set(keys)
-        # The policy's name of an on-disk language tensor is it without its ``language_model`` segment (the
-        # rule the checkpointer loads the policy with: models/_transformers_weights.py).
-        self.disk_name: Dict[str, str] = {k.replace("language_model.", "", 1): k for k in keys
-                                          if "language_model." in k}
+        # The policy's name of an on-disk language tensor: the rule the checkpointer loads the policy with.
+        self.disk_name: Dict[str, str] = {language_tensor_name(k): k for k in keys if language_tensor_name(k) != k}
 
     def __call__(self, name: str) -> str:
         """The name vLLM loads the policy's tensor ``name`` under (unchanged: already on-disk, or not on disk, such

@@ -18,6 +18,7 @@ from torchtune_grpo.models._grouped_attention import grouped_kv_attention
 from torchtune_grpo.models._padding_idx import drop_pad_input_embedding_grad
 from torchtune_grpo.models._spec import HFModelSpec, SUPPORTED_MODEL_TYPES, read_hf_config
 from torchtune_grpo.models._tokenizer import HFTokenizer, hf_tokenizer
+from torchtune_grpo.models._transformers_weights import language_tensor_name
 from torchtune_grpo.models._transformers_policy import TransformersDecoder, TransformersHead, text_model_config
 from torchtune_grpo.models._vision import (
     attach_images,
@@ -61,6 +62,7 @@ __all__ = [
     "hf_tokenizer",
     "lora_hf_model",
     "is_mixture_of_experts",
+    "language_tensor_name",
     "read_hf_config",
     "text_model_config",
     "tune_to_hf_param",

@@ -18,9 +18,20 @@ from safetensors import safe_open
 
 from torchtune_grpo.models._transformers_experts import dequantize_mxfp4, ExpertTensors, mxfp4_name
 
-__all__ = ["LanguageWeights"]
+__all__ = ["LanguageWeights", "language_tensor_name"]
 
 _SEGMENT = "language_model."
+
+
+def language_tensor_name(key: str) -> str:
+    """The text model's name of an image-text checkpoint's on-disk tensor ``key``: without its first
+    ``language_model.`` segment (``model.language_model.layers.0...`` -> ``model.layers.0...``; Gemma 3's
+    ``language_model.model.layers.0...`` -> ``model.layers.0...``); ``key`` itself where it has none.
+
+    The one rule both the checkpointer (which loads the policy) and the vLLM weight sync (which sends the
+    policy's tensors back under the on-disk names) apply, so that the two cannot drift apart.
+    """
+    return key.replace(_SEGMENT, "", 1)
 
 
 class LanguageWeights:
@@ -49,7 +60,7 @@ class LanguageWeights:
         """The policy's name for on-disk ``key`` (its own, or without the ``language_model`` segment)."""
         if key in self.expected:
             return key
-        bare = key.replace(_SEGMENT, "", 1)
+        bare = language_tensor_name(key)
         bare = bare.replace(".block_sparse_moe.", ".mlp.", 1)  # Mixtral's on-disk name of the MoE block
         return bare if bare in self.expected else ""
 
