@@ -283,7 +283,7 @@ def test_lean_decode_layers_give_torchtunes_tokens_and_step_aside_for_hooks(monk
     # and must not run when a submodule carries a forward hook (it would skip the hook).
     from torchtune.models.llama3_2 import llama3_2
 
-    import torchtune_grpo.generation._rollout_caches as layouts
+    import torchtune_grpo.generation._decode_steps as layouts
 
     calls = []
     real = layouts.lean_decode_layer
