@@ -9,6 +9,9 @@ The tests' ``tune run`` and its ranks start the same way (tests/_tune_server.py)
     python scripts/fork_stages.py serve SOCKET [--hide NAME,...] [MODULE ...]   # import the MODULEs, then fork
     python scripts/fork_stages.py run SOCKET ARGS...          # what `python ARGS...` does, in a forked child
 
+``serve`` writes the top-level names of the modules it imported to ``SOCKET.modules``, one a line, before the
+socket appears.
+
 ``run`` stands in for the interpreter: ARGS is ``[-u] SCRIPT [ARG ...]`` or ``[-u] -m MODULE [ARG ...]``. The
 child gets the caller's standard streams, working directory, environment and arguments, runs the script or module as
 ``__main__`` (``sys.path[0]`` as the interpreter sets it) and exits as the interpreter does (``SystemExit``,
@@ -16,7 +19,12 @@ an uncaught exception: 1, atexit handlers). ``run`` exits with the child's statu
 signal; a signal it receives (``timeout``'s SIGTERM) goes to the child's process group, and the server kills
 that group if ``run`` goes away. The modules imported before the fork stay imported: an environment variable
 that a module reads at import time has the server's value (the same environment, where the GPU check
-starts the server). Of what the interpreter reads from the environment at start-up, the child honours
+starts the server); the variables those imports set (vLLM sets a few) are set again in the child's environment,
+as a fresh interpreter's imports would set them, where the caller's value is the one the imports saw or the one
+they set (otherwise, and where a folder the caller's ``PYTHONPATH`` adds holds a module of the same name as one
+the server imported, the command runs in a fresh interpreter instead, saying so on its stderr: what the server
+imported cannot stand in for it). Of what the interpreter reads from the environment at start-up, the child
+honours
 ``PYTHONPATH`` (for what it imports afterwards), ``PYTHONUNBUFFERED`` (as ``-u``) and ``PYTHONFAULTHANDLER``; its
 standard streams are buffered as a fresh interpreter's would be on the caller's (line-buffered on a
 terminal). The server ends when the process that started it has gone.
@@ -28,6 +36,7 @@ returns None, as for a package that is not installed.
 """
 
 import faulthandler
+import gc
 import io
 import json
 import os
@@ -42,13 +51,15 @@ _MAX_MESSAGE = 1 << 20  # the request: argv, cwd and the environment as JSON
 
 
 def _serve(path: str, modules: List[str]) -> Tuple[socket.socket, dict]:
-    """Import ``modules``, then accept commands; returns ``(connection, request)`` in each forked child."""
+    """Import ``modules``, then accept commands; returns ``(connection, request)`` in each forked child, the request
+    with ``env_changes``: ``{name: (before, after)}`` for every environment variable the imports set or removed."""
     import importlib
 
     if modules[:1] == ["--hide"]:
         for name in modules[1].split(","):
             sys.modules[name] = None  # what the import system reads as "not installed"
         modules = modules[2:]
+    before = dict(os.environ)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -56,6 +67,15 @@ def _serve(path: str, modules: List[str]) -> Tuple[socket.socket, dict]:
             print(f"fork_stages.py serve: importing {name} failed ({type(e).__name__}: {e})", file=sys.stderr)
     sys.stdout.flush()  # nothing the imports printed may sit in a buffer every child would inherit
     sys.stderr.flush()
+    env_changes = {k: (before.get(k), os.environ.get(k)) for k in {*before, *os.environ}
+                   if before.get(k) != os.environ.get(k)}
+    with open(path + ".modules", "w") as f:  # for a caller choosing between servers (tests/_tune_server.py)
+        f.write("".join(f"{name}\n" for name in sorted(_imported())))
+    # What the imports made lives as long as every child: out of the collector's sight (Python's advice for a
+    # process that forks without exec), so that a child's full collections do not walk it again (vLLM's engine
+    # start runs five, ~1 s with vLLM imported) nor touch its pages.
+    gc.collect()
+    gc.freeze()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # the path appears once the server listens: `run` waits for it
@@ -82,7 +102,7 @@ def _serve(path: str, modules: List[str]) -> Tuple[socket.socket, dict]:
             server.close()
             conn.settimeout(None)
             data, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 3)
-            return conn, {**json.loads(data.decode()), "fds": fds}
+            return conn, {**json.loads(data.decode()), "fds": fds, "env_changes": env_changes}
         conn.close()
 
 
@@ -125,6 +145,27 @@ def _use_pythonpath(server: str, caller: str) -> None:
     importlib.invalidate_caches()
 
 
+def _imported() -> set:
+    """The top-level names of the modules imported (not those hidden)."""
+    return {name for name, module in sys.modules.items() if module is not None and "." not in name}
+
+
+def shadowed(server: str, caller: str, imported: set) -> List[str]:
+    """``folder: name`` for every module of ``imported`` (top-level names) that a folder the ``caller`` PYTHONPATH
+    adds to the ``server``'s also holds: the caller's own interpreter would import that one instead."""
+    added = [p for p in caller.split(os.pathsep) if p and os.path.abspath(p) not in
+             {os.path.abspath(q) for q in server.split(os.pathsep) if q}]
+    found = []
+    for folder in added:
+        try:
+            entries = os.listdir(folder)
+        except OSError:
+            continue
+        stems = {e.split(".")[0] if e.endswith((".py", ".so")) else e for e in entries}
+        found += [f"{folder}: {name}" for name in sorted(stems & imported)]
+    return found
+
+
 def _run_command(request: dict) -> None:
     """Become ``python ARGS...`` with the caller's streams, directory and environment (never returns)."""
     import runpy
@@ -133,9 +174,26 @@ def _run_command(request: dict) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
-    _use_pythonpath(os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", ""))
+    server_path, caller_path = os.environ.get("PYTHONPATH", ""), request["env"].get("PYTHONPATH", "")
+    env = dict(request["env"])
+    # The imports' environment changes, as the caller's own imports would make them: only where the caller's value
+    # is the one the server's imports saw, or already the one they set (a command that a forked one started, such
+    # as torchrun's ranks); a change computed from another value cannot be replayed.
+    differs = [k for k, (old, new) in request["env_changes"].items() if env.get(k) not in (old, new)]
+    for key, (_, new) in request["env_changes"].items():
+        if new is None:
+            env.pop(key, None)
+        else:
+            env[key] = new
+    shadows = shadowed(server_path, caller_path, _imported())
+    if shadows or differs:
+        why = f"{', '.join(shadows)} shadow(s) what the server imported" if shadows else \
+            f"the server's imports set {', '.join(differs)} from another value"
+        print(f"fork_stages.py run: {why}: running a fresh interpreter", file=sys.stderr, flush=True)
+        os.execve(sys.executable, [sys.executable, *request["argv"]], request["env"])
+    _use_pythonpath(server_path, caller_path)
     os.environ.clear()
-    os.environ.update(request["env"])
+    os.environ.update(env)
     args = request["argv"]
     unbuffered = args[0] == "-u" or bool(os.environ.get("PYTHONUNBUFFERED"))
     args = args[1:] if args[0] == "-u" else args

@@ -11,11 +11,14 @@ start-up is the real thing: the ``tune`` CLI, torchrun's launcher and elastic ag
 """
 
 import atexit
+import importlib.util
+import os
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -24,44 +27,81 @@ from tests.conftest import REPO
 FORK_STAGES = REPO / "scripts" / "fork_stages.py"
 # What every launched process imports before its first step (measured with `python -X importtime`): the CLI,
 # the launcher, both recipes (with torch, torchtune, torchao and the package's training modules), the tests'
-# reward components. Not transformers or vLLM: the runs that need them import them as before. None of them
+# reward components. Not transformers or vLLM: the other runs that need them import them as before. None of them
 # imports a package of the optional extras' folders (tests/extras.py), which a run puts first on its PYTHONPATH
 # (a forked command keeps what the server imported, and finds the rest on its own PYTHONPATH).
 MODULES = [
     "torch", "torchtune", "torchtune._cli.tune", "torch.distributed.run", "grpo_full_finetune_distributed",
     "grpo_lora_finetune_distributed", "tests._rewards",
 ]
+# A second server for the runs whose generation engine is vLLM's: MODULES and vLLM (with its in-process engine's
+# module), which each of their ranks would import itself (~10 s on 2 cores). Its imports set a few environment
+# variables, which scripts/fork_stages.py sets again in each child, as the rank's own import of vLLM would. It
+# starts with the PYTHONPATH pytest started with (no extra's folder, tests/extras.py), and a run whose PYTHONPATH
+# adds a folder holding a module it imported (the verifiers extra's openai: vLLM imports the venv's) uses the
+# plain server instead (scripts/fork_stages.py would run it in a fresh interpreter).
+VLLM_MODULES = [*MODULES, "vllm", "vllm.entrypoints.llm"]
 
-_server: Optional[subprocess.Popen] = None
-_dir: Optional[Path] = None
+_servers: Dict[bool, subprocess.Popen] = {}
+_dirs: Dict[bool, Path] = {}
 
 
 def _stop() -> None:
-    if _server is not None and _server.poll() is None:
-        _server.terminate()
-        _server.wait(timeout=30)
-    if _dir is not None:
-        shutil.rmtree(_dir, ignore_errors=True)
+    for vllm, server in _servers.items():
+        if server.poll() is None:
+            server.terminate()
+            server.wait(timeout=30)
+        shutil.rmtree(_dirs[vllm], ignore_errors=True)
 
 
-def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str]) -> List[str]:
+def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str], vllm: bool = False) -> List[str]:
     """``command`` (``[TUNE, "run", ...]``) as a child of this process's fork server, and ``env`` (the
     command's) updated in place so that torchrun's ranks are forked children too. The server starts at the
     first call, in ``server_env`` (the tests' plain ``tune run`` environment, tests/recipe_utils.py
-    ``tune_env()``: what the imports see; each command then runs in its own ``env``)."""
-    global _server, _dir
-    if _server is None or _server.poll() is not None:
-        if _server is None:
+    ``tune_env()``: what the imports see; each command then runs in its own ``env``). ``vllm``: the server that
+    has imported vLLM too (:data:`VLLM_MODULES`; ``server_env`` must then hold the PYTHONPATH pytest started with),
+    unless ``env``'s PYTHONPATH adds a folder that holds a module it imported."""
+    _start(vllm, server_env)
+    if vllm and _shadowed(env, server_env):
+        vllm = False
+        _start(vllm, server_env)
+    env["PYTHON_EXEC"] = str(_dirs[vllm] / "python")
+    return [sys.executable, str(FORK_STAGES), "run", str(_dirs[vllm] / "s.sock"), *command]
+
+
+def _shadowed(env: Dict[str, str], server_env: Dict[str, str]) -> bool:
+    """Whether ``env``'s PYTHONPATH adds a folder holding a module that vLLM's server imported (waiting for its
+    imports; only for a PYTHONPATH that adds a folder)."""
+    server, caller = server_env.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")
+    if not set(caller.split(os.pathsep)) - set(server.split(os.pathsep)):
+        return False
+    names = _dirs[True] / "s.sock.modules"
+    deadline = time.monotonic() + 600
+    while not (_dirs[True] / "s.sock").exists():  # the names are written before the socket appears
+        if _servers[True].poll() is not None or time.monotonic() > deadline:
+            return True  # the command's `run` reports the missing server
+        time.sleep(0.05)
+    spec = importlib.util.spec_from_file_location("fork_stages", FORK_STAGES)
+    fork_stages = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fork_stages)
+    return bool(fork_stages.shadowed(server, caller, set(names.read_text().split())))
+
+
+def _start(vllm: bool, server_env: Dict[str, str]) -> subprocess.Popen:
+    """The fork server (``vllm``: with vLLM), started if it is not running."""
+    server = _servers.get(vllm)
+    if server is None or server.poll() is not None:
+        if not _servers:
             atexit.register(_stop)
-        else:  # it died (it should not): a new one, in a new directory
-            _stop()
-        _dir = Path(tempfile.mkdtemp(prefix="tune-fork-"))
-        sock = _dir / "s.sock"
+        if server is not None:  # it died (it should not): a new one, in a new directory
+            shutil.rmtree(_dirs[vllm], ignore_errors=True)
+        _dirs[vllm] = Path(tempfile.mkdtemp(prefix="tune-fork-"))
+        sock = _dirs[vllm] / "s.sock"
         # Started from the repository root (sys.path of a script run from elsewhere is the same: PYTHONPATH).
-        _server = subprocess.Popen([sys.executable, str(FORK_STAGES), "serve", str(sock), *MODULES], cwd=REPO,
-                                   env=server_env, stdin=subprocess.DEVNULL)
-        shim = _dir / "python"
+        _servers[vllm] = subprocess.Popen(
+            [sys.executable, str(FORK_STAGES), "serve", str(sock), *(VLLM_MODULES if vllm else MODULES)], cwd=REPO,
+            env=server_env, stdin=subprocess.DEVNULL)
+        shim = _dirs[vllm] / "python"
         shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FORK_STAGES}" run "{sock}" "$@"\n')
         shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
-    env["PYTHON_EXEC"] = str(_dir / "python")
-    return [sys.executable, str(FORK_STAGES), "run", str(_dir / "s.sock"), *command]
+    return _servers[vllm]

@@ -1,8 +1,9 @@
 """Every in-process vLLM engine measurement of tests/test_vllm_engine.py, in one process of its own.
 
-Run as a script (:func:`tests.recipe_utils.run_results_script`): a vLLM engine changes process-wide state when
-it starts (it joins or creates the default process group, pins OpenMP threads and disables
-``torch.set_num_threads``), which must not leak into the pytest process. One process builds the engines one
+Run as a script (:func:`tests.recipe_utils.run_results_script`, forked from a process that imported torch and vLLM
+and did nothing else): a vLLM engine changes process-wide state when it starts (it joins or creates the default
+process group, pins OpenMP threads and disables ``torch.set_num_threads``), which must not leak into the pytest
+process. One process builds the engines one
 after another (vLLM's import and first-use costs, most of each engine's time on CPU, are paid once), then a
 recipe run whose engine is in this process too:
 

@@ -28,6 +28,8 @@ from torchtune import config as tt_config, training
 from tests.conftest import REPO, TINY_CONFIG
 
 TUNE = str(Path(sys.executable).parent / "tune")
+# PYTHONPATH as pytest started (test files import this module at collection, before any test changes it).
+_PYTHONPATH_AT_START = os.environ.get("PYTHONPATH", "")
 REQUIRED_METRICS = {
     "step", "loss", "policy_loss", "kl", "entropy", "reward/mean", "reward/std", "clip_fraction",
     "response_length/mean", "response_length/terminated_mean", "truncated_fraction", "zero_std_fraction",
@@ -105,18 +107,34 @@ def run_tune(
     Runs from ``cwd`` (outside the repository: the recipe is an installed module) with the repository on
     PYTHONPATH, so test-only components (``tests._rewards``...) import; ``env`` adds variables
     (:func:`tune_env`). ``forked``: the ``tune`` command and its ranks are forked from a process that imported
-    torch, torchtune and the recipes once (tests/_tune_server.py), instead of each starting an interpreter
-    (~6 s of imports each); False: fresh interpreters, as a user's ``tune run``. Default is True.
+    torch, torchtune and the recipes once (tests/_tune_server.py; with vLLM too where the config's engine is
+    vLLM's), instead of each starting an interpreter (~6 s of imports each, ~10 s more for vLLM); False: fresh
+    interpreters, as a user's ``tune run``. Default is True.
     """
     cmd, run_env = tune_command(config_path, *overrides, nproc=nproc, recipe=recipe), tune_env(**(env or {}))
     if forked:
-        from tests._tune_server import forked as forked_command
-
-        cmd = forked_command(cmd, run_env, server_env=tune_env())
+        engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
+        cmd = forked_python(cmd, run_env, vllm="VLLM" in engine)
     proc = subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"
     return output
+
+
+def forked_python(command: List[str], env: Dict[str, str], vllm: bool = False) -> List[str]:
+    """``python COMMAND...`` (``[SCRIPT, ARG...]``; the ``tune`` script is one) as a child forked from this
+    process's fork server (tests/_tune_server.py), which imported torch, torchtune and the recipes (``vllm``: and
+    vLLM) once; ``env`` (the command's) gets torchrun's ``PYTHON_EXEC``, so that its ranks are forked too.
+
+    vLLM's server starts with the PYTHONPATH pytest started with (never with a folder a test added, an extra's),
+    and serves a command whose PYTHONPATH adds no folder holding a module it imported (tests/_tune_server.py)."""
+    from tests._tune_server import forked
+
+    server_env = tune_env()
+    if vllm:
+        at_start = [p for p in _PYTHONPATH_AT_START.split(os.pathsep) if p]
+        server_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "recipes"), *at_start])
+    return forked(command, env, server_env=server_env, vllm=vllm)
 
 
 def _recipe_class(lora: bool) -> type:
@@ -199,12 +217,15 @@ def run_script_expecting(source: str, marker: str, tmp_path: Path) -> None:
 def run_results_script(source: str, args: Sequence[str], tmp_path: Path) -> Dict[str, Any]:
     """Run ``source`` as a script in ``tmp_path`` (repository on PYTHONPATH, one thread) with ``args``; the
     JSON it printed on its ``RESULTS `` line. For scenarios that must not share the pytest process (a vLLM
-    engine changes process-wide state when it starts), measured once and asserted on by several tests."""
+    engine changes process-wide state when it starts), measured once and asserted on by several tests.
+
+    The script's process is forked from the server that has imported torch and vLLM (tests/_tune_server.py), a
+    process of its own that has done nothing else, instead of importing them itself (~15 s on 2 cores)."""
     script = tmp_path / "script.py"
     script.write_text(source)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    command = forked_python([str(script), *args], env, vllm=True)
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{script.name} failed ({proc.returncode}):\n{output[-6000:]}"
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))

@@ -29,6 +29,9 @@ _PORT_ATTEMPTS = 3
 # Seconds of refused connections after which a listed server is taken to be absent, not starting: long
 # enough for a server that is restarting to listen again, short enough that a wrong address is said at once.
 REFUSED_FOR = 5.0
+# Between two /health probes while waiting: a refused or unanswered probe costs nothing, and a run waits at most
+# this long after the server is up.
+_POLL_SECONDS = 0.1
 
 
 class VLLMServerError(RuntimeError):
@@ -186,7 +189,7 @@ class VLLMServer:
                 where = f"; the end of its log {self.log_path}:\n{_tail(self.log_path)}" if self.log_path else ""
                 raise VLLMServerError(f"no vLLM server answered at {self.url} within {timeout:g} s{where}")
             report()
-            time.sleep(0.5)
+            time.sleep(_POLL_SECONDS)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the server if this run started it (SIGTERM, then SIGKILL); a no-op otherwise."""
