@@ -254,7 +254,8 @@ def _client(path: str, args: List[str]) -> int:
         return 1
     code = int(line.split()[1])
     if code < 0:  # die of the same signal, as the command did
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot have a handler (EINVAL)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 

@@ -6,8 +6,8 @@ with the suite's other worker). Here one server per pytest process (scripts/fork
 and the ``tune`` command is a child forked from it; so are its ranks: torchrun starts them with ``PYTHON_EXEC``
 (its documented override of the interpreter), which is a shim that asks the same server. Everything after the
 start-up is the real thing: the ``tune`` CLI, torchrun's launcher and elastic agent, the recipe run as
-``__main__``, exit codes and signals (scripts/fork_stages.py). A few tests keep fresh interpreters end to end
-(tests/test_recipe.py, tests/test_distributed_runs.py: ``run_tune(..., forked=False)`` or ``tune_command``).
+``__main__``, exit codes and signals (scripts/fork_stages.py). tests/test_recipe.py keeps fresh interpreters end
+to end, on one process and on two (``run_tune(..., forked=False)``).
 """
 
 import atexit

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -93,6 +93,19 @@ def tune_env(**extra: str) -> Dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **extra}
 
 
+def launch_command(command: List[str], *, forked: bool = True, vllm: bool = False,
+                   **extra: str) -> Tuple[List[str], Dict[str, str]]:
+    """``command`` (``[TUNE, "run", ...]`` or ``[torchrun, ...]``: a Python console script and its arguments) and
+    the environment to run it in (:func:`tune_env` with ``extra``), for ``subprocess``. ``forked``: the command and
+    the ranks torchrun starts are forked from a process that imported torch, torchtune and the recipes once
+    (:func:`forked_python`; ``vllm``: and vLLM); False: fresh interpreters, as a user's. Exit codes and signals are
+    the real ones either way (a SIGKILLed run's return code is -9). Default is True."""
+    env = tune_env(**extra)
+    if forked:
+        command = forked_python(command, env, vllm=vllm)
+    return command, env
+
+
 def run_tune(
     config_path: Path,
     *overrides: str,
@@ -111,10 +124,9 @@ def run_tune(
     vLLM's), instead of each starting an interpreter (~6 s of imports each, ~10 s more for vLLM); False: fresh
     interpreters, as a user's ``tune run``. Default is True.
     """
-    cmd, run_env = tune_command(config_path, *overrides, nproc=nproc, recipe=recipe), tune_env(**(env or {}))
-    if forked:
-        engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
-        cmd = forked_python(cmd, run_env, vllm="VLLM" in engine)
+    engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
+    cmd, run_env = launch_command(tune_command(config_path, *overrides, nproc=nproc, recipe=recipe), forked=forked,
+                                  vllm="VLLM" in engine, **(env or {}))
     proc = subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from tests._env_runs import check_resume_equals_uninterrupted, check_two_processes
 from tests.conftest import REPO
 from tests.extras import extra_pythonpath, use_extra
-from tests.recipe_utils import read_jsonl, run_tune
+from tests.recipe_utils import launch_command, read_jsonl, run_tune
 
 use_extra("openenv")
 
@@ -135,8 +135,12 @@ def test_server_ends_with_a_process_that_exits_without_cleanup(faulty_app, tmp_p
         f"print(_openenv._servers[{faulty_app!r}].pid, flush=True)\n"
         "os._exit(0)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    (tmp_path / "exits.py").write_text(script)
+    # Forked from the tests' tune server (tests/_tune_server.py), which has imported torch and the package's data
+    # modules that _openenv imports (~5 s in a fresh interpreter): a process of its own all the same, whose end
+    # the server watches.
+    command, env = launch_command([str(tmp_path / "exits.py")], PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     pid = int(out.stdout.split()[-1])
     deadline = time.monotonic() + 10

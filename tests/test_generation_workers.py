@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipe_utils import (
-    read_jsonl, recipe_in_process, run_in_process, run_tune, tune_command, tune_env, weights, with_overrides,
+    launch_command, read_jsonl, recipe_in_process, run_in_process, run_tune, tune_command, weights, with_overrides,
     write_config,
 )
 from tests.conftest import REPO
@@ -217,8 +217,10 @@ def test_one_step_off_is_deterministic_bounded_and_resumes_exactly_after_sigkill
     done = {"a": one_step_off_run[0]}
     (tmp_path / "killed").mkdir()
     config = write_config(tmp_path / "killed", **ONE_STEP_OFF)
-    crash = tune_env(TORCHTUNE_GRPO_CRASH_AT="logged:3")
-    proc = subprocess.run(tune_command(config), cwd=tmp_path, env=crash, capture_output=True, text=True, timeout=600)
+    # Forked from the tests' tune server (tests/_tune_server.py): a real `tune run` and its SIGKILL, without the
+    # interpreter's ~6 s of imports (tests/test_recipe.py keeps fresh-interpreter runs).
+    command, env = launch_command(tune_command(config), TORCHTUNE_GRPO_CRASH_AT="logged:3")
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     log: list = []
     run_in_process(with_overrides(config, resume_from_checkpoint=True), log=log)

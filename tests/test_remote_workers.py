@@ -48,6 +48,15 @@ def worker_server(port: int, secret: str = SECRET, log_dir: Optional[Path] = Non
         proc.wait()
 
 
+def _continue_once_reported(server: subprocess.Popen, log: list, since: int, waiting: str) -> None:
+    """SIGCONT the stopped ``server`` once a message of ``log`` after the first ``since`` starts with ``waiting``
+    (the trainer has said it waits for it), or after 120 s (then the test's check of that message fails)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(m.startswith(waiting) for m in log[since:]):
+        time.sleep(0.05)
+    server.send_signal(signal.SIGCONT)
+
+
 def _metrics(out: Path):
     return [{k: m[k] for k in COMPARED} for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
 
@@ -61,25 +70,28 @@ def _config(directory: Path, **workers):
 def test_a_worker_on_another_node_gives_the_local_workers_run_and_survives_a_restart(
     tmp_path, clean_env, one_thread, monkeypatch
 ):
-    # One step off, 3 steps: a local worker process; the same worker served over TCP, which stops for longer
-    # than the trainer's 5 s poll after step 1 (a slow node: the trainer waits, saying so, and goes on); and a
+    # One step off, 3 steps: a local worker process; the same worker served over TCP, stopped after step 1 until
+    # the trainer has reported waiting for it (a slow node: the trainer waits, saying so, and goes on); and a
     # second run on that TCP worker, SIGKILLed after step 1 (batches in flight) and started again on the same
     # port: the trainer notices the closed connection, reconnects and re-sends what was not answered. All
     # three: the same numbers.
     monkeypatch.setenv(AUTHKEY_ENV, SECRET)
+    # The trainer polls a remote worker's connection in slices of min(0.5 s, REPORT_EVERY) and reports a wait
+    # every REPORT_EVERY: its first report means it sat through two empty slices, each once fatal (a reply slower
+    # than one poll crashed the wait), without failing.
     monkeypatch.setattr(waits, "REPORT_EVERY", 1.0)
     run_in_process(_config(tmp_path / "local"))
     port = free_port()
     address = {"addresses": [f"127.0.0.1:{port}"]}
+    waiting = f"still waiting for a reply from the generation worker of rank 0 at 127.0.0.1:{port}"
     log: list = []
     with worker_server(port, log_dir=tmp_path) as server:
         with recipe_in_process(_config(tmp_path / "remote", **address), log=log) as recipe:
             recipe.train_step()
-            server.send_signal(signal.SIGSTOP)  # alive and connected, silent for 7 s
-            threading.Timer(7.0, server.send_signal, (signal.SIGCONT,)).start()
+            server.send_signal(signal.SIGSTOP)  # alive and connected, silent until the trainer says it waits
+            threading.Thread(target=_continue_once_reported, args=(server, log, len(log), waiting), daemon=True).start()
             recipe.train()
-        assert any(m.startswith(f"still waiting for a reply from the generation worker of rank 0 at 127.0.0.1:{port}")
-                   for m in log), log
+        assert any(m.startswith(waiting) for m in log), log
         # The same worker serves the next trainer once the first one has left.
         with recipe_in_process(_config(tmp_path / "restarted", **address), log=log) as recipe:
             assert recipe.step.rollouts.pid is None  # nothing spawned here

@@ -113,7 +113,9 @@ def test_a_listed_server_address_where_nothing_listens_is_named_in_seconds():
 
 def test_a_listed_server_that_is_still_loading_is_waited_for_and_reported(monkeypatch):
     monkeypatch.setattr(waits, "REPORT_EVERY", 0.2)
-    answers = iter([503] * 4)  # four health checks (0.5 s apart) while "loading", then healthy
+    # Two health checks (0.5 s apart) while "loading", then healthy: the wait passes REPORT_EVERY before the
+    # second check, so it is reported at least once.
+    answers = iter([503] * 2)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -147,7 +149,7 @@ def _config(directory, **workers):
 
 def test_a_local_worker_that_stops_answering_is_named_with_its_wait(tmp_path, clean_env, one_thread, monkeypatch):
     # The worker stays alive and connected, but a reward hangs in it (while the file exists): it stops answering.
-    monkeypatch.setattr(waits, "REPORT_EVERY", 0.5)
+    monkeypatch.setattr(waits, "REPORT_EVERY", 0.25)
     hang = tmp_path / "hang"
     config = _config(tmp_path / "run", timeout=120)
     cfg = OmegaConf.load(config)
@@ -157,7 +159,7 @@ def test_a_local_worker_that_stops_answering_is_named_with_its_wait(tmp_path, cl
     # Starting a worker takes seconds on a loaded machine: the short limit is set once it answers.
     with recipe_in_process(config, log=log) as recipe:
         recipe.train_step()
-        recipe.step.rollouts.timeout = 3.0
+        recipe.step.rollouts.timeout = 1.0  # four report intervals: the wait is reported before it runs out
         pid = recipe.step.rollouts.pid
         hang.touch()
         try:
@@ -165,19 +167,19 @@ def test_a_local_worker_that_stops_answering_is_named_with_its_wait(tmp_path, cl
                 recipe.train()
         finally:
             os.kill(pid, signal.SIGKILL)  # not left to close()'s 30 s of waiting for a goodbye
-    # The wait is said in whole seconds: 3, or more where a loaded machine wakes the trainer late.
+    # The wait is said in whole seconds: 1, or more where a loaded machine wakes the trainer late.
     who = re.escape(f"generation worker of rank 0 (pid {pid})")
-    assert re.search(rf"{who} sent nothing for [3-9] s \(limit 3 s, generation_workers.timeout\)", str(error.value))
+    assert re.search(rf"{who} sent nothing for [1-9] s \(limit 1 s, generation_workers.timeout\)", str(error.value))
     assert "generation_workers.restarts = 0 used up" in str(error.value)
     # Reports of the wait that ran out (the worker's start was reported too, under its 120 s limit).
     assert any(m.startswith("still waiting for a reply from the generation worker of rank 0: ")
-               and m.endswith(" s so far (limit 3 s, generation_workers.timeout)") for m in log), log
+               and m.endswith(" s so far (limit 1 s, generation_workers.timeout)") for m in log), log
 
 
 def test_a_remote_worker_that_never_answers_is_named_with_its_address(tmp_path, clean_env, one_thread, monkeypatch):
     # A listener that authenticates the trainer and takes its spec, then says nothing (a hung worker node).
     monkeypatch.setenv(AUTHKEY_ENV, SECRET)
-    monkeypatch.setattr(waits, "REPORT_EVERY", 0.5)
+    monkeypatch.setattr(waits, "REPORT_EVERY", 0.25)
     listener = Listener(("127.0.0.1", 0), family="AF_INET", authkey=SECRET.encode())
     port = listener.address[1]
     taken = []
@@ -191,11 +193,12 @@ def test_a_remote_worker_that_never_answers_is_named_with_its_address(tmp_path, 
     log: list = []
     try:
         with pytest.raises(WorkerError) as error:
-            run_in_process(_config(tmp_path / "run", timeout=2, addresses=[f"127.0.0.1:{port}"]), log=log)
+            # timeout 1 s: four report intervals, so the wait is reported before it runs out
+            run_in_process(_config(tmp_path / "run", timeout=1, addresses=[f"127.0.0.1:{port}"]), log=log)
     finally:
         listener.close()
     assert taken, "the trainer never sent its spec"
     who = re.escape(f"generation worker of rank 0 at 127.0.0.1:{port} (generation_workers.addresses[0])")
-    assert re.search(rf"{who} sent nothing for [2-9] s \(limit 2 s, generation_workers.timeout\)", str(error.value))
+    assert re.search(rf"{who} sent nothing for [1-9] s \(limit 1 s, generation_workers.timeout\)", str(error.value))
     assert any(m.startswith(f"still waiting for a reply from the generation worker of rank 0 at 127.0.0.1:{port}")
                for m in log), log

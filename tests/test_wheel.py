@@ -108,9 +108,11 @@ def _run(installed, *command: str) -> str:
 
 def test_the_installed_package_is_the_wheel_not_this_checkout(installed):
     bin_dir, _, _ = installed
+    # The recipe module is found, not imported (importing it is torch's and torchtune's ~5 s of imports): the file
+    # an import would load; the one-step runs below import and run it from the wheel.
     out = _run(installed, "python", "-c",
-               "import torchtune_grpo, grpo_full_finetune_distributed as r; print('FILES', torchtune_grpo.__file__, "
-               "r.__file__)")
+               "import importlib.util, torchtune_grpo; print('FILES', torchtune_grpo.__file__, "
+               "importlib.util.find_spec('grpo_full_finetune_distributed').origin)")
     files = out.split("FILES ")[-1].split()
     assert all(f.startswith(str(bin_dir.parent)) for f in files), files
 
