@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import threading
+import time
 from multiprocessing.connection import Listener
 
 import pytest
@@ -113,13 +114,15 @@ def test_a_listed_server_address_where_nothing_listens_is_named_in_seconds():
 
 def test_a_listed_server_that_is_still_loading_is_waited_for_and_reported(monkeypatch):
     monkeypatch.setattr(waits, "REPORT_EVERY", 0.2)
-    # Two health checks (0.5 s apart) while "loading", then healthy: the wait passes REPORT_EVERY before the
-    # second check, so it is reported at least once.
-    answers = iter([503] * 2)
+    # "Loading" (503) for 0.5 s after the first health check, then healthy: the wait passes REPORT_EVERY (0.2 s)
+    # before it ends, so it is reported at least once, whatever the interval between checks (0.1 s now). A time,
+    # not a number of 503s: a faster poll must not end the wait before the report is due.
+    started: list = []  # the first check's time
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(next(answers, 200))
+            started[:] = started or [time.monotonic()]
+            self.send_response(503 if time.monotonic() - started[0] < 0.5 else 200)
             self.end_headers()
 
         def log_message(self, *args):
