@@ -44,11 +44,9 @@ def _stop() -> None:
         shutil.rmtree(_dir, ignore_errors=True)
 
 
-def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str]) -> List[str]:
-    """``command`` (``[TUNE, "run", ...]``) as a child of this process's fork server, and ``env`` (the
-    command's) updated in place so that torchrun's ranks are forked children too. The server starts at the
-    first call, in ``server_env`` (the tests' plain ``tune run`` environment, tests/recipe_utils.py
-    ``tune_env()``: what the imports see; each command then runs in its own ``env``)."""
+def _start(server_env: Dict[str, str]) -> Path:
+    """The directory of this process's fork server (its socket ``s.sock`` and the rank shim ``python``), started
+    at the first call in ``server_env`` (or again if it died)."""
     global _server, _dir
     if _server is None or _server.poll() is not None:
         if _server is None:
@@ -60,8 +58,37 @@ def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str]) 
         # Started from the repository root (sys.path of a script run from elsewhere is the same: PYTHONPATH).
         _server = subprocess.Popen([sys.executable, str(FORK_STAGES), "serve", str(sock), *MODULES], cwd=REPO,
                                    env=server_env, stdin=subprocess.DEVNULL)
-        shim = _dir / "python"
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FORK_STAGES}" run "{sock}" "$@"\n')
-        shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
-    env["PYTHON_EXEC"] = str(_dir / "python")
-    return [sys.executable, str(FORK_STAGES), "run", str(_dir / "s.sock"), *command]
+        _shim(_dir / "python", f'"{sys.executable}" "{FORK_STAGES}" run "{sock}"')
+    return _dir
+
+
+def _shim(path: Path, command: str) -> None:
+    path.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str]) -> List[str]:
+    """``command`` (``[TUNE, "run", ...]``) as a child of this process's fork server, and ``env`` (the
+    command's) updated in place so that torchrun's ranks are forked children too. The server starts at the
+    first call, in ``server_env`` (the tests' plain ``tune run`` environment, tests/recipe_utils.py
+    ``tune_env()``: what the imports see; each command then runs in its own ``env``)."""
+    directory = _start(server_env)
+    env["PYTHON_EXEC"] = str(directory / "python")
+    return [sys.executable, str(FORK_STAGES), "run", str(directory / "s.sock"), *command]
+
+
+def forked_commands_path(server_env: Dict[str, str]) -> str:
+    """A folder to put first on ``PATH`` of a script (the demo scripts) whose ``tune`` and ``tune-grpo`` are
+    children of this process's fork server (its ``tune run``s and ``tune-grpo eval``s start without importing
+    torch, torchtune and the recipes again: ~4 s each on 2 busy cores), and whose ``python`` is this
+    interpreter, started as usual (the scripts' ``python - <<PY`` and ``python -c`` stay fresh processes).
+    ``server_env`` as for :func:`forked`."""
+    directory = _start(server_env)
+    bin_dir = directory / "bin"
+    if not bin_dir.is_dir():
+        bin_dir.mkdir()
+        scripts = Path(sys.executable).parent
+        for name in ("tune", "tune-grpo"):  # the console scripts, run as the forked child's __main__
+            _shim(bin_dir / name, f'"{sys.executable}" "{FORK_STAGES}" run "{directory / "s.sock"}" "{scripts / name}"')
+        _shim(bin_dir / "python", f'"{sys.executable}"')
+    return str(bin_dir)
