@@ -55,7 +55,7 @@ def _run(config: str, lora: bool) -> None:
 
 
 def _rank_main(rank: int, runs: List[Run], store_port: int) -> None:
-    """One of the two spawned processes: its share of the one-process runs, then every two-process run."""
+    """One of the launch's two processes: its share of the one-process runs, then every two-process run."""
     import faulthandler
     import logging
 
