@@ -6,18 +6,24 @@ processes first run the one-process runs side by side (each in its own one-proce
 turn), then every two-process run together, each through the recipe class as ``tune run`` would drive it
 (:func:`tests.recipe_utils.run_in_process`). Each run's INFO log messages (what ``tune run`` prints) are written
 next to its config, ``run.rank{R}.log`` for its rank ``R`` in the run's own group, for the tests to read.
+The two processes are forked from the tests' fork server (tests/_tune_server.py: a process that imported torch,
+torchtune and the recipes once) instead of spawned (two fresh interpreters importing them: ~5 s before the first run).
 A few tests keep the real ``tune run`` end to end (tests/test_distributed_runs.py, tests/test_recipe.py).
 """
 
+import json
 import os
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import List, NamedTuple, Optional
 
 import torch
 
-from tests.conftest import free_port
-from tests.recipe_utils import run_in_process
+from tests.conftest import free_port, REPO
+from tests.recipe_utils import run_in_process, tune_env
 
 
 class Run(NamedTuple):
@@ -49,7 +55,7 @@ def _run(config: str, lora: bool) -> None:
 
 
 def _rank_main(rank: int, runs: List[Run], store_port: int) -> None:
-    """One of the two spawned processes: its share of the one-process runs, then every two-process run."""
+    """One of the launch's two processes: its share of the one-process runs, then every two-process run."""
     import faulthandler
     import logging
 
@@ -84,10 +90,44 @@ def _rank_main(rank: int, runs: List[Run], store_port: int) -> None:
 
 
 def launch(runs: List[Run]) -> None:
-    """Run ``runs`` in one launch of two processes; returns when both exited 0, raises with the traceback of a
-    process that failed (``torch.multiprocessing.spawn`` stops the other)."""
+    """Run ``runs`` in one launch of two processes; returns when both exited 0, raises with the output of a
+    process that failed (its traceback; the other is stopped)."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
+
+    from tests._tune_server import forked
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
-    mp.spawn(_rank_main, args=(runs, store.port), nprocs=2, join=True)
+    with tempfile.TemporaryDirectory(prefix="spawn-runs-") as tmp:
+        spec = Path(tmp) / "runs.json"
+        spec.write_text(json.dumps([r._asdict() for r in runs]))
+        procs, logs = [], []
+        for rank in range(2):
+            env = tune_env()
+            cmd = forked(["-m", "tests._spawn_runs", str(spec), str(rank), str(store.port)], env, server_env=tune_env())
+            logs.append(open(Path(tmp) / f"rank{rank}.out", "w+"))
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+        try:
+            while all(p.poll() is None for p in procs):
+                time.sleep(0.05)
+            failed = [(rank, p) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if not failed:  # one exited 0: it finished every run, so the other has too, or fails on its own
+                for p in procs:
+                    p.wait(timeout=600)
+                failed = [(rank, p) for rank, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                rank, proc = failed[0]
+                logs[rank].seek(0)
+                raise AssertionError(f"process {rank} of the launch exited {proc.returncode}:\n"
+                                     + logs[rank].read()[-8000:])
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for f in logs:
+                f.close()
+
+
+if __name__ == "__main__":
+    # python -m tests._spawn_runs RUNS_JSON RANK STORE_PORT: one of launch()'s two processes.
+    _rank_main(int(sys.argv[2]), [Run(**r) for r in json.loads(Path(sys.argv[1]).read_text())], int(sys.argv[3]))

@@ -6,8 +6,10 @@ with the suite's other worker). Here one server per pytest process (scripts/fork
 and the ``tune`` command is a child forked from it; so are its ranks: torchrun starts them with ``PYTHON_EXEC``
 (its documented override of the interpreter), which is a shim that asks the same server. Everything after the
 start-up is the real thing: the ``tune`` CLI, torchrun's launcher and elastic agent, the recipe run as
-``__main__``, exit codes and signals (scripts/fork_stages.py). tests/test_recipe.py keeps fresh interpreters end
-to end, on one process and on two (``run_tune(..., forked=False)``).
+``__main__``, exit codes and signals (scripts/fork_stages.py). The demo scripts' tests put forked ``tune`` and
+``tune-grpo`` commands first on the script's ``PATH`` (:func:`forked_commands_path`), and the one-launch runs
+(tests/_spawn_runs.py) fork their two processes here too. tests/test_recipe.py keeps fresh interpreters end to end,
+on one process and on two (``run_tune(..., forked=False)``).
 """
 
 import atexit
@@ -101,7 +103,28 @@ def _start(vllm: bool, server_env: Dict[str, str]) -> subprocess.Popen:
         _servers[vllm] = subprocess.Popen(
             [sys.executable, str(FORK_STAGES), "serve", str(sock), *(VLLM_MODULES if vllm else MODULES)], cwd=REPO,
             env=server_env, stdin=subprocess.DEVNULL)
-        shim = _dirs[vllm] / "python"
-        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FORK_STAGES}" run "{sock}" "$@"\n')
-        shim.chmod(shim.stat().st_mode | stat.S_IXUSR)
+        _shim(_dirs[vllm] / "python", f'"{sys.executable}" "{FORK_STAGES}" run "{sock}"')
     return _servers[vllm]
+
+
+def _shim(path: Path, command: str) -> None:
+    path.write_text(f'#!/bin/sh\nexec {command} "$@"\n')
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def forked_commands_path(server_env: Dict[str, str]) -> str:
+    """A folder to put first on ``PATH`` of a script (the demo scripts) whose ``tune`` and ``tune-grpo`` are
+    children of this process's fork server (its ``tune run``s and ``tune-grpo eval``s start without importing
+    torch, torchtune and the recipes again: ~4 s each on 2 busy cores), and whose ``python`` is this
+    interpreter, started as usual (the scripts' ``python - <<PY`` and ``python -c`` stay fresh processes).
+    ``server_env`` as for :func:`forked`."""
+    _start(False, server_env)
+    directory = _dirs[False]
+    bin_dir = directory / "bin"
+    if not bin_dir.is_dir():
+        bin_dir.mkdir()
+        scripts = Path(sys.executable).parent
+        for name in ("tune", "tune-grpo"):  # the console scripts, run as the forked child's __main__
+            _shim(bin_dir / name, f'"{sys.executable}" "{FORK_STAGES}" run "{directory / "s.sock"}" "{scripts / name}"')
+        _shim(bin_dir / "python", f'"{sys.executable}"')
+    return str(bin_dir)

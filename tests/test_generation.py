@@ -30,10 +30,15 @@ def test_top_k_and_top_p_exclude_tokens():
 
 def test_sampling_draws_improbable_tokens_at_their_probability():
     # Issue "the late learning gap": the sampler drew tokens of probability ~1e-7 about half as often as
-    # their probability (an exponential race on float32 uniforms). Here 16,383 tokens of p = 5e-8 each
-    # (tail mass 8.2e-4) and one of p ~ 0.9992: 131,072 draws expect 107.4 tail tokens (sd 10.4); the old
-    # sampler gave ~56 (5 sd short). Bound: 4 sd.
-    vocab, p_tail, rows, chunks = 16384, 5e-8, 1024, 128
+    # their probability (an exponential race on float32 uniforms). Here 16,383 tokens of p = 2.5e-8 each
+    # (tail mass 4.1e-4) and one of p ~ 0.9996: 98,304 draws expect 40.3 tail tokens (sd 6.3). Bound: 4 sd
+    # (Poisson tails: a correct sampler fails 1 time in 8,000). The old race's -log U lies on a lattice of step
+    # d = 2^-24 near 0, so a tail token won with E[floor(c E)] / E[c E] = 1 / (c (e^(1/c) - 1)) of its probability,
+    # c = p / d: 0.52 at p = 5e-8 (the ~56 of 107 tail draws seen when this test drew 131,072 rows at that p), 0.24
+    # here: ~9.8 draws expected, 30 short = 4.8 sd, and the bound (> 14.9) passes it 1 time in 14 (131,072 draws
+    # at 5e-8: 5.0 sd, 1 time in 11,000 and 1 in 10). The draws that power needs are fewest near p = 2.5e-8 (the
+    # old shortfall (1 - r) sqrt(lambda) per drawn row peaks there), and each row costs a pass over the vocabulary.
+    vocab, p_tail, rows, chunks = 16384, 2.5e-8, 1024, 96
     probs = torch.full((vocab,), p_tail, dtype=torch.float64)
     probs[0] = 1.0 - p_tail * (vocab - 1)
     # Materialised rows (not a stride-0 expand, ~15% slower through the sampler's softmax): the same draws.

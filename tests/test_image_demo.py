@@ -18,8 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests._tune_server import forked_commands_path
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl
+from tests.recipe_utils import read_jsonl, tune_env
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.data import (draw_shapes, image_dataset, image_sft, SHAPE_COUNT_QUESTION, shape_count_rows,
                                  tiny_gemma3_dir, write_shape_count_data)
@@ -143,6 +144,9 @@ def test_short_demo_script_run(tmp_path, one_thread):
     env = {**os.environ, "DEMO_DIR": str(work), "DEMO_SEED": "0", "OMP_NUM_THREADS": "1", "DEMO_PICTURES": "8",
            "DEMO_HELD_OUT": "8", "DEMO_GRPO_STEPS": "2", "DEMO_EVAL_EVERY": "1",
            "DEMO_GRPO_ARGS": "batch_size=4 group_size=4 eval_num_samples=0 optimizer.lr=1e-2"}
+    # Its `tune run` and `tune-grpo plot` forked from a process that imported torch, torchtune and the recipes
+    # (tests/_tune_server.py): the same commands, without ~4 s of imports each.
+    env["PATH"] = forked_commands_path(tune_env()) + os.pathsep + env.get("PATH", "")
     proc = subprocess.run(["bash", str(REPO / "scripts" / "demo_images.sh")], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

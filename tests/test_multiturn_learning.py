@@ -19,7 +19,9 @@ import subprocess
 
 import pytest
 
+from tests._tune_server import forked_commands_path
 from tests.conftest import REPO
+from tests.recipe_utils import tune_env
 
 
 @pytest.mark.slow
@@ -27,6 +29,8 @@ def test_grpo_teaches_the_warm_start_to_call_the_calculator(tmp_path):
     work = tmp_path / "demo"
     # Seed 1: the shipped warm start was trained with seed 0's problems and order; GRPO's own draws differ.
     env = {**os.environ, "DEMO_DIR": str(work), "DEMO_SEED": "1", "OMP_NUM_THREADS": "1"}
+    # Its `tune run` forked from a process that imported torch, torchtune and the recipes (tests/_tune_server.py).
+    env["PATH"] = forked_commands_path(tune_env()) + os.pathsep + env.get("PATH", "")
     proc = subprocess.run(["bash", str(REPO / "scripts" / "demo_multi_turn.sh")], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
