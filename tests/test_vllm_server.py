@@ -20,7 +20,8 @@
   vllm.entrypoints.openai.api_server`` (the default interpreter, the package's own flags, its engine core spawned):
   every claim of its tests holds for exactly what a run starts.
 - Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
-  servers, a server without the RL routes, a server that dies while starting (its log is quoted).
+  servers, a server without the RL routes, a server that dies while starting (its log is quoted); the interpreter
+  command that ``TORCHTUNE_GRPO_VLLM_PYTHON`` names.
 """
 
 import http.server
@@ -459,6 +460,19 @@ def test_a_server_that_dies_while_starting_quotes_its_log(tmp_path: Path):
         VLLMServer.start(["--model", str(tmp_path / "no_such_model")], log_path=log_path,
                          env={"OMP_NUM_THREADS": "1", **fast_start()}, timeout=300)
     assert str(log_path) in str(error.value) and "no_such_model" in str(error.value)
+
+
+def test_the_interpreter_command_comes_from_its_variable(tmp_path: Path):
+    # TORCHTUNE_GRPO_VLLM_PYTHON, split as a shell splits it, runs the server's module in place of this
+    # interpreter (here a launcher that logs its arguments and exits: the start fails quoting that log).
+    launcher = tmp_path / "launcher"
+    launcher.write_text('#!/bin/sh\necho "launched: $*"\nexit 3\n')
+    launcher.chmod(0o755)
+    log_path = tmp_path / "server.log"
+    with pytest.raises(VLLMServerError, match=r"exited while starting \(code 3\)") as error:
+        VLLMServer.start(["--model", "m"], log_path=log_path, env={PYTHON_ENV: f"{launcher} --flag"}, timeout=60)
+    assert "launched: --flag -m vllm.entrypoints.openai.api_server --model m --host 127.0.0.1 --port" in str(
+        error.value)
 
 
 def test_tune_grpo_vllm_serve_prints_the_servers_command(capsys):
