@@ -71,6 +71,16 @@ def forked(command: List[str], env: Dict[str, str], server_env: Dict[str, str], 
     return [sys.executable, str(FORK_STAGES), "run", str(_dirs[vllm] / "s.sock"), *command]
 
 
+def python(server_env: Dict[str, str], vllm: bool = False) -> str:
+    """A stand-in for the interpreter (``SHIM [-u] SCRIPT|-m MODULE ARG...``): an executable that runs its
+    arguments in a child forked from this process's fork server (``vllm``: the one that imported vLLM), started in
+    ``server_env`` (as for :func:`forked`) if it is not running. The tests' ``vllm serve`` processes start through
+    it (``TORCHTUNE_GRPO_VLLM_PYTHON``, torchtune_grpo/generation/_vllm_server_process.py): vLLM's API server then
+    skips its ~11-14 s of imports on 2 cores."""
+    _start(vllm, server_env)
+    return str(_dirs[vllm] / "python")
+
+
 def _shadowed(env: Dict[str, str], server_env: Dict[str, str]) -> bool:
     """Whether ``env``'s PYTHONPATH adds a folder holding a module that vLLM's server imported (waiting for its
     imports; only for a PYTHONPATH that adds a folder)."""

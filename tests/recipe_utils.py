@@ -142,11 +142,28 @@ def forked_python(command: List[str], env: Dict[str, str], vllm: bool = False) -
     and serves a command whose PYTHONPATH adds no folder holding a module it imported (tests/_tune_server.py)."""
     from tests._tune_server import forked
 
+    return forked(command, env, server_env=_fork_server_env(vllm), vllm=vllm)
+
+
+def forked_vllm_python() -> str:
+    """An executable that stands in for ``python`` (``[-u] SCRIPT|-m MODULE ARG...``), running its arguments in a
+    child forked from the fork server that imported vLLM (tests/_tune_server.py): the value of
+    ``TORCHTUNE_GRPO_VLLM_PYTHON`` for the tests' ``vllm serve`` processes (its ~11-14 s of imports paid once per
+    pytest process). The server's PYTHONPATH is the one pytest started with (:func:`forked_python`); a server
+    whose PYTHONPATH adds a folder holding a module it imported runs in a fresh interpreter (scripts/fork_stages.py).
+    """
+    from tests._tune_server import python
+
+    return python(_fork_server_env(vllm=True), vllm=True)
+
+
+def _fork_server_env(vllm: bool) -> Dict[str, str]:
+    """The fork server's environment (``vllm``: with the PYTHONPATH pytest started with)."""
     server_env = tune_env()
     if vllm:
         at_start = [p for p in _PYTHONPATH_AT_START.split(os.pathsep) if p]
         server_env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "recipes"), *at_start])
-    return forked(command, env, server_env=server_env, vllm=vllm)
+    return server_env
 
 
 def _recipe_class(lora: bool) -> type:

@@ -177,7 +177,7 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
 
     from tests.hf_models import hf_components
     from tests.recipe_utils import read_jsonl, run_in_process, write_config
-    from tests.test_vllm_server import LEAN_SERVER_ARGS, LEAN_SERVER_ENV, SERVER_CONFIG, TRAIN
+    from tests.test_vllm_server import fast_start, LEAN_SERVER_ARGS, LEAN_SERVER_ENV, SERVER_CONFIG, TRAIN
     from tests.tolerances import ulps
     from torchtune_grpo.generation import WeightSyncCheck
 
@@ -199,7 +199,8 @@ def test_recipe_with_a_moe_policy_through_a_worker_and_its_vllm_server(tmp_path,
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's and server's threads, as under `tune run`
     # The server's model in its engine's process (one Python start-up less; the experts are prepacked by the
     # same transfer engine, there instead of in a worker process): tests/test_vllm_server.py, LEAN_SERVER_ARGS.
-    for key, value in LEAN_SERVER_ENV.items():
+    # Started forked from the tests' vLLM fork server (its imports done once): tests/test_vllm_server.py, fast_start.
+    for key, value in {**LEAN_SERVER_ENV, **fast_start()}.items():
         monkeypatch.setenv(key, value)
     log = []
     run_in_process(config, log=log)

@@ -9,6 +9,7 @@ fix: the server's log for one that died while starting, the missing flag for one
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,7 +23,12 @@ from typing import Any, Dict, List, Optional
 
 from torchtune_grpo.runtime.waits import WaitReport
 
-__all__ = ["VLLMServer", "VLLMServerError"]
+__all__ = ["PYTHON_ENV", "VLLMServer", "VLLMServerError"]
+
+# The interpreter that runs a started server's ``-m vllm.entrypoints.openai.api_server ...``: a command, split as
+# a shell splits it (a launcher that stands in for ``python``, such as the tests' fork server,
+# scripts/fork_stages.py); unset or empty: this process's interpreter. Read from the server's environment.
+PYTHON_ENV = "TORCHTUNE_GRPO_VLLM_PYTHON"
 
 _LOG_TAIL_LINES = 40
 _PORT_ATTEMPTS = 3
@@ -88,7 +94,8 @@ class VLLMServer:
             args (List[str]): ``vllm serve`` arguments after the model (``--model`` first).
             log_path (Path): the server's stdout and stderr.
             env (Optional[Dict[str, str]]): variables added to this process's environment (e.g.
-                ``CUDA_VISIBLE_DEVICES``). Default is None.
+                ``CUDA_VISIBLE_DEVICES``). Default is None. Its :data:`PYTHON_ENV` (``TORCHTUNE_GRPO_VLLM_PYTHON``,
+                else this process's) names the interpreter command; default ``sys.executable``.
             timeout (float): seconds to wait for it to answer. Default is 600.
 
         Raises:
@@ -99,11 +106,12 @@ class VLLMServer:
         # The parent-death signal fires when the *thread* that started the server ends: only the main
         # thread lives as long as the process.
         on_main = threading.current_thread() is threading.main_thread()
+        python = shlex.split(full_env.get(PYTHON_ENV, "")) or [sys.executable]
         for attempt in range(_PORT_ATTEMPTS):
             # The port is free when picked but not reserved: another process may take it before the server
             # binds it. Then the server exits saying so, and another port is tried.
             port = _free_port()
-            command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args,
+            command = [*python, "-m", "vllm.entrypoints.openai.api_server", *args,
                        "--host", "127.0.0.1", "--port", str(port)]
             logged = log_path.stat().st_size if log_path.exists() else 0
             with open(log_path, "ab") as log:
