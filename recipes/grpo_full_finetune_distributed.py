@@ -88,7 +88,8 @@ from torchtune_grpo.training.batch import training_layout
 from torchtune_grpo.training.routes import RouterTerms
 from torchtune_grpo.training.step import count_nonfinite_weights, GRPOStep, StepResult
 from torchtune_grpo.training.update import PolicyUpdate
-from torchtune_grpo.workers.client import check_generation_workers, WorkerRollouts
+from torchtune_grpo.workers.client import WorkerRollouts
+from torchtune_grpo.workers.config_checks import check_generation_workers
 
 log = utils.get_logger("INFO")
 register_resolvers()  # ${grpo_asset:...} in shipped configs

@@ -23,7 +23,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from tests.conftest import free_port, REPO
-from tests.recipe_utils import run_in_process, tune_env
+from tests.recipe_utils import launch_command, run_in_process
 
 
 class Run(NamedTuple):
@@ -94,16 +94,13 @@ def launch(runs: List[Run]) -> None:
     process that failed (its traceback; the other is stopped)."""
     import torch.distributed as dist
 
-    from tests._tune_server import forked
-
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # on a port the OS picks
     with tempfile.TemporaryDirectory(prefix="spawn-runs-") as tmp:
         spec = Path(tmp) / "runs.json"
         spec.write_text(json.dumps([r._asdict() for r in runs]))
         procs, logs = [], []
         for rank in range(2):
-            env = tune_env()
-            cmd = forked(["-m", "tests._spawn_runs", str(spec), str(rank), str(store.port)], env, server_env=tune_env())
+            cmd, env = launch_command(["-m", "tests._spawn_runs", str(spec), str(rank), str(store.port)])
             logs.append(open(Path(tmp) / f"rank{rank}.out", "w+"))
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
         try:

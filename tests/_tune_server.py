@@ -134,7 +134,7 @@ def forked_commands_path(server_env: Dict[str, str]) -> str:
     if not bin_dir.is_dir():
         bin_dir.mkdir()
         scripts = Path(sys.executable).parent
-        for name in ("tune", "tune-grpo"):  # the console scripts, run as the forked child's __main__
-            _shim(bin_dir / name, f'"{sys.executable}" "{FORK_STAGES}" run "{directory / "s.sock"}" "{scripts / name}"')
+        for name in ("tune", "tune-grpo"):  # the console scripts, run by the rank shim as the forked child's __main__
+            _shim(bin_dir / name, f'"{directory / "python"}" "{scripts / name}"')
         _shim(bin_dir / "python", f'"{sys.executable}"')
     return str(bin_dir)

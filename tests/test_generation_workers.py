@@ -19,7 +19,7 @@ from tests.recipe_utils import (
 from tests.conftest import REPO
 from torchtune_grpo.config.schema import LoRARecipeConfig, RecipeConfig
 from torchtune_grpo.generation import WeightSyncError
-from torchtune_grpo.workers.client import check_generation_workers
+from torchtune_grpo.workers.config_checks import check_generation_workers
 from torchtune_grpo.training.step import staleness_metrics, staleness_sums
 from torchtune_grpo.workers.client import start_context, WorkerError
 from torchtune_grpo.workers.process import adopt_trainer_context, TrainerStdio

@@ -83,7 +83,7 @@ MOVED_NAMES: Dict[str, Dict[str, str]] = {
     # The setup checks, each beside what it checks.
     "setup_checks": {
         "check_evaluation_keys": "rollouts.evaluation",
-        "check_generation_workers": "workers.client",
+        "check_generation_workers": "workers.config_checks",
         "check_output_dir": "runtime.output_lock",
         "training_layout": "training.batch",
     },

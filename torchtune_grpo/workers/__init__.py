@@ -2,5 +2,5 @@
 
 ``client`` is the trainer's side (:class:`WorkerRollouts`), ``process`` the worker process
 (``python -m torchtune_grpo.workers.process --listen HOST:PORT``) and ``channel`` the transport between
-them. Import from the modules; this file imports nothing.
+them; ``config_checks`` refuses at setup what workers do not support. Import from the modules; this file imports nothing.
 """

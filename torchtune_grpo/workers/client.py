@@ -55,11 +55,10 @@ from torchtune_grpo.metrics.sums import one_process_sum
 from torchtune_grpo.rollouts.producer import PromptStream
 from torchtune_grpo.rollouts.groups import RolloutGroups
 from torchtune_grpo.workers.process import local_worker_main, PRELOAD, TrainerStdio, WorkerSpec
-from torchtune_grpo.config.schema import LoRARecipeConfig
 from torchtune_grpo.runtime.waits import WaitReport
 from torchtune_grpo.workers.channel import AUTHKEY_ENV, authkey, connect, ConnectionQueue, parse_address
 
-__all__ = ["check_generation_workers", "start_context", "WorkerError", "WorkerRollouts"]
+__all__ = ["start_context", "WorkerError", "WorkerRollouts"]
 
 log = utils.get_logger("INFO")
 
@@ -492,37 +491,3 @@ class WorkerRollouts:
                 raise WorkerError(f"{self.name} failed:\n{message[1]}")
             return message
 
-
-def check_generation_workers(config: Any, engine: Any) -> None:
-    """Refuse, naming the key, what generation workers do not support yet (before any process group).
-
-    Args:
-        config (Any): the typed config (``generation_workers``; the LoRA recipe's :class:`LoRARecipeConfig`).
-        engine (Any): the configured generation engine.
-
-    Raises:
-        ValueError: for LoRA with an engine that holds its own weights (vLLM), with workers on; for
-            ``in_flight_updates`` without workers, with an engine that cannot take weights while it generates,
-            or with multi-turn episodes.
-    """
-    workers = config.generation_workers
-    if workers.in_flight_updates:
-        if not workers.enabled:
-            raise ValueError("generation_workers.in_flight_updates needs generation_workers.enabled: true (the "
-                             "updates land in a worker's engine while it generates)")
-        if not getattr(engine, "supports_in_flight_updates", False):
-            raise ValueError(
-                f"generation_workers.in_flight_updates needs an engine that takes weights while it generates "
-                f"(torchtune_grpo.generation.VLLMServerGenerator); {type(engine).__name__} does not"
-            )
-        if config.environment is not None:
-            raise ValueError("generation_workers.in_flight_updates is single-turn only: with an environment "
-                             "(multi-turn episodes) the tokens' weight versions are not tracked through the turns")
-    if not workers.enabled:
-        return
-    if engine.holds_weights and isinstance(config, LoRARecipeConfig):
-        raise ValueError(
-            f"generation_workers.enabled with {type(engine).__name__} in the LoRA recipe is not supported yet "
-            "(the worker would need the adapter sync): use torchtune_grpo.generation.NativeGenerator in the "
-            "workers, or turn generation_workers off to use LoRA with vLLM in the trainer's process"
-        )
