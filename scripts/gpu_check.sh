@@ -21,6 +21,8 @@
 #    then on Gemma 3 1B's shape (shared-prompt rows on transformers' modules), and TRL on the Qwen3.5 model and
 #    batch (the step-time ratio); the report says which training layout and engine path each run used;
 #    skipped, with the reason in the report, where the installed transformers has no qwen3_5;
+# 6a. backends: benchmarks/gpu_backends.py, the recipe on the Qwen3-0.6B shape with each policy backend (torchtune's
+#    modules, transformers' own module): the step, generation and training ratios, each run's layout and engine path;
 # 6b. moe: benchmarks/gpu_moe.py, a mixture of experts (Qwen3-30B-A3B's layout, 2 of its 48 layers) through the
 #    transformers backend, and TRL on the same model and batch (step time and peak memory), beside the paper
 #    estimate of our peak (benchmarks/moe_memory.py);
@@ -62,7 +64,7 @@ done
 
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
-rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,ablation.json,qwen3_5.json,moe.json,gpu_check.json,gpu_check.md,*.log}
+rm -f "$OUT_DIR"/{stages.jsonl,env.json,gpu_tests.xml,grpo_*.json,trl.json,ablation.json,qwen3_5.json,backends.json,moe.json,gpu_check.json,gpu_check.md,*.log}
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 START=$SECONDS
@@ -147,6 +149,11 @@ stage trl 100 "${PY[@]}" benchmarks/gpu_trl.py --device "$DEVICE" "${TINY[@]}" -
 # 2 steps (one measured) then TRL's 2 (one measured) if 120 s have not gone on ours.
 stage qwen3_5 200 "${PY[@]}" benchmarks/gpu_qwen3_5.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
   --prompts 16 --json "$OUT_DIR/qwen3_5.json" --time-budget 120
+# Not yet run on a GPU: the recipe on the Qwen3-0.6B shape with each policy backend (torchtune's modules, then
+# transformers' own Qwen3 module, the module of every 2026 family), the qwen3_5 stage's workload, 3 steps each
+# (two measured); the ratios transformers / torchtune and each run's layout and engine path.
+stage backends 200 "${PY[@]}" benchmarks/gpu_backends.py --device "$DEVICE" "${TINY[@]}" --model-dir "$MODELS" \
+  --prompts 16 --recipe-steps 3 --json "$OUT_DIR/backends.json"
 # Not yet run on a GPU: the same batch on the 1.87B mixture of experts (an estimated 60-120 s for our 2 steps,
 # as long again for TRL's, which is skipped if 130 s have gone on ours). Like qwen3_5, likely skipped for time in
 # the default plan: `--stages install,env,moe` runs it alone.

@@ -10,7 +10,8 @@ reported as such): ``env.json``, ``stages.jsonl`` (one line per stage: name, exi
 (benchmarks/gpu_ablation.py: the update's switches; with the recipe's generation and reward seconds of the
 same shape, when the check measured them, each variant's whole-step MFU), ``qwen3_5.json``
 (benchmarks/gpu_qwen3_5.py: the transformers backend and TRL on the Qwen3.5 shape, the recipe on a family that
-takes the training layouts, and each run's observed training layout and engine path) and ``moe.json``
+takes the training layouts, and each run's observed training layout and engine path), ``backends.json``
+(benchmarks/gpu_backends.py: the recipe on one model with each policy backend, the ratios) and ``moe.json``
 (benchmarks/gpu_moe.py: the same on the scaled-down Qwen3-30B-A3B, with the paper estimate of our peak). Its exit status is 0
 only when every stage exited 0, every GPU test passed, and no benchmark part raised.
 """
@@ -111,8 +112,11 @@ def build_report(directory: Path) -> Dict[str, Any]:
     problems += [f"gpu_qwen3_5 {e['part']}: {e['error']}" for e in (qwen3_5 or {}).get("errors", [])]
     moe = _read_json(directory / "moe.json")
     problems += [f"gpu_moe {e['part']}: {e['error']}" for e in (moe or {}).get("errors", [])]
+    backends = _read_json(directory / "backends.json")
+    problems += [f"gpu_backends {e['part']}: {e['error']}" for e in (backends or {}).get("errors", [])]
     report: Dict[str, Any] = {"env": _read_json(directory / "env.json"), "stages": stages, "tests": tests,
                               "grpo": grpo, "trl": trl, "ablation": ablation, "qwen3_5": qwen3_5, "moe": moe,
+                              "backends": backends,
                               "problems": problems, "ok": not problems}
     ours = _recipe_step(grpo, trl["model"]) if trl else None
     if ours and trl.get("median_step_s"):
@@ -191,9 +195,35 @@ def markdown(report: Dict[str, Any]) -> str:
                   f"({_fmt(ratio['ours_step_s'])} s / {_fmt(ratio['trl_step_s'])} s).", ""]
     if report.get("qwen3_5"):
         lines += _qwen3_5_section(report["qwen3_5"])
+    if report.get("backends"):
+        lines += _backends_section(report["backends"])
     if report.get("moe"):
         lines += _moe_section(report["moe"])
     return "\n".join(lines) + "\n"
+
+
+def _backends_section(b: Dict[str, Any]) -> List[str]:
+    """benchmarks/gpu_backends.py: one model, each policy backend, the same workload; the ratios and paths."""
+    lines = [f"## One model, both backends ({b['model']})", ""]
+    rows = []
+    for backend, r in (b.get("runs") or {}).items():
+        m = r["median"]
+        rows.append(f"| {backend} | {_fmt(m.get('time/step'))} | {_fmt(m.get('time/generation'))} | "
+                    f"{_fmt(m.get('time/train'))} | {_fmt(r.get('first_step_s'))} | {_fmt(m.get('tokens_per_second'))} | "
+                    f"{_fmt(m.get('memory/peak_allocated_gib'))} |")
+    if rows:
+        lines += ["| backend | step s | generation s | train s | first step s | tokens/s | peak GiB |",
+                  "|---|---|---|---|---|---|---|"] + rows + [""]
+    for backend, paths in (b.get("paths") or {}).items():
+        layout = ", ".join(paths["training_layout"]) or "no update forward"
+        if paths["fallback_reasons"]:
+            layout += f" (because {'; '.join(paths['fallback_reasons'])})"
+        lines += [f"- {backend}: the update trained in **{layout}**; sampled by "
+                  f"**{', '.join(paths['engine']) or 'no engine call'}**.", ""]
+    ratio = b.get("transformers_over_torchtune") or {}
+    if ratio:
+        lines += ["**transformers / torchtune: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()) + "**", ""]
+    return lines
 
 
 def _ablation_table(a: Dict[str, Any]) -> List[str]:

@@ -87,7 +87,7 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["ok"] and report["problems"] == []
     assert [s["name"] for s in report["stages"]] == ["install", "env", "tests", "ablation", "grpo_0_6b", "trl",
-                                                     "qwen3_5", "moe", "grpo_1_7b"]
+                                                     "qwen3_5", "backends", "moe", "grpo_1_7b"]
     # The carried packages were imported from the site directory, not from this interpreter's.
     packages = report["env"]["packages"]
     for name in ("torchtune", "torchao", "omegaconf", "datasets", "trl"):
@@ -138,6 +138,16 @@ def test_rehearsal_runs_every_part_end_to_end(tmp_path):
     assert qwen3_5["recipe"]["model"] == "tiny_qwen3_5" and qwen3_5["recipe"]["steps"] == 2
     assert qwen3_5["trl"]["model"] == "tiny_qwen3_5" and qwen3_5["trl"]["rows"] == 16
     assert qwen3_5["ours_vs_trl"]["ratio"] > 0
+    # The backends stage: one directory, each backend's recipe run (2 steps) and what each really did.
+    backends = report["backends"]
+    assert list(backends["runs"]) == ["torchtune", "transformers"]
+    assert all(r["steps"] == 2 for r in backends["runs"].values())
+    torchtune_path, transformers_path = backends["paths"]["torchtune"], backends["paths"]["transformers"]
+    assert torchtune_path["training_layout"] == transformers_path["training_layout"] == ["shared prompts"]
+    assert torchtune_path["engine"] == ["native engine on torchtune's modules: SharedPrefixRollout + compaction"]
+    assert transformers_path["engine"] == [ENGINE_PATH]
+    assert set(backends["transformers_over_torchtune"]) == {"step", "generation", "train"}
+    assert "## One model, both backends (tiny_qwen3)" in md and "**transformers / torchtune: step " in md
     assert "Step time, ours / TRL (tiny_qwen3_5, transformers backend)" in md
     # What each run really did (observed while it ran): Qwen3.5's update (Gated DeltaNet layers split by
     # sequence) and Gemma 3's (sliding and global layers) in shared-prompt rows on transformers' modules; both

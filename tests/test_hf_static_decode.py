@@ -9,7 +9,9 @@ decoded tokens; Qwen3.5's Gated DeltaNet, Gemma 4's key/value-sharing layers):
 - the fixed cache is kept between rollouts of one shape, in place (a CUDA graph replays on its addresses), and
   ``reuse_cache: false`` frees it;
 - a mixture of experts (routes recorded by hooks per forward) decodes eagerly and says why;
-- the trainer's logprobs of the sampled completions are those of the logits the compiled step gave.
+- the trainer's logprobs of the sampled completions are those of the logits the compiled step gave;
+- under FSDP2 with mixed precision (as the recipe trains bf16 on one process), the decode steps run FSDP2's hooks as
+  plain casts: the compiled step stays one graph, and every token and logit is the hooks' own.
 """
 
 import logging
@@ -142,3 +144,61 @@ def test_image_prompts_decode_on_the_fixed_cache(family, vision_dir, tmp_path, s
         torch.testing.assert_close(a, b, atol=ulps(b, 128), rtol=0)
         assert float((b.topk(2).values @ torch.tensor([1.0, -1.0])).min()) > 2 * ulps(b, 128)
     assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+
+
+def test_fsdp2_mixed_precision_decodes_in_one_graph_with_the_hooks_numbers(monkeypatch, sampled, clean_env, one_thread):
+    # The recipe's bf16 run on one process: FSDP2 per decoder layer (bf16 compute) and at the root (fp32), every
+    # parameter gathered for the rollout. FSDP2's hooks are hidden from dynamo, so with them the compiled step splits
+    # at every layer (on an H200, Qwen3-0.6B's 28 layers hit dynamo's recompile limit); the engine runs them as
+    # plain casts (generation/_decode.py fsdp_hooks_as_casts). The same casts at the same places: every logit and
+    # token equal to the hooks' own, bit for bit, eagerly (growing cache, rows compacted) and compiled (the
+    # `eager` backend runs the traced ops as they are, so the graph-broken run is the reference).
+    from contextlib import contextmanager
+
+    import torchtune_grpo.generation._hf_rollout as hf_rollout
+    from tests.hf_families import family_model
+    from tests.recipe_utils import init_one_process_group
+    from torchtune_grpo.models import TransformersDecoder
+    from torchtune_grpo.runtime.precision import Precision
+    from torchtune_grpo.runtime.sharding import shard_model, unsharded
+    from torchtune import training
+
+    init_one_process_group()
+    policy = TransformersDecoder(family_model("qwen3"), 256, {})
+    shard_model(policy, [lambda name, m: training.get_shard_conditions(name, m, names_to_match=None)],
+                cpu_offload=False, precision=Precision.from_name("bf16"))
+    layer = policy.layers[0]
+    fsdp_hooks = lambda: [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]  # noqa: E731
+    before = fsdp_hooks()
+
+    @contextmanager
+    def with_the_hooks(model):
+        yield False
+
+    def runs(engine):
+        """(the hooks' run, the casts' run), each: the rollout and its steps' logits and tokens."""
+        out = []
+        for bypass in (with_the_hooks, hf_rollout.fsdp_hooks_as_casts):
+            monkeypatch.setattr(hf_rollout, "fsdp_hooks_as_casts", bypass)
+            torch._dynamo.reset()
+            counters.clear()
+            rollout, _ = _sample(engine, policy, sampled, seed=3)
+            out.append((rollout, sampled[-1], dict(counters["graph_break"]), counters["stats"]["unique_graphs"]))
+        return out
+
+    with unsharded(policy, reshard_after_forward=True):
+        assert {p.dtype for p in layer.parameters()} == {torch.bfloat16}  # gathered in the compute dtype
+        eager = runs(NativeGenerator(stop_check_interval=4))
+        compiled = runs(NativeGenerator(stop_check_interval=4, compile_decode=True, compile_backend="eager"))
+    torch._dynamo.reset()
+    for (hooks, hook_steps, _, _), (casts, cast_steps, _, _) in (eager, compiled):
+        assert casts.response_ids == hooks.response_ids
+        assert len(cast_steps) == len(hook_steps) > 0
+        for (a, ta), (b, tb) in zip(cast_steps, hook_steps):
+            assert torch.equal(ta, tb) and torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert {len(r) for r in eager[0][0].response_ids} != {24}  # some rows stopped early: compaction ran
+    (_, _, breaks, graphs), (_, _, no_breaks, one) = compiled
+    assert breaks and graphs > 1  # FSDP2's hooks split the step: this test sees the difference
+    assert no_breaks == {} and one == 1
+    assert fsdp_hooks() == before  # FSDP2's own hooks are back on the layers for training

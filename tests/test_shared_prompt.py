@@ -77,7 +77,7 @@ def _logprobs_and_grads(model, batch, micro_batches):
     lp = torch.cat([o.logprobs for o in outs])
     ent = torch.cat([o.entropy for o in outs])
     # A loss over response tokens only, with different weights per token (as any GRPO loss).
-    w = torch.linspace(-1.0, 2.0, lp.numel()).view_as(lp)
+    w = torch.linspace(-1.0, 2.0, lp.numel(), device=lp.device).view_as(lp)
     ((lp * w).sum() + 0.3 * (ent * w).sum()).backward()
     return lp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

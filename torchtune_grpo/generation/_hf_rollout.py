@@ -45,13 +45,13 @@ Multi-turn sessions that keep this cache between turns: :mod:`~torchtune_grpo.ge
 """
 
 import inspect
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
-from torchtune_grpo.generation._decode import to_rollout
+from torchtune_grpo.generation._decode import fsdp_hooks_as_casts, to_rollout
 from torchtune_grpo.generation._hf_static import fill_fixed, static_decode_step, static_decode_unsupported, warn_eager_once
 from torchtune_grpo.generation._output import Rollout
 from torchtune_grpo.models import grouped_kv_attention
@@ -109,10 +109,12 @@ def sample_with_hf_cache(
     stop = torch.tensor(list(stop_tokens), dtype=torch.long, device=run.device)
     # Inference mode, as the torchtune path: no autograd bookkeeping on the decode's many small ops. Grouped-query
     # heads attend without copying the cache per step (models/_grouped_attention.py).
-    with torch.inference_mode(), grouped_kv_attention(hf), \
+    with torch.inference_mode(), grouped_kv_attention(hf), ExitStack() as stack, \
             hooks.recording() if hooks is not None else nullcontext() as recorded:
         try:
             logits = run.prefill()  # [B*G, V]
+            # Decode steps run FSDP2's hooks as plain casts: one compiled graph, and less Python per step eagerly.
+            stack.enter_context(fsdp_hooks_as_casts(hf))
             if fixed is not None:
                 run.fix(fixed.take(hf, logits.size(0), run.slots + max_new_tokens, run.device),
                         engine.compiled_step(device, static_decode_step))
