@@ -9,7 +9,6 @@ run. Needs the openenv extra (tests/extras.py: CI installs it; a missing extra f
 import math
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -126,7 +125,7 @@ def test_server_death_mid_episode_is_a_counted_failure_then_restart(faulty_app):
     assert step_episodes(env, [again[0].value], [_say("fine")], timeout=30)[0].value.done
 
 
-def test_server_ends_with_a_process_that_exits_without_cleanup(faulty_app, tmp_path):
+def test_server_ends_with_a_process_that_exits_without_cleanup(faulty_app, tmp_path, monkeypatch):
     # the recipe's workers end with os._exit, which runs no atexit handler: the server must still go
     script = (
         "import os, sys\n"
@@ -137,9 +136,12 @@ def test_server_ends_with_a_process_that_exits_without_cleanup(faulty_app, tmp_p
     )
     (tmp_path / "exits.py").write_text(script)
     # Forked from the tests' tune server (tests/_tune_server.py), which has imported torch and the package's data
-    # modules that _openenv imports (~5 s in a fresh interpreter): a process of its own all the same, whose end
-    # the server watches.
-    command, env = launch_command([str(tmp_path / "exits.py")], PYTHONPATH=os.pathsep.join(sys.path))
+    # modules that _openenv imports (~5-10 s in a fresh interpreter): a process of its own all the same, whose end
+    # the server watches. Its PYTHONPATH adds only the openenv extra's folder (faulty_env is found next to the
+    # script): a PYTHONPATH naming this process's whole sys.path (the standard library's folders among them) would
+    # shadow what the server imported, and the command would run in a fresh interpreter (scripts/fork_stages.py).
+    extra_pythonpath(monkeypatch, "openenv")
+    command, env = launch_command([str(tmp_path / "exits.py")])
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     pid = int(out.stdout.split()[-1])

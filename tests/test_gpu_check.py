@@ -313,9 +313,12 @@ def test_report_of_the_moe_stage_shows_the_estimate_beside_the_peak_and_counts_i
     assert report["problems"] == ["gpu_moe recipe qwen3_30b_a3b_2l: OutOfMemoryError"] and not report["ok"]
 
 
-FORKED = """import os, subprocess, sys, time
+FORKED = """import atexit, os, subprocess, sys, threading, time
 print(sys.argv[1:], os.getcwd(), os.environ.get("FORK_TEST"), sys.path[0], __name__, flush=True)
 if sys.argv[1] == "exit":
+    atexit.register(print, "atexit ran")
+    threading.Thread(target=lambda: (time.sleep(0.3), print("thread ended"))).start()
+    print("not flushed")
     sys.exit(3)
 if sys.argv[1] == "raise":
     raise ValueError("boom")
@@ -334,7 +337,8 @@ if sys.argv[1] == "sleep":
 
 def test_forked_stages_run_as_their_own_interpreter_would(tmp_path):
     # scripts/fork_stages.py, as the rehearsal uses it: each command gets the caller's directory, environment,
-    # arguments and streams, sys.path[0] of `python SCRIPT`, its exit status (an uncaught exception: 1), hidden
+    # arguments and streams, sys.path[0] of `python SCRIPT`, its exit status (an uncaught exception: 1) after its
+    # threads and atexit handlers, hidden
     # packages are not installed for it, its own PYTHONPATH and -u (unbuffered streams) hold as in a fresh
     # interpreter (tests/_tune_server.py's tune runs), and a SIGTERM to `run` (timeout's) ends the command and
     # what it started.
@@ -350,6 +354,9 @@ def test_forked_stages_run_as_their_own_interpreter_would(tmp_path):
 
         p = run("exit")
         assert p.returncode == 3 and p.stdout.startswith(f"['exit'] {tmp_path} yes {tmp_path} __main__"), p
+        # On its way out, as the interpreter: a non-daemon thread joined, then the atexit handlers, and what sat in
+        # stdout's buffer is written (scripts/fork_stages.py skips only the interpreter's teardown of objects).
+        assert p.stdout.splitlines()[1:] == ["not flushed", "thread ended", "atexit ran"], p
         p = run("raise")
         assert p.returncode == 1 and "ValueError: boom" in p.stderr, p
         p = run("hidden")

@@ -60,6 +60,11 @@ __all__ = [
     "worker_main",
 ]
 
+# How often an idle worker checks that its trainer is alive: a killed trainer's worker (a SIGKILL leaves it no
+# time to say stop) exits within this, releasing the trainer's stdout and stderr, which it holds. A wake-up a
+# second costs nothing measurable.
+_PARENT_CHECK_SECONDS = 1.0
+
 # What a worker imports to build its side: a fork server imports these once and forks each worker from it
 # (``torchtune_grpo.workers.client``), so that only the first worker of a trainer process pays for them. The
 # package first: it quiets torchao's import-time line before torchtune imports torchao (runtime/quiet.py).
@@ -315,7 +320,7 @@ def worker_main(spec: WorkerSpec, requests: Any, replies: Any) -> None:
         parent = mp.parent_process()
         while True:
             try:
-                message = requests.get(timeout=5.0)
+                message = requests.get(timeout=_PARENT_CHECK_SECONDS)
             except queue.Empty:
                 if parent is not None and not parent.is_alive():  # the trainer was killed: nothing to serve
                     return
