@@ -111,8 +111,11 @@ MODELS="$WORK/models"
 PY=("$PYTHON")
 if [[ "$FORK_STAGES" == true ]]; then
   # vLLM hidden as on the GPU machine, which has none (TRL imports the CPU build this environment has: ~7 s).
+  # The compiler's modules too (dynamo, AOT autograd, the inductor package, the sympy and networkx parts they load):
+  # the stages that compile (tests, ablation, grpo_0_6b) would each import them at their first compile (~0.9 s).
   "$PYTHON" scripts/fork_stages.py serve "$WORK/stages.sock" --hide vllm torch torchtune torchtune_grpo \
-    transformers trl peft datasets omegaconf grpo_full_finetune_distributed &
+    transformers trl peft datasets omegaconf grpo_full_finetune_distributed torch._dynamo torch._functorch.aot_autograd \
+    torch._inductor functorch.compile torch.export networkx sympy.assumptions sympy.combinatorics &
   FORK_SERVER=$!
   trap 'kill "$FORK_SERVER" 2>/dev/null; wait "$FORK_SERVER" 2>/dev/null; rm -rf "$WORK"' EXIT
   PY=("$PYTHON" scripts/fork_stages.py run "$WORK/stages.sock")
