@@ -2,10 +2,11 @@
 
 A ``tune run --nproc_per_node 2`` costs three interpreter start-ups (the launcher and two ranks, each importing
 torch, torchtune and the recipe) before its first step; tests that compare many runs pay that once here. The two
-processes first run the one-process runs side by side (each in its own one-process group, the runs dealt out in
-turn), then every two-process run together, each through the recipe class as ``tune run`` would drive it
-(:func:`tests.recipe_utils.run_in_process`). Each run's INFO log messages (what ``tune run`` prints) are written
-next to its config, ``run.rank{R}.log`` for its rank ``R`` in the run's own group, for the tests to read.
+processes first run the one-process runs side by side (each in its own one-process group; each process takes the
+next run in the list when it is free, so list the longest first), then every two-process run together, each through
+the recipe class as ``tune run`` would drive it (:func:`tests.recipe_utils.run_in_process`). Each run's INFO log
+messages (what ``tune run`` prints) are written next to its config, ``run.rank{R}.log`` for its rank ``R`` in the
+run's own group, for the tests to read.
 The two processes are forked from the tests' fork server (tests/_tune_server.py: a process that imported torch,
 torchtune and the recipes once) instead of spawned (two fresh interpreters importing them: ~5 s before the first run).
 A few tests keep the real ``tune run`` end to end (tests/test_distributed_runs.py, tests/test_recipe.py).
@@ -22,7 +23,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from tests.conftest import free_port, REPO
+from tests.conftest import REPO
 from tests.recipe_utils import launch_command, run_in_process
 
 
@@ -65,22 +66,30 @@ def _rank_main(rank: int, runs: List[Run], store_port: int) -> None:
     faulthandler.enable()
     torch.set_num_threads(1)
     logging.getLogger().setLevel(logging.INFO)  # the recipe's INFO messages reach the log handler
-    # The parent's store hands rank 1 the port rank 0 picked just before each two-process run (ports picked
-    # ahead of time could be taken by then on a busy machine).
+    # The parent's store hands rank 1 the port of the store rank 0 opened for each two-process run.
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
     singles = [r for r in runs if r.one_process is not None]
-    for i, r in enumerate(singles):
-        if i % 2 == rank:
-            os.environ.pop("MASTER_PORT", None)  # the recipe picks a free one for its one-process group
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-            _run(r.one_process, r.lora)
+    # Each process takes the next one-process run when it is free (the store's counter hands each index out
+    # once), so a long run does not leave the other process idle behind a fixed share.
+    while (i := store.add("next_single", 1) - 1) < len(singles):
+        os.environ.pop("MASTER_PORT", None)  # the recipe picks a free one for its one-process group
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        _run(singles[i].one_process, singles[i].lora)
+    run_stores = []  # kept open until the process leaves: a rank may still be tearing down its group
     for i, r in enumerate(runs):
         if r.two_processes is None:
             continue
+        # Each two-process group meets on a store that is already listening, on a port the OS picked, as torchrun's
+        # ranks meet on its agent's store (TORCHELASTIC_USE_AGENT_STORE: every rank a client of it). With rank 0
+        # opening the store inside init_process_group instead, rank 1 often knocked before it listened and retried
+        # after a back-off: ~0.2 s a run.
         if rank == 0:
-            store.set(f"port/{i}", str(free_port()))
+            run_stores.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+            store.set(f"port/{i}", str(run_stores[-1].port))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=store.get(f"port/{i}").decode(), RANK=str(rank),
-                          LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+                          LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                          TORCHELASTIC_USE_AGENT_STORE="True")
         _run(r.two_processes, r.lora)
     # All output is written and every process group destroyed: leave before interpreter teardown, where gloo
     # occasionally aborts (DESIGN.md). An exception above never gets here and fails the spawn with its traceback.

@@ -30,12 +30,16 @@ from tests.conftest import REPO
 FORK_STAGES = REPO / "scripts" / "fork_stages.py"
 # What every launched process imports before its first step (measured with `python -X importtime`): the CLI,
 # the launcher, both recipes (with torch, torchtune, torchao and the package's training modules), the tests'
-# reward components. Not transformers or vLLM: the other runs that need them import them as before. None of them
-# imports a package of the optional extras' folders (tests/extras.py), which a run puts first on its PYTHONPATH
-# (a forked command keeps what the server imported, and finds the rest on its own PYTHONPATH).
+# reward components; and transformers' model classes (~2 s on 2 cores), which every run of a transformers model
+# (model.backend: auto, images in the prompt, the checks that load a saved directory) would import itself: the
+# one-launch runs of tests/test_models_architectures.py import it in both processes. Not vLLM: the runs that need it
+# use the second server below. None of them imports a package of the optional extras' folders (tests/extras.py),
+# which a run puts first on its PYTHONPATH (a forked command keeps what the server imported, and finds the rest on
+# its own PYTHONPATH).
 MODULES = [
     "torch", "torchtune", "torchtune._cli.tune", "torch.distributed.run", "grpo_full_finetune_distributed",
-    "grpo_lora_finetune_distributed", "tests._rewards",
+    "grpo_lora_finetune_distributed", "tests._rewards", "transformers", "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
 ]
 # A second server for the runs whose generation engine is vLLM's: MODULES and vLLM (with its in-process engine's
 # module), which each of their ranks would import itself (~10 s on 2 cores). Its imports set a few environment

@@ -92,9 +92,11 @@ def _split_config(run_dir: Path, batch_size: int, micro_batch_size: int, **overr
 # Every two-process run of this file, and the one-process references of the split runs, in ONE launch of two
 # processes (tests/_spawn_runs.py): one start-up of torch and the recipe per process instead of three per
 # `tune run --nproc_per_node 2`, and the one-process runs side by side on the two processes.
+# The launch's processes take the one-process runs in this order, each the next one when it is free: D (its
+# token-budget micro-batches: ~4.5 s) first, then A and B (~2 s each) one after the other on the other process.
 SPLIT_RUNS = {  # name: (processes, batch_size, micro_batch_size, overrides)
-    "A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, {"max_tokens_per_micro_batch": 96}),
     "D": (1, 4, 16, {"max_tokens_per_micro_batch": 96}),
+    "A": (1, 4, 16, {}), "B": (1, 4, 4, {}), "C": (2, 2, 8, {"max_tokens_per_micro_batch": 96}),
     "E": (2, 2, 8, {"max_tokens_per_micro_batch": 96, "share_prompt_in_training": False,
                     "pack_sequences_in_training": True}),
 }
