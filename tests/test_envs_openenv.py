@@ -20,12 +20,17 @@ from tests.conftest import REPO
 from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import launch_command, read_jsonl, run_tune
 
-use_extra("openenv")
+from torchtune_grpo.envs import EpisodeInfoReward, OpenEnvEnvironment, openenv_dataset  # openenv on first use
+from torchtune_grpo.envs import _openenv  # its server registry, to stop a server on purpose
+from torchtune_grpo.multiturn import start_episodes, step_episodes
+from torchtune_grpo.rewards import RewardSample
 
-from torchtune_grpo.envs import EpisodeInfoReward, OpenEnvEnvironment, openenv_dataset  # noqa: E402
-from torchtune_grpo.envs import _openenv  # noqa: E402 - its server registry, to stop a server on purpose
-from torchtune_grpo.multiturn import start_episodes, step_episodes  # noqa: E402
-from torchtune_grpo.rewards import RewardSample  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def _openenv_extra():
+    """The openenv extra, imported when this file's tests run, not when pytest collects them: each xdist worker
+    collects every file, and importing OpenEnv's server stack (fastapi, fastmcp, uvicorn, ...) takes ~2 s."""
+    use_extra("openenv")
 
 FAULTY_ENV = '''
 import os, time

@@ -15,11 +15,14 @@ from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_tune
 from torchtune_grpo.rewards import RewardBatch, RewardSample, build_reward_set
 
-use_extra("reasoning-gym")
+from torchtune_grpo.envs import ReasoningGymReward, reasoning_gym_dataset, reasoning_gym_rows  # the library on first use
 
-import reasoning_gym  # noqa: E402 - after its folder is on the path
 
-from torchtune_grpo.envs import ReasoningGymReward, reasoning_gym_dataset, reasoning_gym_rows  # noqa: E402
+@pytest.fixture(scope="module", autouse=True)
+def _reasoning_gym_extra():
+    """The reasoning-gym extra, imported when this file's tests run, not when pytest collects them: each xdist
+    worker collects every file, and importing reasoning-gym's task modules takes ~0.9 s."""
+    use_extra("reasoning-gym")
 
 CONFIG = REPO / "configs" / "tiny" / "reasoning_gym_cpu.yaml"
 MIX = [
@@ -65,6 +68,8 @@ def test_dataset_formats_prompts(tokenizer):
 
 
 def test_reward_is_the_tasks_own_scorer():
+    import reasoning_gym
+
     rows, _ = reasoning_gym_rows(MIX, num_samples=60, seed=1, validation_size=0)
     reward = ReasoningGymReward()
     completions, expected = [], []

@@ -18,13 +18,19 @@ from tests.conftest import TINY_CONFIG
 from tests.extras import extra_pythonpath, use_extra
 from tests.recipe_utils import read_jsonl, run_in_process, run_tune
 
-use_extra("verifiers")
-
-from torchtune_grpo.envs import (  # noqa: E402 - after the extra is on the path
+from torchtune_grpo.envs import (  # the adapters import verifiers on first use
     UnsupportedVerifiersFeature, VerifiersEnvironment, VerifiersReward, load_taskset, verifiers_dataset,
 )
-from torchtune_grpo.multiturn import start_episodes, step_episodes  # noqa: E402
-from torchtune_grpo.rewards import RewardBatch, RewardSample, build_reward_set  # noqa: E402
+from torchtune_grpo.multiturn import start_episodes, step_episodes
+from torchtune_grpo.rewards import RewardBatch, RewardSample, build_reward_set
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _verifiers_extra():
+    """The verifiers extra, imported when this file's tests run, not when pytest collects them: each xdist worker
+    collects every file, and importing verifiers with its dependencies (openai, anthropic, math-verify, ...)
+    takes ~4.6 s."""
+    use_extra("verifiers")
 
 # A taskset in verifiers' own classes: "What is a + b?" with an adder tool; reward 1 when the last reply holds the
 # sum; the episode stops once a reply says "FINAL".
