@@ -9,6 +9,7 @@ tests/test_update_switches.py.
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch._dynamo.utils import counters
 
 from tests.recipe_utils import read_jsonl, recipe_in_process, write_config
 from tests.test_update_switches import groups_of_rows, tiny_with
@@ -21,6 +22,7 @@ def test_checkpointing_and_compiling_change_no_number(switch):
     # Recomputation repeats the same operations, and aot_eager runs the traced aten graph with the same CPU
     # kernels: logprobs, entropies and every gradient equal the plain model's exactly, in both layouts.
     torch._dynamo.reset()  # compile here, whatever ran before: the compiled path must really run
+    counters.clear()
     compiled_before = compile_seconds()
     for layout in (dict(share_prompt=True), dict(share_prompt=False, pack=True)):
         prompts, responses = groups_of_rows(seed=2)
@@ -36,6 +38,9 @@ def test_checkpointing_and_compiling_change_no_number(switch):
         assert len(ga) == len(gb) and all(torch.equal(ga[k.replace("_checkpoint_wrapped_module.", "")], v)
                                           for k, v in gb.items())
     assert (compile_seconds() > compiled_before) == (switch == "compiled")
+    # One graph per layout, every layer's: the packed layout's dense mask is built before the layers run
+    # (AttentionLayout.prepare); built in the first compiled layer, it made the second recompile (3 graphs).
+    assert counters["stats"]["unique_graphs"] == (2 if switch == "compiled" else 0)
 
 
 def test_recipe_times_each_phase_and_compiles_once_across_lengths(tmp_path, clean_env, one_thread):

@@ -46,6 +46,11 @@ class AttentionLayout:
         """``q [b, h, s, d]``, ``k, v [b, h_kv, s, d]`` -> ``[b, h, s, d]``."""
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """Build what every layer's :meth:`attention` shares, before the layers run: a compiled layer then reads it
+        built, instead of building it at the first layer and being compiled again for the next (whose guard sees
+        it built). Default: nothing to build."""
+
 
 class EngineKVCache(nn.Module):
     """A generation engine's KV cache, attached to an attention module while the engine runs.

@@ -91,14 +91,19 @@ def compile_decoder_layers(model: nn.Module, backend: str = "inductor", classes:
 
 
 @contextmanager
-def compiled_layers(model: nn.Module) -> Iterator[None]:
-    """Use the compiled layer forwards of ``model`` inside the block (a no-op for a model without them)."""
+def compiled_layers(model: nn.Module) -> Iterator[bool]:
+    """Use the compiled layer forwards of ``model`` inside the block (a no-op for a model without them).
+
+    Yields:
+        bool: whether ``model`` has compiled layers (then build a layout's shared parts before the forward:
+        :meth:`~torchtune_grpo.models.attention.AttentionLayout.prepare`).
+    """
     wrappers = [w for m in model.modules() if isinstance(w := getattr(m, _STATE, None), _LayerForward)]
     previous = [w.active for w in wrappers]
     for w in wrappers:
         w.active = True
     try:
-        yield
+        yield bool(wrappers)
     finally:
         for w, was in zip(wrappers, previous):
             w.active = was

@@ -31,7 +31,9 @@ from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional,
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchtune.modules import TransformerDecoder
 
+from torchtune_grpo.models.attention import AttentionLayout
 from torchtune_grpo.models.compiled import compiled_layers
 from torchtune_grpo.models.logprobs import chunked_logprobs, replace_unembed, sequence_logprobs, TokenLogprobs
 from torchtune_grpo.models.moe_routing import router_hooks
@@ -436,8 +438,10 @@ class TrainingBatch:
                 return out.logprobs[0].clone()  # [K]; a fresh tensor, not a view (FSDP2)
             return torch.stack([out.logprobs[0], out.entropy[0]], dim=-1)  # [K, 2]
 
-        with replace_unembed(model, unembed), compiled_layers(model), self.routing(model, rows, allow_layout), \
-                self._images(model, rows, self.tokens[rows], lay):
+        with replace_unembed(model, unembed), compiled_layers(model) as compiled, \
+                self.routing(model, rows, allow_layout), self._images(model, rows, self.tokens[rows], lay):
+            if compiled and isinstance(model, TransformerDecoder) and isinstance(lay.mask, AttentionLayout):
+                lay.mask.prepare()  # torchtune's layers attend through it: built here, not in the first compiled layer
             out = model(lay.tokens, mask=lay.mask, input_pos=lay.input_pos)
 
         def scatter(values: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,14 @@ class PackedMask(AttentionLayout):
             self._mask = ((same & causal) | eye)[:, None]
         return self._mask
 
+    def prepare(self) -> None:
+        """The block mask where :meth:`attention` takes FlexAttention's path (CUDA), else the dense mask."""
+        if self.backend == "flex" and self.segments.is_cuda:
+            if self._block is None:
+                self._block = _block_mask(self.segments)
+        else:
+            self.mask  # noqa: B018 - built and kept
+
     def pairs(self, input_pos: torch.Tensor) -> SlotPairs:
         """The allowed pairs (:class:`~torchtune_grpo.models._transformers_layouts.SlotPairs`): each sequence its
         own segment, nothing shared; ``input_pos [R, S]`` restart at 0 in each (causality and windows by
