@@ -216,11 +216,11 @@ def test_dapo_preset_runs_two_steps_on_two_processes(launch):
 
 def test_a_failed_run_fails_the_launch_with_its_output(launch, tmp_path):
     # The launch's processes are forked children judged by their exit codes: a run that raises makes the launch
-    # raise with that process's traceback (here rank 0's one-process run of a config that is not there), and a
-    # two-process run both of whose ranks fail does too, instead of hanging or passing. ~1 s: the fork server is
-    # up after the file's launch.
+    # raise with that process's traceback (here a one-process run of a config that is not there, taken by
+    # whichever process asks for a run first: either may report), and a two-process run both of whose ranks fail
+    # does too, instead of hanging or passing. ~1 s: the fork server is up after the file's launch.
     missing = tmp_path / "missing.yaml"
-    with pytest.raises(AssertionError, match="process 0 of the launch exited 1") as failed:
+    with pytest.raises(AssertionError, match="process [01] of the launch exited 1") as failed:
         spawn_launch([Run(one_process=str(missing)), Run(two_processes=str(missing))])
     assert "missing.yaml" in str(failed.value) and "Traceback" in str(failed.value)
 
