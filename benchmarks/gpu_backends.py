@@ -23,9 +23,7 @@ Exit status 1 when a run raised (the error is in the JSON).
 import argparse
 import json
 import sys
-import tempfile
 import time
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
@@ -77,23 +75,6 @@ def ratios(runs: Dict[str, Dict[str, Any]]) -> Dict[str, float]:
     return out
 
 
-def attempt(shape: str, backend: str, device: torch.device, args: argparse.Namespace,
-            errors: List[Dict[str, str]]) -> "tuple[gpu_qwen3_5.ObservedPaths, Optional[Dict[str, Any]]]":
-    """One recipe run with its paths observed; an exception is appended to ``errors`` and gives None."""
-    out_dir = tempfile.mkdtemp(prefix=f"gpu_backends_{backend}_")
-    label = f"recipe {shape} backend={backend}" + (" (eager decode)" if args.compile_decode is False else "")
-    print(f"=== {label}", flush=True)
-    with gpu_qwen3_5.observed_paths() as seen, torchtune_engine_paths(seen):
-        try:
-            r = gpu_grpo.run_recipe(shape, device, args, out_dir)
-            print(json.dumps({k: v for k, v in r.items() if k != "all_steps"}, default=str), flush=True)
-            return seen, r
-        except Exception as e:  # noqa: BLE001 - report it, and run the other backend
-            traceback.print_exc()
-            errors.append({"part": label, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]})
-            return seen, None
-
-
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """The recipe on the shape's directory with each backend in turn (torchtune first), as the docstring says."""
     shape = TINY_SHAPE if args.tiny else SHAPE
@@ -108,14 +89,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     started = time.perf_counter()
     for backend in BACKENDS:
         run_args = argparse.Namespace(**{**vars(args), "recipe_overrides": backend_overrides(directory, backend)})
-        seen, r = attempt(shape, backend, device, run_args, result["errors"])
-        if r is None and args.compile_decode is not False and device.type == "cuda":
-            # The compiled decode failed (the error is kept): the same run decoding eagerly, so the stage still
-            # times the step; "eager_fallback" says so.
-            run_args.compile_decode = False
-            seen, r = attempt(shape, backend, device, run_args, result["errors"])
-            if r is not None:
-                r["eager_fallback"] = True
+        # A compiled decode that raises is kept as an error and the run repeated eagerly ("eager_fallback").
+        seen, r = gpu_qwen3_5.observed_recipe(shape, device, run_args, result["errors"],
+                                              label=f"recipe {shape} backend={backend}", spies=torchtune_engine_paths)
         if r is not None:
             result["runs"][backend] = r
         result["paths"][backend] = seen.summary()

@@ -38,7 +38,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -169,6 +169,34 @@ def observed_paths() -> Iterator[ObservedPaths]:
         _hf_rollout.HFRollout.fix = fix
 
 
+def observed_recipe(name: str, device: torch.device, args: argparse.Namespace, errors: List[Dict[str, str]],
+                    label: Optional[str] = None, spies: Any = None) -> "tuple[ObservedPaths, Optional[Dict[str, Any]]]":
+    """gpu_grpo's recipe on ``name``'s directory with its paths observed (:func:`observed_paths`, plus ``spies(seen)``,
+    a context manager recording more into it). A run that raises is appended to ``errors``; on CUDA with a compiled
+    decode it is repeated decoding eagerly (marked ``eager_fallback``), so the stage still times the layouts and the
+    step. Returns the paths seen and the recipe's result (None when it raised)."""
+    label = label or f"recipe {name}"
+    passes = [(label, args)]
+    if args.compile_decode is not False and device.type == "cuda":
+        passes.append((f"{label} (eager decode)", argparse.Namespace(**{**vars(args), "compile_decode": False})))
+    for i, (part, run_args) in enumerate(passes):
+        print(f"=== {part}", flush=True)
+        out_dir = tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{name}_")
+        with observed_paths() as seen, (spies(seen) if spies is not None else nullcontext()):
+            try:
+                out = gpu_grpo.run_recipe(name, device, run_args, out_dir)
+            except Exception as e:  # noqa: BLE001 - report it, and go on (eagerly, or to the other side)
+                traceback.print_exc()
+                errors.append({"part": part, "error": f"{type(e).__name__}: {e}",
+                               "traceback": traceback.format_exc()[-3000:]})
+                continue
+        print(json.dumps({k: v for k, v in out.items() if k != "all_steps"}, default=str), flush=True)
+        if i:
+            out["eager_fallback"] = True
+        return seen, out
+    return seen, None
+
+
 def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: str = RECIPE_CONFIG,
         layouts_shape: Optional[str] = None) -> Dict[str, Any]:
     """Our recipe, then on ``layouts_shape`` (if given), then TRL on one random directory (``shape``, default this
@@ -202,16 +230,7 @@ def run(args: argparse.Namespace, shape: Optional[str] = None, recipe_config: st
 
     def recipe(name: str) -> Optional[Dict[str, Any]]:
         """The recipe on ``name``'s directory, and what its update and engine did (``result["paths"]``)."""
-        out_dir = tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{name}_")
-        with observed_paths() as seen:
-            out = attempt(f"recipe {name}", lambda: gpu_grpo.run_recipe(name, device, args, out_dir))
-        if out is None and args.compile_decode is not False and device.type == "cuda":
-            # The compiled decode failed on this family (the error is kept): the same run decoding eagerly, so
-            # the stage still times the layouts and the step.
-            eager = argparse.Namespace(**{**vars(args), "compile_decode": False})
-            with observed_paths() as seen:
-                out = attempt(f"recipe {name} (eager decode)", lambda: gpu_grpo.run_recipe(
-                    name, device, eager, tempfile.mkdtemp(prefix=f"gpu_hf_recipe_{name}_eager_")))
+        seen, out = observed_recipe(name, device, args, result["errors"])
         result["paths"][name] = seen.summary()
         print(json.dumps({name: result["paths"][name]}), flush=True)
         return out
