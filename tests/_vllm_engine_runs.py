@@ -20,10 +20,8 @@ recipe run whose engine is in this process too:
 5. :func:`tests._vllm_image_run.image_run`: image prompts through the engine on a tiny Gemma 3 image-text
    directory (vLLM's Transformers backend), a weight sync of its language model and projector.
 
-Usage: ``python _vllm_engine_runs.py RUNS ENGINE_CONFIG LORA_CONFIG OUT_DIR RECIPE_CONFIG IMAGE_DIRECTORY
-[FAMILY DIRECTORY]...``, RUNS the comma-separated names of the runs to make here (``engine,lora,moe,recipe,images``:
-all of them; tests/test_vllm_engine.py makes them in two such processes at once); prints ``RESULTS {"engine": ...,
-"lora": ..., "moe": ..., "recipe": ..., "images": ..., "seconds": {...}}`` (the runs made).
+Usage: ``python _vllm_engine_runs.py ENGINE_CONFIG LORA_CONFIG OUT_DIR RECIPE_CONFIG IMAGE_DIRECTORY
+[FAMILY DIRECTORY]...``; prints ``RESULTS {"engine": ..., "lora": ..., "moe": ..., "recipe": ..., "images": ...}``.
 """
 
 import json
@@ -334,29 +332,18 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
-def main(argv: List[str]) -> Dict[str, Any]:
-    """The runs ``argv[0]`` names (comma-separated, of ``engine,lora,moe,recipe,images``), in that order, with the
-    paths of the other arguments (the usage above); their results by name, and each run's seconds (``seconds``)."""
-    import time
-
-    parts = argv[0].split(",")
-    engine_config, lora_config, out, recipe_config = (Path(a) for a in argv[1:5])
-    runs = {
-        "engine": lambda: engine_run(engine_config, out / "engine"),
-        "lora": lambda: lora_run(lora_config, out / "lora"),
-        "moe": lambda: moe_run(list(zip(argv[6::2], argv[7::2]))),
-        "recipe": lambda: recipe_run(recipe_config),
-        "images": lambda: __import__("tests._vllm_image_run", fromlist=["image_run"]).image_run(argv[5]),
-    }
-    results: Dict[str, Any] = {"seconds": {}}
-    for name in parts:
-        start = time.monotonic()
-        results[name] = runs[name]()
-        _leave_group()
-        results["seconds"][name] = round(time.monotonic() - start, 2)
-    return results
-
-
 if __name__ == "__main__":
-    print("RESULTS " + json.dumps(main(sys.argv[1:])), flush=True)
+    engine_config, lora_config, out, recipe_config = (Path(a) for a in sys.argv[1:5])
+    results = {"engine": engine_run(engine_config, out / "engine")}
+    _leave_group()
+    results["lora"] = lora_run(lora_config, out / "lora")
+    _leave_group()
+    results["moe"] = moe_run(list(zip(sys.argv[6::2], sys.argv[7::2])))
+    _leave_group()
+    results["recipe"] = recipe_run(recipe_config)
+    _leave_group()
+    from tests._vllm_image_run import image_run
+
+    results["images"] = image_run(sys.argv[5])
+    print("RESULTS " + json.dumps(results), flush=True)
     os._exit(0)  # no interpreter teardown after the engines' (a gloo group may abort at exit: DESIGN.md)

