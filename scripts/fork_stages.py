@@ -244,9 +244,10 @@ def _leave(code: int, die_of: int = 0) -> None:
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter does first at exit: the threading module's exit calls (concurrent.futures' tells idle
+    # pool workers to leave: a pool nobody shut down, vLLM's renderer's, would otherwise be joined forever), then
+    # every non-daemon thread joined.
+    threading._shutdown()  # noqa: SLF001 - what the interpreter itself calls at exit
     atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter itself calls at exit
     for stream in (sys.stdout, sys.stderr):
         try:

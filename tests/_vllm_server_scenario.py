@@ -1,7 +1,8 @@
 """The measurements of tests/test_vllm_server.py's engine tests, against one ``vllm serve`` process.
 
-:func:`measure` runs in the test process (the server is a process of its own, so the vLLM state that must not
-leak into the tests' process stays there): the trainer's model is the shipped SFT-trained ``tiny_qwen2_arith``
+:func:`measure` runs in a process that tests/test_vllm_server.py forks from the tests' fork server (the server is
+a process of its own either way, so the vLLM state that must not leak into the tests' process stays there): the
+trainer's model is the shipped SFT-trained ``tiny_qwen2_arith``
 (peaked distributions: greedy decoding has no near-ties), its engine a :class:`VLLMServerGenerator` that starts
 its own server with the package's flags; the tests assert on the returned measurements.
 """

