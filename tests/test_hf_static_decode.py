@@ -131,7 +131,6 @@ def test_mixture_of_experts_decodes_eagerly_and_says_why(family_policy, caplog):
 
 
 
-
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma3"])
 def test_image_prompts_decode_on_the_fixed_cache(family, vision_dir, tmp_path, sampled, compiled_engine):
     # The prefill with the pixels stays eager (the image-text class's forward; Qwen3.5's M-RoPE positions), its cache
