@@ -119,6 +119,10 @@ if [[ "$FORK_STAGES" == true ]]; then
   FORK_SERVER=$!
   trap 'kill "$FORK_SERVER" 2>/dev/null; wait "$FORK_SERVER" 2>/dev/null; rm -rf "$WORK"' EXIT
   PY=("$PYTHON" scripts/fork_stages.py run "$WORK/stages.sock")
+  # The process a GPU test starts for one measurement (the logprob memory's peak RSS, tests/test_gpu.py): a child
+  # of the fork server too, not a fresh interpreter (~3.5 s of imports). Without --fork-stages: the test's python.
+  GPU_CHECK_PYTHON="$(printf '%q ' "${PY[@]}")"
+  export GPU_CHECK_PYTHON
 fi
 
 # 2-7

@@ -7,6 +7,8 @@ built on the meta device (no memory, well under a second each) and their compone
 from pathlib import Path
 from typing import Any, Iterator, List, Tuple
 
+import copy
+import functools
 import inspect
 import json
 import math
@@ -55,8 +57,19 @@ def _recipe_class(path: Path) -> type:
     return GRPOLoRAFinetuneRecipeDistributed if "lora" in path.name else GRPOFullFinetuneRecipeDistributed
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> DictConfig:
+    return OmegaConf.load(path)
+
+
+def _load_path(path: Path) -> DictConfig:
+    """The config at ``path``, parsed once per module (each config is read by six tests and at collection): a
+    copy of its own for each caller, which may change it (a copy takes a third of a parse)."""
+    return copy.deepcopy(_parsed(Path(path)))
+
+
 def _load(name: str) -> DictConfig:
-    return OmegaConf.load(CONFIG_DIR / f"{name}.yaml")
+    return _load_path(CONFIG_DIR / f"{name}.yaml")
 
 
 def _components(node: Any, where: str = "") -> Iterator[Tuple[str, str]]:
@@ -79,7 +92,7 @@ def test_no_two_configs_share_an_output_dir():
     # replace the other's checkpoints: every shipped config writes to its own directory.
     seen = {}
     for path in ALL_CONFIGS + sorted(CONFIG_DIR.rglob("*_sft.yaml")):
-        out = str(OmegaConf.load(path).output_dir)
+        out = str(_load_path(path).output_dir)
         assert out not in seen, f"{_name(path)} and {seen[out]} both write to {out}"
         seen[out] = _name(path)
 
@@ -92,7 +105,7 @@ def test_configs_found():
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
 def test_config_keys(path: Path):
-    cfg = OmegaConf.load(path)
+    cfg = _load_path(path)
     keys = set(cfg.keys())
     known = _recipe_class(path).known_keys()
     assert keys <= known, f"unknown keys: {sorted(keys - known)}"
@@ -108,7 +121,7 @@ def test_config_keys(path: Path):
 
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
 def test_components_importable(path: Path):
-    cfg = OmegaConf.load(path)
+    cfg = _load_path(path)
     components = list(_components(cfg))
     wanted = {"model", "tokenizer", "checkpointer", "dataset", "generation", "advantage", "loss",
               "optimizer", "metric_logger"}
@@ -128,7 +141,7 @@ def test_components_importable(path: Path):
 def test_component_arguments(path: Path):
     # Only top-level keys are validated by the recipe: a misspelled argument inside a component would
     # surface minutes into a GPU run. Bind every component's arguments to its signature here.
-    cfg = OmegaConf.load(path)
+    cfg = _load_path(path)
     for where, dotpath in _components(cfg):
         node = OmegaConf.select(cfg, where)
         kwargs = {k: v for k, v in node.items() if k != "_component_"}
@@ -144,7 +157,7 @@ def test_component_arguments(path: Path):
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=_name)
 def test_cheap_components_build(path: Path, tmp_path: Path):
     # The pieces that need no downloaded file, built the way the recipe builds them.
-    cfg = OmegaConf.load(path)
+    cfg = _load_path(path)
     tt_config.instantiate(cfg.generation)
     tt_config.instantiate(cfg.advantage)
     tt_config.instantiate(
@@ -162,7 +175,7 @@ def test_cheap_components_build(path: Path, tmp_path: Path):
 def test_format_reward_matches_prompt_style(path: Path):
     # "r1" prompts end with <think>; "chat" prompts do not. A FormatReward whose think_in_prompt disagrees
     # scores every well-formed completion 0, silently.
-    cfg = OmegaConf.load(path)
+    cfg = _load_path(path)
     style = cfg.dataset.get("prompt_style", "r1")
     for spec in cfg.reward_functions:
         if spec._component_.endswith("FormatReward"):
@@ -231,7 +244,7 @@ def test_real_config(name: str, tmp_path: Path):
 # tests (tests/test_envs_*.py): building their environment starts a server.
 MULTI_TURN_CONFIGS = [
     _name(p) for p in ALL_CONFIGS
-    if "environment" in (cfg := OmegaConf.load(p)) and not cfg.environment._component_.startswith("torchtune_grpo.envs.")
+    if "environment" in (cfg := _load_path(p)) and not cfg.environment._component_.startswith("torchtune_grpo.envs.")
 ]
 
 

@@ -14,6 +14,8 @@ written from the device), not speed; benchmarks/gpu_grpo.py measures speed.
 
 import json
 import math
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -231,7 +233,13 @@ def test_chunked_logprobs_peak_memory_is_two_chunk_buffers(gpu_device, record_pr
         tokens, chunk, hidden, vocab = "2048,8192", 512, 1024, 151936
     else:
         tokens, chunk, hidden, vocab = "512,1024", 256, 64, 32768
-    cmd = [sys.executable, str(REPO / "benchmarks" / "logprob_memory.py"), "_child", tokens, str(chunk),
+    # A process of its own (its peak RSS is the measure on CPU): this python, or in the rehearsal with --fork-stages
+    # a child of scripts/gpu_check.sh's fork server (GPU_CHECK_PYTHON), which imported the check's packages and did
+    # nothing else. Either way the peak is reset to the process's RSS just before the forward, and the 32 MiB
+    # [chunk, V] buffers are new mappings (above glibc's largest mmap threshold), so what was resident before
+    # does not count.
+    python = shlex.split(os.environ.get("GPU_CHECK_PYTHON", "")) or [sys.executable]
+    cmd = [*python, str(REPO / "benchmarks" / "logprob_memory.py"), "_child", tokens, str(chunk),
            str(hidden), str(vocab), "1", "1", gpu_device.type]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300).stdout
     first, second = [json.loads(line) for line in out.splitlines() if line.startswith("{")]

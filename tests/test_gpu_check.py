@@ -6,7 +6,8 @@ bundle against the 64 MiB that can travel, and the report's reading of test and 
 The rehearsal runs with ``--fork-stages``: its Python stages are forked from one process that imported the
 packages once (scripts/fork_stages.py; each stage's own import took ~7 s, 60 s of the whole), with vLLM hidden
 as on the GPU machine, which has none (TRL imports the CPU build this environment has, ~7 s in each of its three
-stages). Every stage still runs its own script in its own process.
+stages). Every stage still runs its own script in its own process; so does the GPU tests' logprob-memory
+measurement (its peak RSS), forked from the same server (``GPU_CHECK_PYTHON``) instead of importing for ~3.5 s.
 
 The wheels come from scripts/setup_env.sh (``$VENV/gpu-wheels/{device,rehearsal}``, downloaded by
 scripts/gpu_wheels.py); ``GPU_CHECK_WHEELS`` names another folder with those two subfolders.

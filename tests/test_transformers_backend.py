@@ -50,6 +50,24 @@ def family_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def two_step_run(family_dir, tmp_path_factory):
+    """``two_step_run(family)``: the run directory of the family's two GRPO steps (the tiny config, TWO_STEPS,
+    activation checkpointing off), run once per module in the process of the test that first asks for it (which
+    holds ``clean_env`` and ``one_thread``). The same run is the two-step test's, the activation-checkpointing
+    test's "off" run and the resume test's uninterrupted one: each reads it and writes elsewhere."""
+    made = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            run_dir = tmp_path_factory.mktemp(f"two_steps_{family}")
+            run_in_process(write_config(run_dir, **hf_components(family_dir(family)), **TWO_STEPS))
+            made[family] = run_dir
+        return made[family]
+
+    return get
+
+
 def _tokens(lengths=(32, 24, 28), pad_id: int = 0) -> torch.Tensor:
     """Right-padded rows of random ids (a batch as the recipe trains it)."""
     gen = torch.Generator().manual_seed(0)
@@ -141,14 +159,13 @@ def _rows(run_dir: Path):
 
 
 @pytest.mark.parametrize("family", TEXT_FAMILIES)
-def test_two_grpo_steps_and_the_step_directory(family, family_dir, tmp_path, clean_env, one_thread):
+def test_two_grpo_steps_and_the_step_directory(family, family_dir, two_step_run, tmp_path, clean_env, one_thread):
     src = family_dir(family)
-    log = []
-    run_in_process(write_config(tmp_path, **hf_components(src), **TWO_STEPS), log=log)
-    rows = _rows(tmp_path)
+    run_dir = two_step_run(family)
+    rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
-    _check_step_directory(src, tmp_path / "out" / "step_2", tmp_path)
-    card = (tmp_path / "out" / "algorithm_card.md").read_text()
+    _check_step_directory(src, run_dir / "out" / "step_2", tmp_path)
+    card = (run_dir / "out" / "algorithm_card.md").read_text()
     assert "Policy model: transformers" in card and "(attention: sdpa)" in card
 
 
@@ -288,23 +305,24 @@ def test_multimodal_checkpoint_trains_its_language_model_and_carries_the_rest(fa
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
 
 
-def test_resume_equals_the_uninterrupted_run(family_dir, tmp_path, clean_env, one_thread):
-    # Qwen3.5 (linear-attention state, an untied head, the generic weights path): 3 steps straight against
-    # 2 steps, then a resumed run to step 3. Exact: the same operations on the same numbers.
+def test_resume_equals_the_uninterrupted_run(family_dir, two_step_run, tmp_path, clean_env, one_thread):
+    # Qwen3.5 (linear-attention state, an untied head, the generic weights path): 2 steps straight against
+    # 1 step, then a resumed run to step 2. Exact: the same operations on the same numbers. One step before the
+    # checkpoint suffices: AdamW's moments and step count, the data position and the generator have all moved, so
+    # a resume that lost any of them takes another second step.
+    # The uninterrupted run: the module's two-step run of the family (TWO_STEPS: these settings, saved at step 2).
     src = family_dir("qwen3_5_text")
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    straight = write_config(tmp_path / "a", **hf_components(src), max_steps=3, save_every_n_steps=3,
-                            lr_scheduler=None, **{"optimizer.lr": 1e-3})
-    run_in_process(straight)
-    first = write_config(tmp_path / "b", **hf_components(src), max_steps=2, save_every_n_steps=2, lr_scheduler=None,
+    straight = two_step_run("qwen3_5_text")
+    (tmp_path / "b").mkdir()
+    first = write_config(tmp_path / "b", **hf_components(src), max_steps=1, save_every_n_steps=1, lr_scheduler=None,
                          **{"optimizer.lr": 1e-3})
     run_in_process(first)
-    resumed = write_config(tmp_path / "b", **hf_components(src), max_steps=3, save_every_n_steps=3, lr_scheduler=None,
+    resumed = write_config(tmp_path / "b", **hf_components(src), max_steps=2, save_every_n_steps=2, lr_scheduler=None,
                            resume_from_checkpoint=True, **{"optimizer.lr": 1e-3})
     run_in_process(resumed)
-    a, b = weights(tmp_path / "a" / "out" / "step_3"), weights(tmp_path / "b" / "out" / "step_3")
+    a, b = weights(straight / "out" / "step_2"), weights(tmp_path / "b" / "out" / "step_2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["loss"] for r in _rows(tmp_path / "a")][2] == [r["loss"] for r in _rows(tmp_path / "b")][-1]
+    assert [r["loss"] for r in _rows(straight)][1] == [r["loss"] for r in _rows(tmp_path / "b")][-1]
 
 
 def test_hf_model_standalone_is_a_usable_random_model(family_dir):
@@ -376,17 +394,18 @@ def test_bf16_with_fp32_masters_on_a_transformers_policy(family_dir, tmp_path, c
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "gemma4_text"])
-def test_activation_checkpointing_wraps_the_family_layers_and_changes_nothing(family, family_dir, tmp_path,
-                                                                              clean_env, one_thread):
+def test_activation_checkpointing_wraps_the_family_layers_and_changes_nothing(family, family_dir, two_step_run,
+                                                                              tmp_path, clean_env, one_thread):
     # Each decoder layer (transformers' own class, found on the model) recomputed in backward: the same
-    # operations on the same numbers, so the same weights bit for bit.
+    # operations on the same numbers, so the same weights bit for bit. "off": the module's two-step run (the tiny
+    # config's enable_activation_checkpointing: False, asserted here).
     src = family_dir(family)
-    for name, on in (("off", False), ("on", True)):
-        (tmp_path / name).mkdir()
-        log = []
-        run_in_process(write_config(tmp_path / name, **hf_components(src), **TWO_STEPS,
-                                    enable_activation_checkpointing=on), log=log)
-    a, b = weights(tmp_path / "off" / "out" / "step_2"), weights(tmp_path / "on" / "out" / "step_2")
+    off = two_step_run(family)
+    assert OmegaConf.load(off / "config.yaml").enable_activation_checkpointing is False
+    (tmp_path / "on").mkdir()
+    run_in_process(write_config(tmp_path / "on", **hf_components(src), **TWO_STEPS,
+                                enable_activation_checkpointing=True))
+    a, b = weights(off / "out" / "step_2"), weights(tmp_path / "on" / "out" / "step_2")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # ... and it really recomputed: every decoder layer is wrapped.
     import dataclasses
