@@ -244,6 +244,11 @@ def _leave(code: int, die_of: int = 0) -> None:
     import atexit
     import threading
 
+    # The interpreter's own exit (threading._shutdown) first runs the hooks registered with threading's exit
+    # (concurrent.futures' among them: it wakes a thread pool's idle workers so that they end), then joins. Joining
+    # without them waited forever on the idle worker of a pool nobody shut down (a vLLM run's `tune run` hung).
+    for hook in reversed(threading._threading_atexits):  # noqa: SLF001 - what threading._shutdown calls
+        hook()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()
