@@ -13,9 +13,10 @@ import torch
 from omegaconf import OmegaConf
 
 from tests.recipe_utils import (
-    launch_command, read_jsonl, recipe_in_process, run_in_process, run_tune, tune_command, weights, with_overrides,
+    launch_command, read_jsonl, recipe_in_process, run_in_process, tune_command, weights, with_overrides,
     write_config,
 )
+from tests._spawn_runs import launch, Run
 from tests.conftest import REPO
 from torchtune_grpo.config.schema import LoRARecipeConfig, RecipeConfig
 from torchtune_grpo.generation import WeightSyncError
@@ -279,7 +280,10 @@ def test_two_trainer_processes_with_multi_turn_episodes_in_their_workers(tmp_pat
         tmp_path, base=REPO / "configs" / "tiny" / "multi_turn_cpu.yaml", max_steps=2, save_every_n_steps=None,
         generation_workers=_workers(1),
     )
-    run_tune(config, nproc=2, cwd=tmp_path)
+    # In one launch of two processes forked from the tests' fork server (tests/_spawn_runs.py): a two-process group as
+    # `tune run --nproc_per_node 2` makes it, without the launcher's start-up; what is judged is the run's workers
+    # and metrics, not the command line (the ecosystem tests keep two-process `tune run`s).
+    launch([Run(two_processes=str(config))])
     metrics = _metrics(tmp_path / "out")
     assert [m["staleness/max"] for m in metrics] == [0, 1]
     assert all(m["episode/turns"] >= 1 and "generation/logprob_mismatch" in m for m in metrics)
