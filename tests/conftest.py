@@ -4,6 +4,7 @@ thread, and an environment restored after an in-process recipe."""
 import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -167,14 +168,26 @@ def clean_env():
         os.environ.update(saved)
 
 
-# Files run first under pytest-xdist (`make test`: -n auto --dist loadfile --no-loadscope-reorder hands out
-# whole files in collection order): the longest files (docs/test_durations.md), longest first, so that none
-# starts late and runs alone on one core at the end. After them, the files with multi-process (`slow`) tests.
-LONGEST_FIRST = (
-    "test_vllm_server.py", "test_gpu_check.py", "test_vllm_lora_recipe.py", "test_models_architectures.py",
-    "test_generation_workers.py", "test_envs_openenv.py", "test_learning.py", "test_distributed_runs.py",
-    "test_vllm_recipe.py", "test_algorithms_recipe.py", "test_vllm_engine.py", "test_vllm_moe.py",
-)
+# The order files are handed out in under pytest-xdist (`make test`: -n auto --dist loadfile
+# --no-loadscope-reorder gives whole files to whichever worker is free, in collection order): longest first, by
+# the seconds docs/test_durations.md measured for each file, so that no long file starts late and runs alone on
+# one core at the end (longest-processing-time-first, within a few percent of the best order for 2 workers).
+# A file the table does not have yet goes with the files of UNMEASURED_SECONDS if it has multi-process (`slow`)
+# tests, else last; regenerating the table (docs/test_durations.md says how) places it.
+DURATIONS_TABLE = Path(__file__).resolve().parent.parent / "docs" / "test_durations.md"
+UNMEASURED_SECONDS = {True: 10.0, False: 0.0}
+
+
+def measured_seconds(table: Path = DURATIONS_TABLE) -> dict:
+    """Each test file's worker-seconds from the table of docs/test_durations.md (empty where it is missing).
+
+    Returns:
+        dict: file name (``test_x.py``) -> seconds.
+    """
+    if not table.is_file():
+        return {}
+    rows = re.findall(r"^\| `tests/([^`]+\.py)` \| \d+ \| ([0-9.]+) \|", table.read_text(), re.MULTILINE)
+    return {name: float(seconds) for name, seconds in rows}
 
 
 def pytest_addoption(parser):
@@ -219,10 +232,10 @@ def pytest_collection_modifyitems(config, items):
             config.hook.pytest_deselected(items=gpu)
             items[:] = [item for item in items if not item.get_closest_marker("gpu")]
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    seconds = measured_seconds()
 
-    def rank(item) -> int:
-        if item.path.name in LONGEST_FIRST:
-            return LONGEST_FIRST.index(item.path.name)
-        return len(LONGEST_FIRST) + (0 if item.path in slow_files else 1)
+    def rank(item) -> float:
+        name = item.path.name
+        return -seconds.get(name, UNMEASURED_SECONDS[item.path in slow_files])
 
     items.sort(key=rank)
