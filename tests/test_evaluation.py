@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -237,10 +238,17 @@ def _tiny_eval_config(tmp_path: Path) -> Path:
 def test_eval_command_on_a_checkpoint(tmp_path):
     config = _tiny_eval_config(tmp_path)
     out = tmp_path / "eval.json"
-    proc = subprocess.run(
-        [TUNE_GRPO, "eval", "--config", str(config), f"checkpoint_dir={asset_path('tiny_qwen2')}", f"json={out}"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    # The installed `tune-grpo` script, run as __main__ in a child forked from this pytest process's fork server
+    # (tests/_tune_server.py, which the recipe runs of this file start anyway): the script's own code, its exit
+    # code and output, without ~2-4 s of importing torch and torchtune again (a fresh `tune-grpo`:
+    # tests/test_wheel.py). The command's environment is this process's, as a plain subprocess's would be.
+    from tests.recipe_utils import forked_python
+
+    env = dict(os.environ)
+    command = forked_python(
+        [TUNE_GRPO, "eval", "--config", str(config), f"checkpoint_dir={asset_path('tiny_qwen2')}", f"json={out}"], env
     )
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eval: 100%" in proc.stderr  # the progress bar
     result = json.loads(out.read_text())

@@ -1,5 +1,6 @@
 """The shipped tiny Qwen2 model and tokenizer: torchtune and Hugging Face must agree on them."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -191,11 +192,19 @@ def test_regeneration_is_byte_identical(tmp_path):
     # `python scripts/make_tiny_assets.py` and commit the new files.
     from tokenizers import Tokenizer
 
+    from tests.recipe_utils import forked_python
+
     out = tmp_path / "tiny"
+    # The script runs as __main__ in a child forked from this pytest process's fork server (tests/_tune_server.py),
+    # which imported torch and torchtune already: the same script and seeds, without ~2 s of imports. Nothing it
+    # draws depends on those imports (its seeds are set before each draw), and the files are compared byte for
+    # byte below, so a difference the fork made would fail here.
+    env = dict(os.environ)
     subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_assets.py"), "--out", str(out)],
+        forked_python([str(REPO_ROOT / "scripts" / "make_tiny_assets.py"), "--out", str(out)], env),
         check=True,
         capture_output=True,
+        env=env,
     )
     # The weights are drawn by torch's normal_, whose CPU kernel is vectorised on x86 with AVX2 or AVX-512
     # (Box-Muller with SLEEF's log, sqrt and cos: the same bytes with both) and other code otherwise (libm's

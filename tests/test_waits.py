@@ -10,6 +10,7 @@ listed address where nothing listens, or a worker that stops answering, is named
 """
 
 import http.server
+import inspect
 import logging
 import os
 import re
@@ -26,6 +27,7 @@ from tests.recipe_utils import recipe_in_process, run_in_process, write_config
 from torchtune_grpo.runtime import waits
 from torchtune_grpo.assets import asset_path
 from torchtune_grpo.generation import VLLMServerError, VLLMServerGenerator
+from torchtune_grpo.generation._vllm_server_process import REFUSED_FOR, VLLMServer
 from torchtune_grpo.workers.channel import AUTHKEY_ENV
 from torchtune_grpo.workers.client import WorkerError
 
@@ -90,8 +92,17 @@ def _log_of(logger_module):
     return messages, lambda: logger_module.log.removeHandler(handler)
 
 
-def test_a_listed_server_address_where_nothing_listens_is_named_in_seconds():
+def test_a_listed_server_address_where_nothing_listens_is_named_in_seconds(monkeypatch):
     # startup_timeout keeps its default (600 s): a refused connection must not be waited for that long.
+    # The refused-for limit is the default of VLLMServer.connect's ``refused_for`` (REFUSED_FOR, 5 s), which the
+    # generator leaves alone: waiting those 5 s out would only show a sleep. The test checks that default, then
+    # lets connect stop after 0.5 s of refusals (still 5 health checks, one every 0.1 s), through a wrapper that
+    # adds the keyword: were the generator to pass its own refused_for (its startup_timeout, say), the call
+    # would fail with a duplicate keyword and so would this test.
+    assert inspect.signature(VLLMServer.connect).parameters["refused_for"].default == REFUSED_FOR == 5.0
+    connect = VLLMServer.connect.__func__
+    monkeypatch.setattr(VLLMServer, "connect",
+                        classmethod(lambda cls, address, **kwargs: connect(cls, address, refused_for=0.5, **kwargs)))
     port = free_port()
     engine = VLLMServerGenerator(model=str(asset_path("tiny_qwen2_arith")), servers=[f"127.0.0.1:{port}"])
     errors = []
@@ -104,11 +115,11 @@ def test_a_listed_server_address_where_nothing_listens_is_named_in_seconds():
 
     thread = threading.Thread(target=open_server, daemon=True)
     thread.start()
-    # Refused connections end the wait after REFUSED_FOR (5 s); 60 s only bounds a hang of the test.
+    # Refused connections end the wait after refused_for (0.5 s here); 60 s only bounds a hang of the test.
     thread.join(60)
     assert not thread.is_alive(), "a refused address was waited for like a starting server"
     assert errors and errors[0].startswith(
-        f"generation.servers[0]: nothing listens at http://127.0.0.1:{port}: connections refused for 5 s"
+        f"generation.servers[0]: nothing listens at http://127.0.0.1:{port}: connections refused for 0.5 s"
     ), errors
 
 
