@@ -106,6 +106,14 @@ def launch_command(command: List[str], *, forked: bool = True, vllm: bool = Fals
     return command, env
 
 
+def _tune_launch(config_path: Path, overrides: tuple, nproc: int, recipe: str, env: Optional[Dict[str, str]],
+                 forked: bool = True) -> Tuple[List[str], Dict[str, str]]:
+    """:func:`run_tune`'s command and environment (forked with vLLM imported where the config's engine is vLLM's)."""
+    engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
+    return launch_command(tune_command(config_path, *overrides, nproc=nproc, recipe=recipe), forked=forked,
+                          vllm="VLLM" in engine, **(env or {}))
+
+
 def run_tune(
     config_path: Path,
     *overrides: str,
@@ -124,9 +132,7 @@ def run_tune(
     vLLM's), instead of each starting an interpreter (~6 s of imports each, ~10 s more for vLLM); False: fresh
     interpreters, as a user's ``tune run``. Default is True.
     """
-    engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
-    cmd, run_env = launch_command(tune_command(config_path, *overrides, nproc=nproc, recipe=recipe), forked=forked,
-                                  vllm="VLLM" in engine, **(env or {}))
+    cmd, run_env = _tune_launch(config_path, overrides, nproc, recipe, env, forked)
     proc = subprocess.run(cmd, cwd=cwd, env=run_env, capture_output=True, text=True, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"tune run failed ({proc.returncode}):\n{output[-6000:]}"
@@ -150,9 +156,7 @@ class BackgroundTune:
 
     def __init__(self, config_path: Path, *overrides: str, nproc: int = 1, cwd: Path,
                  recipe: str = "grpo_full_finetune_distributed", env: Optional[Dict[str, str]] = None):
-        engine = str(OmegaConf.select(OmegaConf.load(config_path), "generation._component_", default=""))
-        command, run_env = launch_command(tune_command(config_path, *overrides, nproc=nproc, recipe=recipe),
-                                          vllm="VLLM" in engine, **(env or {}))
+        command, run_env = _tune_launch(config_path, overrides, nproc, recipe, env)
         self.log = cwd / "tune.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(command, cwd=cwd, env=run_env, stdout=log, stderr=subprocess.STDOUT,
