@@ -136,3 +136,40 @@ def test_trainer_logprobs_are_those_the_engine_sampled_from(family, family_polic
     batch = TrainingBatch(out.prompt_ids, out.response_ids, 0, share_prompt=False)
     trainer = batch_token_logprobs(model, batch, micro_batch_size=len(batch)).logprobs[batch.response_mask]
     torch.testing.assert_close(trainer.double(), engine, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_ready_made_decode_masks_are_transformers_own(family, family_policy, monkeypatch):
+    # A decode step's masks handed to the model built (HFRollout._decode_step_mask) against transformers building
+    # them from the 2-D padding mask: the same keys kept, in the same format, so the same logits bit for bit. 40
+    # steps on the padded prompts: every layer's 6-token window (sliding layers keep their last 5 slots) long
+    # passed, rows of 0, 6 and 3 padding slots; gpt_oss runs ``eager`` (additive masks, sinks).
+    from torchtune_grpo.models import grouped_kv_attention
+
+    hf = family_policy(family).sampler()
+    built = []
+    original = HFRollout._decode_step_mask
+
+    def spy(self, mask):
+        out = original(self, mask)
+        built.append(out is not mask)
+        return out
+
+    monkeypatch.setattr(HFRollout, "_decode_step_mask", spy)
+
+    def decode(ready):
+        run = HFRollout(hf, PROMPTS, 2, 0)
+        assert run._ready_masks  # every test family takes the ready-made masks
+        run._ready_masks = ready
+        with torch.inference_mode(), grouped_kv_attention(hf):
+            logits, out = run.prefill(), []
+            for t in range(40):
+                logits = run.decode(logits.argmax(-1), t)
+                out.append(logits)
+        return torch.stack(out)  # [40, 6, V]
+
+    theirs = decode(False)
+    assert not built
+    ours = decode(True)
+    assert len(built) == 40 and all(built)  # every step's masks were handed over built
+    assert torch.equal(ours, theirs)

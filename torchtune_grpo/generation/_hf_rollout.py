@@ -201,6 +201,11 @@ class HFRollout:
         if self.images is not None and image_model is None:
             raise ValueError("prompts with images need the policy's image side (attach_images)")
         self.rope_delta: Optional[torch.Tensor] = None  # [n, 1] Qwen3.5's M-RoPE offset of each row's text positions
+        # Decode steps get their masks ready-made (_decode_step_mask) on transformers' dynamic cache.
+        from torchtune_grpo.models._transformers_layouts import decode_mask_unsupported
+
+        # (Not with every windowed layer's slots kept: those layers' masks then apply the window themselves.)
+        self._ready_masks = not (full_history or by_position) and decode_mask_unsupported(hf.config) is None
 
     def _rope(self, positions: torch.Tensor) -> torch.Tensor:
         if self.rope_delta is None:
@@ -213,12 +218,30 @@ class HFRollout:
         if self.by_position and self.key_positions is not None:  # after the prefill: the new slots' masks by position
             self.key_positions = torch.cat([self.key_positions, positions], dim=-1)
             attention = self._position_masks(positions)
+        elif ids.size(1) == 1 and attention is not None and self._ready_masks:
+            attention = self._decode_step_mask(attention)
         positions = self._rope(positions)
         out = self.hf(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=self.cache,
                       use_cache=True, **self._last_only)
         self.cache = out.past_key_values
         self.slots += ids.size(1)
         return out.logits[:, -1].float()  # [n, V]
+
+    def _decode_step_mask(self, mask: torch.Tensor) -> Any:
+        """A one-token step's attention mask, ready-made from the ``[n, S]`` padding ``mask``, or ``mask`` itself.
+
+        transformers builds each forward's 4-D masks from the 2-D one (``create_causal_mask``: a few dozen small
+        operations and its mask functions); in a decode step that mask keeps exactly the slots that are not
+        padding (of a windowed layer, its last ones), so it is handed over built (``decode_step_mask``): 5-7 % of a
+        decode step of a tiny Qwen2 on CPU, the same logits bit for bit. Where no slot is padding transformers drops the mask (the kernel runs
+        unmasked): the 2-D mask goes on, as before.
+        """
+        from torchtune_grpo.models._transformers_layouts import decode_step_mask
+
+        visible = mask.bool()  # [n, S]
+        if bool(visible.all()):
+            return mask
+        return decode_step_mask(self.hf.config, self.hf.get_input_embeddings().weight.dtype, visible)
 
     def _position_masks(self, queries: torch.Tensor) -> Any:
         """The attention masks of ``[n, M]`` query positions (the last ``M`` slots) over every slot, by position.

@@ -40,7 +40,10 @@ from torchtune_grpo.models._transformers_recurrent import (
     LINEAR_ATTENTION, recurrent_layers, SequenceRows, split_sequences,
 )
 
-__all__ = ["SlotPairs", "config_unsupported", "layouts_unsupported", "layout_attention_mask", "masks_by_layer_type"]
+__all__ = [
+    "SlotPairs", "config_unsupported", "decode_mask_unsupported", "decode_step_mask", "layouts_unsupported",
+    "layout_attention_mask", "masks_by_layer_type",
+]
 
 # model_type -> how its base model takes masks: "per_type" (a dict keyed by layer type) or "one" (one 4-D mask).
 _MASK_STYLE = {
@@ -55,6 +58,8 @@ _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # Layer types that are not softmax attention over the row, and why a row of several sequences breaks them.
 _RECURRENT = {LINEAR_ATTENTION: "Gated DeltaNet"}
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+# The native engine's rollout attention (models/_grouped_attention.py): ``sdpa``'s masks, grouped heads.
+_GROUPED_SDPA = "sdpa_grouped_kv"
 
 
 class SlotPairs(NamedTuple):
@@ -131,6 +136,8 @@ def config_unsupported(config: Any, recurrent_ok: bool = False) -> Optional[str]
     if model_type not in _MASK_STYLE:
         return f"the layouts' attention masks are not checked for transformers' model_type {model_type!r}"
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation == _GROUPED_SDPA:  # sdpa's masks (a rollout's attention)
+        implementation = "sdpa"
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         return (f"its attention implementation {implementation!r} takes no explicit mask here (the layouts run "
                 f"with {' or '.join(SUPPORTED_IMPLEMENTATIONS)}: set model.attn_implementation)")
@@ -199,4 +206,46 @@ def masks_by_layer_type(config: Any, dtype: torch.dtype, allowed: Callable[[Opti
     masks = {}
     for kind in kinds - set(_RECURRENT):  # each layer type's mask, built once for all its layers
         masks[kind] = _format(allowed(window if kind == "sliding_attention" else None), implementation, dtype)
+    return masks
+
+
+def decode_mask_unsupported(config: Any) -> Optional[str]:
+    """Why :func:`decode_step_mask` cannot give ``config``'s model a one-token decode step's mask, or None.
+
+    Args:
+        config (Any): the causal LM's config.
+
+    Returns:
+        Optional[str]: the reason (the layouts' own: :func:`config_unsupported`), or None.
+    """
+    return config_unsupported(config, recurrent_ok=True)
+
+
+def decode_step_mask(config: Any, dtype: torch.dtype, visible: torch.Tensor
+                     ) -> Union[torch.Tensor, Dict[str, Optional[torch.Tensor]]]:
+    """The ``attention_mask`` of a one-token decode step on transformers' dynamic cache, built as transformers would.
+
+    The new token is the last of ``S`` slots and sees every earlier slot that is not padding, so transformers' own
+    mask for the step (``create_causal_mask`` on the ``[n, S]`` padding mask) keeps exactly the slots ``visible``
+    keeps. A sliding-window layer's cache (``DynamicSlidingWindowLayer``) holds its last ``w - 1`` slots and the
+    new one, and a window of ``w`` keeps all of them (``kv > q - w``): its mask is the last ``min(S, w)`` columns.
+    Linear-attention layers take no mask in a one-token step (``create_recurrent_attention_mask``: a sampled token
+    is never padding).
+
+    Args:
+        config (Any): the causal LM's config (one :func:`decode_mask_unsupported` accepts).
+        dtype (torch.dtype): the dtype the attention computes in (an ``eager`` mask is additive in it).
+        visible (torch.Tensor): ``[n, S]`` bool, True on the cache slots that hold a token (the new one included).
+
+    Returns:
+        Union[torch.Tensor, Dict[str, Optional[torch.Tensor]]]: ``[n, 1, 1, K]`` (``K`` the layer's cached slots),
+        or one per layer type (None for linear-attention layers).
+    """
+    def allowed(window: Optional[int]) -> torch.Tensor:
+        kept = visible if window is None else visible[:, -window:]
+        return kept[:, None, :]  # [n, 1, K]
+
+    masks = masks_by_layer_type(config, dtype, allowed)
+    if isinstance(masks, dict) and LINEAR_ATTENTION in (getattr(config, "layer_types", None) or ()):
+        masks[LINEAR_ATTENTION] = None
     return masks
