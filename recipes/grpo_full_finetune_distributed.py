@@ -142,10 +142,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         engine = request_routes(config.instantiate(cfg.generation), c.moe.routing_replay)  # vLLM's MoE routes
         self.engine: GenerationEngine = self.check_engine(check_engine(engine), cfg)
         if not float(self.engine.temperature) > 0:  # a custom engine's default; the config's is checked
-            raise ValueError(
-                f"generation.temperature must be > 0 for training, got {self.engine.temperature} "
-                f"({type(self.engine).__name__}'s): greedy groups hold G copies of one completion."
-            )
+            raise ValueError(f"generation.temperature must be > 0 for training, got {self.engine.temperature} "
+                             f"({type(self.engine).__name__}'s): greedy groups hold G copies of one completion.")
         check_generation_workers(c, self.engine)
         check_device(c.device)  # torchtune's get_device falls back to the CPU without a word
         device = utils.get_device(device=c.device)
@@ -261,9 +259,8 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
         models = self.build_models(cfg, instantiate_checkpointer(cfg), resume_dir)
         self.model, self._checkpointer = models.policy, models.checkpointer
         reference = models.reference if c.kl_coef > 0 else None
-        utils.log_rank_zero(
-            log, f"Reference model: {models.reference_description if reference else 'none (kl_coef = 0)'}"
-        )
+        utils.log_rank_zero(log, "Reference model: "
+                            f"{models.reference_description if reference else 'none (kl_coef = 0)'}")
         share_prompt, note = training_layout(  # prompts shared in training forwards (training/batch.py)
             self.model, share_prompt=c.share_prompt_in_training, explicit="share_prompt_in_training" in cfg,
             max_prompt_length=c.max_prompt_length, max_response_length=c.max_response_length,

@@ -25,6 +25,9 @@ PACKAGE = REPO / "torchtune_grpo"
 #: At most this many public entries (folders and modules not starting with "_") at the top level.
 MAX_TOP_LEVEL = 16
 
+#: The full recipe's class reads top to bottom as a step happens; a stage that grows goes to its own module.
+MAX_RECIPE_CLASS_LINES = 450
+
 #: The public names (``__all__``) of every top-level module before the folders: each must still import
 #: from its old path.
 OLD_PUBLIC_NAMES = {
@@ -190,6 +193,14 @@ def test_top_level_is_short_and_has_no_grab_bag():
     assert not {"utils", "utils.py", "common", "misc", "helpers"} & set(entries)
     for entry in entries:
         assert entry == "cli.py" or (PACKAGE / entry / "__init__.py").exists(), entry
+
+
+def test_the_recipe_class_stays_short():
+    source = REPO / "recipes" / "grpo_full_finetune_distributed.py"
+    classes = {n.name: n for n in ast.parse(source.read_text()).body if isinstance(n, ast.ClassDef)}
+    recipe = classes["GRPOFullFinetuneRecipeDistributed"]
+    lines = recipe.end_lineno - recipe.lineno + 1
+    assert lines < MAX_RECIPE_CLASS_LINES, f"{source.name}: the recipe class has {lines} lines"
 
 
 def _component_paths() -> Dict[str, Set[str]]:
