@@ -141,12 +141,18 @@ def test_trainer_logprobs_are_those_the_engine_sampled_from(family, family_polic
 @pytest.mark.parametrize("family", ALL)
 def test_ready_made_decode_masks_are_transformers_own(family, family_policy, monkeypatch):
     # A decode step's masks handed to the model built (HFRollout._decode_step_mask) against transformers building
-    # them from the 2-D padding mask: the same keys kept, in the same format, so the same logits bit for bit. 40
-    # steps on the padded prompts: every layer's 6-token window (sliding layers keep their last 5 slots) long
-    # passed, rows of 0, 6 and 3 padding slots; gpt_oss runs ``eager`` (additive masks, sinks).
+    # them from the 2-D padding mask: the same keys kept, so the same logits bit for bit. 40 steps on the padded
+    # prompts: every layer's 6-token window (sliding layers keep their last 5 slots) long passed, rows of 0, 6 and
+    # 3 padding slots. gpt_oss runs ``eager`` only (additive masks in the forward's dtype, which under mixed
+    # precision only the forward knows): transformers builds its masks, as before.
     from torchtune_grpo.models import grouped_kv_attention
+    from torchtune_grpo.models._transformers_layouts import decode_mask_unsupported
 
     hf = family_policy(family).sampler()
+    if family == "gpt_oss":
+        assert "eager" in decode_mask_unsupported(hf.config)
+        assert not HFRollout(hf, PROMPTS, 2, 0)._ready_masks
+        return
     built = []
     original = HFRollout._decode_step_mask
 
@@ -159,7 +165,7 @@ def test_ready_made_decode_masks_are_transformers_own(family, family_policy, mon
 
     def decode(ready):
         run = HFRollout(hf, PROMPTS, 2, 0)
-        assert run._ready_masks  # every test family takes the ready-made masks
+        assert run._ready_masks  # every test family on sdpa takes the ready-made masks
         run._ready_masks = ready
         with torch.inference_mode(), grouped_kv_attention(hf):
             logits, out = run.prefill(), []
@@ -173,3 +179,4 @@ def test_ready_made_decode_masks_are_transformers_own(family, family_policy, mon
     ours = decode(True)
     assert len(built) == 40 and all(built)  # every step's masks were handed over built
     assert torch.equal(ours, theirs)
+

@@ -216,9 +216,15 @@ def decode_mask_unsupported(config: Any) -> Optional[str]:
         config (Any): the causal LM's config.
 
     Returns:
-        Optional[str]: the reason (the layouts' own: :func:`config_unsupported`), or None.
+        Optional[str]: the reason (the layouts' own, :func:`config_unsupported`, or an ``eager`` attention), or
+        None.
     """
-    return config_unsupported(config, recurrent_ok=True)
+    reason = config_unsupported(config, recurrent_ok=True)
+    if reason is None and getattr(config, "_attn_implementation", None) == "eager":
+        # An eager mask is additive in the dtype the forward computes in, which under mixed precision only the
+        # forward knows (transformers takes its embeddings' dtype); a bool mask (sdpa) has no dtype.
+        return "its eager attention takes additive masks in the forward's own dtype"
+    return reason
 
 
 def decode_step_mask(config: Any, dtype: torch.dtype, visible: torch.Tensor
