@@ -68,7 +68,9 @@ def sample_tokens(
     # as it should (on a 49k vocabulary with a 0.3 % tail of such tokens, 918 tail draws where 1,190 were
     # due: the sampler was sharper than the policy it reports). float64 keeps intervals down to ~1e-16
     # and is 5x cheaper on CPU than the race (one uniform per row instead of one per vocabulary entry).
-    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    # In place on the float64 copy: one [N, V] float64 buffer per token instead of two (a Qwen vocabulary's 32
+    # rows: 39 MB less to allocate and fault in per token; 15.6 against 23.6-34.3 ms per call on one CPU core).
+    cdf = probs.double().cumsum_(dim=-1)  # [N, V]
     rows = probs.size(0) if noise_rows is None else noise_batch
     u = torch.rand(rows, 1, dtype=torch.float64, device=probs.device, generator=generator)
     if noise_rows is not None:
