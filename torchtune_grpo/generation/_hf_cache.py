@@ -1,4 +1,4 @@
-"""A transformers KV cache whose full-attention layers grow in place, for the native engine's decode.
+"""A transformers KV cache whose attention layers grow in place, for the native engine's decode.
 
 transformers' ``DynamicLayer`` appends each decode step's keys and values with ``torch.cat``: every step copies the
 whole cache, so a completion of ``T`` tokens copies ``O(T^2)`` key/value slots per layer (measured: a third of a
@@ -6,16 +6,24 @@ whole cache, so a completion of ``T`` tokens copies ``O(T^2)`` key/value slots p
 doubled when full, and writes each step's slots into it: ``O(T)`` copies in all, amortised. Attention reads a view
 of the filled part, so every forward sees the same keys and values, in the same order, as with ``DynamicLayer``.
 
-Only plain full-attention layers (``type(layer) is DynamicLayer``) are replaced; sliding-window, linear-attention
-and other layers keep transformers' own classes (they do not grow, or hold other state).
+transformers' sliding-window layer (``DynamicSlidingWindowLayer``, window ``w``) does the same ``torch.cat`` of its
+last ``w - 1`` slots and the new ones at every step, then keeps the last ``w - 1``: up to ``w`` slots copied per
+token and layer (Gemma 3 and 4 window five layers in six, with ``w`` of 512 to 1,024). :class:`GrowingWindowLayer`
+writes each step's slots after the kept ones in a buffer with room for about ``w`` more and moves the kept slots to
+a new buffer only when that room is used up: about one slot copied per token, amortised; attention reads the same
+slots in the same order.
+
+Plain full-attention layers (``type(layer) is DynamicLayer``) and transformers' own sliding-window layers are
+replaced; linear-attention and other layers keep transformers' own classes (they do not grow, or hold other state).
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from transformers import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer
 
-__all__ = ["GrowingLayer", "growing_cache", "is_window_layer"]
+__all__ = ["GrowingLayer", "GrowingWindowLayer", "growing_cache", "is_window_layer"]
 
 # The first buffer's room beyond the prefill (slots): a short completion never reallocates.
 _MIN_ROOM = 64
@@ -92,6 +100,85 @@ class GrowingLayer(DynamicLayer):
         raise NotImplementedError("GrowingLayer is the native engine's decode cache: it is never offloaded")
 
 
+class GrowingWindowLayer(DynamicSlidingWindowLayer):
+    """A sliding-window layer's kept keys and values ``[B, H, <= w - 1, D]`` as views of buffers with room.
+
+    ``update`` returns what transformers' layer returns (the kept slots, then the new ones) and keeps the same last
+    ``w - 1`` slots; ``cumulative_length`` and so the masks' sizes (``get_mask_sizes``) are transformers' own.
+
+    Args:
+        sliding_window (int): the window ``w`` (> 1).
+    """
+
+    def __init__(self, sliding_window: int, **kwargs) -> None:
+        super().__init__(sliding_window=sliding_window, **kwargs)
+        self._k: Optional[torch.Tensor] = None
+        self._v: Optional[torch.Tensor] = None
+        self._lo = self._hi = 0  # the kept slots are [_lo, _hi) of the buffers
+
+    def _keep(self) -> None:
+        self.keys, self.values = self._k[..., self._lo: self._hi, :], self._v[..., self._lo: self._hi, :]
+
+    def _reallocate(self, room: int, index: "torch.Tensor | None" = None) -> None:
+        """New buffers holding the kept slots (of batch entries ``index``, when given) first, then ``room`` more."""
+        k, v = self._k[..., self._lo: self._hi, :], self._v[..., self._lo: self._hi, :]
+        if index is not None:
+            k, v = k.index_select(0, index.to(k.device)), v.index_select(0, index.to(v.device))
+        kept = k.size(-2)
+        self._k = k.new_empty((*k.shape[:-2], kept + room, k.shape[-1]))
+        self._v = v.new_empty((*v.shape[:-2], kept + room, v.shape[-1]))
+        self._k[..., :kept, :].copy_(k)
+        self._v[..., :kept, :].copy_(v)
+        self._lo, self._hi = 0, kept
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write ``[B, H, s, D]`` new keys and values after the kept slots; return the kept and the new ones."""
+        if self.record_past:
+            raise NotImplementedError("GrowingWindowLayer is the native engine's decode cache: no past recording")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        s = key_states.size(-2)
+        self.cumulative_length += s
+        room = max(s, self.sliding_window) + _MIN_ROOM
+        if self._k is None:
+            self._k = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
+            self._v = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))
+        elif self._hi + s > self._k.size(-2):
+            self._reallocate(room)
+        end = self._hi + s
+        self._k[..., self._hi: end, :].copy_(key_states)
+        self._v[..., self._hi: end, :].copy_(value_states)
+        full_k, full_v = self._k[..., self._lo: end, :], self._v[..., self._lo: end, :]
+        self._lo, self._hi = max(self._lo, end - (self.sliding_window - 1)), end
+        self._keep()
+        return full_k, full_v
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Keep (and repeat) batch entries ``beam_idx``: the kept slots are copied, the room kept."""
+        if self._k is not None:
+            self._reallocate(self._k.size(-2) - (self._hi - self._lo), beam_idx)
+            self._keep()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._k is not None:
+            self.reorder_cache(torch.arange(self._k.size(0), device=self._k.device).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("GrowingWindowLayer is the native engine's decode cache: it is never cropped")
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        self._lo = self._hi = 0
+        super().reset()
+
+    def offload(self) -> None:
+        raise NotImplementedError("GrowingWindowLayer is the native engine's decode cache: it is never offloaded")
+
+
 def is_window_layer(layer) -> bool:
     """transformers' sliding-window attention cache layer: a direct ``DynamicLayer`` subclass marked sliding (not the
     hybrid linear-attention layers that also derive from it)."""
@@ -99,7 +186,8 @@ def is_window_layer(layer) -> bool:
 
 
 def growing_cache(config, full_history: bool = False) -> DynamicCache:
-    """transformers' ``DynamicCache`` for ``config``, its plain full-attention layers :class:`GrowingLayer`.
+    """transformers' ``DynamicCache`` for ``config``, its plain full-attention layers :class:`GrowingLayer`, its
+    sliding-window layers :class:`GrowingWindowLayer`.
 
     Args:
         config: the causal LM's config (``model.config``).
@@ -111,8 +199,16 @@ def growing_cache(config, full_history: bool = False) -> DynamicCache:
         DynamicCache: the cache the model's first forward fills.
     """
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer or (full_history and is_window_layer(layer))
-                    else layer for layer in cache.layers]
+    cache.layers = [_growing(layer, full_history) for layer in cache.layers]
     if cache.layer_class_to_replicate is DynamicLayer:  # a config without layer types: layers made on first use
         cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def _growing(layer, full_history: bool):
+    """The growing replacement of one of transformers' cache layers, or the layer itself."""
+    if type(layer) is DynamicLayer or (full_history and is_window_layer(layer)):
+        return GrowingLayer()
+    if type(layer) is DynamicSlidingWindowLayer and layer.sliding_window > 1 and not layer.record_past:
+        return GrowingWindowLayer(sliding_window=layer.sliding_window)
+    return layer
