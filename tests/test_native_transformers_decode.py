@@ -179,4 +179,3 @@ def test_ready_made_decode_masks_are_transformers_own(family, family_policy, mon
     ours = decode(True)
     assert len(built) == 40 and all(built)  # every step's masks were handed over built
     assert torch.equal(ours, theirs)
-

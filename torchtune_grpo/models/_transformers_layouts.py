@@ -240,7 +240,7 @@ def decode_step_mask(config: Any, dtype: torch.dtype, visible: torch.Tensor
 
     Args:
         config (Any): the causal LM's config (one :func:`decode_mask_unsupported` accepts).
-        dtype (torch.dtype): the dtype the attention computes in (an ``eager`` mask is additive in it).
+        dtype (torch.dtype): the dtype the attention computes in (unused by ``sdpa``'s bool masks).
         visible (torch.Tensor): ``[n, S]`` bool, True on the cache slots that hold a token (the new one included).
 
     Returns:
