@@ -97,3 +97,14 @@ def test_longtail_benchmark_runs_and_reports(monkeypatch, capsys):
     paddings = [float(line.split("|")[5].strip().rstrip("%")) for line in out.splitlines() if line.endswith("|")
                 and "%" in line]
     assert len(paddings) == 5 and all(0 <= p < 100 for p in paddings)
+
+
+def test_decode_steps_benchmark_compares_what_it_says():
+    # benchmarks/hf_decode_steps.py, 60 steps: its baseline really decodes on transformers' window layers, and
+    # neither saving changes a logit (the benchmark reports both; the seconds are its business).
+    steps = load_benchmark("hf_decode_steps")
+    window = steps.measure("window", steps=60, rounds=1)
+    assert window["first_cache_layer"] == {"without": "DynamicSlidingWindowLayer", "with": "GrowingWindowLayer"}
+    masks = steps.measure("masks", steps=60, rounds=1)
+    assert window["logits_equal"] == masks["logits_equal"] == [True]
+    assert all(s > 0 for r in (window, masks) for side in r["seconds"].values() for s in side)
