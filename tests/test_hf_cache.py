@@ -21,6 +21,15 @@ def _steps(layer_a, layer_b, batch, steps, new):
         assert layer_a.get_mask_sizes(1) == layer_b.get_mask_sizes(1)
 
 
+def _repeat_then_compact(layer_a, layer_b):
+    index = torch.tensor([0, 0, 1, 1, 1])  # repeat to a group's rows, then drop some (compaction)
+    for layer in (layer_a, layer_b):
+        layer.reorder_cache(index)
+    assert torch.equal(layer_a.keys, layer_b.keys) and torch.equal(layer_a.values, layer_b.values)
+    for layer in (layer_a, layer_b):
+        layer.batch_select_indices(torch.tensor([1, 4]))
+
+
 def test_growing_layer_equals_dynamic_layer_through_growth_reorders_and_crops():
     torch.manual_seed(0)
     grow, plain = GrowingLayer(), DynamicLayer()
@@ -28,13 +37,7 @@ def test_growing_layer_equals_dynamic_layer_through_growth_reorders_and_crops():
     room = grow._k.size(-2)
     _steps(grow, plain, batch=2, steps=70, new=1)  # past the first room: one doubling
     assert grow._k.size(-2) == 2 * room and grow.get_seq_length() == plain.get_seq_length() == 100
-    index = torch.tensor([0, 0, 1, 1, 1])  # repeat to a group's rows, then drop some (compaction)
-    grow.reorder_cache(index)
-    plain.reorder_cache(index)
-    assert torch.equal(grow.keys, plain.keys) and torch.equal(grow.values, plain.values)
-    keep = torch.tensor([1, 4])
-    grow.batch_select_indices(keep)
-    plain.batch_select_indices(keep)
+    _repeat_then_compact(grow, plain)
     _steps(grow, plain, batch=2, steps=5, new=1)
     grow.crop(-3)
     plain.crop(-3)
@@ -51,13 +54,7 @@ def test_growing_window_layer_equals_transformers_sliding_layer():
         room = grow._k.size(-2)
         _steps(grow, plain, batch=2, steps=room + 10, new=1)  # past the first buffer's room: a new buffer
         assert grow._k.size(-2) == 7 + 8 + 64 and grow.keys.size(-2) == 7  # the kept w - 1, then room for w + 64
-        index = torch.tensor([0, 0, 1, 1, 1])  # repeat to a group's rows, then drop some (compaction)
-        grow.reorder_cache(index)
-        plain.reorder_cache(index)
-        assert torch.equal(grow.keys, plain.keys) and torch.equal(grow.values, plain.values)
-        keep = torch.tensor([1, 4])
-        grow.batch_select_indices(keep)
-        plain.batch_select_indices(keep)
+        _repeat_then_compact(grow, plain)
         _steps(grow, plain, batch=2, steps=90, new=1)
         _steps(grow, plain, batch=2, steps=3, new=3)  # several tokens at once (a later turn)
 
