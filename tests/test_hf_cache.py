@@ -53,10 +53,17 @@ def test_growing_window_layer_equals_transformers_sliding_layer():
         _steps(grow, plain, batch=2, steps=1, new=prefill)
         room = grow._k.size(-2)
         _steps(grow, plain, batch=2, steps=room + 10, new=1)  # past the first buffer's room: a new buffer
-        assert grow._k.size(-2) == 7 + 8 + 64 and grow.keys.size(-2) == 7  # the kept w - 1, then room for w + 64
+        assert grow._k.size(-2) == 2 * 8 + 64 and grow.keys.size(-2) == 7  # at most two windows and the spare room
         _repeat_then_compact(grow, plain)
         _steps(grow, plain, batch=2, steps=90, new=1)
         _steps(grow, plain, batch=2, steps=3, new=3)  # several tokens at once (a later turn)
+    # A long window holds what the row has, doubled as it grows, not the window: 4,096 slots would be allocated
+    # for a 10-token prefill otherwise.
+    grow, plain = GrowingWindowLayer(sliding_window=4096), DynamicSlidingWindowLayer(sliding_window=4096)
+    _steps(grow, plain, batch=2, steps=1, new=10)
+    assert grow._k.size(-2) == 10 + 64
+    _steps(grow, plain, batch=2, steps=65, new=1)
+    assert grow._k.size(-2) == 2 * (10 + 64)
 
 
 def test_only_attention_layers_grow():

@@ -9,9 +9,9 @@ of the filled part, so every forward sees the same keys and values, in the same 
 transformers' sliding-window layer (``DynamicSlidingWindowLayer``, window ``w``) does the same ``torch.cat`` of its
 last ``w - 1`` slots and the new ones at every step, then keeps the last ``w - 1``: up to ``w`` slots copied per
 token and layer (Gemma 3 and 4 window five layers in six, with ``w`` of 512 to 1,024). :class:`GrowingWindowLayer`
-writes each step's slots after the kept ones in a buffer with room for about ``w`` more and moves the kept slots to
-a new buffer only when that room is used up: about one slot copied per token, amortised; attention reads the same
-slots in the same order.
+writes each step's slots after the kept ones in a buffer with room to spare (doubled while the row is shorter than
+the window, about ``w`` more once it is longer) and moves the kept slots to a new buffer only when that room is used
+up: about one slot copied per token, amortised; attention reads the same slots in the same order.
 
 Plain full-attention layers (``type(layer) is DynamicLayer``) and transformers' own sliding-window layers are
 replaced; linear-attention and other layers keep transformers' own classes (they do not grow, or hold other state).
@@ -101,7 +101,8 @@ class GrowingLayer(DynamicLayer):
 
 
 class GrowingWindowLayer(DynamicSlidingWindowLayer):
-    """A sliding-window layer's kept keys and values ``[B, H, <= w - 1, D]`` as views of buffers with room.
+    """A sliding-window layer's kept keys and values ``[B, H, <= w - 1, D]`` as views of buffers with room (at most
+    about ``2 w`` slots, and about twice the row's length while it is shorter than the window).
 
     ``update`` returns what transformers' layer returns (the kept slots, then the new ones) and keeps the same last
     ``w - 1`` slots; ``cumulative_length`` and so the masks' sizes (``get_mask_sizes``) are transformers' own.
@@ -140,12 +141,15 @@ class GrowingWindowLayer(DynamicSlidingWindowLayer):
             self.lazy_initialization(key_states, value_states)
         s = key_states.size(-2)
         self.cumulative_length += s
-        room = max(s, self.sliding_window) + _MIN_ROOM
         if self._k is None:
-            self._k = key_states.new_empty((*key_states.shape[:-2], room, key_states.shape[-1]))
-            self._v = value_states.new_empty((*value_states.shape[:-2], room, value_states.shape[-1]))
+            self._k = key_states.new_empty((*key_states.shape[:-2], s + _MIN_ROOM, key_states.shape[-1]))
+            self._v = value_states.new_empty((*value_states.shape[:-2], s + _MIN_ROOM, value_states.shape[-1]))
         elif self._hi + s > self._k.size(-2):
-            self._reallocate(room)
+            # Doubled while the row is shorter than the window (memory follows the tokens, not the window), at most
+            # about two windows once it is longer: a move of the kept w - 1 slots every w or so tokens.
+            kept = self._hi - self._lo
+            capacity = max(kept + s + _MIN_ROOM, min(2 * self._k.size(-2), 2 * self.sliding_window + _MIN_ROOM))
+            self._reallocate(capacity - kept)
         end = self._hi + s
         self._k[..., self._hi: end, :].copy_(key_states)
         self._v[..., self._hi: end, :].copy_(value_states)
