@@ -82,7 +82,7 @@ from torchtune_grpo.rollouts.producer import PromptStream, RolloutProducer
 from torchtune_grpo.checkpoints.resume import config_changes, earlier_run_note, save_start_config
 from torchtune_grpo.rewards import build_reward_set
 from torchtune_grpo.metrics.run_logs import RunLogs
-from torchtune_grpo.runtime.sharding import unsharded
+from torchtune_grpo.runtime.sharding import gather_full_state_dict, unsharded
 from torchtune_grpo.loss.token_selection import HighEntropyTokens
 from torchtune_grpo.training.batch import training_layout
 from torchtune_grpo.training.routes import RouterTerms
@@ -212,8 +212,7 @@ class GRPOFullFinetuneRecipeDistributed(FTRecipeInterface):
     def gather_model_state(self) -> Dict[str, Any]:
         """The full model state dict on rank 0's CPU (other ranks: empty); a hook (LoRA: maybe adapters only)."""
         # A trained vision tower or projector (train_vision) under the checkpoint's own names.
-        return image_state_dict(self.model, training.gather_cpu_state_dict(self.model, self._is_rank_zero,
-                                                                           device=self._device))
+        return image_state_dict(self.model, gather_full_state_dict(self.model, self._is_rank_zero, self._device))
 
     def write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
         """Write the checkpoint's model files as the directory ``staging`` (a hook: LoRA adds its adapter)."""

@@ -4,20 +4,22 @@
 ``dtype: bf16``, torchtune_grpo/runtime/precision.py). :func:`unsharded` gathers every FSDP2 module's parameters once
 for a whole rollout: decoding calls the model once per token, and resharding after each call would gather
 the weights again every token. :func:`shard_added_modules` wraps modules that joined a sharded model afterwards
-(a trained vision tower or projector, docs/multimodal.md).
+(a trained vision tower or projector, docs/multimodal.md). :func:`gather_full_state_dict` gathers the sharded weights
+for a checkpoint.
 """
 
 from contextlib import contextmanager
-from typing import Callable, FrozenSet, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard, MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from torchtune_grpo.runtime.precision import Precision
 
-__all__ = ["shard_added_modules", "shard_model", "unsharded"]
+__all__ = ["gather_full_state_dict", "shard_added_modules", "shard_model", "unsharded"]
 
 
 def _fp32_final_norm(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
@@ -136,3 +138,54 @@ def unsharded(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
         for m in fsdp_modules:
             m.set_reshard_after_forward(reshard_after_forward, recurse=False)
             m.reshard()
+
+
+def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optional[torch.device] = None
+                           ) -> Dict[str, Any]:
+    """The full state dict of an FSDP2-sharded ``model`` on rank 0's CPU (other ranks: empty), one tensor at a time.
+
+    torchtune's ``training.gather_cpu_state_dict`` gathers each parameter with DTensor's ``full_tensor`` (functional
+    collectives) and a barrier. On gloo, ranks have died of SIGSEGV/SIGABRT inside that gather at a checkpoint
+    (rarely, under load; cause not found), while FSDP2's own unsharding, a plain all-gather every step, never has.
+    Here a parameter sharded on dim 0 over a 1-D mesh (FSDP2's layout: ``torch.chunk`` pieces, the last ones shorter
+    or empty) is gathered the same plain way: each rank's piece padded to the chunk size, one
+    ``all_gather_into_tensor``, the padding cut. Other layouts use ``full_tensor``; a model with NF4 (QLoRA) shards
+    goes through torchtune's function.
+
+    Args:
+        model (nn.Module): the sharded model (or an unsharded one: its tensors are copied to the CPU).
+        is_rank_zero (bool): whether this process keeps the result.
+        device (Optional[torch.device]): where a CPU-offloaded shard goes for the collective. Default is None.
+
+    Returns:
+        Dict[str, Any]: name -> full CPU tensor on rank 0; empty elsewhere.
+    """
+    state = model.state_dict()
+    if any(isinstance(v, DTensor) and type(v.to_local()).__name__ == "NF4Tensor" for v in state.values()):
+        from torchtune import training
+
+        return training.gather_cpu_state_dict(model, is_rank_zero, device=device)
+    out: Dict[str, Any] = {}
+    for name, value in state.items():
+        if isinstance(value, DTensor):
+            value = _gather_dtensor(value, device)
+        if is_rank_zero:
+            out[name] = value.cpu()
+    return out
+
+
+def _gather_dtensor(value: DTensor, device: Optional[torch.device]) -> torch.Tensor:
+    """The full tensor of ``value``: a plain all-gather for FSDP2's dim-0 shards on a 1-D mesh."""
+    if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0:
+        return value.full_tensor()
+    local = value.to_local()
+    if local.is_cpu and device is not None:
+        local = local.to(device)
+    world = value.device_mesh.size()
+    rows = value.shape[0]
+    chunk = -(-rows // world)  # torch.chunk's piece size: ranks hold rows [r * chunk, (r + 1) * chunk)
+    padded = local.new_zeros((chunk, *value.shape[1:]))
+    padded[: local.size(0)] = local
+    full = local.new_empty((world * chunk, *value.shape[1:]))
+    dist.all_gather_into_tensor(full, padded, group=value.device_mesh.get_group())
+    return full[:rows]
