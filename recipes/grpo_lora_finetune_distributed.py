@@ -57,6 +57,7 @@ from torchtune_grpo.models.lora import ADAPTER_TORCHTUNE_FILE, save_adapter
 from torchtune_grpo.runtime.image_setup import IMAGE_SIDE_FILE, image_side_state, initial_image_side
 from torchtune_grpo.runtime.lora_setup import build_lora_model
 from torchtune_grpo.runtime.precision import Precision
+from torchtune_grpo.runtime.sharding import gather_full_state_dict
 
 MERGED_DIR = "merged"  # step_N/merged: the Hugging Face model with the adapter merged in
 
@@ -111,13 +112,12 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
         """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``);
         with the trained vision tensors (``train_vision``) in both."""
         adapters_only = self.config.save_adapter_weights_only
-        if adapters_only and self.config.train_vision == "none":  # the base weights are not gathered at all
-            return training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device,
-                                                  adapter_weights_only=True)
-        # (With train_vision the trained vision tensors are picked out of the full gather: its cost then.)
-        state = training.gather_cpu_state_dict(self.model, self._is_rank_zero, device=self._device)
+        # Gathered one tensor at a time with plain all-gathers (runtime/sharding.py), then filtered.
+        state = gather_full_state_dict(self.model, self._is_rank_zero, self._device)
         if not adapters_only:
             return state
+        if self.config.train_vision == "none":
+            return get_adapter_state_dict(state, device=None)
         trained_vision = {key: state[key] for key in image_class_names(self.model) if key in state}
         return {**get_adapter_state_dict(state, device=None), **trained_vision}
 
