@@ -51,3 +51,17 @@ def test_two_ranks_gather_the_unsharded_weights(tmp_path):
     for name, value in expected.items():
         assert got[name].device.type == "cpu" and torch.equal(got[name], value), name
     assert torch.load(f"{out}.1") == {}
+
+
+def test_an_unsharded_nf4_weight_comes_back_dequantized():
+    # As torchtune's gather: a QLoRA base weight kept out of FSDP2 is saved as its original dtype's values.
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    from torchtune_grpo.runtime.sharding import gather_full_state_dict
+
+    torch.manual_seed(0)
+    module = nn.Module()
+    module.register_buffer("weight", to_nf4(torch.randn(64, 256), 64, 256))
+    got = gather_full_state_dict(module, True)["weight"]
+    assert type(got) is torch.Tensor and torch.equal(got, module.weight.get_original_weight())
+    assert gather_full_state_dict(module, False) == {}

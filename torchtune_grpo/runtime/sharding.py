@@ -160,8 +160,10 @@ def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optiona
     Returns:
         Dict[str, Any]: name -> full CPU tensor on rank 0; empty elsewhere.
     """
+    from torchao.dtypes.nf4tensor import NF4Tensor  # here: torchao is imported by torchtune anyway
+
     state = model.state_dict()
-    if any(isinstance(v, DTensor) and type(v.to_local()).__name__ == "NF4Tensor" for v in state.values()):
+    if any(isinstance(v, DTensor) and isinstance(v.to_local(), NF4Tensor) for v in state.values()):
         from torchtune import training
 
         return training.gather_cpu_state_dict(model, is_rank_zero, device=device)
@@ -169,6 +171,8 @@ def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optiona
     for name, value in state.items():
         if isinstance(value, DTensor):
             value = _gather_dtensor(value, device)
+        if isinstance(value, NF4Tensor):  # an unsharded NF4 weight (a state-dict hook usually dequantizes it first)
+            value = value.to(value.dtype)  # as torchtune's gather: the original dtype's values
         if is_rank_zero:
             out[name] = value.cpu()
     return out
