@@ -1,17 +1,13 @@
-"""The checkpoint's gather of FSDP2-sharded weights (torchtune_grpo/runtime/sharding.py, ``gather_full_state_dict``):
-on two gloo processes, every tensor of a model whose first dimensions do not divide by two (so the second rank's
-piece is shorter, or empty) comes back on rank 0 equal to the unsharded model's, bit for bit (copies only), and the
-other rank gets nothing."""
+"""The gathers of FSDP2-sharded weights (torchtune_grpo/runtime/sharding.py, ``gather_full_tensor``): on two gloo
+processes, every tensor of a model whose first dimensions do not divide by two (so the second rank's piece is
+shorter, or empty) comes back equal to the unsharded model's, bit for bit (copies only): the checkpoint's on rank 0
+(the other rank gets nothing), and the weight syncs' (``full_weights``, the LoRA sync's ``base_weights``) on both."""
 
-import os
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from torch import nn
-
-from tests.conftest import free_port
 
 
 def _model() -> nn.Module:
@@ -22,21 +18,26 @@ def _model() -> nn.Module:
     return model
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from torchtune_grpo.generation import full_weights
+    from torchtune_grpo.generation._lora_sync import base_weights
     from torchtune_grpo.runtime.sharding import gather_full_state_dict
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A file store: no port to pick, so none another test's process can take in between.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         model = _model()
         for layer in model:
             fully_shard(layer)
         fully_shard(model)
-        state = gather_full_state_dict(model, rank == 0)
-        torch.save(state, f"{out}.{rank}")
+        cpu = torch.device("cpu")
+        gathered = {"checkpoint": gather_full_state_dict(model, rank == 0),
+                    "weight_sync": dict(full_weights(model, cpu)),
+                    "lora_sync": dict(base_weights(model, cpu, torch.float32))}
+        torch.save(gathered, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -44,13 +45,17 @@ def _rank(rank: int, port: int, out: str) -> None:
 @pytest.mark.slow
 def test_two_ranks_gather_the_unsharded_weights(tmp_path):
     out = str(tmp_path / "state")
-    mp.start_processes(_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), out), nprocs=2, start_method="spawn")
     expected = _model().state_dict()
-    got = torch.load(f"{out}.0")
-    assert got.keys() == expected.keys()
-    for name, value in expected.items():
-        assert got[name].device.type == "cpu" and torch.equal(got[name], value), name
-    assert torch.load(f"{out}.1") == {}
+    for rank in (0, 1):
+        got = torch.load(f"{out}.{rank}")
+        kinds = ("checkpoint", "weight_sync", "lora_sync") if rank == 0 else ("weight_sync", "lora_sync")
+        for kind in kinds:
+            assert got[kind].keys() == expected.keys(), (rank, kind)
+            for name, value in expected.items():
+                assert got[kind][name].device.type == "cpu" and torch.equal(got[kind][name], value), (rank, kind, name)
+        if rank == 1:
+            assert got["checkpoint"] == {}
 
 
 def test_an_unsharded_nf4_weight_comes_back_dequantized():

@@ -26,6 +26,7 @@ from torch import nn
 from torchtune.modules.peft import LoRALinear
 
 from torchtune_grpo.models.lora import lora_hyperparams, LoRAHyperparams, nf4_parameters
+from torchtune_grpo.runtime.sharding import gather_full_tensor
 
 __all__ = [
     "LORA_SYNC_MODES",
@@ -55,14 +56,6 @@ def is_adapter_key(name: str) -> bool:
     return name.endswith(_LORA_A) or name.endswith(_LORA_B)
 
 
-def _full(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if tensor.device != device:
-        tensor = tensor.to(device)  # fsdp_cpu_offload: gather on the compute device
-    if hasattr(tensor, "full_tensor"):  # a DTensor shard
-        tensor = tensor.full_tensor()
-    return tensor.detach()
-
-
 def _nf4_weights(model: nn.Module) -> Dict[str, torch.Tensor]:
     """QLoRA's NF4 base weights by state-dict key (unsharded: the LoRA recipe keeps them out of FSDP)."""
     return {name.replace(_CHECKPOINT_WRAPPER, ""): weight for name, weight in nf4_parameters(model)}
@@ -77,7 +70,7 @@ def _dense_weights(
     for name, tensor in model.state_dict().items():
         if name in nf4:
             tensor = nf4[name].to(dtype)  # torchao's linear_nf4: F.linear(x, weight.to(x.dtype))
-        yield name, _full(tensor, device)
+        yield name, gather_full_tensor(tensor, device).detach()  # fsdp_cpu_offload: gathered on the device
 
 
 def base_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -98,7 +91,8 @@ def base_weights(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 def adapter_weights(model: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
     """Every LoRA A ``[r, in]`` and B ``[out, r]`` matrix, full (gathered), under torchtune names."""
-    return {name: _full(p, device) for name, p in model.state_dict().items() if is_adapter_key(name)}
+    return {name: gather_full_tensor(p, device).detach() for name, p in model.state_dict().items()
+            if is_adapter_key(name)}
 
 
 def merged_weights(

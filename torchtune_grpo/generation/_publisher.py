@@ -30,6 +30,7 @@ from torchtune_grpo.generation._lora_sync import (
 from torchtune_grpo.generation._weight_sync import WeightSyncCheck
 from torchtune_grpo.models import image_state_dict
 from torchtune_grpo.models.logprobs import sequence_logprobs
+from torchtune_grpo.runtime.sharding import gather_full_tensor
 
 __all__ = ["WeightPublisher", "full_weights", "on_disk_vision_names"]
 
@@ -46,11 +47,7 @@ def full_weights(
     for name, param in model.state_dict().items():
         if names is not None and name not in names:
             continue
-        if param.device != device:
-            param = param.to(device)  # fsdp_cpu_offload: gather on the compute device
-        if hasattr(param, "full_tensor"):  # a DTensor shard
-            param = param.full_tensor()
-        yield name, param.detach()
+        yield name, gather_full_tensor(param, device).detach()  # fsdp_cpu_offload: gathered on the compute device
 
 
 def on_disk_vision_names(model: nn.Module, weights: Iterable[Tuple[str, torch.Tensor]]

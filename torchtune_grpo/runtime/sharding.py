@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from torchtune_grpo.runtime.precision import Precision
 
-__all__ = ["gather_full_state_dict", "shard_added_modules", "shard_model", "unsharded"]
+__all__ = ["gather_full_state_dict", "gather_full_tensor", "shard_added_modules", "shard_model", "unsharded"]
 
 
 def _fp32_final_norm(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
@@ -142,15 +142,9 @@ def unsharded(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
 
 def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optional[torch.device] = None
                            ) -> Dict[str, Any]:
-    """The full state dict of an FSDP2-sharded ``model`` on rank 0's CPU (other ranks: empty), one tensor at a time.
-
-    torchtune's ``training.gather_cpu_state_dict`` gathers each parameter with DTensor's ``full_tensor`` (functional
-    collectives) and a barrier. On gloo, ranks have died of SIGSEGV/SIGABRT inside that gather at a checkpoint
-    (rarely, under load; cause not found), while FSDP2's own unsharding, a plain all-gather every step, never has.
-    Here a parameter sharded on dim 0 over a 1-D mesh (FSDP2's layout: ``torch.chunk`` pieces, the last ones shorter
-    or empty) is gathered the same plain way: each rank's piece padded to the chunk size, one
-    ``all_gather_into_tensor``, the padding cut. Other layouts use ``full_tensor``; a model with NF4 (QLoRA) shards
-    goes through torchtune's function.
+    """The full state dict of an FSDP2-sharded ``model`` on rank 0's CPU (other ranks: empty), one tensor at a time
+    (:func:`gather_full_tensor`), as torchtune's ``training.gather_cpu_state_dict``, except the collective; a model
+    with NF4 (QLoRA) shards goes through torchtune's function.
 
     Args:
         model (nn.Module): the sharded model (or an unsharded one: its tensors are copied to the CPU).
@@ -170,7 +164,7 @@ def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optiona
     out: Dict[str, Any] = {}
     for name, value in state.items():
         if isinstance(value, DTensor):
-            value = _gather_dtensor(value, device)
+            value = gather_full_tensor(value, device)
         if isinstance(value, NF4Tensor):  # an unsharded NF4 weight (a state-dict hook usually dequantizes it first)
             value = value.to(value.dtype)  # as torchtune's gather: the original dtype's values
         if is_rank_zero:
@@ -178,13 +172,34 @@ def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optiona
     return out
 
 
-def _gather_dtensor(value: DTensor, device: Optional[torch.device]) -> torch.Tensor:
-    """The full tensor of ``value``: a plain all-gather for FSDP2's dim-0 shards on a 1-D mesh."""
-    if value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0:
-        return value.full_tensor()
+def gather_full_tensor(value: torch.Tensor, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``value`` whole on every rank: an FSDP2 shard (DTensor) gathered, any other tensor as it is; on ``device``
+    where given (a CPU-offloaded shard is moved there for the collective). The checkpoint's gather and the weight
+    syncs to an inference engine all go through here.
+
+    DTensor's ``full_tensor`` all-gathers with functional collectives. On gloo, ranks have died of SIGSEGV/SIGABRT
+    inside it at a checkpoint (rarely, under load; cause not found), while FSDP2's own unsharding, a plain
+    all-gather every step, never has. So a tensor sharded on dim 0 over a 1-D mesh (FSDP2's layout: ``torch.chunk``
+    pieces ``[ceil(rows / world), ...]``, the last ones shorter or empty) is gathered that plain way: each rank's
+    piece padded to the chunk size, one ``all_gather_into_tensor`` into ``[world * chunk, ...]``, the padding cut.
+    Other layouts and tensor subclasses use ``full_tensor``. A collective for a DTensor: every rank calls it for the same tensors, in the
+    same order.
+
+    Args:
+        value (torch.Tensor): a state-dict tensor, ``[rows, ...]`` whole or as this rank's shard.
+        device (Optional[torch.device]): where the result lives. Default is None (where ``value`` is).
+
+    Returns:
+        torch.Tensor: ``[rows, ...]``, the whole tensor.
+    """
+    if device is not None and value.device != device:
+        value = value.to(device)  # fsdp_cpu_offload: a DTensor's piece moves, and is gathered there
+    if not isinstance(value, DTensor):
+        return value
     local = value.to_local()
-    if local.is_cpu and device is not None:
-        local = local.to(device)
+    if (value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0
+            or type(local) is not torch.Tensor):  # a tensor subclass (NF4, float8) gathers its own way
+        return value.full_tensor()
     world = value.device_mesh.size()
     rows = value.shape[0]
     chunk = -(-rows // world)  # torch.chunk's piece size: ranks hold rows [r * chunk, (r + 1) * chunk)
