@@ -72,8 +72,6 @@ def _rank_main(rank: int, runs: List[Run], store_port: int) -> None:
     # Each process takes the next one-process run when it is free (the store's counter hands each index out
     # once), so a long run does not leave the other process idle behind a fixed share.
     while (i := store.add("next_single", 1) - 1) < len(singles):
-        os.environ.pop("MASTER_PORT", None)  # the recipe picks a free one for its one-process group
-        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         _run(singles[i].one_process, singles[i].lora)
     run_stores = []  # kept open until the process leaves: a rank may still be tearing down its group

@@ -26,7 +26,6 @@ Usage: ``python _vllm_engine_runs.py ENGINE_CONFIG LORA_CONFIG OUT_DIR RECIPE_CO
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -36,12 +35,10 @@ import torch.distributed as dist
 
 
 def _init_one_process_group() -> None:
-    """A one-process gloo group, as the recipe makes on one process (the engine joins it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("gloo")
+    """The one-process gloo group the recipe makes on one process (the engine joins it)."""
+    from torchtune_grpo.runtime.collectives import init_process_group
+
+    init_process_group("cpu")
 
 
 def engine_run(config: Path, out_dir: Path) -> Dict[str, Any]:

@@ -154,8 +154,8 @@ def one_thread():
 
 @pytest.fixture
 def clean_env():
-    """An in-process recipe sets RANK/WORLD_SIZE/MASTER_* for its one-process group: restore the
-    environment and destroy the group afterwards."""
+    """An in-process recipe sets RANK/WORLD_SIZE for its one-process group: restore the environment and destroy
+    the group afterwards."""
     import torch.distributed as dist
 
     saved = dict(os.environ)

@@ -307,13 +307,10 @@ def run_results_script(source: str, args: Sequence[str], tmp_path: Path) -> Dict
     return json.loads(line[len("RESULTS "):])
 
 
-_GLOO_PREAMBLE = """import os, socket, sys
+_GLOO_PREAMBLE = """import os, sys
 import torch, torch.distributed as dist
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
+os.environ.update(RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # as the recipe's: no port
 """
 
 
@@ -359,14 +356,8 @@ def with_overrides(config_path: Path, **overrides) -> Path:
 
 
 def init_one_process_group() -> None:
-    """A one-process gloo group in this process, as the recipe makes on one process (pair with the
-    ``clean_env`` fixture, which destroys it and restores RANK/WORLD_SIZE/MASTER_*)."""
-    import socket
+    """A one-process gloo group in this process, the one the recipe makes on one process (pair with the
+    ``clean_env`` fixture, which destroys it and restores RANK/WORLD_SIZE)."""
+    from torchtune_grpo.runtime.collectives import init_process_group
 
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
+    init_process_group("cpu")

@@ -33,7 +33,6 @@ import pytest
 import torch
 
 from torchtune_grpo.runtime.crash_points import CRASH_ENV
-from tests.conftest import free_port
 from tests.recipe_utils import (
     launch_command, read_jsonl, run_in_process, tune_command, weights, with_overrides, write_config,
 )
@@ -66,13 +65,19 @@ def two_process_reference(tmp_path_factory):
     2``, c10d rendezvous on 127.0.0.1): ``(output directory, [(launcher exit code, its output)] per node)``.
     One launch serves both claims: the multi-node path runs (test_two_nodes_of_one_process_run_one_job_of_two_ranks),
     and the one-node two-process runs compared with it end equal to it."""
+    import torch.distributed as dist
+
     tmp = tmp_path_factory.mktemp("reference_2nodes")
     cfg = write_config(tmp, **OVERRIDES)
-    port = free_port()
+    # The rendezvous store runs here, on a port the OS picked while binding it, and both nodes join it as clients
+    # (is_host=0), as nodes join a store hosted elsewhere. A port picked free and bound later by the first
+    # launcher could meanwhile be taken by another test's store, and torchrun's c10d rendezvous, finding its port
+    # taken, joins whatever listens there as a client (measured: it ran its job on a foreign store).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     commands = [
         launch_command(tune_command(cfg, launcher_args=[
             "--nnodes", "2", "--node-rank", str(rank), "--nproc_per_node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-conf", "is_host=0",
         ]))
         for rank in (0, 1)
     ]
@@ -81,6 +86,7 @@ def two_process_reference(tmp_path_factory):
         for command, env in commands
     ]
     outputs = [launcher.communicate(timeout=600)[0] for launcher in launchers]
+    del store  # kept listening until both launchers are done
     # The tests that compare with it need a finished run (the test of the two-node path asserts the same).
     assert all(launcher.returncode == 0 for launcher in launchers), [out[-4000:] for out in outputs]
     return tmp / "out", [(launcher.returncode, output) for launcher, output in zip(launchers, outputs)]

@@ -154,7 +154,6 @@ def test_dynamic_sampling_one_step_off_stays_bounded_and_resumes_exactly(tmp_pat
     uninterrupted = weights(out / "step_4")
     shutil.rmtree(out / "step_4")  # resume from step 2's checkpoint, its batches in flight restored
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:2]))
-    os.environ.pop("MASTER_PORT", None)
     run_in_process(with_overrides(cfg, resume_from_checkpoint=True))
     keys = COMPARED + ("dynamic_sampling/rounds", "staleness/max")
     assert [{k: m[k] for k in keys} for m in _metrics(out)] == [{k: m[k] for k in keys} for m in first]

@@ -4,7 +4,6 @@ checkpoint (the rollouts in flight, routes included, saved and restored): resume
 and the router metrics and the algorithm card say what ran."""
 
 import math
-import os
 import shutil
 
 import pytest
@@ -44,7 +43,6 @@ def test_replay_through_a_worker_and_a_checkpoint_equals_the_uninterrupted_run(m
     uninterrupted = weights(out / "step_2")
     shutil.rmtree(out / "step_2")  # resume from step 1's checkpoint, the worker's batch in flight restored
     (out / "metrics.jsonl").write_text("".join(line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()[:1]))
-    os.environ.pop("MASTER_PORT", None)
     run_in_process(_config(tmp_path, moe_dir, max_steps=2, save_every_n_steps=1, resume_from_checkpoint=True))
     # Exact: the in-flight batch (its routes included: replay refuses rollouts without them) came back unchanged.
     resumed = weights(out / "step_2")

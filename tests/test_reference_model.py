@@ -8,7 +8,6 @@ a resumed run is the uninterrupted one, and a KL other than the full reference's
 """
 
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -195,7 +194,6 @@ def test_nf4_offloaded_reference_through_the_recipe(tmp_path, clean_env, one_thr
     }
     results = {}
     for name, overrides in runs.items():
-        os.environ.pop("MASTER_PORT", None)
         run_in_process(_config(tmp_path / name, **overrides))
         results[name] = read_jsonl(tmp_path / name / "out" / "metrics.jsonl")
     card = (tmp_path / "A" / "out" / "algorithm_card.md").read_text()
@@ -205,7 +203,6 @@ def test_nf4_offloaded_reference_through_the_recipe(tmp_path, clean_env, one_thr
     resumed = _config(tmp_path / "R", resume_from_checkpoint=True)
     shutil.copytree(tmp_path / "A" / "out", tmp_path / "R" / "out")
     shutil.rmtree(tmp_path / "R" / "out" / "step_2")
-    os.environ.pop("MASTER_PORT", None)
     run_in_process(resumed)
     run_tune(_config(tmp_path / "C", batch_size=2, micro_batch_size=8, max_tokens_per_micro_batch=96), nproc=2,
              cwd=tmp_path / "C")

@@ -118,14 +118,14 @@ def test_weight_sync_check_schedule_probe_and_verdict():
 
 
 _NAN_ON_ONE_RANK = """
-import json, os, socket, sys
+import json, os, sys
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 from torchtune_grpo.generation import WeightSyncCheck, WeightSyncError
 
-def rank_main(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def rank_main(rank, out_dir):
+    # A file store: no port to pick, so none another test's process can take in between.
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"), rank=rank, world_size=2)
     check = WeightSyncCheck(tolerance=0.1)
     # Rank 0's engine is 0.01 off the trainer; rank 1's engine produced a NaN.
     engine = torch.tensor([-1.01, -2.0]) if rank == 0 else torch.tensor([-1.0, float("nan")])
@@ -147,14 +147,11 @@ def rank_main(rank, port, out_dir):
     os._exit(0)
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out_dir = sys.argv[0] + ".d"
     os.makedirs(out_dir, exist_ok=True)
     # The ranks fork from this process (torch and the package imported once, not again in two fresh interpreters:
     # ~3 s on 2 cores); it has started no thread pool and no process group, and each rank joins its own group.
-    mp.start_processes(rank_main, args=(port, out_dir), nprocs=2, start_method="fork")
+    mp.start_processes(rank_main, args=(out_dir,), nprocs=2, start_method="fork")
     results = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(2)]
     # gloo's MAX over [0.01 (rank 0), nan (rank 1)] gives 0.01 (measured): a plain MAX would pass the check.
     assert all(abs(r["raw"] - 0.01) < 1e-6 for r in results), results

@@ -7,7 +7,6 @@ The stages (:class:`~torchtune_grpo.training.update.PolicyUpdate`, :class:`~torc
 """
 
 import os
-import socket
 from typing import Any, List
 
 import torch
@@ -23,17 +22,16 @@ def init_process_group(device_type: str) -> None:
     """The default process group for ``device_type``'s backend (gloo for ``cpu``, NCCL for ``cuda``).
 
     ``tune run`` without ``--nproc_per_node`` runs the recipe in-process, without torchrun's environment: it then
-    gets a one-process group (a free local port), so the collectives and state-dict gathering are the same on 1
-    process as on 64 (FSDP2 there only with ``fsdp_single_process``).
+    gets a one-process group, so the collectives and state-dict gathering are the same on 1 process as on 64
+    (FSDP2 there only with ``fsdp_single_process``). Its store is in memory: no port to pick, and so none that
+    another process could take between the pick and the bind, nor one whose store another job's ranks could join.
     """
-    if not training.is_distributed():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group(training.get_distributed_backend(device_type))
+    backend = training.get_distributed_backend(device_type)
+    if training.is_distributed():
+        dist.init_process_group(backend)
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 class Collectives:
