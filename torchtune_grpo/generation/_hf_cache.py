@@ -29,6 +29,21 @@ __all__ = ["GrowingLayer", "GrowingWindowLayer", "growing_cache", "is_window_lay
 _MIN_ROOM = 64
 
 
+def _moved(buffers: Tuple[torch.Tensor, torch.Tensor], lo: int, hi: int, capacity: int,
+           index: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Slots ``[lo, hi)`` of ``buffers`` (keys, values ``[B, H, slots, D]``; of batch entries ``index``, when given)
+    copied to the front of new buffers ``[B', H, capacity, D]``."""
+    moved = []
+    for old in buffers:
+        part = old[..., lo:hi, :]
+        if index is not None:
+            part = part.index_select(0, index.to(part.device))
+        new = part.new_empty((*part.shape[:-2], capacity, part.shape[-1]))
+        new[..., : hi - lo, :].copy_(part)
+        moved.append(new)
+    return moved[0], moved[1]
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention layer's keys and values ``[B, H, S, D]`` as views of buffers ``[B, H, capacity, D]``."""
 
@@ -42,13 +57,7 @@ class GrowingLayer(DynamicLayer):
 
     def _reallocate(self, capacity: int, index: "torch.Tensor | None" = None) -> None:
         """New buffers of ``capacity`` slots holding the filled part (of batch entries ``index``, when given)."""
-        k, v = self._k[..., : self._len, :], self._v[..., : self._len, :]
-        if index is not None:
-            k, v = k.index_select(0, index.to(k.device)), v.index_select(0, index.to(v.device))
-        self._k = k.new_empty((*k.shape[:-2], capacity, k.shape[-1]))
-        self._v = v.new_empty((*v.shape[:-2], capacity, v.shape[-1]))
-        self._k[..., : self._len, :].copy_(k)
-        self._v[..., : self._len, :].copy_(v)
+        self._k, self._v = _moved((self._k, self._v), 0, self._len, capacity, index)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +131,8 @@ class GrowingWindowLayer(DynamicSlidingWindowLayer):
 
     def _reallocate(self, room: int, index: "torch.Tensor | None" = None) -> None:
         """New buffers holding the kept slots (of batch entries ``index``, when given) first, then ``room`` more."""
-        k, v = self._k[..., self._lo: self._hi, :], self._v[..., self._lo: self._hi, :]
-        if index is not None:
-            k, v = k.index_select(0, index.to(k.device)), v.index_select(0, index.to(v.device))
-        kept = k.size(-2)
-        self._k = k.new_empty((*k.shape[:-2], kept + room, k.shape[-1]))
-        self._v = v.new_empty((*v.shape[:-2], kept + room, v.shape[-1]))
-        self._k[..., :kept, :].copy_(k)
-        self._v[..., :kept, :].copy_(v)
+        kept = self._hi - self._lo
+        self._k, self._v = _moved((self._k, self._v), self._lo, self._hi, kept + room, index)
         self._lo, self._hi = 0, kept
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
