@@ -182,8 +182,8 @@ def gather_full_tensor(value: torch.Tensor, device: Optional[torch.device] = Non
     all-gather every step, never has. So a tensor sharded on dim 0 over a 1-D mesh (FSDP2's layout: ``torch.chunk``
     pieces ``[ceil(rows / world), ...]``, the last ones shorter or empty) is gathered that plain way: each rank's
     piece padded to the chunk size, one ``all_gather_into_tensor`` into ``[world * chunk, ...]``, the padding cut.
-    Other layouts and tensor subclasses use ``full_tensor``. A collective for a DTensor: every rank calls it for the same tensors, in the
-    same order.
+    Other layouts and tensor subclasses use ``full_tensor``. A collective for a DTensor: every rank calls it for the
+    same tensors, in the same order.
 
     Args:
         value (torch.Tensor): a state-dict tensor, ``[rows, ...]`` whole or as this rank's shard.
