@@ -26,7 +26,8 @@ they set (otherwise, and where a folder the caller's ``PYTHONPATH`` adds holds a
 the server imported, the command runs in a fresh interpreter instead, saying so on its stderr: what the server
 imported cannot stand in for it). Of what the interpreter reads from the environment at start-up, the child
 honours
-``PYTHONPATH`` (for what it imports afterwards), ``PYTHONUNBUFFERED`` (as ``-u``) and ``PYTHONFAULTHANDLER``; its
+``PYTHONPATH`` (for what it imports afterwards), ``PYTHONUNBUFFERED`` (as ``-u``) and ``PYTHONFAULTHANDLER`` (where the
+server imported torch, a fatal signal then prints every thread's C++ stack too); its
 standard streams are buffered as a fresh interpreter's would be on the caller's (line-buffered on a
 terminal). The server ends when the process that started it has gone.
 
@@ -210,6 +211,7 @@ def _run_command(request: dict) -> None:
         setattr(sys, f"__{name}__", stream)
     if os.environ.get("PYTHONFAULTHANDLER"):
         faulthandler.enable()  # onto the caller's stderr (fd 2 by now)
+        _native_stacks_on_fatal_signal()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
@@ -234,6 +236,17 @@ def _run_command(request: dict) -> None:
         sys.excepthook(*sys.exc_info())
         code = 1
     _leave(code)
+
+
+def _native_stacks_on_fatal_signal() -> None:
+    """With torch imported: on SIGSEGV, SIGABRT and the like, every thread's C++ stack too, before faulthandler's
+    Python stacks. A crash in a thread Python does not know (a gloo worker's) otherwise shows no frame of where it
+    happened. torch's switch is private (``torch._C``); its own distributed test harness turns it on the same way
+    (torch.testing._internal.common_distributed), and only the commands this server runs use it."""
+    torch = sys.modules.get("torch")
+    switch = getattr(getattr(torch, "_C", None), "_set_print_stack_traces_on_fatal_signal", None)
+    if switch is not None:
+        switch(True)
 
 
 def _leave(code: int, die_of: int = 0) -> None:

@@ -15,6 +15,7 @@ scripts/gpu_wheels.py); ``GPU_CHECK_WHEELS`` names another folder with those two
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -376,6 +377,26 @@ def test_forked_stages_run_as_their_own_interpreter_would(tmp_path):
             time.sleep(0.1)
         else:
             raise AssertionError("the command's own child outlived the SIGTERM to `run`")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_a_forked_command_that_crashes_prints_native_and_python_stacks(tmp_path):
+    # scripts/fork_stages.py with torch imported and PYTHONFAULTHANDLER set (as tests/recipe_utils.py's tune_env sets
+    # it for every launched rank): a segmentation fault prints every thread's C++ stack (torch's handler), then
+    # faulthandler's Python stacks with the crashing thread marked, and the command dies of the signal.
+    script, sock = tmp_path / "crash.py", str(tmp_path / "s.sock")
+    script.write_text("import ctypes, threading\n"
+                      "t = threading.Thread(target=lambda: ctypes.string_at(0))\nt.start()\nt.join()\n")
+    fork = [sys.executable, str(REPO / "scripts" / "fork_stages.py")]
+    server = subprocess.Popen(fork + ["serve", sock, "torch"])
+    try:
+        p = subprocess.run(fork + ["run", sock, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONFAULTHANDLER": "1"}, timeout=120)
+        assert p.returncode == -signal.SIGSEGV, p
+        assert "SIGSEGV(11)" in p.stderr and "FatalSignalHandler" in p.stderr, p.stderr[-3000:]
+        assert "Fatal Python error: Segmentation fault" in p.stderr and "Current thread" in p.stderr, p.stderr[-3000:]
     finally:
         server.terminate()
         server.wait(timeout=10)
