@@ -10,7 +10,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from tests.conftest import free_port
 from tests.tolerances import ulps
 from torchtune_grpo.rewards import (
     HTTPStepReward,
@@ -204,7 +203,7 @@ class _PRMHandler(BaseHTTPRequestHandler):
 
 
 def test_http_prm_with_retries_timeout_and_fallback(tokenizer):
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _PRMHandler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _PRMHandler)  # a port the OS picks as it binds
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         prm = HTTPStepReward(f"http://127.0.0.1:{server.server_address[1]}/score", model="prm", backoff=0.01,
