@@ -3,7 +3,6 @@ processes, every tensor of a model whose first dimensions do not divide by two (
 shorter, or empty) comes back equal to the unsharded model's, bit for bit (copies only): the checkpoint's on rank 0
 (the other rank gets nothing), and the weight syncs' (``full_weights``, the LoRA sync's ``base_weights``) on both."""
 
-
 import pytest
 import torch
 import torch.multiprocessing as mp
