@@ -129,10 +129,10 @@ class GrowingWindowLayer(DynamicSlidingWindowLayer):
     def _keep(self) -> None:
         self.keys, self.values = self._k[..., self._lo: self._hi, :], self._v[..., self._lo: self._hi, :]
 
-    def _reallocate(self, room: int, index: "torch.Tensor | None" = None) -> None:
-        """New buffers holding the kept slots (of batch entries ``index``, when given) first, then ``room`` more."""
+    def _reallocate(self, capacity: int, index: "torch.Tensor | None" = None) -> None:
+        """New buffers of ``capacity`` slots holding the kept ones first (of batch entries ``index``, when given)."""
         kept = self._hi - self._lo
-        self._k, self._v = _moved((self._k, self._v), self._lo, self._hi, kept + room, index)
+        self._k, self._v = _moved((self._k, self._v), self._lo, self._hi, capacity, index)
         self._lo, self._hi = 0, kept
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -151,8 +151,7 @@ class GrowingWindowLayer(DynamicSlidingWindowLayer):
             # Doubled while the row is shorter than the window (memory follows the tokens, not the window), at most
             # about two windows once it is longer: a move of the kept w - 1 slots every w or so tokens.
             kept = self._hi - self._lo
-            capacity = max(kept + s + _MIN_ROOM, min(2 * self._k.size(-2), 2 * self.sliding_window + _MIN_ROOM))
-            self._reallocate(capacity - kept)
+            self._reallocate(max(kept + s + _MIN_ROOM, min(2 * self._k.size(-2), 2 * self.sliding_window + _MIN_ROOM)))
         end = self._hi + s
         self._k[..., self._hi: end, :].copy_(key_states)
         self._v[..., self._hi: end, :].copy_(value_states)
@@ -164,7 +163,7 @@ class GrowingWindowLayer(DynamicSlidingWindowLayer):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Keep (and repeat) batch entries ``beam_idx``: the kept slots are copied, the room kept."""
         if self._k is not None:
-            self._reallocate(self._k.size(-2) - (self._hi - self._lo), beam_idx)
+            self._reallocate(self._k.size(-2), beam_idx)
             self._keep()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
