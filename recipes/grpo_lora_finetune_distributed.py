@@ -111,15 +111,14 @@ class GRPOLoRAFinetuneRecipeDistributed(GRPOFullFinetuneRecipeDistributed):
     def gather_model_state(self) -> Dict[str, Any]:
         """The full state (base + adapters) on rank 0's CPU, or the adapters only (``save_adapter_weights_only``);
         with the trained vision tensors (``train_vision``) in both."""
-        adapters_only = self.config.save_adapter_weights_only
-        # Gathered one tensor at a time with plain all-gathers (runtime/sharding.py), then filtered.
-        state = gather_full_state_dict(self.model, self._is_rank_zero, self._device)
-        if not adapters_only:
-            return state
-        if self.config.train_vision == "none":
-            return get_adapter_state_dict(state, device=None)
-        trained_vision = {key: state[key] for key in image_class_names(self.model) if key in state}
-        return {**get_adapter_state_dict(state, device=None), **trained_vision}
+        if not self.config.save_adapter_weights_only:
+            return gather_full_state_dict(self.model, self._is_rank_zero, self._device)
+        # Only what is saved is gathered (not the base weights): torchtune's adapter keys (its filter, as its
+        # ``adapter_weights_only`` gather used) and the trained vision tensors.
+        keys = set(get_adapter_state_dict(self.model.state_dict(), device=None))  # device None: nothing moves
+        if self.config.train_vision != "none":
+            keys |= set(image_class_names(self.model))
+        return gather_full_state_dict(self.model, self._is_rank_zero, self._device, keys=keys)
 
     def write_model_files(self, model_state: Dict[str, Any], staging: Path, step: int) -> None:
         """The adapter (PEFT + torchtune) and the trained vision tensors (:data:`IMAGE_SIDE_FILE`) in ``staging``

@@ -34,6 +34,7 @@ def _rank(rank: int, store: str, out: str) -> None:
         fully_shard(model)
         cpu = torch.device("cpu")
         gathered = {"checkpoint": gather_full_state_dict(model, rank == 0),
+                    "some_keys": gather_full_state_dict(model, rank == 0, keys={"1.weight", "scale"}),
                     "weight_sync": dict(full_weights(model, cpu)),
                     "lora_sync": dict(base_weights(model, cpu, torch.float32))}
         torch.save(gathered, f"{out}.{rank}")
@@ -53,8 +54,11 @@ def test_two_ranks_gather_the_unsharded_weights(tmp_path):
             assert got[kind].keys() == expected.keys(), (rank, kind)
             for name, value in expected.items():
                 assert got[kind][name].device.type == "cpu" and torch.equal(got[kind][name], value), (rank, kind, name)
-        if rank == 1:
-            assert got["checkpoint"] == {}
+        if rank == 0:  # only the keys asked for (a LoRA checkpoint of the adapters only)
+            assert got["some_keys"].keys() == {"1.weight", "scale"}
+            assert all(torch.equal(got["some_keys"][name], expected[name]) for name in ("1.weight", "scale"))
+        else:
+            assert got["checkpoint"] == got["some_keys"] == {}
 
 
 def test_an_unsharded_nf4_weight_comes_back_dequantized():

@@ -9,7 +9,7 @@ for a checkpoint.
 """
 
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence
+from typing import AbstractSet, Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -140,8 +140,8 @@ def unsharded(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
             m.reshard()
 
 
-def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optional[torch.device] = None
-                           ) -> Dict[str, Any]:
+def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optional[torch.device] = None,
+                           keys: Optional[AbstractSet[str]] = None) -> Dict[str, Any]:
     """The full state dict of an FSDP2-sharded ``model`` on rank 0's CPU (other ranks: empty), one tensor at a time
     (:func:`gather_full_tensor`), as torchtune's ``training.gather_cpu_state_dict``, except the collective; a model
     with NF4 (QLoRA) shards goes through torchtune's function.
@@ -150,9 +150,11 @@ def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optiona
         model (nn.Module): the sharded model (or an unsharded one: its tensors are copied to the CPU).
         is_rank_zero (bool): whether this process keeps the result.
         device (Optional[torch.device]): where a CPU-offloaded shard goes for the collective. Default is None.
+        keys (Optional[AbstractSet[str]]): the state-dict keys to gather, the same on every rank (a LoRA checkpoint
+            of the adapters only does not gather the base weights). Default is None (all).
 
     Returns:
-        Dict[str, Any]: name -> full CPU tensor on rank 0; empty elsewhere.
+        Dict[str, Any]: name -> full CPU tensor on rank 0 (of ``keys`` only, when given); empty elsewhere.
     """
     from torchao.dtypes.nf4tensor import NF4Tensor  # here: torchao is imported by torchtune anyway
 
@@ -160,9 +162,12 @@ def gather_full_state_dict(model: nn.Module, is_rank_zero: bool, device: Optiona
     if any(isinstance(v, DTensor) and isinstance(v.to_local(), NF4Tensor) for v in state.values()):
         from torchtune import training
 
-        return training.gather_cpu_state_dict(model, is_rank_zero, device=device)
+        full = training.gather_cpu_state_dict(model, is_rank_zero, device=device)
+        return full if keys is None else {name: value for name, value in full.items() if name in keys}
     out: Dict[str, Any] = {}
     for name, value in state.items():
+        if keys is not None and name not in keys:
+            continue
         if isinstance(value, DTensor):
             value = gather_full_tensor(value, device)
         if isinstance(value, NF4Tensor):  # an unsharded NF4 weight (a state-dict hook usually dequantizes it first)
