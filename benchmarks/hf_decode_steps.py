@@ -14,7 +14,6 @@ report gives each round's seconds and whether the logits (every 50th step) are e
 """
 
 import argparse
-import json
 import time
 from typing import Any, Callable, Dict, List
 
